@@ -1,0 +1,278 @@
+"""Flax NNX decoder-only transformer for the Llama / Qwen2 / Qwen3 family.
+
+One graph serves the policy and the frozen reference model: they are two
+parameter states of the same `Transformer` (see `nnx.split`). Parameters carry
+logical axis names (`out_sharding=`) that `mtrl_jax.sharding` maps onto the
+device mesh.
+
+Two entry points:
+  * `model(tokens_BxL, positions_BxL=None, mask_BxL=None) -> logits_BxLxV`,
+    the full causal forward used by training and reference log-probs;
+  * `model.forward_cached(tokens_BxL, positions_BxL, attn_mask_BxLxS, cache,
+    cache_index) -> (logits_BxLxV, cache)`, used by the sampler: keys/values of
+    the L new tokens are written into cache slots
+    [cache_index, cache_index + L) and the queries attend over all S slots
+    allowed by `attn_mask_BxLxS`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtrl_jax.models.config import ModelConfig
+
+_NEG_INF = -1e30
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer key/value buffers, each [B, S, K, Dh]."""
+
+  k: tuple
+  v: tuple
+
+  @property
+  def size(self) -> int:
+    return self.k[0].shape[1]
+
+  @property
+  def batch(self) -> int:
+    return self.k[0].shape[0]
+
+
+def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=None) -> KVCache:
+  """An all-zero cache of `size` slots for `batch` rows."""
+  dtype = dtype or cfg.jnp_dtype
+  shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
+  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+  return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """Inverse frequencies [Dh/2], with Llama-3 long-context scaling if configured."""
+  dh = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  if cfg.rope_scaling is None:
+    return inv
+  sc = dict(cfg.rope_scaling)
+  factor = float(sc["factor"])
+  low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+  old_len = float(sc["original_max_position_embeddings"])
+  low_wavelen, high_wavelen = old_len / low, old_len / high
+  wavelen = 2 * math.pi / inv
+  scaled = jnp.where(wavelen > low_wavelen, inv / factor, inv)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x_BxLxHxDh: jax.Array, positions_BxL: jax.Array, inv_freq: jax.Array):
+  """Rotary embedding, HF 'rotate_half' layout (first half / second half)."""
+  angles = positions_BxL[..., None].astype(jnp.float32) * inv_freq  # [B, L, Dh/2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  cos = jnp.cos(angles)[:, :, None, :]
+  x = x_BxLxHxDh.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxLxHxDh.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm computed in float32 (Llama/Qwen convention: weight * normed)."""
+
+  def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
+    del rngs
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    normed = x32 * jax.lax.rsqrt(var + self.eps)
+    return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _dense(rngs, shape, fan_in, axes, dtype):
+  init = nnx.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with optional q/k/v bias and per-head q/k norm."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, h, k, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd = cfg.jnp_param_dtype
+    self.q = _dense(rngs, (d, h, dh), d, ("embed", "q_heads", "head_dim"), pd)
+    self.k = _dense(rngs, (d, k, dh), d, ("embed", "kv_heads", "head_dim"), pd)
+    self.v = _dense(rngs, (d, k, dh), d, ("embed", "kv_heads", "head_dim"), pd)
+    self.o = _dense(rngs, (h, dh, d), h * dh, ("q_heads", "head_dim", "embed"), pd)
+    if cfg.qkv_bias:
+      self.q_bias = nnx.Param(jnp.zeros((h, dh), pd), out_sharding=("q_heads", "head_dim"))
+      self.k_bias = nnx.Param(jnp.zeros((k, dh), pd), out_sharding=("kv_heads", "head_dim"))
+      self.v_bias = nnx.Param(jnp.zeros((k, dh), pd), out_sharding=("kv_heads", "head_dim"))
+    if cfg.o_bias:
+      self.o_bias = nnx.Param(jnp.zeros((d,), pd), out_sharding=("embed",))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(dh, cfg.rms_eps, pd, rngs=rngs)
+      self.k_norm = RMSNorm(dh, cfg.rms_eps, pd, rngs=rngs)
+
+  def project_qkv(self, x_BxLxD, positions_BxL, inv_freq):
+    cfg, dt = self.cfg, self.cfg.jnp_dtype
+    x = x_BxLxD.astype(dt)
+    q = jnp.einsum("bld,dhe->blhe", x, self.q[...].astype(dt))
+    k = jnp.einsum("bld,dke->blke", x, self.k[...].astype(dt))
+    v = jnp.einsum("bld,dke->blke", x, self.v[...].astype(dt))
+    if cfg.qkv_bias:
+      q = q + self.q_bias[...].astype(dt)
+      k = k + self.k_bias[...].astype(dt)
+      v = v + self.v_bias[...].astype(dt)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = apply_rope(q, positions_BxL, inv_freq)
+    k = apply_rope(k, positions_BxL, inv_freq)
+    return q, k, v
+
+  def attend(self, q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxLxS):
+    cfg = self.cfg
+    b, l, h, dh = q_BxLxHxDh.shape
+    kh = cfg.num_kv_heads
+    q = q_BxLxHxDh.reshape(b, l, kh, h // kh, dh)
+    scores = jnp.einsum("blkgd,bskd->bkgls", q, k_BxSxKxDh,
+                        preferred_element_type=jnp.float32) / math.sqrt(dh)
+    scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
+    out = jnp.einsum("bkgls,bskd->blkgd", probs, v_BxSxKxDh)
+    out = out.reshape(b, l, h, dh)
+    y = jnp.einsum("blhe,hed->bld", out, self.o[...].astype(out.dtype))
+    if cfg.o_bias:
+      y = y + self.o_bias[...].astype(y.dtype)
+    return y
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, f, pd = cfg.d_model, cfg.mlp_dim, cfg.jnp_param_dtype
+    self.gate = _dense(rngs, (d, f), d, ("embed", "mlp"), pd)
+    self.up = _dense(rngs, (d, f), d, ("embed", "mlp"), pd)
+    self.down = _dense(rngs, (f, d), f, ("mlp", "embed"), pd)
+
+  def __call__(self, x_BxLxD):
+    dt = self.cfg.jnp_dtype
+    x = x_BxLxD.astype(dt)
+    g = x @ self.gate[...].astype(dt)
+    u = x @ self.up[...].astype(dt)
+    return (jax.nn.silu(g) * u) @ self.down[...].astype(dt)
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = cfg.jnp_param_dtype
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, pd, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, pd, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, positions, mask_BxLxS, inv_freq, kv=None, cache_index=None):
+    """Returns (x, (k, v)); with `kv` the new keys/values are written into it."""
+    q, k, v = self.attn.project_qkv(self.attn_norm(x), positions, inv_freq)
+    if kv is not None:
+      ck, cv = kv
+      k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
+      v = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
+    x = x + self.attn.attend(q, k, v, mask_BxLxS).astype(x.dtype)
+    x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+    return x, (k, v)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM: tokens [B, L] -> logits [B, L, V] (float32)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = cfg.jnp_param_dtype
+    self.embed = nnx.Param(
+        nnx.initializers.normal(stddev=1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model), pd),
+        out_sharding=("vocab", "embed"))
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.rms_eps, pd, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = _dense(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model,
+                            ("embed", "vocab"), pd)
+
+  # ------------------------------------------------------------ pieces
+  def embed_tokens(self, tokens_BxL):
+    return jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.cfg.jnp_dtype)
+
+  def head(self, x_BxLxD):
+    """Final norm + LM head; logits in float32."""
+    x = self.final_norm(x_BxLxD)
+    w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    return jnp.einsum("bld,dv->blv", x, w.astype(x.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def hidden(self, tokens_BxL, positions_BxL=None, mask_BxL=None):
+    """Causal forward up to (not including) the final norm: [B, L, D]."""
+    b, l = tokens_BxL.shape
+    if positions_BxL is None:
+      positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+    causal = jnp.tril(jnp.ones((l, l), dtype=bool))[None]
+    mask = causal if mask_BxL is None else causal & mask_BxL[:, None, :].astype(bool)
+    mask = jnp.broadcast_to(mask, (b, l, l))
+    inv_freq = rope_inv_freq(self.cfg)
+    x = self.embed_tokens(tokens_BxL)
+    for block in self.blocks:
+      if self.cfg.remat:
+        x, _ = nnx.remat(lambda blk, x: blk(x, positions_BxL, mask, inv_freq))(block, x)
+      else:
+        x, _ = block(x, positions_BxL, mask, inv_freq)
+    return x
+
+  def __call__(self, tokens_BxL, positions_BxL=None, mask_BxL=None):
+    """Full causal forward.
+
+    Args:
+      tokens_BxL: int token ids.
+      positions_BxL: RoPE positions; defaults to 0..L-1 per row.
+      mask_BxL: optional bool validity mask (False = padding, never attended).
+    Returns:
+      logits_BxLxV in float32.
+    """
+    return self.head(self.hidden(tokens_BxL, positions_BxL, mask_BxL))
+
+  def forward_cached(self, tokens_BxL, positions_BxL, attn_mask_BxLxS, cache: KVCache,
+                     cache_index):
+    """Forward of L new tokens against a KV cache (prefill or one decode step).
+
+    Args:
+      tokens_BxL: new token ids.
+      positions_BxL: their RoPE positions.
+      attn_mask_BxLxS: which cache slots each new token may attend to (the
+        caller includes the new tokens' own slots, causally).
+      cache: KV cache with S slots.
+      cache_index: scalar int, the slot of the first new token.
+    Returns:
+      (logits_BxLxV float32, updated cache).
+    """
+    inv_freq = rope_inv_freq(self.cfg)
+    x = self.embed_tokens(tokens_BxL)
+    new_k, new_v = [], []
+    for i, block in enumerate(self.blocks):
+      x, (k, v) = block(x, positions_BxL, attn_mask_BxLxS, inv_freq,
+                        kv=(cache.k[i], cache.v[i]), cache_index=cache_index)
+      new_k.append(k)
+      new_v.append(v)
+    return self.head(x), KVCache(k=tuple(new_k), v=tuple(new_v))
