@@ -1,0 +1,1 @@
+"""Experiment configs: `get_config(arg)` files; sweeps as `get_sweep(arg)` beside them."""
