@@ -1,0 +1,37 @@
+"""Environments: turns and threads, the react_to API, tools, user simulators, faults.
+
+The researcher-facing API (DESIGN.md section 4). An environment subclasses
+`Environment` and implements `react_to(thread)`; a factory makes one per
+trajectory and is named in the config by registry name or import path
+(`resolve_factory`). The framework runs each step through
+`step_environment`, which enforces limits, classifies faults and composes the
+reward. See `mtrl_jax/envs/examples/weather.py` for a complete example.
+
+Submodules not imported here: `sandbox` (code execution), `feedback`,
+`tasks`, `examples`.
+"""
+
+from mtrl_jax.envs.core import (ROLES, Environment, EnvironmentFactory, SharedResource, Thread,
+                                Turn)
+from mtrl_jax.envs.registry import (register_env_factory, registered_env_factories,
+                                    resolve_factory)
+from mtrl_jax.envs.faults import (MODEL_CAUSED, EnvFault, Fault, FaultCounter, FaultKind,
+                                  FaultPolicy, FaultTimeoutError, InfrastructureError,
+                                  ModelFormatError, ToolError, call_with_timeout, classify)
+from mtrl_jax.envs.tools import (Tool, ToolCache, ToolCallRecord, ToolResults, ToolSet,
+                                 canonical_arguments, tool)
+from mtrl_jax.envs.runner import (StepLimits, StepOutcome, fault_source, rollout_scripted,
+                                  step_environment)
+from mtrl_jax.envs.user_sim import LLMUserSimulator, ScriptedUserSimulator, UserReply
+
+__all__ = [
+    "ROLES", "Environment", "EnvironmentFactory", "SharedResource", "Thread", "Turn",
+    "register_env_factory", "registered_env_factories", "resolve_factory",
+    "MODEL_CAUSED", "EnvFault", "Fault", "FaultCounter", "FaultKind", "FaultPolicy",
+    "FaultTimeoutError", "InfrastructureError", "ModelFormatError", "ToolError",
+    "call_with_timeout", "classify",
+    "Tool", "ToolCache", "ToolCallRecord", "ToolResults", "ToolSet", "canonical_arguments",
+    "tool",
+    "StepLimits", "StepOutcome", "fault_source", "rollout_scripted", "step_environment",
+    "LLMUserSimulator", "ScriptedUserSimulator", "UserReply",
+]

@@ -1,0 +1,239 @@
+"""Fault classification for environments, tools, graders, judges and user simulators.
+
+Every error raised while an environment reacts to the policy is caught by the
+framework (`mtrl_jax.envs.runner.step_environment`), classified into a
+`FaultKind`, counted and logged with the trajectory. What happens next depends
+on who caused it (DESIGN.md invariant 7):
+
+  model_format    the policy's text could not be parsed (malformed tool call,
+                  missing answer tag). Model-caused: may be penalised.
+  tool_error      a well-formed call the tool rejected (unknown tool, wrong or
+                  missing arguments, a `ToolError` raised by the tool).
+                  Model-caused: may be penalised.
+  infrastructure  anything that is not the policy's fault: an environment
+                  bug, a crashed judge, an unknown exception. Retried, then the
+                  sample is masked out of the update; never scored as reward.
+  timeout         a tool or environment call ran past its time limit.
+  truncation      the framework stopped the trajectory at its turn cap or
+                  token budget.
+
+Environments signal a kind by raising one of `ModelFormatError`, `ToolError`,
+`InfrastructureError`; any other exception is classified as infrastructure.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import threading
+from typing import Any, Callable, Iterable, Optional
+
+
+class FaultKind(str, enum.Enum):
+  """Who or what caused a fault; the string value is what gets logged."""
+
+  MODEL_FORMAT = "model_format"
+  TOOL_ERROR = "tool_error"
+  INFRASTRUCTURE = "infrastructure"
+  TIMEOUT = "timeout"
+  TRUNCATION = "truncation"
+
+  @classmethod
+  def parse(cls, value) -> "FaultKind":
+    """`FaultKind` from a member or its string value; clear error otherwise."""
+    if isinstance(value, cls):
+      return value
+    try:
+      return cls(value)
+    except ValueError:
+      raise ValueError(f"fault kind {value!r}; allowed: {[k.value for k in cls]}") from None
+
+
+# Model-caused kinds: the only ones a reward may penalise.
+MODEL_CAUSED = frozenset({FaultKind.MODEL_FORMAT, FaultKind.TOOL_ERROR})
+
+
+class EnvFault(Exception):
+  """Base of the exceptions an environment raises to name a fault's kind."""
+
+  kind: FaultKind = FaultKind.INFRASTRUCTURE
+
+
+class ModelFormatError(EnvFault):
+  """The policy's output could not be parsed (penalisable)."""
+
+  kind = FaultKind.MODEL_FORMAT
+
+
+class ToolError(EnvFault):
+  """A tool rejected a call because of its arguments (penalisable).
+
+  Raise it from a tool for an error the policy can fix ("unknown city"); the
+  message is shown to the policy in the tool turn.
+  """
+
+  kind = FaultKind.TOOL_ERROR
+
+
+class InfrastructureError(EnvFault):
+  """A failure that is not the policy's fault (retried, then masked)."""
+
+  kind = FaultKind.INFRASTRUCTURE
+
+
+class FaultTimeoutError(EnvFault, TimeoutError):
+  """A tool or environment call ran past its time limit."""
+
+  kind = FaultKind.TIMEOUT
+
+
+def classify(exc: BaseException) -> FaultKind:
+  """The `FaultKind` of an arbitrary exception.
+
+  `EnvFault` subclasses carry their kind; the text package's `ToolCallError`
+  (a malformed tool call) is a model format error; `TimeoutError` is a
+  timeout; everything else is infrastructure, so an unknown exception from
+  environment code is never turned into (negative) reward.
+  """
+  if isinstance(exc, EnvFault):
+    return exc.kind
+  if type(exc).__name__ == "ToolCallError":
+    # Matched by name so that this module does not import mtrl_jax.text.
+    return FaultKind.MODEL_FORMAT
+  if isinstance(exc, TimeoutError):
+    return FaultKind.TIMEOUT
+  return FaultKind.INFRASTRUCTURE
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+  """One recorded fault.
+
+  Attributes:
+    kind: the classification.
+    source: what raised it: 'environment', 'tool:<name>', 'grader', 'judge',
+      'user_sim', 'framework'.
+    message: a human-readable description (shown in logs, sometimes to the policy).
+    retries: how many retries were spent before giving up (infrastructure).
+  """
+
+  kind: FaultKind
+  source: str
+  message: str
+  retries: int = 0
+
+  def __post_init__(self):
+    object.__setattr__(self, "kind", FaultKind.parse(self.kind))
+
+  @classmethod
+  def from_exception(cls, exc: BaseException, source: str, retries: int = 0) -> "Fault":
+    msg = str(exc) or type(exc).__name__
+    if not isinstance(exc, EnvFault):
+      msg = f"{type(exc).__name__}: {msg}"
+    return cls(classify(exc), source, msg, retries)
+
+  def to_dict(self) -> dict:
+    return {"kind": self.kind.value, "source": self.source, "message": self.message,
+            "retries": self.retries}
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultPolicy:
+  """What the framework does with each kind of fault.
+
+  Attributes:
+    penalise: kinds counted as invalid calls for the tool-validity penalty;
+      only model-caused kinds are allowed here.
+    mask: kinds that mask the sample out of the update.
+    max_retries: retries of an environment step that failed with an
+      infrastructure fault before it is masked.
+  """
+
+  penalise: frozenset = MODEL_CAUSED
+  mask: frozenset = frozenset({FaultKind.INFRASTRUCTURE})
+  max_retries: int = 2
+
+  def __post_init__(self):
+    penalise = frozenset(FaultKind.parse(k) for k in self.penalise)
+    mask = frozenset(FaultKind.parse(k) for k in self.mask)
+    bad = penalise - MODEL_CAUSED
+    if bad:
+      raise ValueError(
+          f"FaultPolicy.penalise={sorted(k.value for k in penalise)}: only model-caused kinds "
+          f"may be penalised; allowed: {sorted(k.value for k in MODEL_CAUSED)}")
+    if FaultKind.INFRASTRUCTURE not in mask:
+      raise ValueError("FaultPolicy.mask must contain 'infrastructure': infrastructure "
+                       "faults are never scored as reward")
+    if self.max_retries < 0:
+      raise ValueError(f"FaultPolicy.max_retries={self.max_retries}; must be >= 0")
+    object.__setattr__(self, "penalise", penalise)
+    object.__setattr__(self, "mask", mask)
+
+
+class FaultCounter:
+  """Counts faults by kind (and by source) over one RL step or one run."""
+
+  def __init__(self):
+    self.by_kind: collections.Counter = collections.Counter()
+    self.by_source: collections.Counter = collections.Counter()
+
+  def add(self, fault: Fault) -> None:
+    self.by_kind[fault.kind] += 1
+    self.by_source[fault.source] += 1
+
+  def add_all(self, faults: Iterable[Fault]) -> None:
+    for f in faults:
+      self.add(f)
+
+  def merge(self, other: "FaultCounter") -> None:
+    self.by_kind.update(other.by_kind)
+    self.by_source.update(other.by_source)
+
+  def count(self, kind: Optional[FaultKind] = None) -> int:
+    """Faults of one kind, or all faults when `kind` is None."""
+    if kind is None:
+      return sum(self.by_kind.values())
+    return self.by_kind[FaultKind.parse(kind)]
+
+  def reset(self) -> None:
+    self.by_kind.clear()
+    self.by_source.clear()
+
+  def metrics(self, prefix: str = "faults/") -> dict[str, int]:
+    """Every kind (zeros included, so curves are continuous) plus the total."""
+    out = {f"{prefix}{k.value}": self.by_kind[k] for k in FaultKind}
+    out[f"{prefix}total"] = self.count()
+    return out
+
+  def __repr__(self):
+    body = ", ".join(f"{k.value}={v}" for k, v in sorted(self.by_kind.items()) if v)
+    return f"FaultCounter({body})"
+
+
+def call_with_timeout(fn: Callable, timeout_s: Optional[float], what: str, /, *args, **kwargs):
+  """`fn(*args, **kwargs)` in a daemon worker thread, waiting at most `timeout_s`.
+
+  Exceptions raised by `fn` are re-raised in the caller's thread. Python
+  threads cannot be killed: after a timeout the worker is abandoned (it is a
+  daemon, so it never blocks interpreter exit) and `FaultTimeoutError` is
+  raised. `timeout_s=None` calls `fn` inline.
+  """
+  if timeout_s is None:
+    return fn(*args, **kwargs)
+  box: dict[str, Any] = {}
+
+  def target():
+    try:
+      box["result"] = fn(*args, **kwargs)
+    except BaseException as e:  # re-raised below, in the caller's thread
+      box["error"] = e
+
+  worker = threading.Thread(target=target, daemon=True, name=f"timeout-{what}")
+  worker.start()
+  worker.join(timeout_s)
+  if worker.is_alive():
+    raise FaultTimeoutError(f"{what} timed out after {timeout_s:g}s")
+  if "error" in box:
+    raise box["error"]
+  return box["result"]

@@ -1,0 +1,320 @@
+"""The framework side of one environment step: `step_environment`.
+
+The rollout engine calls `step_environment` once per (node, joint action)
+after appending the policy's completion to the thread(s):
+
+    out = step_environment(env, thread, limits, reward_cfg=reward, renderer=renderer,
+                           step_index=t)
+    out.reward.total    # r of this joint action (0 when out.masked)
+    out.masked          # True: drop the sample from the update (row_weight 0)
+    out.done            # True: leaf; out.next_thread is None
+    out.next_thread     # else: the child's thread, new turns rendered into its ledger
+
+In a tree, step a fork per child (`child_env = env.fork()`), never the
+parent's environment: react_to mutates per-trajectory state. Steps of
+different environments may run concurrently in threads; one environment is
+never stepped by two threads at once.
+
+It wraps `env.react_to` (or `react_to_joint` when given a list of threads)
+and guarantees:
+  * every exception is caught and classified (`FaultKind`); infrastructure
+    faults are retried `limits.faults.max_retries` times (on the same
+    environment object: raise before mutating state, or keep react_to
+    idempotent), then the step is masked and the trajectory ends;
+    model-caused faults (a `ModelFormatError`
+    or `ToolError` escaping react_to, invalid tool calls recorded by the
+    environment) are counted as invalid calls for the tool penalty;
+  * a react_to that runs past `limits.react_timeout_s` is a timeout fault
+    (masked, trajectory ends: the environment's state is unknown);
+  * the turn cap (`max_turns` policy turns) and token budget (`max_tokens`
+    ledger tokens) are enforced: the trajectory ends as a truncation fault,
+    graded by `env.finalize(thread)` (default: no outcome);
+  * the environment may only append turns: rewriting the conversation is an
+    infrastructure fault (past turns are never re-rendered);
+  * with a `renderer`, the new turns are rendered into a copy of the
+    ledger exactly once, so `next_thread.num_rendered == len(next_thread)`;
+  * the reward is composed from the grades (`compose_reward`): final grades
+    are the outcome, per-turn grades the shaping; masked steps score 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from mtrl_jax.envs.core import Thread, Turn
+from mtrl_jax.envs.faults import (Fault, FaultKind, FaultPolicy, InfrastructureError,
+                                  call_with_timeout, classify)
+from mtrl_jax.graders.reward import RewardBreakdown, RewardConfig, compose_reward, mean_score
+
+
+def normalize_grades(grades):
+  # Imported at call time: mtrl_jax.graders.base imports mtrl_jax.envs.core.
+  from mtrl_jax.graders.base import normalize_grades as normalize
+  return normalize(grades)
+
+# Traceback module prefixes -> fault source, most specific first.
+_SOURCES = (("mtrl_jax.graders.judges", "judge"), ("mtrl_jax.graders.local_llm", "judge"),
+            ("mtrl_jax.graders", "grader"), ("mtrl_jax.envs.user_sim", "user_sim"),
+            ("mtrl_jax.envs.tools", "tool"))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLimits:
+  """Framework limits of one trajectory.
+
+  Attributes:
+    max_turns: policy turns per trajectory (None: unlimited).
+    max_tokens: ledger tokens per trajectory (None: unlimited); checked after
+      rendering the environment's turns.
+    react_timeout_s: wall-clock limit of one react_to call (None: unlimited).
+    faults: penalise / mask / retry policy.
+  """
+
+  max_turns: Optional[int] = None
+  max_tokens: Optional[int] = None
+  react_timeout_s: Optional[float] = None
+  faults: FaultPolicy = FaultPolicy()
+
+  def __post_init__(self):
+    for name in ("max_turns", "max_tokens"):
+      v = getattr(self, name)
+      if v is not None and (not isinstance(v, int) or v < 1):
+        raise ValueError(f"StepLimits.{name}={v!r}; must be a positive int or None")
+    if self.react_timeout_s is not None and self.react_timeout_s <= 0:
+      raise ValueError(f"StepLimits.react_timeout_s={self.react_timeout_s}; must be > 0 or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+  """What one environment step produced.
+
+  Attributes:
+    next_threads: one thread per agent to continue from, or None when the
+      trajectory ended (see `next_thread` for the single-agent case).
+    grades: name -> Grade returned at this step (plus `env.finalize` grades
+      on truncation): the outcome when the step ended the trajectory, the
+      shaping otherwise.
+    reward: the composed reward, component by component.
+    faults: every fault of this step, classified.
+    truncated: the framework ended the trajectory (turn cap / token budget).
+    masked: the sample must be left out of the update (infrastructure).
+  """
+
+  next_threads: Optional[tuple]
+  grades: dict
+  reward: RewardBreakdown
+  faults: tuple
+  truncated: bool = False
+  masked: bool = False
+  invalid_calls: int = 0
+
+  @property
+  def done(self) -> bool:
+    return self.next_threads is None
+
+  @property
+  def next_thread(self) -> Optional[Thread]:
+    """The single agent's next thread (None when done)."""
+    if self.next_threads is None:
+      return None
+    if len(self.next_threads) != 1:
+      raise ValueError(f"StepOutcome.next_thread: {len(self.next_threads)} agents; "
+                       "use next_threads")
+    return self.next_threads[0]
+
+  def to_dict(self) -> dict:
+    """JSON-friendly record for the rollout dump (texts excluded)."""
+    return {"done": self.done, "truncated": self.truncated,
+            "masked": self.masked, "invalid_calls": self.invalid_calls,
+            "reward": self.reward.metrics(prefix=""),
+            "grades": {k: g.to_dict() for k, g in self.grades.items()},
+            "faults": [f.to_dict() for f in self.faults]}
+
+
+def fault_source(exc: BaseException) -> str:
+  """Which part raised `exc`: an explicit `exc.source`, else from the traceback."""
+  if getattr(exc, "source", None):
+    return exc.source
+  source, tb = "environment", exc.__traceback__
+  while tb is not None:
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    for prefix, name in _SOURCES:
+      if module.startswith(prefix):
+        source = name
+        break
+    tb = tb.tb_next
+  return source
+
+
+def _validated(result, threads: Sequence[Thread], joint: bool):
+  """(next_threads | None, grades dict) from react_to's answer; raises on misuse."""
+  if not isinstance(result, tuple) or len(result) != 2:
+    raise InfrastructureError(f"react_to must return a 2-tuple (next_thread | None, grades), "
+                              f"got {type(result).__name__}")
+  nxt, grades = result
+  if nxt is None and grades is None:
+    raise InfrastructureError("react_to returned (None, None): a finished trajectory needs "
+                              "its final grades (use {} for none)")
+  grades = normalize_grades(grades)
+  if nxt is None:
+    return None, grades
+  nxt = list(nxt) if joint else [nxt]
+  if len(nxt) != len(threads):
+    raise InfrastructureError(f"react_to_joint returned {len(nxt)} threads for "
+                              f"{len(threads)} agents")
+  for i, (old, new) in enumerate(zip(threads, nxt)):
+    if not isinstance(new, Thread):
+      raise InfrastructureError(f"react_to returned {type(new).__name__} as next thread "
+                                f"(agent {i}); expected a Thread")
+    if new.turns[:len(old.turns)] != old.turns:
+      raise InfrastructureError(f"environment rewrote the conversation of agent {i}: the "
+                                "next thread must extend the given one (past turns are never "
+                                "re-rendered)")
+  return nxt, grades
+
+
+def _render(threads: list, renderer) -> list:
+  """Renders each thread's unrendered turns into a copy of its ledger."""
+  from mtrl_jax.text import TokenLedger
+  out = []
+  for t in threads:
+    ledger = TokenLedger() if t.ledger is None else t.ledger.copy()
+    if ledger.open_turn is not None:
+      raise InfrastructureError("thread ledger has an open assistant turn without completion")
+    for turn in t.turns[ledger.num_turns:]:
+      renderer.render_turn(ledger, turn)
+    out.append(t.replace(ledger=ledger))
+  return out
+
+
+def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
+                     reward_cfg: Optional[RewardConfig] = None, renderer=None,
+                     step_index: Optional[int] = None) -> StepOutcome:
+  """Runs one react_to call under the framework's fault, limit and reward rules.
+
+  Args:
+    env: the trajectory's `Environment`.
+    thread: the thread ending with the policy's message, or a list of them
+      (one per agent: calls `react_to_joint`).
+    limits: turn cap, token budget, react timeout, fault policy.
+    reward_cfg: reward weights (default `RewardConfig()`: outcome only).
+    renderer: a `mtrl_jax.text.ChatRenderer`; when given, the environment's
+      new turns are rendered into (a copy of) each next thread's ledger and
+      the token budget is checked against it.
+    step_index: 0-based index of this policy turn in the trajectory (default:
+      the number of assistant turns in the thread minus one).
+
+  Returns:
+    A `StepOutcome`. Never raises for faults of the environment, tools,
+    graders, judges or user simulators.
+  """
+  reward_cfg = reward_cfg or RewardConfig()
+  joint = isinstance(thread, (list, tuple))
+  threads = list(thread) if joint else [thread]
+  policy = limits.faults
+  if step_index is None:
+    step_index = max(threads[0].count("assistant") - 1, 0)
+  drain = getattr(env, "drain_faults", lambda: [])
+  faults = list(drain())
+  react = (lambda: env.react_to_joint(threads)) if joint else (lambda: env.react_to(threads[0]))
+
+  def finish(next_threads, outcome_grades, shaping_grades, truncated=False, mask=False):
+    kinds = [f.kind for f in faults]
+    invalid = sum(k in policy.penalise for k in kinds)
+    masked = mask or any(k in policy.mask for k in kinds)
+    if masked:
+      reward = RewardBreakdown.zero()  # never scored as reward
+    else:
+      reward = compose_reward(reward_cfg, steps=1, invalid_calls=invalid,
+                              outcome=mean_score(outcome_grades) or 0.0,
+                              shaping=mean_score(shaping_grades) or 0.0)
+    return StepOutcome(None if next_threads is None else tuple(next_threads),
+                       {**shaping_grades, **outcome_grades}, reward, tuple(faults),
+                       truncated, masked, invalid)
+
+  retries = 0
+  while True:
+    try:
+      result = call_with_timeout(react, limits.react_timeout_s, "react_to")
+      next_threads, grades = _validated(result, threads, joint)
+      if next_threads is not None and renderer is not None:
+        next_threads = _render(next_threads, renderer)
+      break
+    except Exception as e:  # classified; the run goes on
+      kind = classify(e)
+      stale = drain()  # faults of the failed attempt
+      if kind == FaultKind.INFRASTRUCTURE and retries < policy.max_retries:
+        retries += 1
+        continue
+      faults.extend(stale)
+      faults.append(Fault.from_exception(e, fault_source(e), retries))
+      # Model-caused: the trajectory ends, penalised. Anything else: no honest
+      # reward exists, so the sample is masked.
+      return finish(None, {}, {}, mask=kind not in policy.penalise)
+  faults.extend(drain())
+  if next_threads is None:
+    return finish(None, grades, {})
+
+  reason = None
+  if limits.max_turns is not None and step_index + 1 >= limits.max_turns:
+    reason = f"turn cap reached ({limits.max_turns} policy turns)"
+  elif limits.max_tokens is not None:
+    used = max(len(t.ledger) if t.ledger is not None else 0 for t in next_threads)
+    if used >= limits.max_tokens:
+      reason = f"token budget reached ({used} >= {limits.max_tokens} tokens)"
+  if reason is None:
+    return finish(next_threads, {}, grades)
+
+  # Truncated: this step's per-turn grades stay shaping; finalize's are the outcome.
+  faults.append(Fault(FaultKind.TRUNCATION, "framework", reason))
+  try:
+    final_grades = normalize_grades(env.finalize(next_threads if joint else next_threads[0]))
+  except Exception as e:  # classified like any other fault
+    faults.append(Fault.from_exception(e, fault_source(e)))
+    return finish(None, {}, grades, truncated=True,
+                  mask=classify(e) not in policy.penalise)
+  return finish(None, final_grades, grades, truncated=True)
+
+
+def rollout_scripted(env, policy_texts: Sequence, limits: StepLimits = StepLimits(), *,
+                     reward_cfg: Optional[RewardConfig] = None, renderer=None
+                     ) -> tuple[list[StepOutcome], list[Thread]]:
+  """Runs an environment against a scripted policy (a list of assistant texts).
+
+  For tests and for debugging a new environment without a model. With a
+  renderer the policy texts are appended like sampled completions
+  (trainable, ending with the format's stop id).
+
+  Args:
+    env: an `Environment`.
+    policy_texts: assistant messages fed in turn by turn; for a multi-agent
+      environment, each item is a list with one text per agent.
+    limits, reward_cfg, renderer: as `step_environment`.
+
+  Returns:
+    (outcomes of the steps taken, the threads the policy saw at each step).
+  """
+  threads = env.initial_threads() if env.num_agents > 1 else [env.initial_thread()]
+  if renderer is not None:
+    threads = _render(threads, renderer)
+  outcomes, seen = [], []
+  for i, texts in enumerate(policy_texts):
+    texts = list(texts) if env.num_agents > 1 else [texts]
+    acted = []
+    for t, text in zip(threads, texts):
+      if renderer is not None:
+        ledger = t.ledger.copy()
+        renderer.begin_assistant(ledger)
+        ids = renderer.tokenizer.encode(text) + [renderer.fmt.stop_ids[0]]
+        renderer.append_completion(ledger, ids, [0.0] * len(ids), True)
+        t = t.replace(ledger=ledger)
+      acted.append(t.append(Turn("assistant", text)))
+    seen.append(acted if env.num_agents > 1 else acted[0])
+    out = step_environment(env, acted if env.num_agents > 1 else acted[0], limits,
+                           reward_cfg=reward_cfg, renderer=renderer, step_index=i)
+    outcomes.append(out)
+    if out.done:
+      break
+    threads = list(out.next_threads)
+  return outcomes, seen

@@ -1,0 +1,57 @@
+"""Fault kinds, classification of arbitrary exceptions, counting, timeouts."""
+
+import threading
+import time
+
+import pytest
+
+from mtrl_jax.envs import (Fault, FaultCounter, FaultKind, FaultTimeoutError, InfrastructureError,
+                           ModelFormatError, ToolError, call_with_timeout, classify)
+from mtrl_jax.text import ToolCallError, parse_tool_calls
+
+
+def test_classification():
+  assert classify(ModelFormatError("x")) == FaultKind.MODEL_FORMAT
+  assert classify(ToolError("x")) == FaultKind.TOOL_ERROR
+  assert classify(InfrastructureError("x")) == FaultKind.INFRASTRUCTURE
+  assert classify(FaultTimeoutError("x")) == FaultKind.TIMEOUT
+  assert classify(TimeoutError("x")) == FaultKind.TIMEOUT
+  with pytest.raises(ToolCallError) as info:
+    parse_tool_calls("<tool_call>{</tool_call>")
+  assert classify(info.value) == FaultKind.MODEL_FORMAT
+  # Unknown exceptions from environment code are infrastructure: never reward.
+  for exc in (ValueError("x"), KeyError("k"), ZeroDivisionError(), RuntimeError()):
+    assert classify(exc) == FaultKind.INFRASTRUCTURE
+
+
+def test_fault_record_and_counter():
+  f = Fault.from_exception(KeyError("city"), "environment", retries=2)
+  assert f.kind == FaultKind.INFRASTRUCTURE and f.message == "KeyError: 'city'"
+  assert f.to_dict() == {"kind": "infrastructure", "source": "environment",
+                         "message": "KeyError: 'city'", "retries": 2}
+  assert Fault.from_exception(ToolError("bad city"), "tool:w").message == "bad city"
+  a, b = FaultCounter(), FaultCounter()
+  a.add_all([f, Fault("timeout", "tool:w", "slow")])
+  b.add(Fault(FaultKind.TIMEOUT, "tool:w", "slow"))
+  a.merge(b)
+  assert a.count() == 3 and a.count("timeout") == 2 and a.by_source["tool:w"] == 2
+  m = a.metrics()
+  assert m == {"faults/model_format": 0, "faults/tool_error": 0, "faults/infrastructure": 1,
+               "faults/timeout": 2, "faults/truncation": 0, "faults/total": 3}
+  a.reset()
+  assert a.count() == 0
+  with pytest.raises(ValueError, match="fault kind 'bug'; allowed: \\['model_format'"):
+    Fault("bug", "x", "y")
+
+
+def test_call_with_timeout():
+  assert call_with_timeout(lambda x, fn=None: x + 1, 1.0, "add", 1) == 2
+  with pytest.raises(KeyError):  # exceptions cross the worker thread unchanged
+    call_with_timeout(lambda: {}["k"], 1.0, "lookup")
+  release = threading.Event()
+  start = time.perf_counter()
+  with pytest.raises(FaultTimeoutError, match="sleepy timed out after 0.05s"):
+    call_with_timeout(release.wait, 0.05, "sleepy", 5)
+  release.set()
+  assert time.perf_counter() - start < 1.0
+  assert call_with_timeout(lambda: "inline", None, "x") == "inline"
