@@ -1,0 +1,25 @@
+"""Tree rollouts: T turns x G generations x N agents, returns, advantages, packing.
+
+`expand_tree` grows one tree per task level by level (one batched sampler call
+per level, concurrent environment steps), `Tree.finalize` computes discounted
+returns and sibling-baseline advantages, `pack_tree` builds the fixed-shape
+training batch and `write_rollout_dump` the per-node JSONL dump.
+
+The core (config, tree, engine, policy, packing, dump) does not import the
+environment or text packages; `mtrl_jax.rollout.env_transition.EnvTransition`
+adapts `mtrl_jax.envs` environments and is imported from its module.
+"""
+
+from mtrl_jax.rollout.config import TreeConfig, TreePlan, plan_tree
+from mtrl_jax.rollout.dump import dump_path, node_records, write_rollout_dump
+from mtrl_jax.rollout.engine import ActionOutcome, Transition, expand_tree
+from mtrl_jax.rollout.packing import BATCH_KEYS, pack_tree
+from mtrl_jax.rollout.policy import FakePolicySampler, PolicySampler, SamplerPolicy
+from mtrl_jax.rollout.tree import Completion, Node, Tree, advantages, joint_actions
+
+__all__ = [
+    "TreeConfig", "TreePlan", "plan_tree", "Tree", "Node", "Completion", "joint_actions",
+    "advantages", "PolicySampler", "SamplerPolicy", "FakePolicySampler", "Transition",
+    "ActionOutcome", "expand_tree", "pack_tree", "BATCH_KEYS", "write_rollout_dump",
+    "dump_path", "node_records",
+]

@@ -1,0 +1,105 @@
+"""The rollout dump: `workdir/rollouts/step_NNNNNN.jsonl`, one JSON object per tree node.
+
+Each line holds the node's place in the tree (`node_id`, `root`, `parent_id`,
+`parent_action`, `turn`, `children`), its joint actions with `rewards`,
+`returns` and `valid` flags, per agent per sample `advantages`,
+`agent_returns` and `weights`, `terminated`, the environment `infos` of each
+joint action, and the texts (prompt per agent, completion per agent per
+sample) when a decoder is given, token ids otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Callable, Optional
+
+import numpy as np
+
+from mtrl_jax.rollout.tree import Tree
+
+
+def dump_path(workdir: str, step: int) -> str:
+  """`workdir/rollouts/step_NNNNNN.jsonl`."""
+  return os.path.join(workdir, "rollouts", f"step_{int(step):06d}.jsonl")
+
+
+def _num(x) -> Optional[float]:
+  x = float(x)
+  return x if math.isfinite(x) else None  # strict JSON has no NaN / Infinity
+
+
+def _nums(a) -> list:
+  return [_nums(v) if np.ndim(v) else _num(v) for v in a]
+
+
+def _jsonable(obj):
+  if isinstance(obj, dict):
+    return {str(k): _jsonable(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [_jsonable(v) for v in obj]
+  if isinstance(obj, np.ndarray):
+    return _jsonable(obj.tolist())
+  if isinstance(obj, (bool, np.bool_)):
+    return bool(obj)
+  if isinstance(obj, (int, np.integer)):
+    return int(obj)
+  if isinstance(obj, (float, np.floating)):
+    return _num(obj)
+  if obj is None or isinstance(obj, str):
+    return obj
+  return str(obj)
+
+
+def node_records(tree: Tree, decode: Optional[Callable] = None) -> list[dict]:
+  """The dump's JSON-able record of every node, in node-id order."""
+  if not tree.finalized:
+    raise ValueError("node_records needs a finalized tree (call Tree.finalize())")
+  records = []
+  for node in tree.nodes:
+    rec = {
+        "node_id": node.node_id,
+        "root": node.root,
+        "parent_id": node.parent_id,
+        "parent_action": node.parent_action,
+        "turn": node.turn,
+        "terminated": bool(node.terminated),
+        "joint_actions": tree.joint_BxN.tolist(),
+        "children": node.children_B.tolist(),
+        "rewards": _nums(node.rewards_B),
+        "returns": _nums(node.returns_B),
+        "valid": node.valid_B.tolist(),
+        "agent_returns": _nums(node.agent_returns_NxG),
+        "advantages": _nums(node.advantages_NxG),
+        "weights": _nums(node.weight_NxG),
+        "infos": _jsonable(node.infos),
+    }
+    comps = node.completions or []
+    rec["finish_reasons"] = [[c.finish_reason for c in agent] for agent in comps]
+    if decode is not None:
+      rec["prompts"] = [decode(list(p)) for p in node.prompts]
+      rec["completions"] = [[decode(c.ids.tolist()) for c in agent] for agent in comps]
+    else:
+      rec["prompt_ids"] = [list(p) for p in node.prompts]
+      rec["completion_ids"] = [[c.ids.tolist() for c in agent] for agent in comps]
+    records.append(rec)
+  return records
+
+
+def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None) -> str:
+  """Writes one JSON object per node to `path` (atomically) and returns the path.
+
+  Args:
+    tree: a finalized tree.
+    path: output file, usually `dump_path(workdir, step)`.
+    decode: token ids -> text (the tokenizer's `decode`); None writes ids.
+  """
+  records = node_records(tree, decode)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    for rec in records:
+      f.write(json.dumps(rec, allow_nan=False, ensure_ascii=False) + "\n")
+  os.replace(tmp, path)
+  return path

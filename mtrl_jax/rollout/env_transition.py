@@ -1,0 +1,118 @@
+"""The engine's `Transition` over `mtrl_jax.envs` environments (threads, ledgers, grades).
+
+A node's state is the trajectory's environment plus one thread per agent whose
+token ledger holds every turn rendered so far (each agent's full history).
+Stepping a joint action forks the environment (`Environment.fork`, so sibling
+branches never share mutable state), appends each agent's completion to a
+fork of its ledger exactly as sampled, and runs `step_environment`, which
+calls `react_to` / `react_to_joint`, classifies faults, composes the reward
+and renders the environment's new turns into the child's ledgers once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+from mtrl_jax.envs import StepLimits, Thread, Turn, step_environment
+from mtrl_jax.rollout.engine import ActionOutcome
+from mtrl_jax.rollout.tree import Completion
+from mtrl_jax.text import ChatRenderer, TokenLedger
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvState:
+  """State of a tree node: the branch's environment and per-agent threads.
+
+  Attributes:
+    env: the `Environment` of this branch (forked before every step).
+    threads: one fully rendered thread per agent (no open assistant turn).
+    turn: the tree turn of the node (the policy turn about to be sampled).
+  """
+
+  env: Any
+  threads: tuple
+  turn: int = 0
+
+
+def _rendered(thread: Thread, renderer: ChatRenderer) -> Thread:
+  """The thread with every turn rendered into (a copy of) its ledger, once."""
+  ledger = TokenLedger() if thread.ledger is None else thread.ledger.copy()
+  if ledger.open_turn is not None:
+    raise ValueError("thread ledger has an open assistant turn without a completion")
+  for turn in thread.turns[ledger.num_turns:]:
+    renderer.render_turn(ledger, turn)
+  return thread.replace(ledger=ledger)
+
+
+class EnvTransition:
+  """Adapts environments to the tree engine.
+
+  Args:
+    renderer: the `ChatRenderer` of the policy's chat format; its stop ids
+      must be the sampler's stop ids.
+    num_agents: N; every environment must have `num_agents == N`.
+    limits: turn cap / token budget / timeout / fault policy of each step.
+    reward_cfg: reward composition weights (`mtrl_jax.graders.reward.RewardConfig`).
+  """
+
+  def __init__(self, renderer: ChatRenderer, num_agents: int = 1, *,
+               limits: StepLimits = StepLimits(), reward_cfg=None):
+    self.renderer = renderer
+    self.num_agents = num_agents
+    self.limits = limits
+    self.reward_cfg = reward_cfg
+
+  # ---------------------------------------------------------------- roots
+  def root_state(self, env) -> EnvState:
+    """The root state of one trajectory: the env's initial per-agent threads, rendered."""
+    n = getattr(env, "num_agents", 1)
+    if n != self.num_agents:
+      raise ValueError(f"{type(env).__name__}.num_agents={n} but the tree has "
+                       f"num_agents={self.num_agents}")
+    threads = env.initial_threads() if n > 1 else [env.initial_thread()]
+    if len(threads) != n:
+      raise ValueError(f"{type(env).__name__}.initial_threads returned {len(threads)} "
+                       f"threads for {n} agents")
+    return EnvState(env, tuple(_rendered(t, self.renderer) for t in threads), 0)
+
+  def root_states(self, factory, metadatas: Sequence[Mapping]) -> list[EnvState]:
+    """One fresh environment per task from an `EnvironmentFactory`."""
+    return [self.root_state(factory.create_environment(m)) for m in metadatas]
+
+  # ---------------------------------------------------------------- Transition
+  def prompts(self, state: EnvState) -> list[list[int]]:
+    out = []
+    for thread in state.threads:
+      ledger = thread.ledger.copy()
+      out.append(self.renderer.begin_assistant(ledger))
+    return out
+
+  def step(self, state: EnvState, actions: Sequence[Completion]) -> ActionOutcome:
+    env = state.env.fork()
+    acted = []
+    for i, (thread, comp) in enumerate(zip(state.threads, actions)):
+      ledger = thread.ledger.copy()
+      self.renderer.begin_assistant(ledger)
+      text = self.renderer.append_completion(ledger, comp.ids.tolist(), comp.logprobs.tolist(),
+                                             finished_by_stop=comp.finish_reason == "stop")
+      name = f"agent_{i}" if self.num_agents > 1 else None
+      acted.append(thread.replace(ledger=ledger).append(Turn("assistant", text, name=name)))
+    out = step_environment(env, acted, self.limits, reward_cfg=self.reward_cfg,
+                           renderer=self.renderer, step_index=state.turn)
+    info = out.to_dict()
+    if out.done:
+      env.close()
+      return ActionOutcome(None, out.reward.total, valid=not out.masked, info=info)
+    info["env_turns"] = [[t.content for t in nxt.turns[len(old.turns):]]
+                         for old, nxt in zip(acted, out.next_threads)]
+    return ActionOutcome(EnvState(env, tuple(out.next_threads), state.turn + 1),
+                       out.reward.total, valid=not out.masked, info=info)
+
+  def close(self, state: Optional[EnvState]) -> None:
+    """Releases a state's environment once no branch will step it again."""
+    if state is not None:
+      state.env.close()
+
+  def decode(self, ids) -> str:
+    return self.renderer.tokenizer.decode(ids)

@@ -1,0 +1,302 @@
+"""Tree bookkeeping: nodes, joint actions, returns and advantages (pure numpy).
+
+A tree rollout has one root per task. At every node each of the N agents has G
+sampled completions; joint actions combine one sample per agent (`align`: the
+g-th of every agent; `cross`: the Cartesian product, agent 0 slowest). Each
+joint action j has a reward r_j and possibly a child node. Post-order:
+
+  leaf (last turn, terminated node, or an action the environment stopped):
+      R_j = r_j
+  inner:  R_j = r_j + gamma * mean_k R^{child_j}_k
+
+Per agent the G sample returns are the joint returns (align) or the sum / mean
+over the G^(N-1) joint actions containing the sample (cross); advantages use
+the sibling baseline of `TreeConfig.advantage_mode`, optionally standardised.
+
+Infrastructure faults make a joint action invalid: it is excluded from child
+means and baselines, and every sample in it gets weight 0 (never rewarded,
+never penalised). Node ids follow creation order, so parents precede children
+and a reverse sweep is a post-order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from mtrl_jax.rollout.config import TreeConfig
+
+_STD_FLOOR = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """One sampled completion: token ids exactly as sampled, with their logprobs.
+
+  Attributes:
+    ids: int32 [n] sampled tokens (the stop token included when it stopped).
+    logprobs: float32 [n] sampling log-probability of each token.
+    finish_reason: 'stop' | 'length'.
+  """
+
+  ids: np.ndarray
+  logprobs: np.ndarray
+  finish_reason: str = "stop"
+
+  def __post_init__(self):
+    if len(self.ids) != len(self.logprobs):
+      raise ValueError(f"Completion ids ({len(self.ids)}) and logprobs "
+                       f"({len(self.logprobs)}) differ in length")
+
+
+def joint_actions(cfg: TreeConfig) -> np.ndarray:
+  """Sample index of every agent in every joint action, int [B, N].
+
+  align: row g is (g, ..., g); cross: itertools.product order (agent 0 slowest).
+  """
+  g, n = cfg.num_generations, cfg.num_agents
+  if cfg.joint_mode == "cross":
+    return np.asarray(list(itertools.product(range(g), repeat=n)), np.int64).reshape(-1, n)
+  return np.repeat(np.arange(g, dtype=np.int64)[:, None], n, axis=1)
+
+
+@dataclasses.dataclass
+class Node:
+  """One tree node: N agents x G samples, B joint actions and their outcomes.
+
+  Attributes:
+    node_id: index in `Tree.nodes` (creation order).
+    root: index of the task this tree belongs to.
+    parent_id: parent node id, -1 for a root.
+    parent_action: joint action of the parent that spawned this node, -1 for a root.
+    turn: depth t (0 at the root).
+    prompts: per agent, the prompt token ids (full context) the samples continue.
+    state: opaque environment state of the node (per-agent threads), used by
+      the engine only.
+    completions: per agent, G Completions (None until sampled).
+    rewards_B: reward of each joint action.
+    valid_B: False where the joint action hit an infrastructure fault.
+    children_B: child node id per joint action, -1 when none.
+    terminated: the mean reward exceeded the termination threshold.
+    infos: per joint action, a JSON-able dict from the environment (grades, faults).
+    returns_B, agent_returns_NxG, advantages_NxG, weight_NxG: set by `Tree.finalize`.
+  """
+
+  node_id: int
+  root: int
+  parent_id: int
+  parent_action: int
+  turn: int
+  prompts: list
+  state: Any = None
+  completions: Optional[list] = None
+  rewards_B: Optional[np.ndarray] = None
+  valid_B: Optional[np.ndarray] = None
+  children_B: Optional[np.ndarray] = None
+  terminated: bool = False
+  infos: Optional[list] = None
+  returns_B: Optional[np.ndarray] = None
+  agent_returns_NxG: Optional[np.ndarray] = None
+  advantages_NxG: Optional[np.ndarray] = None
+  weight_NxG: Optional[np.ndarray] = None
+
+
+def should_terminate(cfg: TreeConfig, rewards_B: np.ndarray, valid_B: np.ndarray) -> bool:
+  """Early termination: mean reward of the node's valid joint actions > tau (strict)."""
+  if cfg.termination_threshold is None or not valid_B.any():
+    return False
+  return bool(rewards_B[valid_B].mean() > cfg.termination_threshold)
+
+
+def agent_returns(cfg: TreeConfig, joint_BxN: np.ndarray, returns_B: np.ndarray,
+                  valid_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Per-agent sample returns and sample validity.
+
+  Args:
+    cfg: tree config (joint_mode, cross_return).
+    joint_BxN: sample index of each agent in each joint action.
+    returns_B: return of each joint action.
+    valid_B: validity of each joint action.
+
+  Returns:
+    (returns_NxG float64, valid_NxG bool). A sample is valid iff every joint
+    action containing it is valid. Cross: sum (or mean) over the joint actions
+    containing the sample; align / N = 1: the joint return itself.
+  """
+  g, n = cfg.num_generations, cfg.num_agents
+  out_NxG = np.zeros((n, g), np.float64)
+  valid_NxG = np.ones((n, g), bool)
+  for i in range(n):
+    # onehot_GxB[k, j]: joint action j contains sample k of agent i.
+    onehot_GxB = joint_BxN[:, i][None, :] == np.arange(g)[:, None]
+    valid_NxG[i] = ~(onehot_GxB & ~valid_B[None, :]).any(axis=1)
+    total_G = (onehot_GxB * np.where(valid_B, returns_B, 0.0)[None, :]).sum(axis=1)
+    if cfg.joint_mode == "cross" and cfg.cross_return == "mean":
+      total_G = total_G / onehot_GxB.sum(axis=1)
+    out_NxG[i] = np.where(valid_NxG[i], total_G, 0.0)
+  return out_NxG, valid_NxG
+
+
+def advantages(returns_G: np.ndarray, valid_G: np.ndarray, mode: str,
+               std_norm: bool) -> np.ndarray:
+  """Sibling-baseline advantages of one agent at one node (invalid samples get 0).
+
+  Args:
+    returns_G: per-sample returns.
+    valid_G: samples that take part (baselines are computed over these only).
+    mode: 'mean' (R - mean), 'raw' (R), 'max' (R - max), 'rloo' ((n R - sum R) / (n - 1)).
+    std_norm: then (A - mean A) / max(std_pop(A), 1e-6) when more than one sample.
+
+  Returns:
+    float64 [G].
+  """
+  out = np.zeros(returns_G.shape, np.float64)
+  r = returns_G[valid_G].astype(np.float64)
+  count = r.size
+  if count == 0:
+    return out
+  if mode == "mean":
+    a = r - r.mean()
+  elif mode == "raw":
+    a = r.copy()
+  elif mode == "max":
+    a = r - r.max()
+  elif mode == "rloo":
+    a = (count * r - r.sum()) / (count - 1) if count > 1 else np.zeros_like(r)
+  else:
+    raise ValueError(f"advantage mode {mode!r}; allowed: ['mean', 'raw', 'max', 'rloo']")
+  if std_norm and count > 1:
+    a = (a - a.mean()) / max(a.std(), _STD_FLOOR)
+  out[valid_G] = a
+  return out
+
+
+class Tree:
+  """The nodes of a batch of trees (one per root), built level by level."""
+
+  def __init__(self, cfg: TreeConfig):
+    self.cfg = cfg
+    self.nodes: list[Node] = []
+    self.joint_BxN = joint_actions(cfg)
+    self.num_roots = 0
+    self.finalized = False
+
+  # ------------------------------------------------------------ building
+  def add_root(self, prompts: Sequence[Sequence[int]], state: Any = None) -> Node:
+    """Adds the root of a new task with one prompt per agent."""
+    node = self._new_node(self.num_roots, -1, -1, 0, prompts, state)
+    self.num_roots += 1
+    return node
+
+  def add_child(self, parent: Node, action: int, prompts: Sequence[Sequence[int]],
+                state: Any = None) -> Node:
+    """Adds the child spawned by joint action `action` of `parent`."""
+    if parent.children_B is None:
+      raise ValueError(f"node {parent.node_id} has no recorded outcomes; call record() first")
+    if parent.children_B[action] >= 0:
+      raise ValueError(f"node {parent.node_id} action {action} already has a child")
+    node = self._new_node(parent.root, parent.node_id, action, parent.turn + 1, prompts, state)
+    parent.children_B[action] = node.node_id
+    return node
+
+  def _new_node(self, root, parent_id, parent_action, turn, prompts, state) -> Node:
+    if len(prompts) != self.cfg.num_agents:
+      raise ValueError(f"a node needs one prompt per agent ({self.cfg.num_agents}), "
+                       f"got {len(prompts)}")
+    if turn >= self.cfg.num_turns:
+      raise ValueError(f"turn {turn} is past num_turns={self.cfg.num_turns}")
+    node = Node(node_id=len(self.nodes), root=root, parent_id=parent_id,
+                parent_action=parent_action, turn=turn,
+                prompts=[list(map(int, p)) for p in prompts], state=state)
+    self.nodes.append(node)
+    return node
+
+  def set_completions(self, node: Node, completions: Sequence[Sequence[Completion]]):
+    """Stores the N x G sampled completions of a node."""
+    g, n = self.cfg.num_generations, self.cfg.num_agents
+    if len(completions) != n or any(len(c) != g for c in completions):
+      raise ValueError(f"node {node.node_id}: expected {n} agents x {g} completions")
+    node.completions = [list(c) for c in completions]
+
+  def record(self, node: Node, rewards_B: Sequence[float], valid_B: Optional[Sequence[bool]] = None,
+             infos: Optional[list] = None) -> bool:
+    """Stores the joint actions' rewards and decides termination.
+
+    Returns:
+      True when the node may have children: turn < T - 1 and not terminated.
+    """
+    b = self.cfg.branching
+    rewards_B = np.asarray(rewards_B, np.float64)
+    valid_B = np.ones(b, bool) if valid_B is None else np.asarray(valid_B, bool)
+    if rewards_B.shape != (b,) or valid_B.shape != (b,):
+      raise ValueError(f"node {node.node_id}: expected {b} rewards/valid flags, got "
+                       f"{rewards_B.shape}/{valid_B.shape}")
+    if not np.isfinite(rewards_B[valid_B]).all():
+      raise ValueError(f"node {node.node_id}: non-finite reward {rewards_B.tolist()}")
+    node.rewards_B, node.valid_B = rewards_B, valid_B
+    node.children_B = np.full(b, -1, np.int64)
+    node.infos = infos if infos is not None else [{} for _ in range(b)]
+    node.terminated = should_terminate(self.cfg, rewards_B, valid_B)
+    return node.turn < self.cfg.num_turns - 1 and not node.terminated
+
+  # ------------------------------------------------------------ returns
+  def finalize(self) -> "Tree":
+    """Computes returns (post-order), per-agent returns, advantages and weights."""
+    cfg = self.cfg
+    for node in self.nodes:
+      if node.rewards_B is None:
+        raise ValueError(f"node {node.node_id} has no rewards; record() every node first")
+    for node in reversed(self.nodes):  # children always have larger ids
+      returns_B = node.rewards_B.copy()
+      valid_B = node.valid_B.copy()
+      for j, child_id in enumerate(node.children_B):
+        if child_id < 0 or not valid_B[j]:
+          continue
+        child = self.nodes[child_id]
+        if not child.valid_B.any():  # every child action faulted: no value estimate
+          valid_B[j] = False
+          continue
+        returns_B[j] += cfg.discount * child.returns_B[child.valid_B].mean()
+      node.returns_B = np.where(valid_B, returns_B, 0.0)
+      node.valid_B = valid_B
+      node.agent_returns_NxG, valid_NxG = agent_returns(cfg, self.joint_BxN, node.returns_B,
+                                                        valid_B)
+      node.advantages_NxG = np.stack([
+          advantages(node.agent_returns_NxG[i], valid_NxG[i], cfg.advantage_mode,
+                     cfg.advantage_std_norm) for i in range(cfg.num_agents)])
+      node.weight_NxG = valid_NxG.astype(np.float64)
+    self.finalized = True
+    return self
+
+  # ------------------------------------------------------------ views
+  def level(self, turn: int) -> list[Node]:
+    return [n for n in self.nodes if n.turn == turn]
+
+  def counts(self) -> dict[str, int]:
+    """Nodes, generations and environment steps this rollout actually spent."""
+    cfg = self.cfg
+    sampled = sum(n.completions is not None for n in self.nodes)
+    return {"nodes": len(self.nodes),
+            "generations": sampled * cfg.num_agents * cfg.num_generations,
+            "reward_calls": int(sum(np.size(n.rewards_B) for n in self.nodes
+                                    if n.rewards_B is not None))}
+
+  def metrics(self) -> dict[str, float]:
+    """Per-turn mean reward / return and tree counts, for logging."""
+    out = {"tree/nodes": float(len(self.nodes)),
+           "tree/terminated": float(sum(n.terminated for n in self.nodes)),
+           "tree/masked_actions": float(sum((~n.valid_B).sum() for n in self.nodes
+                                            if n.valid_B is not None))}
+    for t in range(self.cfg.num_turns):
+      nodes = [n for n in self.level(t) if n.rewards_B is not None]
+      if not nodes:
+        continue
+      r = np.concatenate([n.rewards_B[n.valid_B] for n in nodes])
+      out[f"turn_{t}/mean_reward"] = float(r.mean()) if r.size else float("nan")
+      if self.finalized:
+        ret = np.concatenate([n.returns_B[n.valid_B] for n in nodes])
+        out[f"turn_{t}/mean_return"] = float(ret.mean()) if ret.size else float("nan")
+    return out

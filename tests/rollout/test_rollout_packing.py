@@ -1,0 +1,115 @@
+"""Packing into fixed-shape rows, and the per-node JSONL dump."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from mtrl_jax.rollout import (BATCH_KEYS, Completion, FakePolicySampler, Tree, TreeConfig,
+                              expand_tree, pack_tree, write_rollout_dump)
+from mtrl_jax.rollout.dump import dump_path
+from rollout_scripted import ScriptedTransition
+
+
+def _comp(ids, lps):
+  return Completion(np.asarray(ids, np.int32), np.asarray(lps, np.float32))
+
+
+def _hand_tree():
+  # N=1, G=2, T=2. Root prompt [5, 6]; samples [7, 8] and [9]; the child of
+  # action 0 has the full history [5, 6, 7, 8, 3] as its prompt.
+  tree = Tree(TreeConfig(num_turns=2, num_generations=2, discount=0.5))
+  root = tree.add_root([[5, 6]])
+  tree.set_completions(root, [[_comp([7, 8], [-0.1, -0.2]), _comp([9], [-0.3])]])
+  tree.record(root, [1.0, 0.0])
+  child = tree.add_child(root, 0, [[5, 6, 7, 8, 3]])
+  tree.set_completions(child, [[_comp([4], [-0.4]), _comp([4, 4, 2], [-0.5, -0.6, -0.7])]])
+  tree.record(child, [0.0, 2.0], [True, True])
+  return tree.finalize()
+
+
+def test_rows_by_hand():
+  # Child: R = [0, 2], A = [-1, 1]. Root: R = [1 + 0.5 * 1, 0] = [1.5, 0], A = [0.75, -0.75].
+  batch = pack_tree(_hand_tree(), length_buckets=(4, 8, 16), row_multiple=1)
+  assert set(batch) == set(BATCH_KEYS)
+  assert batch["tokens_BxL"].shape == (4, 8)  # 4 rows; longest row 5 + 3 = 8
+  np.testing.assert_array_equal(batch["tokens_BxL"], [
+      [5, 6, 7, 8, 0, 0, 0, 0],
+      [5, 6, 9, 0, 0, 0, 0, 0],
+      [5, 6, 7, 8, 3, 4, 0, 0],
+      [5, 6, 7, 8, 3, 4, 4, 2]])
+  # Only this row's own completion is trainable: the earlier policy turn [7, 8]
+  # inside the child's context is not (it is trained in the root's row).
+  np.testing.assert_array_equal(batch["loss_mask_BxL"].astype(int), [
+      [0, 0, 1, 1, 0, 0, 0, 0],
+      [0, 0, 1, 0, 0, 0, 0, 0],
+      [0, 0, 0, 0, 0, 1, 0, 0],
+      [0, 0, 0, 0, 0, 1, 1, 1]])
+  np.testing.assert_allclose(batch["old_logp_BxL"][0], [0, 0, -0.1, -0.2, 0, 0, 0, 0])
+  np.testing.assert_allclose(batch["old_logp_BxL"][3], [0, 0, 0, 0, 0, -0.5, -0.6, -0.7])
+  np.testing.assert_allclose(batch["adv_B"], [0.75, -0.75, -1.0, 1.0])
+  np.testing.assert_array_equal(batch["node_B"], [0, 0, 1, 1])
+  np.testing.assert_array_equal(batch["turn_B"], [0, 0, 1, 1])
+  np.testing.assert_array_equal(batch["row_weight_B"], [1, 1, 1, 1])
+  assert batch["tokens_BxL"].dtype == np.int32 and batch["adv_B"].dtype == np.float32
+
+
+def test_padding_rows_and_buckets():
+  tree = _hand_tree()
+  batch = pack_tree(tree, length_buckets=(16, 32), row_buckets=(8, 16), pad_id=1)
+  assert batch["tokens_BxL"].shape == (8, 16)
+  assert (batch["tokens_BxL"][4:] == 1).all() and not batch["loss_mask_BxL"][4:].any()
+  np.testing.assert_array_equal(batch["row_weight_B"], [1, 1, 1, 1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(batch["node_B"][4:], -1)
+  assert pack_tree(tree, length_buckets=(8,), row_multiple=3)["adv_B"].shape == (6,)
+  with pytest.raises(ValueError, match="row length 8 exceeds the largest bucket 6"):
+    pack_tree(tree, length_buckets=(6,))
+  with pytest.raises(ValueError, match="row count 4 exceeds"):
+    pack_tree(tree, length_buckets=(8,), row_buckets=(2,))
+
+
+def test_masks_cover_only_policy_tokens_in_engine_run():
+  cfg = TreeConfig(num_turns=3, num_generations=2, num_agents=2, joint_mode="cross")
+  sampler = FakePolicySampler(vocab=64, max_new_tokens=4, stop_id=2, low=8)
+  tr = ScriptedTransition()
+  tree = expand_tree(cfg, sampler, tr, tr.roots(2, 2), jax.random.key(3))
+  batch = pack_tree(tree, length_buckets=(64,))
+  rows = [(n, i, g) for n in tree.nodes for i in range(2) for g in range(2)]
+  for b, (node, i, g) in enumerate(rows):
+    comp = node.completions[i][g]
+    p = len(node.prompts[i])
+    mask = batch["loss_mask_BxL"][b]
+    np.testing.assert_array_equal(np.flatnonzero(mask), np.arange(p, p + len(comp.ids)))
+    np.testing.assert_array_equal(batch["tokens_BxL"][b, mask], comp.ids)
+    np.testing.assert_array_equal(batch["old_logp_BxL"][b, mask], comp.logprobs)
+    assert not mask[0]
+    assert batch["adv_B"][b] == np.float32(node.advantages_NxG[i, g])
+    assert (batch["agent_B"][b], batch["node_B"][b]) == (i, node.node_id)
+  assert (batch["old_logp_BxL"][~batch["loss_mask_BxL"]] == 0).all()
+  # One batch per separate policy: agent 1's rows only, same order.
+  agent1 = pack_tree(tree, length_buckets=(64,), agents=[1])
+  keep = batch["agent_B"] == 1
+  assert (agent1["agent_B"][:keep.sum()] == 1).all()
+  np.testing.assert_array_equal(agent1["tokens_BxL"][:keep.sum()], batch["tokens_BxL"][keep])
+  with pytest.raises(ValueError, match=r"agents=\[2\]"):
+    pack_tree(tree, length_buckets=(64,), agents=[2])
+
+
+def test_rollout_dump(tmp_path):
+  tree = _hand_tree()
+  path = write_rollout_dump(tree, dump_path(str(tmp_path), 12),
+                            decode=lambda ids: " ".join(map(str, ids)))
+  assert path.endswith("rollouts/step_000012.jsonl")
+  lines = open(path).read().splitlines()
+  assert len(lines) == len(tree.nodes)
+  recs = [json.loads(line) for line in lines]
+  root, child = recs
+  assert (root["node_id"], root["parent_id"], root["parent_action"], root["turn"]) == (0, -1, -1, 0)
+  assert (child["node_id"], child["parent_id"], child["parent_action"], child["turn"]) == (1, 0, 0, 1)
+  assert root["rewards"] == [1.0, 0.0] and root["returns"] == [1.5, 0.0]
+  assert root["advantages"] == [[0.75, -0.75]] and child["advantages"] == [[-1.0, 1.0]]
+  assert root["terminated"] is False and root["children"] == [1, -1]
+  assert root["prompts"] == ["5 6"] and root["completions"] == [["7 8", "9"]]
+  recs_ids = [json.loads(x) for x in open(write_rollout_dump(tree, str(tmp_path / "d.jsonl")))]
+  assert recs_ids[1]["prompt_ids"] == [[5, 6, 7, 8, 3]]

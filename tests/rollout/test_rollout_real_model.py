@@ -1,0 +1,54 @@
+"""A tree rollout with the real tiny model, byte tokenizer and branching sampler."""
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mtrl_jax.graders.reward import RewardConfig
+from mtrl_jax.models import create_model, get_preset
+from mtrl_jax.rollout import SamplerPolicy, TreeConfig, expand_tree, pack_tree
+from mtrl_jax.rollout.env_transition import EnvTransition
+from mtrl_jax.sampling import Sampler, SamplingConfig
+from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
+from rollout_envs import DuoEnv
+
+
+def test_tiny_model_tree_shared_and_separate_policies():
+  cfg = get_preset("tiny")
+  tok = ByteTokenizer()
+  fmt = compact(tok)
+  _, state0 = nnx.split(create_model(cfg, seed=0))
+  _, state1 = nnx.split(create_model(cfg, seed=1))
+  # Fixed buckets: every level of both runs fits one compiled program.
+  sampler = Sampler(cfg, batch_buckets=(16,), prompt_buckets=(64,), decode_buckets=(16,))
+  sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
+  tree_cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2)
+  transition = EnvTransition(ChatRenderer(tok, fmt), num_agents=2,
+                             reward_cfg=RewardConfig(shaping_weight=1.0))
+
+  def run(states):
+    policy = SamplerPolicy(sampler, states, sampling, stop_ids=fmt.stop_ids, pad_id=tok.pad_id)
+    roots = [transition.root_state(DuoEnv({"prompt": p})) for p in ("a", "bb")]
+    tree = expand_tree(tree_cfg, policy, transition, roots, jax.random.key(0))
+    return tree, policy
+
+  shared, shared_policy = run(state0)
+  separate, separate_policy = run([state0, state1])
+  assert shared_policy.num_generate_calls == 2  # one call per level
+  assert separate_policy.num_generate_calls == 4  # one call per level per agent state
+  assert sampler.num_compiles == 1
+  for tree in (shared, separate):
+    assert tree.counts() == {"nodes": 6, "generations": 24, "reward_calls": 12}
+    for node in tree.nodes:
+      for comps in node.completions:
+        for c in comps:
+          assert 1 <= len(c.ids) <= 6 and (c.logprobs <= 0).all()
+          assert (c.finish_reason == "stop") == (c.ids[-1] in fmt.stop_ids)
+    batch = pack_tree(tree, length_buckets=(128,))
+    assert np.isfinite(batch["old_logp_BxL"]).all() and batch["row_weight_B"].sum() == 24
+  # Root 0's agent-0 prompt is row block 0 of a call keyed fold_in(level key, 0)
+  # with state0 in both runs, so its samples agree exactly; agent 1 samples
+  # with other parameters and another key in the separate run.
+  root_ids = lambda t, i: [c.ids.tolist() for c in t.nodes[0].completions[i]]
+  assert root_ids(shared, 0) == root_ids(separate, 0)
+  assert root_ids(shared, 1) != root_ids(separate, 1)
