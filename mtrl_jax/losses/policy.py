@@ -1,0 +1,247 @@
+"""Policy-gradient losses (GRPO, GSPO, REINFORCE) with a KL penalty: pure array functions.
+
+Every per-token array is `[B, L]` and aligned with the token it describes
+(`docs/internals.md`, "Shapes and alignment"); `mask` is True on policy tokens,
+the only ones that carry loss. The loss is returned as a (numerator,
+denominator) pair by `policy_loss_terms` so that gradient accumulation over
+micro-batches is exact: sum the numerators and denominators of all
+micro-batches, then divide once. `policy_loss` is that division for one batch.
+
+Masked positions may hold anything (prompt tokens with logprob 0, padding,
+1e4, NaN): they are replaced by 0 before any arithmetic, so they reach neither
+the loss nor its gradient (DESIGN.md invariant 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from mtrl_jax.losses import aggregation as agg
+
+ALGORITHMS = ("grpo", "gspo", "reinforce")
+AGGREGATIONS = agg.AGGREGATIONS
+KL_ESTIMATORS = ("k1", "k2", "k3")
+# A sequence ratio is one number per row; summing it over the row's tokens
+# scales the row's weight by its length, which GSPO's per-row objective forbids.
+_TOKEN_SUM_AGGREGATIONS = ("seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+_sg = jax.lax.stop_gradient
+
+
+def _is_real(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """What `policy_loss` computes. Hashable, so it can be a static jit argument.
+
+  Attributes:
+    algorithm: 'grpo' (clipped token ratio), 'gspo' (clipped sequence ratio,
+      typical eps 3e-4 / 4e-4) or 'reinforce' (-A * logp, no ratio).
+    clip_eps_low: the ratio is clipped below at 1 - clip_eps_low.
+    clip_eps_high: the ratio is clipped above at 1 + clip_eps_high.
+    kl_coef: weight of the KL-to-reference penalty (0 disables it).
+    kl_estimator: 'k1' (logp - ref), 'k2' ((ref - logp)^2 / 2) or
+      'k3' (exp(ref - logp) - (ref - logp) - 1).
+    aggregation: how per-token losses become one scalar, see
+      `mtrl_jax.losses.aggregation`.
+    max_len: the fixed length that 'seq-mean-token-sum-norm' divides each
+      row's sum by (ignored by the other aggregations).
+  """
+
+  algorithm: str = "grpo"
+  clip_eps_low: float = 0.2
+  clip_eps_high: float = 0.2
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  aggregation: str = "token-mean"
+  max_len: Optional[int] = None
+
+  def __post_init__(self):
+    for name, allowed in (("algorithm", ALGORITHMS), ("aggregation", AGGREGATIONS),
+                          ("kl_estimator", KL_ESTIMATORS)):
+      value = getattr(self, name)
+      if value not in allowed:
+        raise ValueError(f"LossConfig.{name}={value!r}; allowed: {list(allowed)}")
+    for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
+      value = getattr(self, name)
+      if not _is_real(value) or value < 0:
+        raise ValueError(f"LossConfig.{name}={value!r}; must be a finite number >= 0")
+    if self.algorithm in ("grpo", "gspo"):
+      # eps = 0 makes every token sit on a clip boundary; eps_low >= 1 puts the
+      # lower bound at or below 0, where a positive ratio can never reach it.
+      for name in ("clip_eps_low", "clip_eps_high"):
+        if getattr(self, name) == 0:
+          raise ValueError(
+              f"LossConfig.{name}=0 with algorithm={self.algorithm!r}; the clip range "
+              f"must be non-empty (use algorithm='reinforce' for an unclipped loss)")
+      if self.clip_eps_low >= 1:
+        raise ValueError(
+            f"LossConfig.clip_eps_low={self.clip_eps_low!r} with algorithm="
+            f"{self.algorithm!r}; must be < 1 (the lower clip bound is 1 - clip_eps_low)")
+    if self.algorithm == "gspo" and self.aggregation in _TOKEN_SUM_AGGREGATIONS:
+      raise ValueError(
+          f"LossConfig.algorithm='gspo' with aggregation={self.aggregation!r} is unsafe: the "
+          f"sequence ratio is a per-row quantity and a token-sum aggregation scales it by "
+          f"the row's length; use aggregation 'seq-mean-token-mean' or 'token-mean'")
+    if self.aggregation == "seq-mean-token-sum-norm":
+      if (not isinstance(self.max_len, numbers.Integral) or isinstance(self.max_len, bool)
+          or self.max_len <= 0):
+        raise ValueError(
+            f"LossConfig.max_len={self.max_len!r} with aggregation="
+            f"'seq-mean-token-sum-norm'; needs a positive int (the fixed length each "
+            f"row's sum is divided by)")
+
+  def replace(self, **kw) -> "LossConfig":
+    return dataclasses.replace(self, **kw)
+
+
+def _check_shapes(logp, old_logp, ref_logp, adv, mask, entropy, cfg: LossConfig):
+  if logp.ndim != 2:
+    raise ValueError(f"policy_loss: logp must be [B, L]; got shape {logp.shape}")
+  shape = logp.shape
+  for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask),
+                  ("entropy", entropy)):
+    if x is not None and x.shape != shape:
+      raise ValueError(f"policy_loss: {name} shape {x.shape} != logp shape {shape}")
+  if adv.shape not in (shape[:1], shape):
+    raise ValueError(
+        f"policy_loss: adv shape {adv.shape}; allowed: [B]={shape[:1]} or [B, L]={shape}")
+  if ref_logp is None and cfg.kl_coef != 0:
+    raise ValueError(f"policy_loss: ref_logp is None but LossConfig.kl_coef={cfg.kl_coef}")
+
+
+def _kl(d_BxL, estimator: str):
+  """Per-token KL estimate from d = ref_logp - logp (Schulman's k1, k2, k3)."""
+  if estimator == "k1":
+    return -d_BxL
+  if estimator == "k2":
+    return 0.5 * d_BxL * d_BxL
+  return jnp.expm1(d_BxL) - d_BxL
+
+
+def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None):
+  """The loss as an exact (numerator, denominator) pair plus summable metrics.
+
+  Args:
+    logp: [B, L] policy logprobs of the batch's tokens (differentiated).
+    old_logp: [B, L] logprobs of the policy that sampled the tokens.
+    ref_logp: [B, L] reference-model logprobs, or None when cfg.kl_coef == 0.
+    adv: [B] (one advantage per row) or [B, L] (per token).
+    mask: [B, L] bool (nonzero = True), True on policy tokens.
+    cfg: the loss configuration.
+    entropy: optional [B, L] per-token policy entropy, only reported.
+
+  Returns:
+    (num, den, metric_sums): scalars num and den with loss = num / den (0 when
+    den == 0), and a dict of sums, counts, minima and maxima that
+    `aggregation.merge_metric_sums` combines across micro-batches and
+    `aggregation.finalize_metrics` turns into the metrics of `policy_loss`.
+  """
+  _check_shapes(logp, old_logp, ref_logp, adv, mask, entropy, cfg)
+  mask = mask.astype(bool)
+  dtype = jnp.promote_types(logp.dtype, jnp.float32)
+  clean = lambda x: jnp.where(mask, x.astype(dtype), 0)
+  logp_ = clean(logp)
+  old_ = _sg(clean(old_logp))
+  adv_BxL = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape)
+  adv_ = _sg(clean(adv_BxL))
+  maskf = mask.astype(dtype)
+  ntok_B = maskf.sum(-1)
+
+  token_log_ratio = logp_ - old_
+  if cfg.algorithm == "gspo":
+    seq_log_ratio_B = (token_log_ratio * maskf).sum(-1) / jnp.maximum(ntok_B, 1)
+    # GSPO-token: value = the row's sequence ratio, gradient = that ratio times
+    # d logp_t for every token of the row, so per-token advantages work too.
+    log_ratio = _sg(seq_log_ratio_B)[:, None] + logp_ - _sg(logp_)
+  else:
+    log_ratio = token_log_ratio
+  ratio_sg = jnp.exp(_sg(log_ratio))
+
+  if cfg.algorithm == "reinforce":
+    pg_BxL = -adv_ * logp_
+    clip_high = clip_low = jnp.zeros(mask.shape, bool)
+  else:
+    hi, lo = 1.0 + cfg.clip_eps_high, 1.0 - cfg.clip_eps_low
+    # max(-A r, -A clip(r)) picks the clipped branch exactly in these cases.
+    clip_high = mask & (adv_ > 0) & (ratio_sg > hi)
+    clip_low = mask & (adv_ < 0) & (ratio_sg < lo)
+    clipped = clip_high | clip_low
+    bound = jnp.where(adv_ > 0, hi, lo).astype(dtype)
+    # exp only sees unclipped log-ratios, so a huge clipped ratio cannot put
+    # inf * 0 = NaN into the gradient through the unselected branch.
+    ratio = jnp.exp(jnp.where(clipped, 0.0, log_ratio))
+    pg_BxL = jnp.where(clipped, -adv_ * bound, -adv_ * ratio)
+
+  loss_BxL = pg_BxL
+  kl_BxL = kl3_BxL = None
+  if ref_logp is not None:
+    d_BxL = _sg(clean(ref_logp)) - logp_
+    kl_BxL = _kl(d_BxL, cfg.kl_estimator)
+    kl3_BxL = _kl(d_BxL, "k3")
+    if cfg.kl_coef != 0:
+      loss_BxL = pg_BxL + cfg.kl_coef * kl_BxL
+
+  num, den = agg.aggregate(loss_BxL, mask, cfg.aggregation, cfg.max_len)
+
+  # Metrics: sums / counts / extrema only, so micro-batches merge exactly.
+  msum = lambda x: jnp.sum(jnp.where(mask, _sg(x), 0))
+  m = {
+      "loss_num": _sg(num),
+      "loss_den": den,
+      "pg_num": _sg(agg.aggregate(pg_BxL, mask, cfg.aggregation, cfg.max_len)[0]),
+      "tokens": maskf.sum(),
+      "rows": (ntok_B > 0).astype(dtype).sum(),
+      "clip_high_sum": clip_high.astype(dtype).sum(),
+      "clip_low_sum": clip_low.astype(dtype).sum(),
+      "ratio_sum": msum(ratio_sg),
+      "ratio_min": jnp.min(jnp.where(mask, ratio_sg, jnp.inf)),
+      "ratio_max": jnp.max(jnp.where(mask, ratio_sg, -jnp.inf)),
+      "logp_gap_sum": msum(jnp.abs(token_log_ratio)),
+      "logp_gap_max": jnp.max(jnp.where(mask, jnp.abs(_sg(token_log_ratio)), 0)),
+  }
+  if kl_BxL is not None:
+    m["kl_sum"] = msum(kl_BxL)
+    m["kl_k3_sum"] = msum(kl3_BxL)
+  if entropy is not None:
+    m["entropy_sum"] = msum(entropy.astype(dtype))
+  # Advantage statistics per row for [B] advantages, per token for [B, L].
+  has_adv = (ntok_B > 0) if adv.ndim == 1 else mask
+  adv_vals = _sg(jnp.where(has_adv, adv.astype(dtype), 0))
+  m.update({
+      "adv_count": has_adv.astype(dtype).sum(),
+      "adv_sum": adv_vals.sum(),
+      "adv_sq_sum": (adv_vals * adv_vals).sum(),
+      "adv_min": jnp.min(jnp.where(has_adv, adv_vals, jnp.inf)),
+      "adv_max": jnp.max(jnp.where(has_adv, adv_vals, -jnp.inf)),
+  })
+  return num, den, m
+
+
+def policy_loss(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None):
+  """The policy loss of one batch (DESIGN.md section 4).
+
+  Args:
+    logp: [B, L] policy logprobs of the batch's tokens (differentiated).
+    old_logp: [B, L] logprobs of the policy that sampled the tokens.
+    ref_logp: [B, L] reference-model logprobs, or None when cfg.kl_coef == 0.
+    adv: [B] (one advantage per row) or [B, L] (per token).
+    mask: [B, L] bool, True on policy tokens.
+    cfg: the loss configuration.
+    entropy: optional [B, L] per-token policy entropy, only reported.
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics
+    (see `aggregation.finalize_metrics`).
+  """
+  num, den, metric_sums = policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg,
+                                            entropy=entropy)
+  return agg.safe_divide(num, den), agg.finalize_metrics(metric_sums)
