@@ -1,0 +1,272 @@
+"""Sandbox tests with hostile programs: none may hang, crash the caller or leak."""
+import os
+import time
+
+import pytest
+
+from mtrl_jax.envs import sandbox
+
+DROP = sandbox.isolation_mode() in ("drop_uid", "drop_uid_read")
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      state = next(l for l in f if l.startswith("State:"))
+  except (OSError, StopIteration):
+    return False
+  return state.split()[1] not in ("Z", "X")
+
+
+def _group_members(pgid: int) -> list[int]:
+  found = []
+  for name in os.listdir("/proc"):
+    if name.isdigit():
+      try:
+        with open(f"/proc/{name}/stat") as f:
+          fields = f.read().rsplit(")", 1)[1].split()
+      except OSError:
+        continue
+      if int(fields[2]) == pgid and _alive(int(name)):
+        found.append(int(name))
+  return found
+
+
+def test_program_runs_to_its_end_and_output_is_captured():
+  r = sandbox.run_python("import sys\nprint('hello')\nprint('oops', file=sys.stderr)", 2.0)
+  assert (r.status, r.passed, r.error_type) == ("passed", True, None)
+  assert r.stdout == "hello\n" and "oops" in r.stderr
+  assert 0.0 < r.duration_s < 2.0
+
+
+@pytest.mark.parametrize("program,status,error_type", [
+    ("assert 1 + 1 == 3, 'bad sum'", "failed", "AssertionError"),
+    ("1 / 0", "error", "ZeroDivisionError"),
+    ("def f(:\n  pass", "error", "SyntaxError"),
+    ("def f():\n  return f()\nf()", "error", "RecursionError"),
+])
+def test_exceptions_are_classified(program, status, error_type):
+  r = sandbox.run_python(program, 2.0)
+  assert (r.status, r.error_type, r.passed) == (status, error_type, False)
+  if error_type == "AssertionError":
+    assert r.error_message == "bad sum"
+
+
+@pytest.mark.parametrize("program,error_type", [
+    ("import os\nprint('partial')\nos._exit(0)\nprint('never')", "EarlyExit"),
+    ("import sys\nsys.exit(0)", "SystemExit"),
+    ("exit()", "SystemExit"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)", "SIGTERM"),
+])
+def test_early_exit_is_not_a_pass(program, error_type):
+  r = sandbox.run_python(program, 2.0)
+  assert not r.passed and r.error_type == error_type
+  assert r.status == ("killed" if error_type == "SIGTERM" else "error")
+
+
+def test_infinite_loop_is_killed_by_the_wall_clock():
+  t0 = time.monotonic()
+  r = sandbox.run_python("while True:\n  pass", 1.0)
+  elapsed = time.monotonic() - t0
+  assert (r.status, r.error_type) == ("timeout", sandbox.TIMEOUT_TYPE)
+  assert 1.0 <= elapsed < 1.0 + sandbox.STARTUP_GRACE_S + 1.0
+
+
+def test_cpu_limit_stops_a_busy_loop_before_the_wall_clock():
+  # 1 CPU-second runs out long before the 8 s wall clock, even on a busy machine.
+  r = sandbox.run_python("while True:\n  pass", 8.0, cpu_time_s=1)
+  assert (r.status, r.error_type) == ("timeout", "CPUTimeLimitExceeded")
+
+
+def test_huge_allocation_fails_without_hurting_the_caller():
+  r = sandbox.run_python("x = bytearray(8 * 1024 ** 3)\nprint('allocated')", 2.0, memory_mb=256)
+  assert (r.status, r.error_type) == ("error", "MemoryError")
+  assert "allocated" not in r.stdout
+
+
+def test_deep_c_recursion_does_not_crash_the_caller():
+  # sorted() -> key -> f() recurses through C frames; the raised limit lets
+  # it overflow the C stack (SIGSEGV) or the memory limit.
+  program = ("import sys\nsys.setrecursionlimit(10 ** 8)\n"
+             "def f(x):\n  return sorted([x], key=f)\nf(0)")
+  r = sandbox.run_python(program, 2.0, memory_mb=512)
+  assert not r.passed and r.status in ("killed", "error", "timeout")
+
+
+def test_fork_bomb_is_capped_and_every_process_is_killed():
+  program = """
+import os, time
+print(os.getuid(), os.getpgid(0), flush=True)
+children = []
+while len(children) < 200:
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        os.setsid()  # leaves the process group: only the per-uid sweep catches it
+        time.sleep(60)
+        os._exit(0)
+    children.append(pid)
+print(len(children), *children, flush=True)
+"""
+  r = sandbox.run_python(program, 2.0, max_processes=8)
+  assert r.passed, r
+  first, second = r.stdout.splitlines()
+  uid, pgid = map(int, first.split())
+  count, *children = map(int, second.split())
+  assert 1 <= count < 8  # the harness itself holds one of the 8 slots
+  if DROP:
+    assert all(not _alive(pid) for pid in children)
+    assert sandbox._live(uid=uid) == []
+  assert _group_members(pgid) == []
+
+
+def test_true_fork_bomb_returns_on_time_and_leaves_nothing():
+  program = ("import os\nprint(os.getuid(), os.getpgid(0), flush=True)\n"
+             "while True:\n  try:\n    os.fork()\n  except OSError:\n    pass\n")
+  t0 = time.monotonic()
+  r = sandbox.run_python(program, 1.0, max_processes=16)
+  assert r.status == "timeout" and time.monotonic() - t0 < 4.0
+  uid, pgid = map(int, r.stdout.split()[:2])
+  assert _group_members(pgid) == []
+  if DROP:
+    assert sandbox._live(uid=uid) == []
+
+
+@pytest.mark.parametrize("attack", [
+    "open({target!r}, 'w').write('x')",
+    "import os\nos.close(os.open({target!r}, os.O_CREAT | os.O_WRONLY))",
+    "import pathlib\npathlib.Path({target!r}).write_text('x')",
+    "import os\nos.symlink({outside!r}, 'link')\nopen('link/pwned.txt', 'w').write('x')",
+    "import os\nos.remove({keep!r})",
+    "import os\nos.rename({keep!r}, 'stolen.txt')",
+    "import shutil\nshutil.rmtree({outside!r})",
+    "import subprocess\nsubprocess.run(['sh', '-c', 'echo x > {target}'])",
+])
+def test_writes_outside_the_working_directory_are_blocked(tmp_path, attack):
+  target, keep = tmp_path / "pwned.txt", tmp_path / "keep.txt"
+  keep.write_text("precious")
+  program = attack.format(target=str(target), outside=str(tmp_path), keep=str(keep))
+  r = sandbox.run_python(program, 2.0)
+  assert not r.passed and r.error_type == "PermissionError", r
+  assert not target.exists()
+  assert keep.read_text() == "precious"
+
+
+@pytest.mark.skipif(not DROP, reason="needs root: the sandbox runs under its own uid")
+def test_file_permissions_block_writes_even_without_the_audit_hook(tmp_path):
+  target = tmp_path / "pwned.txt"
+  r = sandbox.run_python(f"open({str(target)!r}, 'w').write('x')", 2.0,
+                         block_outside_writes=False)
+  assert r.error_type == "PermissionError" and not target.exists()
+
+
+def test_working_directory_is_private_and_removed():
+  r = sandbox.run_python(
+      "import os, tempfile\nopen('local.txt', 'w').write('ok')\n"
+      "print(os.getcwd(), tempfile.gettempdir() == os.getcwd(), open('local.txt').read())", 2.0)
+  assert r.passed, r
+  cwd, same_tmp, content = r.stdout.split()
+  assert same_tmp == "True" and content == "ok"
+  assert not os.path.exists(cwd)
+
+
+def test_parent_environment_is_not_inherited(monkeypatch):
+  monkeypatch.setenv("MTRL_SANDBOX_SECRET", "hunter2-secret")
+  program = """
+import os
+print(sorted(os.environ.items()))
+try:
+    print(open(f"/proc/{os.getppid()}/environ", "rb").read())
+except OSError as e:
+    print("environ:", type(e).__name__)
+"""
+  r = sandbox.run_python(program, 2.0)
+  assert r.passed, r
+  assert "hunter2-secret" not in r.stdout and "MTRL_SANDBOX_SECRET" not in r.stdout
+  assert "PYTHONHASHSEED" in r.stdout
+  if DROP:
+    assert "environ: PermissionError" in r.stdout
+
+
+def test_signals_reach_only_the_sandbox_itself():
+  r = sandbox.run_python("import os, signal\nos.kill(os.getppid(), signal.SIGTERM)", 2.0)
+  assert r.error_type == "PermissionError"  # the caller (this test) is still alive
+  program = ("import os, signal, time\npid = os.fork()\nif pid == 0:\n  time.sleep(30)\n"
+             "os.kill(pid, signal.SIGKILL)\nprint(os.waitpid(pid, 0)[1])")
+  r = sandbox.run_python(program, 2.0)
+  assert r.passed and r.stdout.strip() == str(int(__import__("signal").SIGKILL))
+
+
+def test_output_and_file_sizes_are_capped():
+  r = sandbox.run_python("print('x' * 200000)", 2.0, max_output_bytes=1000)
+  assert r.passed and r.stdout.startswith("x" * 1000) and "[truncated" in r.stdout
+  assert len(r.stdout) < 1100
+  r = sandbox.run_python("open('big.bin', 'wb').write(b'0' * (3 << 20))", 2.0, max_file_mb=1)
+  assert not r.passed and r.error_type == "OSError" and "too large" in r.error_message
+
+
+def test_run_tests_per_assert_results_and_timeout_cap():
+  setup = "def f(x):\n  if x == 3:\n    while True:\n      pass\n  return 2 * x"
+  asserts = ["assert f(1) == 2", "assert f(2) == 5", "assert f(3) == 6", "assert g(1)",
+             "assert f(3) == 6", "assert f(3) == 6", "assert f(1) == 2"]
+  t0 = time.monotonic()
+  rs = sandbox.run_tests(setup, asserts, 0.3, prelude="import math")
+  assert time.monotonic() - t0 < 3.0
+  assert [r.assertion for r in rs] == asserts
+  assert [r.status for r in rs] == ["passed", "failed", "timeout", "error", "timeout", "timeout",
+                                    "skipped"]
+  assert (rs[2].error_type, rs[2].error_message) == (sandbox.TIMEOUT_TYPE,
+                                                     "Code execution timed out")
+  assert rs[3].error_type == "NameError" and not rs[6].passed
+
+
+def test_run_tests_timeout_is_not_swallowed_by_except_exception():
+  setup = ("def f():\n  while True:\n    try:\n      sum(range(10 ** 5))\n"
+           "    except Exception:\n      pass")
+  rs = sandbox.run_tests(setup, ["assert f()", "assert 1 == 1"], 0.3)
+  assert [r.status for r in rs] == ["timeout", "passed"]
+
+
+def test_run_tests_setup_failure_fails_every_assert():
+  rs = sandbox.run_tests("import nonexistent_module_xyz", ["assert True", "assert 1"], 1.0)
+  assert [(r.status, r.error_type) for r in rs] == [("error", "ModuleNotFoundError")] * 2
+
+
+def test_run_tests_process_death_mid_suite():
+  setup = "import os\ndef f(x):\n  if x < 0:\n    os._exit(0)\n  return x"
+  rs = sandbox.run_tests(setup, ["assert f(1) == 1", "assert f(-1) == -1", "assert f(2) == 2"], 1.0)
+  assert [(r.status, r.error_type) for r in rs] == [
+      ("passed", None), ("error", "EarlyExit"), ("skipped", "EarlyExit")]
+
+
+def test_run_tests_wall_clock_when_the_alarm_is_defeated():
+  setup = ("def f():\n  while True:\n    try:\n      while True:\n        pass\n"
+           "    except BaseException:\n      pass")
+  t0 = time.monotonic()
+  rs = sandbox.run_tests(setup, ["assert 1", "assert f()", "assert 1"], 0.2, total_timeout_s=1.0)
+  assert time.monotonic() - t0 < 3.0
+  assert [r.status for r in rs] == ["passed", "timeout", "skipped"]
+
+
+def test_process_group_mode_used_without_root(monkeypatch):
+  # The non-root path (the caller's own user): same verdicts, and the process
+  # group is killed after the run (RLIMIT_NPROC cannot be shown here as root).
+  monkeypatch.setattr(sandbox, "_isolation", "process_group")
+  assert sandbox.run_python("print(1)", 2.0).stdout == "1\n"
+  program = ("import os, time\nprint(os.getpgid(0), flush=True)\n"
+             "if os.fork() == 0:\n  time.sleep(60)\nwhile True:\n  pass")
+  r = sandbox.run_python(program, 1.0)
+  assert r.status == "timeout" and _group_members(int(r.stdout.split()[0])) == []
+  rs = sandbox.run_tests("def f(x):\n  return x", ["assert f(1) == 1", "assert f(1) == 2"], 1.0)
+  assert [x.status for x in rs] == ["passed", "failed"]
+
+
+def test_bad_arguments_name_the_field():
+  with pytest.raises(ValueError, match="timeout_s"):
+    sandbox.run_python("pass", 0)
+  with pytest.raises(ValueError, match="memory_mb"):
+    sandbox.run_python("pass", 1.0, memory_mb=-1)
+  with pytest.raises(ValueError, match="max_timeouts"):
+    sandbox.run_tests("pass", ["assert 1"], 1.0, max_timeouts=0)
