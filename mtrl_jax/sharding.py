@@ -10,13 +10,14 @@ tiny test models run on any mesh.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from mtrl_jax.models.config import ModelConfig
+if TYPE_CHECKING:  # models imports this module
+  from mtrl_jax.models.config import ModelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")

@@ -94,6 +94,18 @@ class ModelConfig:
     if model_type not in ("llama", "qwen2", "qwen3"):
       raise ValueError(
           f"config.json model_type={model_type!r}; allowed: ['llama', 'qwen2', 'qwen3']")
+    # Features the transformer does not implement must fail here, not give
+    # silently different logits.
+    if hf.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}; allowed: ['silu']")
+    if hf.get("mlp_bias"):
+      raise ValueError("config.json mlp_bias=True; allowed: [False]")
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if hf.get("use_sliding_window") or layer_types != {"full_attention"}:
+      raise ValueError(
+          f"config.json use_sliding_window={hf.get('use_sliding_window')}, layer_types "
+          f"{sorted(layer_types)}: sliding-window attention is not supported; allowed: "
+          f"use_sliding_window=False, layer_types all 'full_attention'")
     num_heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
     attention_bias = bool(hf.get("attention_bias", False))
@@ -128,7 +140,8 @@ class ModelConfig:
         rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
         rope_scaling=rope_scaling,
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", model_type != "llama")),
+        # transformers' default is untied for all three families.
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=(model_type == "qwen2") or attention_bias,
         o_bias=attention_bias,
         qk_norm=(model_type == "qwen3"),
