@@ -3,7 +3,9 @@
 `expand_tree` grows one tree per task level by level (one batched sampler call
 per level, concurrent environment steps), `Tree.finalize` computes discounted
 returns and sibling-baseline advantages, `pack_tree` builds the fixed-shape
-training batch and `write_rollout_dump` the per-node JSONL dump.
+training batch and `write_rollout_dump` the per-node JSONL dump. With
+`TreeConfig(branch_on='user_turn')` the tree branches at user turns only: tool
+calls and their results within a turn are sub-steps of one action.
 
 The core (config, tree, engine, policy, packing, dump) does not import the
 environment or text packages; `mtrl_jax.rollout.env_transition.EnvTransition`

@@ -4,7 +4,10 @@
 CoMLRL / MAGRPO tree): T turns, G generations per agent per node, N agents,
 `align` (G joint actions per node) or `cross` (G^N) joint actions, early
 termination by mean sibling reward, discounted returns and the sibling
-baseline. `plan_tree` turns a config into counts (nodes, generations, reward
+baseline. `branch_on` says what a tree turn is: every policy message
+('every_turn', CoMLRL), or a user turn ('user_turn': the policy's tool calls
+and their results within one user turn are sub-steps of one action, which
+does not branch). `plan_tree` turns a config into counts (nodes, generations, reward
 calls, training rows, tokens) so an over-budget run fails before launch.
 """
 
@@ -17,6 +20,7 @@ from typing import Optional
 JOINT_MODES = ("align", "cross")
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 CROSS_RETURNS = ("sum", "mean")
+BRANCH_ON = ("every_turn", "user_turn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,19 @@ class TreeConfig:
     advantage_std_norm: after the baseline, (A - mean A) / max(std_pop(A), 1e-6).
     cross_return: how a sample's return is built from the G^(N-1) joint
       actions that contain it in cross mode: 'sum' (CoMLRL) or 'mean'.
+    branch_on: 'every_turn': every policy message is a tree turn (each
+      sampled completion is an action, every continuing environment step
+      spawns a child). 'user_turn': a tree turn ends when the environment
+      hands over to the user (or stops); while it answers with tool turns
+      only (`ActionOutcome.continues_turn`), the action's sample is continued
+      by ONE more sampled segment per sub-step, without branching. Needs
+      num_agents = 1: the agents of a joint action could wait on tools for
+      different numbers of sub-steps, and a cross-mode sample belongs to
+      several joint actions, so one continuation per action is undefined.
+    max_substeps: 'user_turn' only: continuation segments allowed per
+      action (an action has at most 1 + max_substeps environment steps); an
+      environment still asking for one after that ends the action as a
+      truncation (no child).
   """
 
   num_turns: int
@@ -48,6 +65,8 @@ class TreeConfig:
   advantage_mode: str = "mean"
   advantage_std_norm: bool = False
   cross_return: str = "sum"
+  branch_on: str = "every_turn"
+  max_substeps: int = 4
 
   def __post_init__(self):
     for name in ("num_turns", "num_generations", "num_agents"):
@@ -57,6 +76,15 @@ class TreeConfig:
     _check_choice("joint_mode", self.joint_mode, JOINT_MODES)
     _check_choice("advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
     _check_choice("cross_return", self.cross_return, CROSS_RETURNS)
+    _check_choice("branch_on", self.branch_on, BRANCH_ON)
+    if (isinstance(self.max_substeps, bool) or not isinstance(self.max_substeps, int)
+        or self.max_substeps < 1):
+      raise ValueError(f"TreeConfig.max_substeps={self.max_substeps!r}; must be an int >= 1")
+    if self.branch_on == "user_turn" and self.num_agents != 1:
+      raise ValueError(
+          f"TreeConfig.branch_on='user_turn' needs num_agents=1, got {self.num_agents}: "
+          "sub-steps (tool continuations within a turn) are defined for one agent; use "
+          "branch_on='every_turn' for multi-agent trees")
     if self.advantage_mode == "rloo" and self.num_generations < 2:
       raise ValueError(
           f"TreeConfig.advantage_mode='rloo' needs num_generations >= 2, got "
@@ -70,6 +98,11 @@ class TreeConfig:
     if not isinstance(self.advantage_std_norm, bool):
       raise ValueError(
           f"TreeConfig.advantage_std_norm={self.advantage_std_norm!r}; must be a bool")
+
+  @property
+  def substeps(self) -> bool:
+    """True when tool continuations are sub-steps of an action (branch_on='user_turn')."""
+    return self.branch_on == "user_turn"
 
   @property
   def branching(self) -> int:
@@ -91,15 +124,20 @@ def _check_choice(name, value, allowed):
 class TreePlan:
   """Worst-case (no early termination) size of one rollout step.
 
+  With branch_on='user_turn' every action may take `max_substeps` more
+  sampled segments and environment steps; the counts below assume it does.
+
   Attributes:
     nodes: tree nodes over all roots, sum_{t<T} B^t per root.
-    generations: completions sampled, nodes * N * G.
-    reward_calls: environment steps (one per joint action), nodes * B.
-    rows: training rows, one per (node, agent, sample) = generations.
+    generations: sampled segments, nodes * N * G (* (1 + max_substeps)
+      under 'user_turn').
+    reward_calls: environment steps, nodes * B (* (1 + max_substeps)).
+    rows: training rows, one per (node, agent, sample): nodes * N * G.
     tokens: rows * (max_prompt_len + max_new_tokens), the packed batch size.
     level_nodes: nodes per tree level over all roots (level t: roots * B^t).
     max_level_generations: completions of the largest level, i.e. the largest
-      single sampler call.
+      single sampler call (a sub-step round samples one segment per action,
+      never more than the level's first call).
   """
 
   nodes: int
@@ -120,7 +158,8 @@ def plan_tree(cfg: TreeConfig, num_roots: int, max_prompt_len: int, max_new_toke
     cfg: the tree semantics.
     num_roots: tasks (trees) rolled out together.
     max_prompt_len: longest prompt context any node may have, in tokens.
-    max_new_tokens: longest completion.
+    max_new_tokens: longest completion; under branch_on='user_turn' the
+      longest whole action (every segment and the tool turns between them).
     max_generations: budget on sampled completions per step (None: no limit).
     max_tokens: budget on packed training tokens per step (None: no limit).
 
@@ -137,23 +176,23 @@ def plan_tree(cfg: TreeConfig, num_roots: int, max_prompt_len: int, max_new_toke
   b, n, g = cfg.branching, cfg.num_agents, cfg.num_generations
   level_nodes = tuple(num_roots * b ** t for t in range(cfg.num_turns))
   nodes = sum(level_nodes)
-  generations = nodes * n * g
+  steps = 1 + cfg.max_substeps if cfg.substeps else 1  # env steps (segments) per action
   plan = TreePlan(
       nodes=nodes,
-      generations=generations,
-      reward_calls=nodes * b,
-      rows=generations,
-      tokens=generations * (max_prompt_len + max_new_tokens),
+      generations=nodes * n * g * steps,
+      reward_calls=nodes * b * steps,
+      rows=nodes * n * g,
+      tokens=nodes * n * g * (max_prompt_len + max_new_tokens),
       level_nodes=level_nodes,
       max_level_generations=level_nodes[-1] * n * g,
   )
   shape = (f"T={cfg.num_turns}, G={g}, N={n}, joint_mode={cfg.joint_mode!r}, "
-           f"roots={num_roots}")
+           f"branch_on={cfg.branch_on!r}, roots={num_roots}")
   if max_generations is not None and plan.generations > max_generations:
     raise ValueError(
-        f"tree rollout ({shape}) samples {plan.generations} completions per step, over the "
-        f"budget max_generations={max_generations}; lower num_generations, num_turns or the "
-        f"number of roots, or use joint_mode='align'")
+        f"tree rollout ({shape}) samples {plan.generations} completions (segments) per "
+        f"step, over the budget max_generations={max_generations}; lower num_generations, "
+        f"num_turns, max_substeps or the number of roots, or use joint_mode='align'")
   if max_tokens is not None and plan.tokens > max_tokens:
     raise ValueError(
         f"tree rollout ({shape}) packs {plan.rows} rows x "

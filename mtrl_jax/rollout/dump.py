@@ -6,6 +6,13 @@ Each line holds the node's place in the tree (`node_id`, `root`, `parent_id`,
 `agent_returns` and `weights`, `terminated`, the environment `infos` of each
 joint action, and the texts (prompt per agent, completion per agent per
 sample) when a decoder is given, token ids otherwise.
+
+Under `branch_on='user_turn'` a node also records `substeps` (continuation
+segments per joint action) and, per agent per sample, `segments`: the
+completion cut into runs `{"sampled": bool, "text" | "ids": ...}`, sampled
+segments alternating with the context between them (the tool turns and
+headers); each joint action's `infos` entry lists every step under
+`substeps`.
 """
 
 from __future__ import annotations
@@ -83,8 +90,20 @@ def node_records(tree: Tree, decode: Optional[Callable] = None) -> list[dict]:
     else:
       rec["prompt_ids"] = [list(p) for p in node.prompts]
       rec["completion_ids"] = [[c.ids.tolist() for c in agent] for agent in comps]
+    if tree.cfg.substeps:
+      rec["substeps"] = node.substeps_B.tolist()
+      rec["segments"] = [[_segments(c, decode) for c in agent] for agent in comps]
     records.append(rec)
   return records
+
+
+def _segments(comp, decode: Optional[Callable]) -> list[dict]:
+  out = []
+  for start, stop, sampled in comp.spans():
+    ids = [int(t) for t in comp.ids[start:stop]]
+    body = {"text": decode(ids)} if decode is not None else {"ids": ids}
+    out.append({"sampled": sampled, **body})
+  return out
 
 
 def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None) -> str:

@@ -6,6 +6,14 @@ call (the sampler prefills each prompt once and forks G continuations). The
 level's environment steps (one per joint action) then run on a thread pool,
 so a slow tool or judge does not serialise the level.
 
+With `TreeConfig.branch_on='user_turn'` an action whose step answered with
+tool turns only (`ActionOutcome.continues_turn`) does not branch: the engine
+samples ONE continuation segment for every such action of the level (one
+sampler call per sub-step round), appends it to the action's `Completion`
+(after the context the environment rendered) and steps again, until the
+environment hands over to the user (a child node) or stops. The action's
+reward is the sum of its steps' rewards; a masked step masks the action.
+
 The engine is independent of how environments represent state: it talks to a
 `Transition`, which gives the prompt ids of a node state and steps a joint
 action. `mtrl_jax.rollout.env_transition.EnvTransition` adapts
@@ -31,37 +39,48 @@ class ActionOutcome:
   """What one environment step of a joint action produced.
 
   Attributes:
-    next_state: the child's state (per-agent histories), or None when the
-      environment ended the episode on this action.
-    reward: r of the joint action (composed grade score; 0 when none).
+    next_state: the state to continue from (per-agent histories), or None
+      when the environment ended the episode on this action.
+    reward: r of this step (composed grade score; 0 when none).
     valid: False for an infrastructure fault: the action is masked, never rewarded.
     info: JSON-able details for the rollout dump (grades, faults, feedback).
+    continues_turn: the environment answered with tool turns only and waits
+      for the same policy turn to go on (its new turns end with a tool turn).
+      Under branch_on='user_turn' the engine then samples a continuation
+      instead of a child; under 'every_turn' it is ignored.
   """
 
   next_state: Any
   reward: float
   valid: bool = True
   info: Optional[dict] = None
+  continues_turn: bool = False
 
 
 class Transition(Protocol):
   """The environment side of a tree, in terms of opaque node states."""
 
   def prompts(self, state: Any) -> list[list[int]]:
-    """Prompt token ids (full context) of each agent at a node with `state`."""
+    """Prompt token ids (full context) of each agent at a node with `state`.
+
+    A state reached by a step must extend the stepped state's prompt plus the
+    sampled ids verbatim (token-in, token-out); the engine checks it for
+    sub-step continuations.
+    """
     ...
 
   def step(self, state: Any, actions: Sequence[Completion]) -> ActionOutcome:
-    """Applies one joint action (one completion per agent) to `state`.
+    """Applies one joint action (one single-segment completion per agent) to `state`.
 
     Must not mutate `state`: siblings branch from the same state. It runs on
     a worker thread, concurrently with the level's other steps.
     """
     ...
 
-  # Optional: `close(state)` releases a state's resources; the engine calls it
-  # once no branch will step the state again (after its level, or when a
-  # returned next state becomes no child).
+  # Optional: `close(state)` releases a state's resources. The engine owns
+  # every state it is given or returned (root states included) and calls it
+  # once no branch will step the state again: after its level, after its
+  # sub-step, or when a returned next state becomes no child.
 
 
 def _level_key(key: jax.Array, turn: int) -> jax.Array:
@@ -75,11 +94,14 @@ def expand_tree(cfg: TreeConfig, policy: PolicySampler, transition: Transition,
   """Rolls out one tree per root state and computes returns and advantages.
 
   Args:
-    cfg: tree semantics (T, G, N, joint mode, termination, discount, baseline).
-    policy: answers one batched request per level.
+    cfg: tree semantics (T, G, N, joint mode, termination, discount, baseline,
+      branch_on).
+    policy: answers one batched request per level (and per sub-step round).
     transition: prompts of a state; steps a joint action.
-    root_states: one initial state per task.
-    key: PRNG key; level t samples with `fold_in(key, t)`.
+    root_states: one initial state per task; the engine takes ownership and
+      closes them (`transition.close`) once their level is stepped.
+    key: PRNG key; level t samples with `fold_in(key, t)`, its sub-step
+      round k >= 1 with `fold_in(fold_in(key, t), k)`.
     executor: thread pool for environment steps (default: a pool of
       `max_workers` threads created for this call).
     max_workers: size of the default pool.
@@ -98,8 +120,9 @@ def expand_tree(cfg: TreeConfig, policy: PolicySampler, transition: Transition,
     for turn in range(cfg.num_turns):
       if not frontier:
         break
-      sample_level(tree, frontier, policy, _level_key(key, turn))
-      frontier = step_level(tree, frontier, transition, executor)
+      level_key = _level_key(key, turn)
+      sample_level(tree, frontier, policy, level_key)
+      frontier = step_level(tree, frontier, transition, executor, policy=policy, key=level_key)
   finally:
     if own_pool:
       executor.shutdown(wait=True)
@@ -119,39 +142,147 @@ def sample_level(tree: Tree, frontier: Sequence[Node], policy: PolicySampler,
     tree.set_completions(node, results[k * n:(k + 1) * n])
 
 
+@dataclasses.dataclass
+class _Action:
+  """One joint action of a level while its (sub-)steps run."""
+
+  node: Node
+  j: int
+  outcome: Optional[ActionOutcome] = None  # of the last step
+  reward: float = 0.0
+  valid: bool = True
+  steps: list = dataclasses.field(default_factory=list)  # every step's info
+  substeps: int = 0
+  limit_reached: bool = False
+
+  def absorb(self, out: ActionOutcome, finish_reason: str) -> None:
+    if not isinstance(out, ActionOutcome):
+      raise TypeError(f"Transition.step returned {type(out).__name__}; expected ActionOutcome")
+    if out.continues_turn and out.next_state is None:
+      raise ValueError("Transition.step returned continues_turn=True without a next_state")
+    self.outcome = out
+    self.reward += float(out.reward)
+    self.valid = self.valid and bool(out.valid)
+    self.steps.append({**(out.info or {}), "step_reward": float(out.reward),
+                       "valid": bool(out.valid), "continues_turn": bool(out.continues_turn),
+                       "finish_reason": finish_reason})
+
+  @property
+  def wants_more(self) -> bool:
+    """The environment waits for a continuation of this (valid) action."""
+    return self.valid and self.outcome.continues_turn and not self.limit_reached
+
+  def info(self, substeps: bool) -> dict:
+    if not substeps:  # 'every_turn': the step's own info, unchanged
+      return dict(self.outcome.info or {})
+    out = dict(self.steps[-1])
+    out.pop("step_reward")
+    if self.limit_reached:
+      out["done"] = out["truncated"] = True
+      out["faults"] = list(out.get("faults", [])) + [
+          {"kind": "truncation", "source": "framework", "retries": 0,
+           "message": f"sub-step limit reached ({self.substeps} continuations): the "
+                      "environment still waited for the policy"}]
+    out["action_reward"] = self.reward
+    out["substeps"] = self.steps
+    return out
+
+
+def _run_steps(transition: Transition, executor: concurrent.futures.Executor,
+               jobs: Sequence[tuple]) -> None:
+  """Runs `(action, state, completions)` steps concurrently; each action absorbs its outcome."""
+  futures = [executor.submit(transition.step, state, comps) for _, state, comps in jobs]
+  for (action, _, comps), future in zip(jobs, futures):
+    action.absorb(future.result(), comps[-1].finish_reason)
+
+
 def step_level(tree: Tree, frontier: Sequence[Node], transition: Transition,
-               executor: concurrent.futures.Executor) -> list[Node]:
+               executor: concurrent.futures.Executor, *, policy: Optional[PolicySampler] = None,
+               key: Optional[jax.Array] = None) -> list[Node]:
   """Steps every joint action of a level concurrently; records rewards; adds children.
+
+  Under branch_on='user_turn' the actions' sub-steps run here too, which
+  needs the `policy` and the level's `key`.
 
   Returns:
     The next level's nodes, in (node, joint action) order.
   """
   joint_BxN = tree.joint_BxN
   b, n = joint_BxN.shape
-
-  def run(node: Node, j: int) -> ActionOutcome:
-    actions = [node.completions[i][joint_BxN[j, i]] for i in range(n)]
-    out = transition.step(node.state, actions)
-    if not isinstance(out, ActionOutcome):
-      raise TypeError(f"Transition.step returned {type(out).__name__}; expected ActionOutcome")
-    return out
-
   close = getattr(transition, "close", None) or (lambda state: None)
-  futures = [[executor.submit(run, node, j) for j in range(b)] for node in frontier]
-  children = []
-  for node, node_futures in zip(frontier, futures):
-    outcomes = [f.result() for f in node_futures]
-    infos = [dict(o.info or {}) for o in outcomes]
-    may_expand = tree.record(node, [float(o.reward) for o in outcomes],
-                             [bool(o.valid) for o in outcomes], infos)
-    for j, o in enumerate(outcomes):
-      if o.next_state is None:
-        continue
-      if may_expand and o.valid:
-        children.append(tree.add_child(node, j, transition.prompts(o.next_state),
-                                       o.next_state))
-      else:  # terminated node, last turn, or masked action: the branch ends here
-        close(o.next_state)
+  actions = [_Action(node, j) for node in frontier for j in range(b)]
+  _run_steps(transition, executor, [
+      (a, a.node.state, [a.node.completions[i][joint_BxN[a.j, i]] for i in range(n)])
+      for a in actions])
+  for node in frontier:
     close(node.state)  # every branch stepped from it has forked its own state
+  if tree.cfg.substeps:
+    if policy is None or key is None:
+      raise ValueError("step_level with branch_on='user_turn' needs the policy and the key")
+    _continue_actions(tree, actions, policy, transition, executor, key)
+
+  children = []
+  for k, node in enumerate(frontier):
+    node_actions = actions[k * b:(k + 1) * b]
+    may_expand = tree.record(node, [a.reward for a in node_actions],
+                             [a.valid for a in node_actions],
+                             [a.info(tree.cfg.substeps) for a in node_actions],
+                             [a.substeps for a in node_actions])
+    for a in node_actions:
+      nxt = a.outcome.next_state
+      if nxt is None:
+        continue
+      if may_expand and a.valid and not a.limit_reached:
+        children.append(tree.add_child(node, a.j, transition.prompts(nxt), nxt))
+      else:  # terminated node, last turn, masked or truncated action: the branch ends here
+        close(nxt)
   return children
 
+
+def _continue_actions(tree: Tree, actions: Sequence[_Action], policy: PolicySampler,
+                     transition: Transition, executor: concurrent.futures.Executor,
+                     key: jax.Array) -> None:
+  """Sub-steps: continues every action whose environment waits for the policy.
+
+  Round k samples ONE segment for each waiting action of the level in one
+  policy call (key `fold_in(key, k)`), appends it (after the context the
+  environment rendered) to the action's completion and steps the action's
+  own state again. An action still waiting after `max_substeps` rounds ends
+  as a truncation.
+  """
+  cfg = tree.cfg
+  close = getattr(transition, "close", None) or (lambda state: None)
+  for rnd in range(1, cfg.max_substeps + 2):
+    waiting = [a for a in actions if a.wants_more]
+    if not waiting:
+      return
+    if rnd > cfg.max_substeps:
+      for a in waiting:
+        a.limit_reached = True  # its next state is closed by step_level
+      return
+    prompts = []
+    for a in waiting:
+      agent_prompts = transition.prompts(a.outcome.next_state)
+      if len(agent_prompts) != 1:
+        raise ValueError(f"sub-steps need one agent; the transition gave {len(agent_prompts)} "
+                         "prompts")
+      prompts.append(list(agent_prompts[0]))
+    results = policy.sample(prompts, [0] * len(prompts), 1, jax.random.fold_in(key, rnd))
+    if len(results) != len(prompts) or any(len(r) != 1 for r in results):
+      raise ValueError(f"policy returned {[len(r) for r in results]} completions for "
+                       f"{len(prompts)} prompts x 1 generation (sub-step round {rnd})")
+    jobs = []
+    for a, prompt, (segment,) in zip(waiting, prompts, results):
+      g = int(tree.joint_BxN[a.j, 0])
+      comp = a.node.completions[0][g]
+      done = a.node.prompts[0] + [int(t) for t in comp.ids]
+      if prompt[:len(done)] != done:
+        raise ValueError(
+            f"node {a.node.node_id} action {a.j}: the sub-step context does not extend the "
+            "node's prompt and the sampled tokens verbatim (token-in, token-out)")
+      a.node.completions[0][g] = comp.continued(prompt[len(done):], segment)
+      a.substeps += 1
+      jobs.append((a, a.outcome.next_state, [segment]))
+    _run_steps(transition, executor, jobs)
+    for _, state, _ in jobs:
+      close(state)  # an intermediate state belongs to its one action

@@ -7,6 +7,16 @@ branches never share mutable state), appends each agent's completion to a
 fork of its ledger exactly as sampled, and runs `step_environment`, which
 calls `react_to` / `react_to_joint`, classifies faults, composes the reward
 and renders the environment's new turns into the child's ledgers once.
+
+A step whose new turns end with a `tool` turn (for every agent) reports
+`continues_turn=True`: the environment waits for the policy, not the user.
+The engine turns that into a sub-step under `branch_on='user_turn'` and
+ignores it under 'every_turn'. Every step, sub-steps included, counts as one
+policy turn for `StepLimits.max_turns`.
+
+A sampled id the tokenizer cannot decode (a model vocabulary larger than the
+tokenizer's) ends the episode as a model format fault, penalised like an
+invalid call; the environment never sees the message.
 """
 
 from __future__ import annotations
@@ -14,7 +24,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
-from mtrl_jax.envs import StepLimits, Thread, Turn, step_environment
+import numpy as np
+
+from mtrl_jax.envs import StepLimits, StepOutcome, Thread, Turn, step_environment
+from mtrl_jax.envs.faults import Fault, FaultKind
+from mtrl_jax.graders.reward import RewardBreakdown, RewardConfig, compose_reward
 from mtrl_jax.rollout.engine import ActionOutcome
 from mtrl_jax.rollout.tree import Completion
 from mtrl_jax.text import ChatRenderer, TokenLedger
@@ -27,12 +41,13 @@ class EnvState:
   Attributes:
     env: the `Environment` of this branch (forked before every step).
     threads: one fully rendered thread per agent (no open assistant turn).
-    turn: the tree turn of the node (the policy turn about to be sampled).
+    steps: policy messages (environment steps) taken so far: the step index
+      of the next step, sub-steps included.
   """
 
   env: Any
   threads: tuple
-  turn: int = 0
+  steps: int = 0
 
 
 def _rendered(thread: Thread, renderer: ChatRenderer) -> Thread:
@@ -89,6 +104,12 @@ class EnvTransition:
     return out
 
   def step(self, state: EnvState, actions: Sequence[Completion]) -> ActionOutcome:
+    vocab = self.renderer.tokenizer.vocab_size
+    for i, comp in enumerate(actions):
+      ids = np.asarray(comp.ids)
+      bad = ids[(ids < 0) | (ids >= vocab)]
+      if bad.size:
+        return self._undecodable(i, bad.tolist(), vocab)
     env = state.env.fork()
     acted = []
     for i, (thread, comp) in enumerate(zip(state.threads, actions)):
@@ -99,15 +120,31 @@ class EnvTransition:
       name = f"agent_{i}" if self.num_agents > 1 else None
       acted.append(thread.replace(ledger=ledger).append(Turn("assistant", text, name=name)))
     out = step_environment(env, acted, self.limits, reward_cfg=self.reward_cfg,
-                           renderer=self.renderer, step_index=state.turn)
+                           renderer=self.renderer, step_index=state.steps)
     info = out.to_dict()
     if out.done:
       env.close()
       return ActionOutcome(None, out.reward.total, valid=not out.masked, info=info)
-    info["env_turns"] = [[t.content for t in nxt.turns[len(old.turns):]]
-                         for old, nxt in zip(acted, out.next_threads)]
-    return ActionOutcome(EnvState(env, tuple(out.next_threads), state.turn + 1),
-                       out.reward.total, valid=not out.masked, info=info)
+    new_turns = [nxt.turns[len(old.turns):] for old, nxt in zip(acted, out.next_threads)]
+    info["env_turns"] = [[t.content for t in turns] for turns in new_turns]
+    info["env_roles"] = [[t.role for t in turns] for turns in new_turns]
+    waits = all(turns and turns[-1].role == "tool" for turns in new_turns)
+    return ActionOutcome(EnvState(env, tuple(out.next_threads), state.steps + 1),
+                         out.reward.total, valid=not out.masked, info=info,
+                         continues_turn=waits)
+
+  def _undecodable(self, agent: int, bad: list, vocab: int) -> ActionOutcome:
+    """The outcome of a message with ids outside the tokenizer: a model format fault."""
+    policy = self.limits.faults
+    fault = Fault(FaultKind.MODEL_FORMAT, "framework",
+                  f"agent {agent} sampled ids {sorted(set(bad))[:8]} outside the tokenizer's "
+                  f"vocabulary [0, {vocab})")
+    masked = fault.kind in policy.mask
+    invalid = int(fault.kind in policy.penalise)
+    reward = (RewardBreakdown.zero() if masked else
+              compose_reward(self.reward_cfg or RewardConfig(), steps=1, invalid_calls=invalid))
+    out = StepOutcome(None, {}, reward, (fault,), masked=masked, invalid_calls=invalid)
+    return ActionOutcome(None, reward.total, valid=not masked, info=out.to_dict())
 
   def close(self, state: Optional[EnvState]) -> None:
     """Releases a state's environment once no branch will step it again."""

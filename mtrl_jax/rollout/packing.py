@@ -2,8 +2,10 @@
 
 Each (node, agent, sample) becomes one row: the agent's prompt context at the
 node (not trainable; earlier policy turns in it are trained in their own
-node's row) followed by the sampled completion (trainable, with its sampling
-logprobs). Rows are right-padded to a bucketed length and the batch to a
+node's row) followed by the action's completion: its sampled tokens are
+trainable, with their sampling logprobs; under branch_on='user_turn' the
+context between its segments (tool turns, headers) is part of the row but not
+trainable (logprob 0). Rows are right-padded to a bucketed length and the batch to a
 bucketed row count so the jitted train step compiles once per bucket.
 
 Batch fields (DESIGN.md / docs/internals.md "rollout"):
@@ -101,7 +103,7 @@ def pack_tree(tree: Tree, *, length_buckets: Sequence[int],
     # Fault-masked samples are dropped three ways (mask, advantage, weight) so
     # that no loss aggregation can leak them into the update.
     keep = weight > 0
-    loss_mask_BxL[b, p:p + c] = keep
+    loss_mask_BxL[b, p:p + c] = comp.sampled_mask & keep
     adv_B[b] = adv if keep else 0.0
     row_weight_B[b] = 1.0 if keep else 0.0
     ids_3xB[:, b] = (turn, agent, node_id)

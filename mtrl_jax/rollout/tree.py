@@ -13,6 +13,10 @@ Per agent the G sample returns are the joint returns (align) or the sum / mean
 over the G^(N-1) joint actions containing the sample (cross); advantages use
 the sibling baseline of `TreeConfig.advantage_mode`, optionally standardised.
 
+Under `branch_on='user_turn'` a joint action may span several environment
+steps (tool sub-steps): r_j is the sum of their rewards and the action's
+`Completion` holds every sampled segment with the context between them.
+
 Infrastructure faults make a joint action invalid: it is excluded from child
 means and baselines, and every sample in it gets weight 0 (never rewarded,
 never penalised). Node ids follow creation order, so parents precede children
@@ -34,22 +38,73 @@ _STD_FLOOR = 1e-6
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-  """One sampled completion: token ids exactly as sampled, with their logprobs.
+  """One action of one agent: the sampled tokens exactly as sampled, with their logprobs.
+
+  Under `branch_on='every_turn'` an action is one sampled segment. Under
+  'user_turn' an action continues after the environment's tool turns: each
+  continuation appends the context the environment rendered (the end of the
+  previous message, the tool turns, the next assistant header) and the next
+  sampled segment (`continued`). Only sampled tokens are trainable.
 
   Attributes:
-    ids: int32 [n] sampled tokens (the stop token included when it stopped).
-    logprobs: float32 [n] sampling log-probability of each token.
-    finish_reason: 'stop' | 'length'.
+    ids: int32 [n] tokens (each segment's stop token included when it stopped).
+    logprobs: float32 [n] sampling log-probability of each sampled token; 0.0
+      on context tokens.
+    finish_reason: 'stop' | 'length' of the last segment.
+    trainable: bool [n], True where the token was sampled; None when every
+      token was (a one-segment completion).
   """
 
   ids: np.ndarray
   logprobs: np.ndarray
   finish_reason: str = "stop"
+  trainable: Optional[np.ndarray] = None
 
   def __post_init__(self):
     if len(self.ids) != len(self.logprobs):
       raise ValueError(f"Completion ids ({len(self.ids)}) and logprobs "
                        f"({len(self.logprobs)}) differ in length")
+    if self.trainable is not None:
+      mask = np.asarray(self.trainable, bool)
+      if mask.shape != (len(self.ids),):
+        raise ValueError(f"Completion trainable has shape {mask.shape}; expected "
+                         f"({len(self.ids)},)")
+      if np.any(np.asarray(self.logprobs)[~mask] != 0):
+        raise ValueError("Completion context tokens (trainable False) must have logprob 0")
+      object.__setattr__(self, "trainable", mask)
+
+  @property
+  def sampled_mask(self) -> np.ndarray:
+    """bool [n]: True on sampled (trainable) tokens."""
+    if self.trainable is None:
+      return np.ones(len(self.ids), bool)
+    return self.trainable
+
+  def spans(self) -> list[tuple[int, int, bool]]:
+    """Maximal runs `(start, stop, sampled)` of sampled and context tokens, in order."""
+    mask = self.sampled_mask
+    cuts = [0] + [k for k in range(1, len(mask)) if mask[k] != mask[k - 1]] + [len(mask)]
+    return [(a, b, bool(mask[a])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+  @property
+  def num_segments(self) -> int:
+    """Sampled segments (runs of sampled tokens)."""
+    return sum(sampled for _, _, sampled in self.spans())
+
+  def continued(self, context_ids: Sequence[int], segment: "Completion") -> "Completion":
+    """This completion + non-trainable `context_ids` + the sampled `segment`."""
+    if segment.trainable is not None and not segment.trainable.all():
+      raise ValueError("Completion.continued: the new segment must be sampled tokens only")
+    context = np.asarray(context_ids, np.int32).reshape(-1)
+    return Completion(
+        ids=np.concatenate([np.asarray(self.ids, np.int32), context,
+                            np.asarray(segment.ids, np.int32)]),
+        logprobs=np.concatenate([np.asarray(self.logprobs, np.float32),
+                                 np.zeros(len(context), np.float32),
+                                 np.asarray(segment.logprobs, np.float32)]),
+        finish_reason=segment.finish_reason,
+        trainable=np.concatenate([self.sampled_mask, np.zeros(len(context), bool),
+                                  np.ones(len(segment.ids), bool)]))
 
 
 def joint_actions(cfg: TreeConfig) -> np.ndarray:
@@ -76,12 +131,15 @@ class Node:
     prompts: per agent, the prompt token ids (full context) the samples continue.
     state: opaque environment state of the node (per-agent threads), used by
       the engine only.
-    completions: per agent, G Completions (None until sampled).
+    completions: per agent, G Completions (None until sampled); under
+      branch_on='user_turn' each holds every segment of its action.
     rewards_B: reward of each joint action.
     valid_B: False where the joint action hit an infrastructure fault.
     children_B: child node id per joint action, -1 when none.
     terminated: the mean reward exceeded the termination threshold.
     infos: per joint action, a JSON-able dict from the environment (grades, faults).
+    substeps_B: continuation segments sampled per joint action (sub-steps
+      within the turn; always 0 under branch_on='every_turn').
     returns_B, agent_returns_NxG, advantages_NxG, weight_NxG: set by `Tree.finalize`.
   """
 
@@ -98,6 +156,7 @@ class Node:
   children_B: Optional[np.ndarray] = None
   terminated: bool = False
   infos: Optional[list] = None
+  substeps_B: Optional[np.ndarray] = None
   returns_B: Optional[np.ndarray] = None
   agent_returns_NxG: Optional[np.ndarray] = None
   advantages_NxG: Optional[np.ndarray] = None
@@ -222,8 +281,15 @@ class Tree:
     node.completions = [list(c) for c in completions]
 
   def record(self, node: Node, rewards_B: Sequence[float], valid_B: Optional[Sequence[bool]] = None,
-             infos: Optional[list] = None) -> bool:
+             infos: Optional[list] = None, substeps_B: Optional[Sequence[int]] = None) -> bool:
     """Stores the joint actions' rewards and decides termination.
+
+    Args:
+      node: the node whose actions were stepped.
+      rewards_B: reward of each joint action (summed over its sub-steps).
+      valid_B: False where an action hit an infrastructure fault (default: all valid).
+      infos: per joint action, a JSON-able dict for the dump.
+      substeps_B: continuation segments of each action (default: none).
 
     Returns:
       True when the node may have children: turn < T - 1 and not terminated.
@@ -239,6 +305,8 @@ class Tree:
     node.rewards_B, node.valid_B = rewards_B, valid_B
     node.children_B = np.full(b, -1, np.int64)
     node.infos = infos if infos is not None else [{} for _ in range(b)]
+    node.substeps_B = (np.zeros(b, np.int64) if substeps_B is None
+                       else np.asarray(substeps_B, np.int64).reshape(b))
     node.terminated = should_terminate(self.cfg, rewards_B, valid_B)
     return node.turn < self.cfg.num_turns - 1 and not node.terminated
 
@@ -276,20 +344,30 @@ class Tree:
     return [n for n in self.nodes if n.turn == turn]
 
   def counts(self) -> dict[str, int]:
-    """Nodes, generations and environment steps this rollout actually spent."""
+    """Nodes, generations and environment steps this rollout actually spent.
+
+    A sub-step (continuation segment) is one more generation and one more
+    environment step.
+    """
     cfg = self.cfg
     sampled = sum(n.completions is not None for n in self.nodes)
+    substeps = self.num_substeps()
     return {"nodes": len(self.nodes),
-            "generations": sampled * cfg.num_agents * cfg.num_generations,
+            "generations": sampled * cfg.num_agents * cfg.num_generations + substeps,
             "reward_calls": int(sum(np.size(n.rewards_B) for n in self.nodes
-                                    if n.rewards_B is not None))}
+                                    if n.rewards_B is not None)) + substeps}
+
+  def num_substeps(self) -> int:
+    """Continuation segments sampled over the whole tree."""
+    return int(sum(n.substeps_B.sum() for n in self.nodes if n.substeps_B is not None))
 
   def metrics(self) -> dict[str, float]:
     """Per-turn mean reward / return and tree counts, for logging."""
     out = {"tree/nodes": float(len(self.nodes)),
            "tree/terminated": float(sum(n.terminated for n in self.nodes)),
            "tree/masked_actions": float(sum((~n.valid_B).sum() for n in self.nodes
-                                            if n.valid_B is not None))}
+                                            if n.valid_B is not None)),
+           "tree/substeps": float(self.num_substeps())}
     for t in range(self.cfg.num_turns):
       nodes = [n for n in self.level(t) if n.rewards_B is not None]
       if not nodes:

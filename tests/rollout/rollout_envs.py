@@ -58,3 +58,25 @@ class SoloEnv(Environment):
   def react_to(self, thread):
     score = float(len(thread.last_assistant) % 2 == 0)
     return thread.append(Turn("user", "again")), Grade(score)
+
+
+class ToolThenUserEnv(Environment):
+  """One agent: a message right after a user turn gets a tool turn (its length),
+  the message after the tool result gets the user's next question; never stops.
+
+  r = 1 when the message after the tool result repeats the tool's text.
+  """
+
+  def initial_thread(self):
+    from mtrl_jax.envs import Thread
+    return Thread((Turn("user", self.metadata["prompt"]),), dict(self.metadata))
+
+  def react_to(self, thread):
+    text = thread.last_assistant
+    if thread.turns[-2].role == "user":
+      return thread.append(Turn("tool", str(len(text)))), None
+    return thread.append(Turn("user", "next")), Grade(float(thread.turns[-2].content in text))
+
+  def close(self):
+    with _LOCK:
+      CLOSED.append(id(self))

@@ -48,6 +48,10 @@ def test_budget_violation_is_a_clear_error():
     (dict(termination_threshold="high"), "termination_threshold"),
     (dict(advantage_mode="rloo", num_generations=1), "rloo"),
     (dict(advantage_std_norm=1), "advantage_std_norm"),
+    (dict(branch_on="tool_turn"), r"branch_on='tool_turn'; allowed: \['every_turn', 'user_turn'\]"),
+    (dict(max_substeps=0), "max_substeps=0"),
+    (dict(max_substeps=True), "max_substeps"),
+    (dict(branch_on="user_turn", num_agents=2), "branch_on='user_turn' needs num_agents=1"),
 ])
 def test_bad_config_names_the_field(kw, match):
   base = dict(num_turns=2, num_generations=4)
@@ -63,3 +67,15 @@ def test_config_is_frozen_and_hashable():
     cfg.num_turns = 3
   with pytest.raises(ValueError, match="num_roots"):
     plan_tree(cfg, 0, 10, 10)
+
+
+def test_user_turn_plan_counts_worst_case_substeps():
+  # T=2, G=4, 3 roots: 15 nodes, 60 rows; with max_substeps=2 every action may
+  # take 3 segments / environment steps.
+  cfg = TreeConfig(num_turns=2, num_generations=4, branch_on="user_turn", max_substeps=2)
+  plan = plan_tree(cfg, 3, 100, 50)
+  assert (plan.nodes, plan.rows, plan.generations, plan.reward_calls) == (15, 60, 180, 180)
+  assert plan.tokens == 60 * 150 and plan.max_level_generations == 12 * 4
+  assert plan_tree(cfg.replace(branch_on="every_turn"), 3, 100, 50).generations == 60
+  with pytest.raises(ValueError, match="branch_on='user_turn'.*max_substeps"):
+    plan_tree(cfg, 3, 100, 50, max_generations=100)

@@ -1,6 +1,7 @@
 """The engine over real `mtrl_jax.envs` environments, ledgers and chat rendering."""
 
 import jax
+import numpy as np
 import pytest
 
 from mtrl_jax.envs import StepLimits
@@ -8,7 +9,7 @@ from mtrl_jax.graders.reward import RewardConfig
 from mtrl_jax.rollout import FakePolicySampler, TreeConfig, expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
-from rollout_envs import CLOSED, DuoEnv, SoloEnv
+from rollout_envs import CLOSED, DuoEnv, SoloEnv, ToolThenUserEnv
 
 TOK = ByteTokenizer()
 FMT = compact(TOK)
@@ -97,3 +98,44 @@ def test_single_agent_and_limits():
   assert all(info["truncated"] for info in tree.nodes[1].infos)
   with pytest.raises(ValueError, match="num_agents=1 but the tree has num_agents=2"):
     EnvTransition(renderer, num_agents=2).root_state(SoloEnv({"prompt": "go"}))
+
+
+def test_ids_past_the_tokenizer_are_a_penalised_format_fault():
+  # A model vocabulary larger than the tokenizer's: every sampled id is in
+  # [268, 300), past ByteTokenizer()'s 268 ids, so no message can be decoded.
+  reward_cfg = RewardConfig(step_penalty=-0.05, tool_penalty=-0.2)
+  transition = EnvTransition(ChatRenderer(TOK, FMT), reward_cfg=reward_cfg)
+  sampler = FakePolicySampler(vocab=300, low=TOK.vocab_size, max_new_tokens=3)
+  cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
+  tree = expand_tree(cfg, sampler, transition, [transition.root_state(SoloEnv({"prompt": "go"}))],
+                     jax.random.key(3))
+  root = tree.nodes[0]
+  assert len(tree.nodes) == 1 and (root.children_B < 0).all() and root.valid_B.all()
+  for info in root.infos:
+    assert info["done"] and info["invalid_calls"] == 1
+    assert info["faults"][0]["kind"] == "model_format" and "outside" in info["faults"][0]["message"]
+  np.testing.assert_allclose(root.rewards_B, -0.25, atol=1e-12)
+
+
+def test_user_turn_substeps_close_every_state_once():
+  transition = EnvTransition(ChatRenderer(TOK, FMT), limits=StepLimits(max_turns=8))
+  sampler = FakePolicySampler(vocab=128, low=32, max_new_tokens=4, stop_id=FMT.stop_ids[0])
+  cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
+  CLOSED.clear()
+  tree = expand_tree(cfg, sampler, transition,
+                     [transition.root_state(ToolThenUserEnv({"prompt": "go"}))], jax.random.key(4))
+  # 3 nodes; every action is a tool call then a message the user answers: 2 steps each.
+  assert tree.counts() == {"nodes": 3, "generations": 12, "reward_calls": 12}
+  assert len(CLOSED) == len(set(CLOSED)) == 1 + 12  # the root and one fork per step
+  for node in tree.nodes:
+    for g in range(2):
+      steps = node.infos[g]["substeps"]
+      assert [s["env_roles"] for s in steps] == [[["tool"]], [["user"]]]
+      assert [s["continues_turn"] for s in steps] == [True, False]
+  # Sub-steps count as policy turns for the turn cap: with max_turns=3 the
+  # child's first step is the 3rd policy message and truncates.
+  capped = EnvTransition(ChatRenderer(TOK, FMT), limits=StepLimits(max_turns=3))
+  tree = expand_tree(cfg, sampler, capped,
+                     [capped.root_state(ToolThenUserEnv({"prompt": "go"}))], jax.random.key(4))
+  for kid in tree.nodes[1:]:
+    assert all(i["truncated"] and len(i["substeps"]) == 1 for i in kid.infos)

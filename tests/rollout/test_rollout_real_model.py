@@ -10,7 +10,8 @@ from mtrl_jax.rollout import SamplerPolicy, TreeConfig, expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.sampling import Sampler, SamplingConfig
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
-from rollout_envs import DuoEnv
+from mtrl_jax.envs.tasks import calculator
+from rollout_envs import DuoEnv, ToolThenUserEnv
 
 
 def test_tiny_model_tree_shared_and_separate_policies():
@@ -52,3 +53,35 @@ def test_tiny_model_tree_shared_and_separate_policies():
   root_ids = lambda t, i: [c.ids.tolist() for c in t.nodes[0].completions[i]]
   assert root_ids(shared, 0) == root_ids(separate, 0)
   assert root_ids(shared, 1) != root_ids(separate, 1)
+
+
+def test_tiny_model_user_turn_tree_with_tool_substeps():
+  # The calculator tokenizer (270 ids) under a 300-id model: ids past the
+  # tokenizer end the episode as a model format fault instead of crashing.
+  cfg = get_preset("tiny")
+  tok = ByteTokenizer(extra_specials=calculator.EXTRA_SPECIALS)
+  fmt = compact(tok)
+  _, state = nnx.split(create_model(cfg, seed=0))
+  sampler = Sampler(cfg, batch_buckets=(16,), prompt_buckets=(64,), decode_buckets=(16,))
+  policy = SamplerPolicy(sampler, state, SamplingConfig(temperature=1.0, max_new_tokens=6),
+                         stop_ids=fmt.stop_ids, pad_id=tok.pad_id)
+  transition = EnvTransition(ChatRenderer(tok, fmt), reward_cfg=RewardConfig(shaping_weight=1.0))
+  roots = [transition.root_state(ToolThenUserEnv({"prompt": p})) for p in ("12+3=", "7*8=")]
+  tree_cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
+  tree = expand_tree(tree_cfg, policy, transition, roots, jax.random.key(0))
+  assert sampler.num_compiles == 1
+  nodes = tree.counts()["nodes"]
+  assert 2 <= nodes <= 2 * 3 and tree.num_substeps() > 0
+  # Each level: its first segments, then one round for the tool continuations.
+  assert policy.num_generate_calls == 2 * (2 if nodes > 2 else 1)
+  batch = pack_tree(tree, length_buckets=(128,))
+  rows = [(n, g) for n in tree.nodes for g in range(2)]
+  for b, (node, g) in enumerate(rows):
+    comp, info = node.completions[0][g], node.infos[g]
+    if info["faults"] and info["faults"][0]["kind"] == "model_format":
+      continue  # an id past the tokenizer: the environment never answered
+    assert comp.num_segments == 1 + node.substeps_B[g] == 2
+    assert info["substeps"][0]["env_roles"] == [["tool"]]
+    mask = batch["loss_mask_BxL"][b]
+    assert mask.sum() == comp.sampled_mask.sum() and (batch["old_logp_BxL"][b, mask] <= 0).all()
+  assert np.isfinite(batch["old_logp_BxL"]).all() and batch["row_weight_B"].sum() == 2 * nodes

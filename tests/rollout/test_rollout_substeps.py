@@ -1,0 +1,209 @@
+"""branch_on='user_turn': tool continuations are sub-steps of one action, not tree turns."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from mtrl_jax.rollout import (ActionOutcome, Completion, FakePolicySampler, Tree, TreeConfig,
+                              expand_tree, pack_tree, plan_tree, write_rollout_dump)
+from rollout_scripted import FEEDBACK, TOOL, ScriptedTransition
+
+KEY = jax.random.key(0)
+
+
+def _comp(ids, lps):
+  return Completion(np.asarray(ids, np.int32), np.asarray(lps, np.float32))
+
+
+def _need(s):
+  """Tool continuations the scripted environment asks for in this turn."""
+  return s.root + 1 if s.turn == 0 else 1
+
+
+def _transition(**kw):
+  # Step reward 0.1 * (sub + 1): an action of k steps earns 0.1 * k (k + 1) / 2.
+  return ScriptedTransition(reward=lambda s, a: 0.1 * (s.sub + 1),
+                            continues=lambda s, a: s.sub < _need(s), **kw)
+
+
+def _run(cfg, transition, num_roots=2):
+  sampler = FakePolicySampler(vocab=64, low=8, max_new_tokens=4, stop_id=2)
+  tree = expand_tree(cfg, sampler, transition, transition.roots(num_roots, 1), KEY)
+  return tree, sampler
+
+
+def test_user_turn_tree_counts_calls_and_summed_rewards():
+  cfg = TreeConfig(num_turns=2, num_generations=4, branch_on="user_turn")
+  tree, sampler = _run(cfg, _transition())
+  # T=2 user turns, G=4: 1 + 4 nodes per root, whatever the tool calls inside the turns.
+  assert len(tree.nodes) == 2 * 5
+  assert [n.turn for n in tree.nodes] == [0, 0] + [1] * 8
+  # Level 0: the first segments (2 roots x G=4), then round 1 continues all 8
+  # actions and round 2 only root 1's 4 (it needs two tool calls). Level 1:
+  # 8 nodes x G=4 first segments, then one round over their 32 actions.
+  assert [(c["prompts"], c["num_generations"]) for c in sampler.calls] == [
+      (2, 4), (8, 1), (4, 1), (8, 4), (32, 1)]
+  substeps = 4 * 1 + 4 * 2 + 32 * 1
+  assert tree.counts() == {"nodes": 10, "generations": 10 * 4 + substeps,
+                           "reward_calls": 10 * 4 + substeps}
+  plan = plan_tree(cfg, 2, 64, 64)
+  assert plan.nodes == 10 and plan.generations == 10 * 4 * 5 >= tree.counts()["generations"]
+  for node in tree.nodes:
+    k = _need(node.state)
+    steps = k + 1
+    # Summed step rewards: 0.1 + 0.2 (+ 0.3) for k = 1 (2) continuations.
+    np.testing.assert_allclose(node.rewards_B, 0.1 * steps * (steps + 1) / 2, rtol=0,
+                               atol=1e-12)
+    np.testing.assert_array_equal(node.substeps_B, k)
+    for j in range(4):
+      comp, info = node.completions[0][j], node.infos[j]
+      assert comp.num_segments == steps
+      assert [s["step_reward"] for s in info["substeps"]] == pytest.approx(
+          [0.1 * (i + 1) for i in range(steps)], abs=1e-12)
+      assert [s["continues_turn"] for s in info["substeps"]] == [True] * k + [False]
+      # Context between segments is exactly the tool token, never trainable.
+      context = [comp.ids[a:b].tolist() for a, b, sampled in comp.spans() if not sampled]
+      assert context == [[TOOL]] * k
+      if node.turn == 0:  # hands over to the user: the child continues the whole action
+        kid = tree.nodes[node.children_B[j]]
+        assert kid.prompts[0] == node.prompts[0] + comp.ids.tolist() + [FEEDBACK]
+  # Returns: leaves R = r = 0.3; roots R = r + 0.9 * 0.3.
+  np.testing.assert_allclose(tree.nodes[0].returns_B, 0.3 + 0.9 * 0.3, atol=1e-12)
+  np.testing.assert_allclose(tree.nodes[1].returns_B, 0.6 + 0.9 * 0.3, atol=1e-12)
+  assert tree.metrics()["tree/substeps"] == substeps
+
+
+def test_every_turn_branches_at_tool_turns_as_before():
+  cfg = TreeConfig(num_turns=2, num_generations=4)
+  tree, sampler = _run(cfg, _transition())
+  # continues_turn is ignored: every step that goes on is a child (CoMLRL).
+  assert tree.counts() == {"nodes": 10, "generations": 40, "reward_calls": 40}
+  assert [c["prompts"] for c in sampler.calls] == [2, 8]
+  kid = tree.nodes[tree.nodes[0].children_B[0]]
+  assert kid.prompts[0][-1] == TOOL and kid.state.sub == 1
+  assert all(n.substeps_B.sum() == 0 for n in tree.nodes)
+  assert "substeps" not in tree.nodes[0].infos[0]
+
+
+def test_substep_limit_truncates_the_action():
+  cfg = TreeConfig(num_turns=2, num_generations=4, branch_on="user_turn", max_substeps=1)
+  tree, sampler = _run(cfg, _transition())
+  root0, root1 = tree.nodes[:2]
+  # Root 1 needs 2 continuations, 1 is allowed: its actions end, truncated, no child.
+  assert (root0.children_B >= 0).all() and (root1.children_B < 0).all()
+  for j in range(4):
+    info = root1.infos[j]
+    assert info["truncated"] and info["done"]
+    assert info["faults"][-1]["kind"] == "truncation"
+    assert len(info["substeps"]) == 2 and root1.completions[0][j].num_segments == 2
+  np.testing.assert_allclose(root1.rewards_B, 0.1 + 0.2, atol=1e-12)  # the steps taken
+  np.testing.assert_array_equal(root1.substeps_B, 1)
+  assert (root1.weight_NxG == 1).all()  # model-caused truncation: still trained on
+  # No round 2: the limit is checked before sampling.
+  assert [c["prompts"] for c in sampler.calls] == [2, 8, 4, 16]
+
+
+def test_masked_substep_masks_the_whole_action():
+  # Infrastructure fault on the first continuation of actions whose first token is odd.
+  fault = lambda s, a: s.sub == 1 and s.turn == 0 and s.histories[0][3] % 2 == 1
+  cfg = TreeConfig(num_turns=2, num_generations=4, branch_on="user_turn")
+  tree, _ = _run(cfg, _transition(fault=fault), num_roots=3)
+  masked = 0
+  for root in tree.nodes[:3]:
+    for j in range(4):
+      bad = int(root.completions[0][j].ids[0]) % 2 == 1
+      masked += bad
+      assert root.valid_B[j] == (not bad) and (root.children_B[j] < 0) == bad
+      assert root.weight_NxG[0, j] == (0.0 if bad else 1.0)
+      steps = root.infos[j]["substeps"]
+      if bad:  # both steps recorded, the faulted one last; no further sub-step
+        assert [s["valid"] for s in steps] == [True, False]
+        assert root.advantages_NxG[0, j] == 0.0
+  assert 0 < masked < 12
+  batch = pack_tree(tree, length_buckets=(64,))
+  assert batch["row_weight_B"].sum() == 4 * len(tree.nodes) - masked
+
+
+def test_packing_masks_exactly_the_sampled_tokens():
+  # One action: segment [7, 8] (stop 2 last), tool context [6, 9], segment [5, 2].
+  comp = _comp([7, 8, 2], [-0.1, -0.2, -0.3]).continued([6, 9], _comp([5, 2], [-0.4, -0.5]))
+  tree = Tree(TreeConfig(num_turns=1, num_generations=2, branch_on="user_turn"))
+  root = tree.add_root([[3, 4]])
+  tree.set_completions(root, [[comp, _comp([11], [-0.6])]])
+  tree.record(root, [1.0, 0.0], substeps_B=[1, 0])
+  tree.finalize()
+  batch = pack_tree(tree, length_buckets=(10,))
+  np.testing.assert_array_equal(batch["tokens_BxL"], [[3, 4, 7, 8, 2, 6, 9, 5, 2, 0],
+                                                      [3, 4, 11, 0, 0, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(batch["loss_mask_BxL"].astype(int),
+                                [[0, 0, 1, 1, 1, 0, 0, 1, 1, 0], [0, 0, 1, 0, 0, 0, 0, 0, 0, 0]])
+  np.testing.assert_allclose(batch["old_logp_BxL"][0],
+                             [0, 0, -0.1, -0.2, -0.3, 0, 0, -0.4, -0.5, 0], rtol=0, atol=1e-7)
+  np.testing.assert_allclose(batch["adv_B"], [0.5, -0.5])
+  assert comp.spans() == [(0, 3, True), (3, 5, False), (5, 7, True)]
+
+
+def test_packing_of_an_engine_run_lines_up():
+  cfg = TreeConfig(num_turns=2, num_generations=3, branch_on="user_turn")
+  tree, _ = _run(cfg, _transition())
+  batch = pack_tree(tree, length_buckets=(64,))
+  rows = [(n, g) for n in tree.nodes for g in range(3)]
+  for b, (node, g) in enumerate(rows):
+    comp, p = node.completions[0][g], len(node.prompts[0])
+    mask = batch["loss_mask_BxL"][b]
+    np.testing.assert_array_equal(np.flatnonzero(mask), p + np.flatnonzero(comp.sampled_mask))
+    row = batch["tokens_BxL"][b]
+    np.testing.assert_array_equal(row[:p + len(comp.ids)], node.prompts[0] + comp.ids.tolist())
+    # The sampled tokens of all segments, in order, with their sampling logprobs.
+    segs = [comp.ids[a:e] for a, e, s in comp.spans() if s]
+    seg_lps = [comp.logprobs[a:e] for a, e, s in comp.spans() if s]
+    np.testing.assert_array_equal(row[mask], np.concatenate(segs))
+    np.testing.assert_array_equal(batch["old_logp_BxL"][b, mask], np.concatenate(seg_lps))
+    assert (row[p:p + len(comp.ids)][~comp.sampled_mask] == TOOL).all()
+  assert (batch["old_logp_BxL"][~batch["loss_mask_BxL"]] == 0).all()
+
+
+def test_dump_shows_segments_and_tool_turns(tmp_path):
+  cfg = TreeConfig(num_turns=1, num_generations=2, branch_on="user_turn")
+  tree, _ = _run(cfg, _transition(), num_roots=1)
+  path = write_rollout_dump(tree, str(tmp_path / "d.jsonl"),
+                            decode=lambda ids: " ".join(map(str, ids)))
+  (rec,) = [json.loads(x) for x in open(path)]
+  assert rec["substeps"] == [1, 1]
+  for g in range(2):
+    segs = rec["segments"][0][g]
+    assert [s["sampled"] for s in segs] == [True, False, True]
+    assert segs[1]["text"] == str(TOOL)
+    assert " ".join(s["text"] for s in segs) == rec["completions"][0][g]
+    assert [s["r"] for s in rec["infos"][g]["substeps"]] == pytest.approx([0.1, 0.2])
+
+
+def test_continuation_must_extend_the_context():
+  class Rewriting(ScriptedTransition):
+    def prompts(self, state):
+      return [[1] + list(h) for h in state.histories] if state.sub else super().prompts(state)
+
+  cfg = TreeConfig(num_turns=1, num_generations=2, branch_on="user_turn")
+  with pytest.raises(ValueError, match="token-in, token-out"):
+    _run(cfg, Rewriting(continues=lambda s, a: s.sub < 1))
+
+  class Broken(ScriptedTransition):
+    def step(self, state, actions):
+      return ActionOutcome(None, 0.0, continues_turn=True)
+
+  with pytest.raises(ValueError, match="continues_turn=True without a next_state"):
+    _run(cfg, Broken())
+
+
+def test_completion_checks():
+  with pytest.raises(ValueError, match="logprob 0"):
+    Completion(np.array([1, 2], np.int32), np.array([-0.1, -0.2], np.float32),
+               trainable=np.array([True, False]))
+  with pytest.raises(ValueError, match="shape"):
+    Completion(np.array([1], np.int32), np.array([0.0], np.float32), trainable=np.ones(2, bool))
+  two = _comp([1], [-0.1]).continued([6], _comp([2], [-0.2]))
+  with pytest.raises(ValueError, match="sampled tokens only"):
+    _comp([1], [-0.1]).continued([6], two)
+  assert _comp([1, 2], [-0.1, -0.2]).num_segments == 1 and two.num_segments == 2
