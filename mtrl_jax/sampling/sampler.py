@@ -1,0 +1,385 @@
+"""Jitted branching KV-cache sampler: prefill each prompt once, decode G continuations.
+
+Layout of one `Sampler.generate` call (all of it is ONE jitted call):
+  * The P prompts are left-padded to a bucketed length Lp, so every row's last
+    prompt token sits in slot Lp - 1; RoPE positions count valid tokens only
+    (cumsum of the valid mask, minus one), and a query attends to the valid
+    slots at or before its own.
+  * Prefill runs once per prompt ([P_bucket, Lp] rows) into a cache of
+    S = Lp + N slots (N = bucketed number of new tokens).
+  * Branch: the prefilled cache and the last-position logits are gathered
+    along the batch into B = bucket(P * G) rows, row p * G + g reading prompt p.
+  * Decode runs in one `lax.while_loop`: sample a token per row, feed it back
+    through `forward_cached` at slot Lp + t; it stops when every row finished
+    (stop token or max_new_tokens) or max_new_tokens steps were taken. Rows
+    that finished keep emitting `pad_id` with logprob 0. The KV cache is
+    created and consumed inside the call, so it never crosses the jit boundary
+    (XLA updates it in place; nothing to donate).
+
+Randomness: the uniform that drives the token of row r at step t is
+`uniform(fold_in(fold_in(key, r), t))`, where r = p * G + g is the row's index
+in the result. A row's samples therefore depend only on (key, r, t, its
+prompt), not on the batch layout: P prompts x G branches give the same tokens
+as the P * G repeated prompts with G = 1 (up to float rounding of the batch
+size), which the tests check.
+
+Compilation: shapes are bucketed (prompt rows, prompt length, decode rows,
+new-token slots, number of stop ids) and temperature, top_p, max_new_tokens,
+G, pad_id and the stop ids are traced, so only the bucket sizes and the
+static choices (greedy, top_k, whether top_p < 1) select a compiled program.
+`Sampler.num_compiles` counts traces of the jitted function (one per compiled
+program).
+
+Sharding: with a mesh, parameters are placed with `SAMPLE_RULES` (no FSDP:
+weights are gathered once per call, not per step) and every batch-sized array
+and the KV cache are sharded over (data, fsdp) on the batch axis; the cache's
+KV-head axis follows the `kv_heads` rule so the cache update is sharded like
+its operand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+# models before sharding: `import mtrl_jax.sharding` first is a circular import.
+from mtrl_jax.models.config import ModelConfig
+from mtrl_jax.models.transformer import KVCache, Transformer, init_cache, rope_inv_freq
+from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
+from mtrl_jax.sampling.filters import choose_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How tokens are chosen. Hashable; see `mtrl_jax.sampling.filters` for the order.
+
+  Attributes:
+    temperature: > 0; logits are divided by it.
+    top_p: in (0, 1]; 1 disables the nucleus filter.
+    top_k: >= 0; 0 disables the top-k filter.
+    max_new_tokens: >= 1; completion length limit (stop token included).
+    greedy: take the most likely token instead of sampling.
+  """
+
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_new_tokens: int = 64
+  greedy: bool = False
+
+  def __post_init__(self):
+    def bad(field, allowed):
+      return ValueError(f"SamplingConfig.{field}={getattr(self, field)!r}; allowed: {allowed}")
+
+    if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+        or not self.temperature > 0 or not np.isfinite(self.temperature):
+      raise bad("temperature", "a finite number > 0 (use greedy=True for argmax)")
+    if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+        or not 0 < self.top_p <= 1:
+      raise bad("top_p", "a number in (0, 1]")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+      raise bad("top_k", "an int >= 0 (0 disables top-k)")
+    if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+        or self.max_new_tokens < 1:
+      raise bad("max_new_tokens", "an int >= 1")
+    if not isinstance(self.greedy, bool):
+      raise bad("greedy", "True or False")
+
+
+@dataclasses.dataclass
+class SampleResult:
+  """Completions of one `generate` call; row p * G + g is branch g of prompt p.
+
+  Attributes:
+    tokens: int32 [P*G, max_new_tokens], `pad_id` after each row's end.
+    logprobs: float32 [P*G, max_new_tokens], log q(token) under the sampling
+      distribution (see `filters`), 0 after the end.
+    lengths: int32 [P*G], tokens in each completion (stop token included).
+    finish_reason: per row 'stop' (a stop id was sampled) or 'length'.
+  """
+
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  lengths: np.ndarray
+  finish_reason: list
+
+
+def _next_pow2(n: int, minimum: int = 1) -> int:
+  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _bucket(n: int, buckets: Optional[Sequence[int]], name: str, minimum: int) -> int:
+  """Smallest configured bucket >= n, or the next power of two (>= minimum)."""
+  if buckets is None:
+    return _next_pow2(n, minimum)
+  for b in sorted(buckets):
+    if b >= n:
+      return int(b)
+  raise ValueError(f"Sampler.{name}={tuple(buckets)}: no bucket holds {n}; "
+                   f"add a bucket >= {n}")
+
+
+def _check_buckets(buckets, name):
+  if buckets is None:
+    return None
+  buckets = tuple(buckets)
+  if not buckets or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1
+                        for b in buckets):
+    raise ValueError(f"Sampler.{name}={buckets!r}; allowed: None (powers of two) or a "
+                     "non-empty sequence of positive ints")
+  return tuple(sorted(int(b) for b in buckets))
+
+
+class Sampler:
+  """Branching KV-cache sampler for one model graph (weights passed per call)."""
+
+  def __init__(self, model_cfg: ModelConfig, *, mesh: Optional[jax.sharding.Mesh] = None,
+               batch_buckets: Optional[Sequence[int]] = None,
+               prompt_buckets: Optional[Sequence[int]] = None,
+               decode_buckets: Optional[Sequence[int]] = None,
+               rules=sharding.SAMPLE_RULES):
+    """Builds the sampler; nothing is compiled until the first `generate`.
+
+    Args:
+      model_cfg: the model's hyper-parameters (fixes the graph).
+      mesh: optional (data, fsdp, tensor) mesh; its axes are used as Auto.
+      batch_buckets: allowed row counts for prefill (P) and decode (P * G);
+        None: powers of two. Decode rows are also rounded up to a multiple of
+        the data x fsdp size so the batch shards evenly.
+      prompt_buckets: allowed padded prompt lengths; None: powers of two >= 16.
+      decode_buckets: allowed numbers of new-token slots (cache length =
+        prompt bucket + decode bucket); None: powers of two >= 16.
+      rules: logical-axis rules for parameters while sampling.
+    """
+    self.model_cfg = model_cfg
+    self.batch_buckets = _check_buckets(batch_buckets, "batch_buckets")
+    self.prompt_buckets = _check_buckets(prompt_buckets, "prompt_buckets")
+    self.decode_buckets = _check_buckets(decode_buckets, "decode_buckets")
+    if mesh is not None and any(t != AxisType.Auto for t in mesh.axis_types):
+      # Explicit axes would make the cache update's sharding part of its type.
+      mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                               axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    self.mesh = mesh
+    abstract_mesh = mesh if mesh is not None else sharding.single_device_mesh()
+    model_rules = sharding.rules_for(model_cfg, abstract_mesh, rules)
+    with jax.set_mesh(abstract_mesh), nnx.logical_axis_rules(model_rules):
+      abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+      self._graphdef, abstract_state = nnx.split(abstract)
+      self._state_shardings = (nnx.get_named_sharding(abstract_state, mesh)
+                               if mesh is not None else None)
+    self._kv_axis = dict(model_rules).get("kv_heads")
+    self._num_traces = 0
+    self._jitted = jax.jit(
+        self._generate_impl,
+        static_argnames=("num_new", "greedy", "top_k", "use_top_p"))
+
+  @property
+  def num_compiles(self) -> int:
+    """How many programs were traced and compiled so far."""
+    return self._num_traces
+
+  @property
+  def num_batch_shards(self) -> int:
+    if self.mesh is None:
+      return 1
+    return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+  # ------------------------------------------------------------- host side
+  def generate(self, state: nnx.State, prompts: Sequence[Sequence[int]], num_generations: int,
+               sampling: SamplingConfig, key: jax.Array, stop_ids: Sequence[int],
+               pad_id: int) -> SampleResult:
+    """Samples `num_generations` completions of every prompt.
+
+    Args:
+      state: parameters, `nnx.split(model)[1]` of a model built from `model_cfg`.
+      prompts: P lists of token ids (each non-empty).
+      num_generations: G >= 1 branches per prompt.
+      sampling: temperature / filters / length limit.
+      key: PRNG key; row r, step t uses fold_in(fold_in(key, r), t).
+      stop_ids: ids that end a completion (part of it); may be empty.
+      pad_id: id written after a row's end.
+    Returns:
+      SampleResult with rows ordered p * G + g.
+    """
+    if not isinstance(sampling, SamplingConfig):
+      raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    vocab = self.model_cfg.vocab_size
+    if isinstance(num_generations, bool) or not isinstance(num_generations, (int, np.integer)) \
+        or num_generations < 1:
+      raise ValueError(f"num_generations={num_generations!r}; allowed: an int >= 1")
+    if not isinstance(pad_id, (int, np.integer)) or not 0 <= pad_id < vocab:
+      raise ValueError(f"pad_id={pad_id!r}; allowed: an int in [0, {vocab})")
+    stop = [int(s) for s in stop_ids]
+    if any(not 0 <= s < vocab for s in stop):
+      raise ValueError(f"stop_ids={stop}; allowed: ints in [0, {vocab})")
+    if len(prompts) == 0:
+      raise ValueError("prompts is empty; allowed: a non-empty list of token-id lists")
+    prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    for i, p in enumerate(prompts):
+      if p.size == 0:
+        raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+      if p.min() < 0 or p.max() >= vocab:
+        raise ValueError(f"prompts[{i}] has ids outside [0, {vocab})")
+
+    n_prompts, g = len(prompts), int(num_generations)
+    n_rows = n_prompts * g
+    max_new = sampling.max_new_tokens
+    p_rows = _bucket(n_prompts, self.batch_buckets, "batch_buckets", 1)
+    rows = _bucket(n_rows, self.batch_buckets, "batch_buckets", 1)
+    shards = self.num_batch_shards
+    rows = -(-rows // shards) * shards
+    lp = _bucket(max(p.size for p in prompts), self.prompt_buckets, "prompt_buckets", 16)
+    num_new = _bucket(max_new, self.decode_buckets, "decode_buckets", 16)
+    num_stop = _next_pow2(len(stop), 4)
+
+    prompt_PxL = np.full((p_rows, lp), pad_id, np.int32)
+    valid_PxL = np.zeros((p_rows, lp), bool)
+    for i, p in enumerate(prompts):
+      prompt_PxL[i, lp - p.size:] = p
+      valid_PxL[i, lp - p.size:] = True
+    valid_PxL[n_prompts:, -1] = True  # padding prompts: one dummy token, never read
+    src_B = np.minimum(np.arange(rows) // g, n_prompts - 1).astype(np.int32)
+    active_B = np.arange(rows) < n_rows
+    stop_arr = np.full((num_stop,), -1, np.int32)
+    stop_arr[:len(stop)] = stop
+
+    put = self._put_batch
+    out = self._jitted(
+        self._put_state(state), put(prompt_PxL), put(valid_PxL), put(src_B), put(active_B),
+        self._put_replicated(stop_arr), self._put_replicated(key),
+        self._put_replicated(np.float32(sampling.temperature)),
+        self._put_replicated(np.float32(sampling.top_p)),
+        self._put_replicated(np.int32(max_new)), self._put_replicated(np.int32(pad_id)),
+        num_new=num_new, greedy=sampling.greedy, top_k=sampling.top_k,
+        use_top_p=sampling.top_p < 1.0)
+    tokens, logp, lengths, stopped = jax.device_get(out)
+    return SampleResult(
+        tokens=np.asarray(tokens[:n_rows, :max_new]),
+        logprobs=np.asarray(logp[:n_rows, :max_new]),
+        lengths=np.asarray(lengths[:n_rows]),
+        finish_reason=["stop" if s else "length" for s in stopped[:n_rows]])
+
+  def _put_state(self, state):
+    if self.mesh is None:
+      return state
+    return jax.device_put(state, self._state_shardings)
+
+  def _put_batch(self, x):
+    if self.mesh is None:
+      return jnp.asarray(x)
+    return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim, x.shape[0]))
+
+  def _put_replicated(self, x):
+    if self.mesh is None:
+      return jnp.asarray(x)
+    return jax.device_put(x, sharding.replicated(self.mesh))
+
+  # ------------------------------------------------------------- device side
+  def _constrain_rows(self, x):
+    """Shards the leading (row) axis of `x` over data x fsdp (when it divides)."""
+    if self.mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(
+        x, sharding.batch_sharding(self.mesh, x.ndim, x.shape[0]))
+
+  def _constrain_cache(self, cache: KVCache) -> KVCache:
+    if self.mesh is None:
+      return cache
+    rows = cache.batch
+    batch_axes = sharding.batch_sharding(self.mesh, 2, rows).spec[0]
+    spec = NamedSharding(self.mesh, P(batch_axes, None, self._kv_axis, None))
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), cache)
+
+  def _generate_impl(self, state, prompt_PxL, valid_PxL, src_B, active_B, stop_ids, key,
+                     temperature, top_p, max_new, pad_id, *, num_new, greedy, top_k,
+                     use_top_p):
+    self._num_traces += 1  # runs once per trace, i.e. per compiled program
+    model = nnx.merge(self._graphdef, state)
+    n_p, lp = prompt_PxL.shape
+    n_b = src_B.shape[0]
+    s = lp + num_new
+    slots_S = jnp.arange(s, dtype=jnp.int32)
+
+    # Prefill the P prompts once.
+    valid_PxS = jnp.concatenate([valid_PxL, jnp.ones((n_p, num_new), bool)], axis=1)
+    positions_PxL = jnp.maximum(jnp.cumsum(valid_PxL, axis=1, dtype=jnp.int32) - 1, 0)
+    causal_LxS = slots_S[None, :] <= jnp.arange(lp, dtype=jnp.int32)[:, None]
+    mask_PxLxS = valid_PxS[:, None, :] & causal_LxS[None]
+    cache = self._constrain_cache(init_cache(self.model_cfg, n_p, s))
+    last_PxV, cache = _prefill(model, prompt_PxL, positions_PxL, mask_PxLxS, cache)
+
+    # Branch: row r continues prompt src_B[r].
+    cache = self._constrain_cache(jax.tree.map(lambda x: x[src_B], cache))
+    logits_BxV = self._constrain_rows(last_PxV[src_B])
+    valid_BxS = self._constrain_rows(valid_PxS[src_B])
+    next_pos_B = self._constrain_rows(jnp.sum(valid_PxL, axis=1, dtype=jnp.int32)[src_B])
+
+    rows_B = jnp.arange(n_b, dtype=jnp.uint32)
+    steps_N = jnp.arange(num_new, dtype=jnp.uint32)
+    row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
+    u_BxN = jax.vmap(lambda k: jax.vmap(
+        lambda t: jax.random.uniform(jax.random.fold_in(k, t)))(steps_N))(row_keys)
+    u_BxN = self._constrain_rows(u_BxN)
+    choose = functools.partial(choose_tokens, temperature=temperature, top_p=top_p,
+                               greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+
+    def record(t, logits_BxV, carry):
+      tokens_BxN, logp_BxN, done_B, stopped_B, length_B = carry
+      u_B = jax.lax.dynamic_index_in_dim(u_BxN, t, axis=1, keepdims=False)
+      tok_B, logq_B = choose(logits_BxV, u_B)
+      tok_B = jnp.where(done_B, pad_id, tok_B)
+      logq_B = jnp.where(done_B, 0.0, logq_B)
+      tokens_BxN = jax.lax.dynamic_update_index_in_dim(tokens_BxN, tok_B, t, axis=1)
+      logp_BxN = jax.lax.dynamic_update_index_in_dim(logp_BxN, logq_B, t, axis=1)
+      hit_B = jnp.any(tok_B[:, None] == stop_ids[None, :], axis=-1) & ~done_B
+      length_B = length_B + (~done_B).astype(jnp.int32)
+      stopped_B = stopped_B | hit_B
+      done_B = done_B | hit_B | (t + 1 >= max_new)
+      return tok_B, (tokens_BxN, logp_BxN, done_B, stopped_B, length_B)
+
+    out0 = (self._constrain_rows(jnp.full((n_b, num_new), pad_id, jnp.int32)),
+            self._constrain_rows(jnp.zeros((n_b, num_new), jnp.float32)),
+            ~active_B, jnp.zeros((n_b,), bool), jnp.zeros((n_b,), jnp.int32))
+    tok_B, out0 = record(jnp.int32(0), logits_BxV, out0)
+
+    def cond(loop):
+      t, _, _, out = loop
+      return (t < max_new) & ~jnp.all(out[2])
+
+    def body(loop):
+      t, tok_B, cache, out = loop
+      slot = lp + t - 1  # slot of the token sampled at step t - 1
+      mask_Bx1xS = (valid_BxS & (slots_S[None, :] <= slot))[:, None, :]
+      logits_Bx1xV, cache = model.forward_cached(
+          tok_B[:, None], (next_pos_B + t - 1)[:, None], mask_Bx1xS, cache, slot)
+      tok_B, out = record(t, logits_Bx1xV[:, 0, :], out)
+      return t + 1, tok_B, self._constrain_cache(cache), out
+
+    _, _, _, out = jax.lax.while_loop(cond, body, (jnp.int32(1), tok_B, cache, out0))
+    tokens_BxN, logp_BxN, _, stopped_B, length_B = out
+    return tokens_BxN, logp_BxN, length_B, stopped_B
+
+
+def _prefill(model: Transformer, tokens_PxL, positions_PxL, mask_PxLxS, cache: KVCache):
+  """`model.forward_cached(..., cache_index=0)` with the LM head on the last slot only.
+
+  The head over all Lp prompt positions would cost Lp x D x V per prompt (more
+  than the whole prefill for small models); only the last position is sampled.
+  Returns (logits_PxV of the last slot, filled cache).
+  """
+  inv_freq = rope_inv_freq(model.cfg)
+  x = model.embed_tokens(tokens_PxL)
+  new_k, new_v = [], []
+  for i, block in enumerate(model.blocks):
+    x, (k, v) = block(x, positions_PxL, mask_PxLxS, inv_freq, kv=(cache.k[i], cache.v[i]),
+                      cache_index=0)
+    new_k.append(k)
+    new_v.append(v)
+  return model.head(x[:, -1:, :])[:, 0, :], KVCache(k=tuple(new_k), v=tuple(new_v))
