@@ -17,6 +17,10 @@ and a closing instruction. Modes:
                   3 tries, empty edits when all fail.
   bandit          no transition: every turn re-sends the turn-1 prompts.
 
+`revision_blocks` gives the text after the history alone (the mode block and
+the closing instruction), for chat-native environments whose threads already
+hold each agent's history.
+
 Diagnostics run the combined code (prompt imports + aux + main) against the
 *sandbox* tests: `sandbox_slice` asserts of the task's tests (1: the first;
 n > 0 the first n; n < 0 the last |n|; 0, None or 'all': all), in the sandbox,
@@ -275,6 +279,46 @@ def _check_args(mode, task, completions, prompt_hist, response_hist, num_agents,
   return mode
 
 
+def _mode_blocks(mode: str, task: Mapping[str, str], agent_completions: Sequence[str],
+                 num_agents: int, sandbox_slice, expert: ExpertModel | None,
+                 timeout_per_assert_s: float, max_timeouts: int) -> list[list[str]]:
+  """Per agent, the lines that follow its history: mode block + closing instruction."""
+  ep = task["entry_point"]
+  roles = ["main"] if num_agents == 1 else ["aux", "main"]
+  aux, main = ("", agent_completions[0]) if num_agents == 1 else tuple(agent_completions)
+  diagnostics = edits = None
+  if mode in ("level_feedback", "level_passed", "passed"):
+    n = parse_sandbox_slice(sandbox_slice)
+    tests = task["test"] if n in (None, 0) else slice_tests(task["test"], n)
+    diagnostics = analyze(task, aux, main, num_agents, tests,
+                          timeout_per_assert_s=timeout_per_assert_s, max_timeouts=max_timeouts)
+  elif mode == "expert_edits":
+    edits = dict(zip(("aux", "main"), request_expert_edits(expert, task, aux, main, num_agents)))
+  blocks = []
+  for role in roles:
+    target = "aux" if role == "aux" else (ep or "main")
+    if mode == "level_feedback":
+      lines = _level_feedback(diagnostics, role, num_agents)
+      lines.append(f"\nRevise your {target}(...) accordingly. "
+                   "Output ONLY the function code with no extra text.")
+    elif mode == "level_passed":
+      lines = _signals(diagnostics, role, num_agents)
+      lines.append(f"Revise your {target}(...) accordingly. Output ONLY the function code.")
+    elif mode == "passed":
+      lines = _passed(diagnostics)
+      lines.append(f"Revise your {target}(...) if needed. Output ONLY the function code.")
+    elif mode == "plain":
+      lines = [f"Revise your {target}(...) accordingly. Output ONLY the function code."]
+    else:
+      header = ("Here is an edited snippet from an expert model:" if num_agents == 1
+                else "Here is edited snippet from an expert model:")
+      lines = [header, (edits[role] or "").strip(), "",
+               f"Revise your {target}(...) accordingly. "
+               "Output ONLY the function code with no extra text."]
+    blocks.append(lines)
+  return blocks
+
+
 def build_transition(mode: str, task: Mapping[str, str], agent_completions: Sequence[str],
                      prompt_history_per_agent: Sequence[Sequence[str]],
                      response_history_per_agent: Sequence[Sequence[str]], num_agents: int = 2,
@@ -302,41 +346,50 @@ def build_transition(mode: str, task: Mapping[str, str], agent_completions: Sequ
                      response_history_per_agent, num_agents, expert)
   if mode == "bandit":
     return [hist[0] for hist in prompt_history_per_agent]
-  ep = task["entry_point"]
-  roles = ["main"] if num_agents == 1 else ["aux", "main"]
-  aux, main = ("", agent_completions[0]) if num_agents == 1 else tuple(agent_completions)
-  labels = {"aux": "your previous aux(...) responses", "main": "your previous main responses"}
-  if num_agents == 1:
-    labels["main"] = "your previous responses"
-  diagnostics = edits = None
-  if mode in ("level_feedback", "level_passed", "passed"):
-    n = parse_sandbox_slice(sandbox_slice)
-    tests = task["test"] if n in (None, 0) else slice_tests(task["test"], n)
-    diagnostics = analyze(task, aux, main, num_agents, tests,
-                          timeout_per_assert_s=timeout_per_assert_s, max_timeouts=max_timeouts)
-  elif mode == "expert_edits":
-    edits = dict(zip(("aux", "main"), request_expert_edits(expert, task, aux, main, num_agents)))
-  prompts = []
-  for i, role in enumerate(roles):
-    target = "aux" if role == "aux" else (ep or "main")
-    lines = _history(prompt_history_per_agent[i], response_history_per_agent[i], labels[role])
-    if mode == "level_feedback":
-      lines += _level_feedback(diagnostics, role, num_agents)
-      lines.append(f"\nRevise your {target}(...) accordingly. "
-                   "Output ONLY the function code with no extra text.")
-    elif mode == "level_passed":
-      lines += _signals(diagnostics, role, num_agents)
-      lines.append(f"Revise your {target}(...) accordingly. Output ONLY the function code.")
-    elif mode == "passed":
-      lines += _passed(diagnostics)
-      lines.append(f"Revise your {target}(...) if needed. Output ONLY the function code.")
-    elif mode == "plain":
-      lines.append(f"Revise your {target}(...) accordingly. Output ONLY the function code.")
-    else:
-      header = ("Here is an edited snippet from an expert model:" if num_agents == 1
-                else "Here is edited snippet from an expert model:")
-      lines += [header, (edits[role] or "").strip(), "",
-                f"Revise your {target}(...) accordingly. "
-                "Output ONLY the function code with no extra text."]
-    prompts.append("\n".join(lines))
-  return prompts
+  labels = ["your previous responses"] if num_agents == 1 else [
+      "your previous aux(...) responses", "your previous main responses"]
+  blocks = _mode_blocks(mode, task, agent_completions, num_agents, sandbox_slice, expert,
+                        timeout_per_assert_s, max_timeouts)
+  return ["\n".join(_history(prompts, responses, label) + block)
+          for prompts, responses, label, block in zip(
+              prompt_history_per_agent, response_history_per_agent, labels, blocks)]
+
+
+def revision_blocks(mode: str, task: Mapping[str, str], agent_completions: Sequence[str],
+                    num_agents: int = 2, sandbox_slice: int | str | None = 1,
+                    expert: ExpertModel | None = None, *,
+                    turn1_prompts: Sequence[str] | None = None,
+                    timeout_per_assert_s: float = 10.0, max_timeouts: int = 3) -> list[str]:
+  """What `build_transition` puts after each agent's history, without the history.
+
+  For chat-native environments whose threads already hold every agent's
+  history: the next user turn is just the mode block and the closing
+  instruction. `build_transition(...)[i]` equals the history part of agent i
+  followed by `revision_blocks(...)[i]` (joined by a newline) in every mode
+  but `bandit`, whose block is the agent's turn-1 prompt (given as
+  `turn1_prompts`).
+
+  Args:
+    mode, task, agent_completions, num_agents, sandbox_slice, expert,
+      timeout_per_assert_s, max_timeouts: as `build_transition`.
+    turn1_prompts: each agent's turn-1 prompt; needed for mode 'bandit' only.
+
+  Returns:
+    `num_agents` strings.
+  """
+  if turn1_prompts is not None and len(turn1_prompts) != num_agents:
+    raise ValueError(f"turn1_prompts must hold one prompt per agent ({num_agents}), "
+                     f"got {len(turn1_prompts)}")
+  canonical = _ALIASES.get(str(mode).lower(), str(mode).lower())
+  if canonical == "bandit" and not (turn1_prompts and all(turn1_prompts)):
+    raise ValueError("external mode 'bandit' needs each agent's turn-1 prompt (turn1_prompts=)")
+  prompt_hist = ([[p] for p in turn1_prompts] if turn1_prompts is not None
+                 else [[] for _ in agent_completions])
+  response_hist = [[c] for c in agent_completions]
+  mode = _check_args(mode, task, agent_completions, prompt_hist, response_hist, num_agents,
+                     expert)
+  if mode == "bandit":
+    return list(turn1_prompts)
+  return ["\n".join(block) for block in _mode_blocks(
+      mode, task, agent_completions, num_agents, sandbox_slice, expert, timeout_per_assert_s,
+      max_timeouts)]
