@@ -136,6 +136,12 @@ class CalculatorEnv(Environment):
     turns.append(Turn("user", self.metadata["question"]))
     return Thread(tuple(turns), dict(self.metadata))
 
+  def finalize(self, thread: Thread) -> Grade:
+    # A trajectory the framework truncated (turn cap, token budget) failed:
+    # scoring it 0 would make rambling until the budget beat a wrong answer.
+    del thread
+    return Grade(-1.0, "truncated before answering")
+
   def react_to(self, thread: Thread):
     text = thread.last_assistant
     answer = extract_answer(text)

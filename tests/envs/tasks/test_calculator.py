@@ -94,3 +94,11 @@ def test_episode_is_short_in_tokens(renderer):
   lengths = [len(renderer.render_conversation(calculator.golden_conversation(
       calculator.make_task("train", i)))) for i in range(50)]
   assert max(lengths) <= 96  # keeps SFT/RL steps fast on CPU (DESIGN.md section 3)
+
+
+def test_truncation_is_a_failure_not_a_free_zero(renderer):
+  """Rambling into the turn cap must not beat a wrong answer (-1)."""
+  task = calculator.make_task("eval", 7)
+  outs, _ = rollout_scripted(_env(task), ["<tool_call>"] * 3, StepLimits(max_turns=2),
+                             reward_cfg=REWARD, renderer=renderer)
+  assert outs[-1].truncated and outs[-1].reward.outcome == -1.0
