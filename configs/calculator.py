@@ -1,0 +1,61 @@
+"""The CPU demo: SFT warm-up then ENVGRPO on the multi-turn calculator tool task.
+
+  make demo          # = python experiments/demo.py (this config, 3 seeds, summary + plot)
+  python experiments/train.py --config=configs/calculator.py --workdir=runs/calc
+  python experiments/train.py --config=configs/calculator.py:smoke=True --workdir=/tmp/smoke
+
+A 2-layer byte-level policy (`small` preset, trained from scratch) learns to
+call the `calculate` tool, copy its result into <answer>, then answer a
+follow-up about that result. Tree: T=2 user turns x G=4, tool calls inside a
+turn do not branch. Runtime and the figures it reproduces: see README.md.
+"""
+
+from configs import base
+from configs.common import parse_arg
+
+
+def get_config(arg=None):
+  a = parse_arg(arg, smoke=False)
+  c = base.get_config()
+  c.model.preset = "small"
+  c.tokenizer.extra_specials = "mtrl_jax.envs.tasks.calculator:EXTRA_SPECIALS"
+  c.tokenizer.chat_format = "compact"
+  c.env.factory = "calculator"
+  c.env.max_turns = 8  # two user turns x (tool call + answer), with slack
+  c.env.max_tokens = 160
+  c.tasks.source = "calculator"
+  c.tree.num_turns = 2
+  c.tree.num_generations = 4
+  c.tree.branch_on = "user_turn"
+  c.sampling.max_new_tokens = 32
+  c.reward.step_penalty = -0.05
+  c.reward.tool_penalty = -0.2
+  c.loss.algorithm = "grpo"
+  c.optim.learning_rate = 1e-3
+  c.sft.steps = 150
+  c.sft.batch_size = 32
+  c.sft.num_examples = 4000
+  c.sft.conversations = "mtrl_jax.envs.tasks.calculator:golden_conversation"
+  c.sft.learning_rate = 3e-3
+  c.rl.steps = 150
+  c.rl.roots_per_step = 16
+  c.rl.length_buckets = (64, 96, 128, 192, 256)
+  c.eval.every = 10
+  c.eval.num_tasks = 200
+  c.eval.success_threshold = 0.0
+  c.checkpoint.every = 10
+  if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
+    c.model.preset = "tiny"
+    c.sft.steps = 3
+    c.sft.batch_size = 8
+    c.sft.num_examples = 16
+    c.rl.steps = 3
+    c.rl.roots_per_step = 2
+    c.tree.num_generations = 2
+    c.sampling.max_new_tokens = 24
+    c.eval.every = 2
+    c.eval.num_tasks = 4
+    c.checkpoint.every = 1
+    c.rl.dump_every = 1
+    c.rl.zero_variance_filter = False  # a random policy's groups are all equal
+  return c

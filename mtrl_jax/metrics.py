@@ -1,0 +1,256 @@
+"""Run metrics: `metrics.jsonl`, TensorBoard events, plots, step timers, compile census.
+
+Host-side only. Every run writes `workdir/metrics.jsonl` (one JSON object per
+step: `{"step": int, key: float, ...}`) and TensorBoard event files under
+`workdir/tb/`; `plot_metrics` draws chosen keys against the step.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fnmatch
+import json
+import math
+import os
+import threading
+import time
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+# What `plot_metrics` draws by default; glob patterns match per-component keys.
+DEFAULT_PLOT_KEYS = ("reward", "success", "heldout/success", "kl", "clip_frac", "reward/*")
+
+
+def _to_float(value) -> float:
+  arr = np.asarray(value)
+  if arr.size != 1:
+    raise ValueError(f"metric value of shape {arr.shape} is not a scalar")
+  return float(arr.reshape(()))
+
+
+def _json_float(x: float):
+  # JSON has no NaN/Inf literals; keep the line valid and the fact visible.
+  return x if math.isfinite(x) else str(x)
+
+
+class MetricsWriter:
+  """Appends per-step scalars to `workdir/metrics.jsonl` and TensorBoard.
+
+  Args:
+    workdir: run directory (created if missing).
+    resume_step: when resuming from a checkpoint at this step, lines of
+      later steps (written after that checkpoint by the killed run) are
+      dropped, so the file reads as if the run had never stopped.
+    tensorboard: also write TensorBoard event files under `workdir/tb/`.
+  """
+
+  def __init__(self, workdir: str, resume_step: Optional[int] = None,
+               tensorboard: bool = True):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, METRICS_FILE)
+    if resume_step is not None and os.path.exists(self.path):
+      kept = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
+      with open(self.path, "w") as f:
+        for r in kept:
+          f.write(json.dumps(r) + "\n")
+    self._file = open(self.path, "a")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # heavy import, only when used
+      self._tb = SummaryWriter(os.path.join(workdir, TB_DIR))
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
+    """Writes one step's scalars (device scalars, numpy or Python numbers).
+
+    Returns:
+      The row written, with values as Python floats.
+    """
+    values = {k: _to_float(v) for k, v in sorted(metrics.items())}
+    row = {"step": int(step), **{k: _json_float(v) for k, v in values.items()}}
+    self._file.write(json.dumps(row) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in values.items():
+        self._tb.add_scalar(k, v, global_step=int(step))
+    return {"step": int(step), **values}
+
+  def flush(self):
+    self._file.flush()
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self):
+    if not self._file.closed:
+      self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """Rows of `workdir/metrics.jsonl` with values as floats (NaN/Inf restored)."""
+  path = os.path.join(workdir, METRICS_FILE)
+  rows = []
+  with open(path) as f:
+    for line in f:
+      if line.strip():
+        row = json.loads(line)
+        rows.append({k: (v if k == "step" else float(v)) for k, v in row.items()})
+  return rows
+
+
+def _match_keys(patterns: Sequence[str], available: Iterable[str]) -> list[str]:
+  available = sorted(available)
+  out = []
+  for pat in patterns:
+    for key in available:
+      if (key == pat or fnmatch.fnmatchcase(key, pat)) and key not in out:
+        out.append(key)
+  return out
+
+
+def plot_metrics(workdir: str, keys: Optional[Sequence[str]] = None,
+                 out_png: Optional[str] = None) -> str:
+  """Plots metrics against the step, one panel per key, into a PNG.
+
+  Args:
+    workdir: run directory holding `metrics.jsonl`.
+    keys: metric names or glob patterns (`reward/*` for the per-component
+      rewards); default `DEFAULT_PLOT_KEYS`. Keys absent from the file are
+      skipped; if none matches, a ValueError lists the available ones.
+    out_png: output path; default `workdir/metrics.png`.
+  Returns:
+    The PNG path.
+  """
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = read_metrics(workdir)
+  available = {k for r in rows for k in r if k != "step"}
+  names = _match_keys(keys or DEFAULT_PLOT_KEYS, available)
+  if not names:
+    raise ValueError(f"plot_metrics keys={list(keys or DEFAULT_PLOT_KEYS)} match nothing; "
+                     f"available: {sorted(available)}")
+  out_png = out_png or os.path.join(workdir, "metrics.png")
+  cols = min(3, len(names))
+  nrows = -(-len(names) // cols)
+  fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.2 * nrows), squeeze=False)
+  for ax, name in zip(axes.flat, names):
+    pts = [(r["step"], r[name]) for r in rows if name in r]
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+    ax.set_title(name)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  for ax in list(axes.flat)[len(names):]:
+    ax.set_visible(False)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+  fig.savefig(out_png, dpi=80)
+  plt.close(fig)
+  return out_png
+
+
+class StepTimer:
+  """Wall-clock split of one step into named sections.
+
+  Usage: `with timer.section("generation"): ...`; `timer.split()` returns
+  `{"time/generation": s, ..., "time/step": total}` and starts a new step.
+  Device work is asynchronous: time a jitted section only around a call whose
+  result is fetched (or `jax.block_until_ready`-ed) inside the section.
+  """
+
+  def __init__(self):
+    self._totals: dict[str, float] = collections.defaultdict(float)
+    self._start = time.perf_counter()
+
+  @contextlib.contextmanager
+  def section(self, name: str):
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._totals[name] += time.perf_counter() - t0
+
+  def split(self) -> dict[str, float]:
+    now = time.perf_counter()
+    out = {f"time/{k}": v for k, v in self._totals.items()}
+    out["time/step"] = now - self._start
+    self._totals = collections.defaultdict(float)
+    self._start = now
+    return out
+
+
+class _BackendCompileCounter:
+  """Process-wide count of XLA backend compilations (jax.monitoring events)."""
+
+  def __init__(self):
+    self.count = 0
+    self._lock = threading.Lock()
+    self._installed = False
+
+  def install(self):
+    with self._lock:
+      if self._installed:
+        return
+      import jax
+      from jax._src import dispatch  # event name only; stable across 0.4-0.10
+
+      def listener(event, duration, **kw):
+        del duration, kw
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+          self.count += 1
+
+      jax.monitoring.register_event_duration_secs_listener(listener)
+      self._installed = True
+
+
+_BACKEND = _BackendCompileCounter()
+
+
+class CompileCensus:
+  """Compile counts of named jitted functions, reported as metrics.
+
+  A registered entry is a `jax.jit` function (counted by its executable
+  cache size), an object with a `num_compiles` attribute (e.g.
+  `TrainStep`, the sampler) or a zero-argument callable returning a count.
+  `counts()` also reports `compiles/backend_total`, every XLA compilation in
+  the process since the census was created (eager ops included), which must
+  stay flat after warm-up.
+  """
+
+  def __init__(self):
+    _BACKEND.install()
+    self._base = _BACKEND.count
+    self._entries: dict[str, Any] = {}
+
+  def register(self, name: str, fn_or_obj) -> None:
+    if not (hasattr(fn_or_obj, "_cache_size") or hasattr(fn_or_obj, "num_compiles")
+            or callable(fn_or_obj)):
+      raise TypeError(f"CompileCensus.register({name!r}): expected a jitted function, an "
+                      f"object with `num_compiles` or a callable; got {type(fn_or_obj)}")
+    self._entries[name] = fn_or_obj
+
+  @staticmethod
+  def _count(entry) -> int:
+    if hasattr(entry, "num_compiles"):
+      return int(entry.num_compiles)
+    if hasattr(entry, "_cache_size"):
+      return int(entry._cache_size())
+    return int(entry())
+
+  def counts(self) -> dict[str, int]:
+    out = {f"compiles/{name}": self._count(e) for name, e in self._entries.items()}
+    out["compiles/backend_total"] = _BACKEND.count - self._base
+    return out
+

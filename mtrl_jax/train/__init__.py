@@ -1,0 +1,13 @@
+"""Training: the sharded train step, optimizer, SFT warm-up (RL loop and eval live beside them)."""
+
+from mtrl_jax.train.optim import OptimConfig, make_optimizer, make_schedule
+from mtrl_jax.train.sft import (SFTBatcher, SFTObjective, make_sft_builder, make_sft_step,
+                                pack_sft_rows)
+from mtrl_jax.train.step import (NonFiniteError, Objective, PolicyObjective, StepConfig,
+                                 TrainState, TrainStep, train_mask)
+
+__all__ = [
+    "NonFiniteError", "Objective", "OptimConfig", "PolicyObjective", "SFTBatcher",
+    "SFTObjective", "StepConfig", "TrainState", "TrainStep", "make_optimizer",
+    "make_schedule", "make_sft_builder", "make_sft_step", "pack_sft_rows", "train_mask",
+]

@@ -1,0 +1,242 @@
+"""From a ConfigDict to validated frozen configs and the run's components.
+
+Only this module and the entry points read the ConfigDict (STYLE.md): `build`
+turns it into small frozen dataclasses and fails with a message naming the
+field on any invalid value or unsafe combination, before any compute. The
+`make_*` functions then build the tokenizer, model, environment factory and
+task sources from an `Experiment`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import warnings
+from typing import Any, Optional
+
+import ml_collections
+
+from mtrl_jax import data, sharding
+from mtrl_jax.envs import FaultPolicy, StepLimits, resolve_factory
+from mtrl_jax.graders.reward import RewardConfig, check_reward_dominance
+from mtrl_jax.losses import LossConfig
+from mtrl_jax.models.config import ModelConfig, get_preset
+from mtrl_jax.rollout import TreeConfig, plan_tree
+from mtrl_jax.sampling import SamplingConfig
+from mtrl_jax.train.optim import OptimConfig
+from mtrl_jax.train.step import StepConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Loop-level settings (see configs/base.py for each field)."""
+
+  seed: int
+  rl_steps: int
+  roots_per_step: int
+  updates_per_step: int
+  zero_variance_filter: bool
+  ref_reset_every: int
+  length_buckets: tuple
+  dump_every: int
+  sft_steps: int
+  sft_batch_size: int
+  sft_num_examples: int
+  sft_conversations: str
+  eval_every: int
+  eval_num_tasks: int
+  eval_greedy: bool
+  eval_sampled: bool
+  success_threshold: float
+  ckpt_every: int
+  ckpt_keep: int
+
+  def __post_init__(self):
+    for name in ("rl_steps", "sft_steps", "dump_every", "ref_reset_every"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"config {name}={getattr(self, name)}; must be >= 0")
+    for name in ("roots_per_step", "updates_per_step", "sft_batch_size", "eval_every",
+                 "eval_num_tasks", "ckpt_every", "ckpt_keep"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"config {name}={getattr(self, name)}; must be >= 1")
+    if self.sft_steps and not self.sft_conversations:
+      raise ValueError("config sft.steps > 0 needs sft.conversations "
+                       "('pkg.module:fn(task) -> [(role, content), ...]')")
+    if list(self.length_buckets) != sorted(set(self.length_buckets)):
+      raise ValueError(f"config rl.length_buckets={self.length_buckets}; must be increasing")
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """Everything a run needs, validated."""
+
+  model: ModelConfig
+  model_path: str
+  tokenizer_kind: str
+  extra_specials: str
+  chat_format: str
+  mesh: sharding.MeshConfig
+  env_factory: str
+  env_kwargs: tuple
+  limits: StepLimits
+  task_source: str
+  train_split: str
+  eval_split: str
+  task_kwargs: tuple
+  tree: TreeConfig
+  sampling: SamplingConfig
+  reward: RewardConfig
+  loss: LossConfig
+  optim: OptimConfig
+  sft_optim: OptimConfig
+  step: StepConfig
+  run: RunConfig
+
+
+def _fields(cd, cls, **extra):
+  kw = dict(cd.items()) if cd is not None else {}
+  kw.update(extra)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(kw) - names)
+  if unknown:
+    raise ValueError(f"{cls.__name__}: unknown config keys {unknown}; allowed: {sorted(names)}")
+  return cls(**kw)
+
+
+def import_object(spec: str) -> Any:
+  """'pkg.module:attr' -> the object."""
+  module, sep, attr = spec.partition(":")
+  if not sep:
+    raise ValueError(f"{spec!r}: expected an import path 'pkg.module:attr'")
+  obj = importlib.import_module(module)
+  for part in attr.split("."):
+    obj = getattr(obj, part)
+  return obj
+
+
+def build(config: ml_collections.ConfigDict) -> Experiment:
+  """Validates `config` and returns the frozen experiment description."""
+  c = config
+  if c.model.path:
+    model = ModelConfig.from_hf_json(c.model.path)
+  else:
+    model = get_preset(c.model.preset)
+  overrides = {"remat": bool(c.model.remat)}
+  if c.model.dtype:
+    overrides.update(dtype=c.model.dtype, param_dtype=c.model.dtype)
+  model = model.replace(**overrides)
+  if c.tokenizer.kind not in ("byte", "hf"):
+    raise ValueError(f"config tokenizer.kind={c.tokenizer.kind!r}; allowed: ['byte', 'hf']")
+  if c.tokenizer.kind == "hf" and not c.model.path:
+    raise ValueError("config tokenizer.kind='hf' needs model.path (its tokenizer.json)")
+  if c.tokenizer.chat_format not in ("compact", "chatml"):
+    raise ValueError(f"config tokenizer.chat_format={c.tokenizer.chat_format!r}; "
+                     "allowed: ['compact', 'chatml']")
+  tree = _fields(c.tree, TreeConfig)
+  sampling = _fields(c.sampling, SamplingConfig)
+  buckets = tuple(int(b) for b in c.rl.length_buckets)
+  loss = _fields(c.loss, LossConfig, max_len=int(c.loss.max_len) or max(buckets))
+  run = RunConfig(
+      seed=c.seed, rl_steps=c.rl.steps, roots_per_step=c.rl.roots_per_step,
+      updates_per_step=c.rl.updates_per_step, zero_variance_filter=c.rl.zero_variance_filter,
+      ref_reset_every=c.rl.ref_reset_every, length_buckets=buckets,
+      dump_every=c.rl.dump_every, sft_steps=c.sft.steps, sft_batch_size=c.sft.batch_size,
+      sft_num_examples=c.sft.num_examples, sft_conversations=c.sft.conversations,
+      eval_every=c.eval.every, eval_num_tasks=c.eval.num_tasks, eval_greedy=c.eval.greedy,
+      eval_sampled=c.eval.sampled, success_threshold=c.eval.success_threshold,
+      ckpt_every=c.checkpoint.every, ckpt_keep=c.checkpoint.keep)
+  total = max(run.rl_steps * run.updates_per_step, 1)
+  optim = OptimConfig(learning_rate=c.optim.learning_rate, warmup_steps=c.optim.warmup_steps,
+                      total_steps=max(total, c.optim.warmup_steps + 1),
+                      schedule=c.optim.schedule, weight_decay=c.optim.weight_decay,
+                      grad_clip_norm=c.optim.grad_clip_norm)
+  sft_optim = OptimConfig(learning_rate=c.sft.learning_rate, total_steps=max(run.sft_steps, 1),
+                          grad_clip_norm=c.optim.grad_clip_norm)
+  limits = StepLimits(max_turns=c.env.max_turns, max_tokens=c.env.max_tokens,
+                      react_timeout_s=c.env.react_timeout_s,
+                      faults=FaultPolicy(max_retries=c.env.max_retries))
+  if limits.max_tokens and limits.max_tokens + sampling.max_new_tokens > max(buckets):
+    raise ValueError(f"config env.max_tokens={limits.max_tokens} + sampling.max_new_tokens="
+                     f"{sampling.max_new_tokens} exceeds the largest rl.length_buckets "
+                     f"entry {max(buckets)}: rows would not fit")
+  reward = _fields(c.reward, RewardConfig)
+  exp = Experiment(
+      model=model, model_path=c.model.path, tokenizer_kind=c.tokenizer.kind,
+      extra_specials=c.tokenizer.extra_specials, chat_format=c.tokenizer.chat_format,
+      mesh=_fields(c.mesh, sharding.MeshConfig), env_factory=c.env.factory,
+      env_kwargs=tuple(sorted(dict(c.env.kwargs).items())), limits=limits,
+      task_source=c.tasks.source, train_split=c.tasks.train_split,
+      eval_split=c.tasks.eval_split, task_kwargs=tuple(sorted(dict(c.tasks.kwargs).items())),
+      tree=tree, sampling=sampling, reward=reward, loss=loss, optim=optim, sft_optim=sft_optim,
+      step=_fields(c.step, StepConfig), run=run)
+  # Size the tree before launch: a config that cannot fit fails here.
+  plan_tree(tree, run.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
+            max_new_tokens=sampling.max_new_tokens, max_generations=c.rl.max_generations)
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    check_reward_dominance(reward, max_steps=limits.max_turns or 1,
+                           max_invalid=limits.max_turns or 1)
+  return exp
+
+
+def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "config.json")
+  with open(path, "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  return path
+
+
+# ------------------------------------------------------------------ components
+def make_tokenizer(exp: Experiment):
+  from mtrl_jax import text
+  if exp.tokenizer_kind == "hf":
+    tok = text.HFTokenizer.from_dir(exp.model_path)
+  else:
+    extra = tuple(import_object(exp.extra_specials)) if exp.extra_specials else ()
+    tok = text.ByteTokenizer(extra_specials=extra)
+  if tok.vocab_size > exp.model.vocab_size:
+    raise ValueError(f"tokenizer vocab_size={tok.vocab_size} exceeds the model's "
+                     f"vocab_size={exp.model.vocab_size}")
+  fmt = text.chatml(tok) if exp.chat_format == "chatml" else text.compact(tok)
+  return tok, text.ChatRenderer(tok, fmt)
+
+
+def fit_vocab(exp: Experiment, tokenizer) -> Experiment:
+  """A from-scratch model gets exactly the tokenizer's vocabulary.
+
+  Logits of ids the tokenizer cannot decode would only waste compute and
+  could be sampled; checkpoints keep their own (padded) vocabulary.
+  """
+  if exp.model_path or exp.model.vocab_size == tokenizer.vocab_size:
+    return exp
+  return dataclasses.replace(exp, model=exp.model.replace(vocab_size=tokenizer.vocab_size))
+
+
+def make_model(exp: Experiment, mesh):
+  from mtrl_jax import models
+  if exp.model_path:
+    from mtrl_jax.models import loading
+    return loading.from_pretrained(exp.model_path, mesh=mesh)
+  return models.create_model(exp.model, seed=exp.run.seed, mesh=mesh)
+
+
+def make_factory(exp: Experiment):
+  return resolve_factory(exp.env_factory, **dict(exp.env_kwargs))
+
+
+def make_task_source(exp: Experiment, split: str):
+  return data.resolve_task_source(exp.task_source, split, **dict(exp.task_kwargs))
+
+
+def describe(exp: Experiment) -> str:
+  """A one-screen summary printed at start."""
+  d = {"model": f"{exp.model.family} L{exp.model.num_layers} D{exp.model.d_model} "
+                f"V{exp.model.vocab_size} ({exp.model.num_params() / 1e6:.2f}M params)",
+       "tree": f"T={exp.tree.num_turns} G={exp.tree.num_generations} N={exp.tree.num_agents} "
+               f"{exp.tree.joint_mode} branch_on={exp.tree.branch_on}",
+       "loss": f"{exp.loss.algorithm} {exp.loss.aggregation} kl={exp.loss.kl_coef}",
+       "env": exp.env_factory, "tasks": exp.task_source}
+  return json.dumps(d, indent=1)

@@ -1,0 +1,290 @@
+"""ENVGRPO / ENVGSPO: optional SFT warm-up, then tree rollouts -> pack -> train step.
+
+`run(config, workdir)` is the whole training job behind `experiments/train.py`:
+
+  build + validate the experiment (fails before compute)
+  resume from workdir/ckpt if a checkpoint exists, else SFT warm-up (optional)
+  for each RL step:
+    tasks from a seeded, resumable stream -> one environment per root
+    tree expansion (one sampler call per level, env steps on a thread pool)
+    returns / advantages -> fixed-shape batch (zero-variance groups dropped)
+    train step (GRPO / GSPO / REINFORCE, KL to the frozen reference)
+    metrics.jsonl + TensorBoard, rollout dumps, checkpoints,
+    held-out evaluation every k steps with keep-best under workdir/best
+
+The per-step RNG key is `fold_in(PRNGKey(seed), step)` and the task stream's
+position is checkpointed, so a run killed at any point resumes exactly
+(DESIGN.md invariant 6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Optional
+
+import jax
+import ml_collections
+import numpy as np
+
+from mtrl_jax import checkpoint, data, metrics as metrics_lib, sharding
+from mtrl_jax.rollout import dump as dump_lib
+from mtrl_jax.rollout import expand_tree, pack_tree
+from mtrl_jax.rollout.env_transition import EnvTransition
+from mtrl_jax.rollout.packing import default_row_count
+from mtrl_jax.rollout.policy import SamplerPolicy
+from mtrl_jax.sampling import Sampler
+from mtrl_jax.train import evaluate as eval_lib
+from mtrl_jax.train import experiment as exp_lib
+from mtrl_jax.train.sft import SFTBatcher, make_sft_step
+from mtrl_jax.train.step import TrainStep
+
+
+PLOT_KEYS = ("eval/*/success", "rollout/success", "rollout/return", "turn_*/mean_reward",
+             "train/loss", "train/kl", "train/clip_frac", "train/entropy", "faults/*")
+
+
+def drop_zero_variance_groups(tree) -> int:
+  """Zeroes the weight of (node, agent) groups whose G returns are all equal.
+
+  Their advantages are zero under the baseline modes anyway; dropping them
+  saves the compute. Returns the number of groups dropped.
+  """
+  dropped = 0
+  for node in tree.nodes:
+    for i in range(node.agent_returns_NxG.shape[0]):
+      valid = node.weight_NxG[i] > 0
+      r = node.agent_returns_NxG[i][valid]
+      if valid.any() and np.all(r == r[0]):
+        node.weight_NxG[i] = 0.0
+        dropped += 1
+  return dropped
+
+
+def compact_rows(batch: dict, row_multiple: int) -> dict:
+  """Keeps the rows with weight > 0, padded to the next power-of-two bucket."""
+  keep = np.flatnonzero(batch["row_weight_B"] > 0)
+  n = default_row_count(max(len(keep), 1), row_multiple)
+  out = {}
+  for k, v in batch.items():
+    axis = 1 if k == "ids_3xB" else 0
+    taken = np.take(v, keep, axis=axis)
+    pad = [(0, 0)] * v.ndim
+    pad[axis] = (0, n - len(keep))
+    fill = -1 if k in ("ids_3xB", "turn_B", "agent_B", "node_B") else 0
+    out[k] = np.pad(taken, pad, constant_values=fill)
+  return out
+
+
+def _sft_rows(exp, renderer, source) -> list:
+  make = exp_lib.import_object(exp.run.sft_conversations)
+  rows = []
+  for i in range(min(exp.run.sft_num_examples, len(source))):
+    ledger = renderer.render_conversation(make(source[i]))
+    rows.append((np.asarray(ledger.ids, np.int32), np.asarray(ledger.trainable, bool)))
+  return rows
+
+
+class _TimedPolicy(SamplerPolicy):
+  """SamplerPolicy that accumulates the wall time of its sampler calls."""
+
+  seconds = 0.0
+
+  def sample(self, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = super().sample(*args, **kwargs)
+    self.seconds += time.perf_counter() - t0
+    return out
+
+  def pop_seconds(self) -> float:
+    s, self.seconds = self.seconds, 0.0
+    return s
+
+
+class _Run:
+  """The state of one training job (the loop body lives in `run`)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    self.exp = exp = exp_lib.build(config)
+    self.workdir = workdir
+    exp_lib.save_config(config, workdir)
+    self.mesh = sharding.make_mesh(exp.mesh.shape(jax.device_count()))
+    self.row_multiple = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    self.tokenizer, self.renderer = exp_lib.make_tokenizer(exp)
+    self.exp = exp = exp_lib.fit_vocab(exp, self.tokenizer)
+    self.model = exp_lib.make_model(exp, self.mesh)
+    self.factory = exp_lib.make_factory(exp)
+    self.train_tasks = exp_lib.make_task_source(exp, exp.train_split)
+    self.eval_tasks = exp_lib.make_task_source(exp, exp.eval_split)
+    self.stream = data.TaskStream(self.train_tasks, seed=exp.run.seed)
+    self.train_step = TrainStep(self.model, exp.loss, exp.optim, mesh=self.mesh,
+                                step_cfg=exp.step)
+    self.sampler = Sampler(exp.model, mesh=self.mesh)
+    stop_ids = self.renderer.fmt.stop_ids
+    self.policy = _TimedPolicy(self.sampler, None, exp.sampling, stop_ids=stop_ids,
+                                pad_id=self.tokenizer.pad_id)
+    self.transition = EnvTransition(self.renderer, exp.tree.num_agents, limits=exp.limits,
+                                    reward_cfg=exp.reward)
+    self.ckpt = checkpoint.Checkpointer(workdir, keep=exp.run.ckpt_keep)
+    self.census = metrics_lib.CompileCensus()
+    self.census.register("sampler", self.sampler)
+    self.census.register("train_step", self.train_step)
+    self.key = jax.random.PRNGKey(exp.run.seed)
+
+  def text_metrics(self) -> dict:
+    """Re-tokenisation counts of this step (the renderer's counters are cumulative)."""
+    now = self.renderer.metrics()
+    prev, self._text_prev = getattr(self, "_text_prev", {}), now
+    out = {k: v - prev.get(k, 0) for k, v in now.items() if not k.endswith("_rate")}
+    checked = out.get("text/completions_checked", 0)
+    out["text/retokenize_mismatch_rate"] = out.get("text/retokenize_mismatches", 0) / max(checked, 1)
+    return out
+
+  # ------------------------------------------------------------ state
+  def ckpt_target(self):
+    target = {"train": self.train_step.abstract_state()}
+    if self.exp.loss.kl_coef > 0:
+      target["ref"] = self.train_step.abstract_state().params
+    return target
+
+  def save(self, step: int, state, ref, extra: dict):
+    tree = {"train": state}
+    if self.exp.loss.kl_coef > 0:
+      tree["ref"] = ref
+    self.ckpt.save(step, tree, meta={"stream": self.stream.state(), **extra})
+
+  def sft(self, state):
+    exp = self.exp
+    rows = _sft_rows(exp, self.renderer, self.train_tasks)
+    batcher = SFTBatcher(rows, exp.run.sft_batch_size, exp.run.length_buckets,
+                         seed=exp.run.seed, pad_id=self.tokenizer.pad_id)
+    step_fn = make_sft_step(self.model, exp.sft_optim, mesh=self.mesh, step_cfg=exp.step)
+    self.census.register("sft_step", step_fn)
+    sft_state = step_fn.init_state(state.params, seed=exp.run.seed)
+    history = []
+    for i in range(exp.run.sft_steps):
+      sft_state, m = step_fn(sft_state, None, next(batcher))
+      if i % 25 == 0 or i == exp.run.sft_steps - 1:
+        history.append({"sft_step": i, **step_fn.fetch_metrics(m)})
+    return self.train_step.init_state(sft_state.params, seed=exp.run.seed), history
+
+  # ------------------------------------------------------------ evaluation
+  def evaluate(self, params, step: int) -> dict:
+    exp = self.exp
+    out = {}
+    tasks = [dict(self.eval_tasks[i], task_index=i)
+             for i in range(min(exp.run.eval_num_tasks, len(self.eval_tasks)))]
+    modes = [("greedy", True)] if exp.run.eval_greedy else []
+    if exp.run.eval_sampled:
+      modes.append(("sampled", False))
+    for name, greedy in modes:
+      res = eval_lib.evaluate(self.sampler, params, self.renderer, self.transition,
+                              self.factory, tasks, exp, greedy=greedy,
+                              key=jax.random.fold_in(self.key, 10_000_000 + step))
+      out.update({f"eval/{name}/{k}": v for k, v in res.items()})
+    return out
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
+  """Runs (or resumes) a training job in `workdir`; returns a summary dict."""
+  r = _Run(config, workdir)
+  exp = r.exp
+  print(exp_lib.describe(exp), flush=True)
+  summary: dict[str, Any] = {"workdir": os.path.abspath(workdir)}
+  latest = r.ckpt.latest_step()
+  if latest is not None:
+    restored, meta = r.ckpt.restore(r.ckpt_target())
+    state = restored["train"]
+    ref = restored.get("ref")
+    r.stream.restore(meta["stream"])
+    start = latest
+    summary.update(meta.get("summary", {}))
+    print(f"resumed from {workdir}/ckpt at step {latest}", flush=True)
+  else:
+    state = r.train_step.init_state(r.model, seed=exp.run.seed)
+    if exp.run.sft_steps:
+      t0 = time.time()
+      state, history = r.sft(state)
+      summary["sft_history"] = history
+      summary["sft_seconds"] = round(time.time() - t0, 1)
+    ref = r.train_step.copy_params(state.params) if exp.loss.kl_coef > 0 else None
+    start = 0
+  writer = metrics_lib.MetricsWriter(workdir, resume_step=start if latest is not None else None)
+
+  def eval_and_keep_best(step, state):
+    m = r.evaluate(state.params, step)
+    score = m.get("eval/greedy/success", m.get("eval/sampled/success"))
+    if score is not None:
+      r.ckpt.maybe_save_best(step, score, state, meta={"eval": m})
+      summary.setdefault("eval_history", []).append({"step": step, **m})
+    return m
+
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=exp.run.rl_steps, initial=start, desc="RL", dynamic_ncols=True)
+  if latest is None:
+    m = eval_and_keep_best(0, state)
+    writer.write(0, m)
+    summary["eval_start"] = m
+    r.save(0, state, ref, {"summary": summary})
+  for step in range(start + 1, exp.run.rl_steps + 1):
+    timer = metrics_lib.StepTimer()
+    key = jax.random.fold_in(r.key, step)
+    r.policy.set_states(state.params)
+    with timer.section("rollout"):
+      tasks = r.stream.next(exp.run.roots_per_step)
+      roots = r.transition.root_states(r.factory, tasks)
+      tree = expand_tree(exp.tree, r.policy, r.transition, roots, key)
+    row_m: dict[str, float] = {}
+    dropped = drop_zero_variance_groups(tree) if exp.run.zero_variance_filter else 0
+    batch = pack_tree(tree, length_buckets=exp.run.length_buckets,
+                      row_multiple=r.row_multiple, pad_id=r.tokenizer.pad_id)
+    row_m["batch/rows_total"] = float((batch["row_weight_B"] > 0).sum())
+    if exp.run.zero_variance_filter:
+      batch = compact_rows(batch, r.row_multiple)
+    row_m.update({"batch/zero_variance_groups": float(dropped),
+                  "batch/rows": float(batch["tokens_BxL"].shape[0]),
+                  "batch/length": float(batch["tokens_BxL"].shape[1])})
+    train_m = {}
+    with timer.section("train"):
+      if (batch["row_weight_B"] > 0).any():
+        for _ in range(exp.run.updates_per_step):
+          state, dm = r.train_step(state, ref, batch)
+        train_m = {f"train/{k}": v for k, v in r.train_step.fetch_metrics(dm).items()}
+    if exp.run.ref_reset_every and step % exp.run.ref_reset_every == 0:
+      ref = r.train_step.copy_params(state.params)
+    m = {**tree.metrics(), **eval_lib.rollout_metrics(tree, exp.run.success_threshold),
+         **row_m, **train_m, **r.census.counts()}
+    if exp.run.dump_every and step % exp.run.dump_every == 0:
+      dump_lib.write_rollout_dump(tree, dump_lib.dump_path(workdir, step), r.transition.decode)
+    if step % exp.run.eval_every == 0 or step == exp.run.rl_steps:
+      with timer.section("eval"):
+        m.update(eval_and_keep_best(step, state))
+    m.update(r.text_metrics())  # after eval: this step's evaluation counts too
+    times = timer.split()
+    # Generation is timed inside the rollout; the rest of it is environment
+    # work (react_to, tools, graders, user simulators, rendering).
+    times["time/generation"] = r.policy.pop_seconds()
+    times["time/environment"] = times.pop("time/rollout") - times["time/generation"]
+    m.update(times)
+    writer.write(step, m)
+    if step % exp.run.ckpt_every == 0 or step == exp.run.rl_steps:
+      r.save(step, state, ref, {"summary": summary})
+    if bar is not None:
+      bar.update(1)
+      bar.set_postfix(reward=f"{m.get('rollout/return', float('nan')):.2f}",
+                      success=f"{m.get('rollout/success', float('nan')):.2f}")
+  if bar is not None:
+    bar.close()
+  writer.close()
+  r.ckpt.wait()
+  best = r.ckpt.best()
+  summary["best"] = best
+  summary["compiles"] = r.census.counts()
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1, default=float)
+  metrics_lib.plot_metrics(workdir, PLOT_KEYS, out_png=os.path.join(workdir, "curves.png"))
+  r.ckpt.close()
+  return summary

@@ -1,0 +1,421 @@
+"""The sharded, jitted train step: forward, loss, exact micro-batch accumulation, AdamW.
+
+State is a plain pytree, `TrainState(step, params, opt_state, rng,
+num_skipped)`, with `params` the `nnx.State` of the model's `nnx.Param`s
+(`graphdef, params = nnx.split(model, nnx.Param)`) and optax applied to it
+directly. We use this functional form rather than `nnx.Optimizer`: a pytree
+state takes explicit `in_shardings`/`out_shardings`, donation and Orbax
+`StandardSave` as is, and the graphdef stays a static closure, so new weights
+never retrace.
+
+What is optimised is an `Objective`: it turns per-token policy logprobs (and
+reference logprobs when it needs them) into an exact (num, den) pair plus
+summable metrics. `PolicyObjective` wraps `mtrl_jax.losses.policy_loss_terms`;
+the SFT cross-entropy (`mtrl_jax.train.sft`) is another objective on the same
+machinery. Micro-batches sum numerators, denominators and gradients of the
+numerator, then divide once, so the update equals the full-batch one.
+
+Metrics come back as a dict of device scalars; fetch them one step late with
+`TrainStep.fetch_metrics`, which raises under `nonfinite='halt'`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping, Optional, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mtrl_jax import losses, models, sharding
+from mtrl_jax.train import optim
+
+_NONFINITE = ("skip", "halt")
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything the update changes; one pytree, donated to the step.
+
+  Attributes:
+    step: int32, train-step calls so far (skipped ones included).
+    params: `nnx.State` of the policy's `nnx.Param`s.
+    opt_state: optax state of `make_optimizer`.
+    rng: uint32[2] base key of the run; the loop derives per-step keys with
+      `jax.random.fold_in(rng, step)` so a resumed run replays the stream.
+    num_skipped: int32, updates skipped because the loss or gradient was not finite.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+  num_skipped: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """How the step runs (not what it optimises).
+
+  Attributes:
+    num_microbatches: the batch is split into this many micro-batches along
+      rows (B must be divisible by it); gradients are accumulated exactly.
+    nonfinite: 'skip' (keep params, count it) or 'halt' (also raise when the
+      metrics are fetched) on a non-finite loss or gradient.
+    logprob_chunk_size: if set, logprobs come from the final hidden states one
+      vocabulary chunk at a time, never materialising [B, L, V] logits (no
+      entropy metric then).
+    report_entropy: report the policy's mean token entropy on trained tokens.
+    compiler_options: XLA options for compiling the step, as (name, value)
+      pairs, e.g. (("xla_backend_optimization_level", 0),) halves CPU compile
+      time in tests.
+  """
+
+  num_microbatches: int = 1
+  nonfinite: str = "skip"
+  logprob_chunk_size: Optional[int] = None
+  report_entropy: bool = True
+  compiler_options: tuple[tuple[str, Any], ...] = ()
+
+  def __post_init__(self):
+    if (not isinstance(self.num_microbatches, int) or isinstance(self.num_microbatches, bool)
+        or self.num_microbatches < 1):
+      raise ValueError(f"StepConfig.num_microbatches={self.num_microbatches!r}; "
+                       "allowed: an integer >= 1")
+    if self.nonfinite not in _NONFINITE:
+      raise ValueError(f"StepConfig.nonfinite={self.nonfinite!r}; allowed: {list(_NONFINITE)}")
+    if self.logprob_chunk_size is not None and (
+        not isinstance(self.logprob_chunk_size, int) or self.logprob_chunk_size < 1):
+      raise ValueError(f"StepConfig.logprob_chunk_size={self.logprob_chunk_size!r}; "
+                       "allowed: None or an integer >= 1")
+    if not all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
+               for o in self.compiler_options):
+      raise ValueError(f"StepConfig.compiler_options={self.compiler_options!r}; allowed: a "
+                       "tuple of (xla_option_name, value) pairs")
+
+
+class NonFiniteError(FloatingPointError):
+  """A train step met a non-finite loss or gradient under nonfinite='halt'."""
+
+
+class Objective(Protocol):
+  """What a `TrainStep` minimises, as exact (num, den) terms."""
+
+  needs_ref: bool  # compute reference logprobs (a second forward, no gradient)
+  batch_keys: tuple[str, ...]  # required batch entries
+
+  def terms(self, logp_BxL, ref_logp_BxL, entropy_BxL, batch) -> tuple[Any, Any, dict]:
+    """(num, den, metric_sums) of one micro-batch; num is differentiated."""
+
+  def merge(self, a: dict, b: dict) -> dict:
+    """Combines the metric sums of two micro-batches."""
+
+  def finalize(self, sums: dict) -> dict:
+    """Scalar metrics from merged sums."""
+
+
+def train_mask(batch) -> jax.Array:
+  """loss_mask with padding / fault rows (row_weight 0) and position 0 removed."""
+  mask_BxL = batch["loss_mask_BxL"].astype(bool)
+  if "row_weight_B" in batch:
+    mask_BxL = mask_BxL & (batch["row_weight_B"] > 0)[:, None]
+  # Position 0 has no prediction (logp 0); it can never carry loss.
+  return mask_BxL.at[:, 0].set(False)
+
+
+def _adv(batch):
+  if "adv_BxL" in batch:
+    return batch["adv_BxL"]
+  return batch["adv_B"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyObjective:
+  """GRPO / GSPO / REINFORCE with a KL penalty (`mtrl_jax.losses`).
+
+  Batch: tokens_BxL, loss_mask_BxL, old_logp_BxL, adv_B (or adv_BxL),
+  row_weight_B.
+  """
+
+  loss_cfg: losses.LossConfig
+
+  @property
+  def needs_ref(self) -> bool:
+    return self.loss_cfg.kl_coef > 0
+
+  @property
+  def batch_keys(self) -> tuple[str, ...]:
+    return ("tokens_BxL", "loss_mask_BxL", "old_logp_BxL", "row_weight_B")
+
+  def terms(self, logp_BxL, ref_logp_BxL, entropy_BxL, batch):
+    return losses.policy_loss_terms(logp_BxL, batch["old_logp_BxL"], ref_logp_BxL,
+                                    _adv(batch), train_mask(batch), self.loss_cfg,
+                                    entropy=entropy_BxL)
+
+  def merge(self, a, b):
+    return losses.merge_metric_sums(a, b)
+
+  def finalize(self, sums):
+    return losses.finalize_metrics(sums)
+
+
+def _forward_logprobs(graphdef, params, tokens_BxL, step_cfg: StepConfig, want_entropy: bool):
+  """Per-token logprobs (and entropies, without gradient) of one parameter state."""
+  model = nnx.merge(graphdef, params)
+  if step_cfg.logprob_chunk_size:
+    hidden = model.final_norm(model.hidden(tokens_BxL))
+    w_DxV = model.embed[...].T if model.cfg.tie_embeddings else model.lm_head[...]
+    logp = losses.chunked_token_logprobs(hidden, w_DxV, tokens_BxL,
+                                         step_cfg.logprob_chunk_size)
+    return logp, None
+  logits_BxLxV = model(tokens_BxL)
+  logp = losses.token_logprobs(logits_BxLxV, tokens_BxL)
+  entropy = None
+  if want_entropy:
+    entropy = losses.token_entropy(jax.lax.stop_gradient(logits_BxLxV))
+  return logp, entropy
+
+
+def _split_microbatches(batch, num: int, mesh, batch_axes):
+  """[B, ...] -> [M, B/M, ...], micro-batch m = rows m, m+M, m+2M, ...
+
+  The strided split keeps every micro-batch spread over all data shards
+  (a contiguous split would put each micro-batch on a few devices only).
+  """
+
+  def one(x):
+    b = x.shape[0]
+    y = jnp.swapaxes(x.reshape(b // num, num, *x.shape[1:]), 0, 1)
+    spec = P(None, batch_axes, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
+
+  return jax.tree.map(one, batch)
+
+
+def _learning_rate(opt_state, schedule):
+  # optax's own update counter (applied updates only) drives the schedule.
+  counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+  return schedule(counts[0][1]) if counts else jnp.nan
+
+
+class TrainStep:
+  """A jitted, sharded update of `TrainState` by one objective.
+
+  Args:
+    model: the policy model (its graph and parameter shardings are used;
+      its weights are taken by `init_state`).
+    objective: a `PolicyObjective`, an SFT objective, or a `LossConfig`
+      (wrapped in `PolicyObjective`).
+    optim_cfg: optimizer configuration.
+    mesh: the training mesh (default: one device).
+    step_cfg: micro-batching, non-finite policy, logprob chunking.
+    rules: logical-axis rules for the parameters.
+  """
+
+  def __init__(self, model: models.Transformer, objective, optim_cfg: optim.OptimConfig,
+               mesh=None, step_cfg: StepConfig = StepConfig(), rules=sharding.TRAIN_RULES):
+    if isinstance(objective, losses.LossConfig):
+      objective = PolicyObjective(objective)
+    self.objective = objective
+    self.model_cfg: models.ModelConfig = model.cfg
+    self.optim_cfg = optim_cfg
+    self.step_cfg = step_cfg
+    self.mesh = mesh if mesh is not None else sharding.single_device_mesh()
+    self.rules = sharding.rules_for(self.model_cfg, self.mesh, rules)
+    self.graphdef, params = nnx.split(model, nnx.Param)
+    self.tx = optim.make_optimizer(optim_cfg)
+    self.schedule = optim.make_schedule(optim_cfg)
+    self.param_shardings = models.state_shardings(params, self.model_cfg, self.mesh, rules)
+    rep = sharding.replicated(self.mesh)
+    abstract_opt = jax.eval_shape(self.tx.init, params)
+    opt_shardings = optax.tree_utils.tree_map_params(
+        self.tx, lambda _, s: s, abstract_opt, self.param_shardings,
+        transform_non_params=lambda _: rep)
+    self.state_shardings = TrainState(step=rep, params=self.param_shardings,
+                                      opt_state=opt_shardings, rng=rep, num_skipped=rep)
+    self._abstract_params = jax.eval_shape(lambda p: p, params)
+    self._abstract_opt = abstract_opt
+    self._jitted: dict[Any, Any] = {}
+    self._init_fn = self._copy_fn = None
+    self._num_traces = 0
+
+  # ------------------------------------------------------------ state
+  def init_state(self, model_or_params, seed: int = 0) -> TrainState:
+    """A fresh TrainState (step 0, zero Adam moments) born sharded."""
+    params = model_or_params
+    if isinstance(model_or_params, nnx.Module):
+      params = nnx.state(model_or_params, nnx.Param)
+    if self._init_fn is None:
+
+      def init(params, key):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=self.tx.init(params), rng=key,
+                          num_skipped=jnp.zeros((), jnp.int32))
+
+      self._init_fn = jax.jit(init, out_shardings=self.state_shardings)
+    params = jax.device_put(params, self.param_shardings)
+    return self._init_fn(params, jax.random.PRNGKey(seed))
+
+  def abstract_state(self) -> TrainState:
+    """ShapeDtypeStructs with shardings: the target of a checkpoint restore."""
+
+    def sds(x, s):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32),
+                          params=self._abstract_params, opt_state=self._abstract_opt,
+                          rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+                          num_skipped=jax.ShapeDtypeStruct((), jnp.int32))
+    return jax.tree.map(sds, abstract, self.state_shardings)
+
+  def copy_params(self, params):
+    """A separate sharded copy (e.g. the frozen reference: state.params is donated)."""
+    if self._copy_fn is None:
+      self._copy_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                              out_shardings=self.param_shardings)
+    return self._copy_fn(params)
+
+  # ------------------------------------------------------------ step
+  @property
+  def num_compiles(self) -> int:
+    """Traces (= compilations) of the step so far: one per batch shape bucket."""
+    return self._num_traces
+
+  def _batch_shardings(self, batch):
+    return {k: sharding.batch_sharding(self.mesh, np.ndim(v), np.shape(v)[0])
+            for k, v in batch.items()}
+
+  def _select(self, batch: Mapping[str, Any]) -> dict:
+    keys = list(self.objective.batch_keys)
+    if isinstance(self.objective, PolicyObjective):
+      keys.append("adv_BxL" if "adv_BxL" in batch else "adv_B")
+    missing = [k for k in keys if k not in batch]
+    if missing:
+      raise KeyError(f"train batch lacks {missing}; has {sorted(batch)}")
+    out = {k: batch[k] for k in keys}
+    tokens = out["tokens_BxL"]
+    if isinstance(tokens, np.ndarray) and tokens.size and (
+        tokens.min() < 0 or tokens.max() >= self.model_cfg.vocab_size):
+      # jnp.take would silently return NaN rows for out-of-range ids.
+      raise ValueError(f"tokens_BxL ids span [{tokens.min()}, {tokens.max()}]; allowed: "
+                       f"[0, vocab_size={self.model_cfg.vocab_size})")
+    b = np.shape(tokens)[0]
+    m = self.step_cfg.num_microbatches
+    if b % m:
+      raise ValueError(f"batch rows B={b} not divisible by StepConfig.num_microbatches={m}")
+    return out
+
+  def __call__(self, state: TrainState, ref_params, batch: Mapping[str, Any]):
+    """One update. `state` is donated; `ref_params` may be None unless needed.
+
+    Args:
+      state: the current TrainState (its buffers are donated).
+      ref_params: frozen reference parameters (same graph), used when the
+        objective needs reference logprobs (kl_coef > 0); else ignored.
+      batch: host or device arrays (extra keys such as ids are dropped).
+    Returns:
+      (new_state, metrics): metrics a dict of device scalars.
+    """
+    batch = self._select(batch)
+    if self.objective.needs_ref:
+      if ref_params is None:
+        raise ValueError("the objective needs reference logprobs (kl_coef > 0) but "
+                         "ref_params is None")
+    else:
+      ref_params = None
+    # Shardings depend on the row count only; jax.jit's own cache adds one
+    # executable per length bucket.
+    key = (ref_params is None,) + tuple(sorted((k, np.ndim(v), np.shape(v)[0])
+                                               for k, v in batch.items()))
+    fn = self._jitted.get(key)
+    if fn is None:
+      in_sh = (self.state_shardings, None if ref_params is None else self.param_shardings,
+               self._batch_shardings(batch))
+      fn = jax.jit(self._step, in_shardings=in_sh,
+                   out_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
+                   donate_argnums=(0,),
+                   compiler_options=dict(self.step_cfg.compiler_options) or None)
+      self._jitted[key] = fn
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
+      return fn(state, ref_params, batch)
+
+  def _step(self, state: TrainState, ref_params, batch):
+    self._num_traces += 1  # runs once per trace, i.e. per compilation
+    obj, cfg = self.objective, self.step_cfg
+    want_entropy = cfg.report_entropy and cfg.logprob_chunk_size is None
+
+    def num_fn(params, mb, ref_logp):
+      logp, entropy = _forward_logprobs(self.graphdef, params, mb["tokens_BxL"], cfg,
+                                        want_entropy)
+      num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
+      return num, (den, sums)
+
+    def grad_fn(params, mb):
+      # The reference forward runs outside the differentiated function: no
+      # gradient work, and its variables stay at this trace level (nnx.remat
+      # refuses variables captured from an outer trace).
+      ref_logp = None
+      if ref_params is not None:
+        ref_logp, _ = _forward_logprobs(self.graphdef, ref_params, mb["tokens_BxL"], cfg,
+                                        False)
+        ref_logp = jax.lax.stop_gradient(ref_logp)
+      return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
+
+    m = cfg.num_microbatches
+    if m == 1:
+      (num, (den, sums)), grads = grad_fn(state.params, batch)
+    else:
+      b = batch["tokens_BxL"].shape[0]
+      axes = sharding.batch_sharding(self.mesh, 2, b // m).spec[0]
+      mbs = _split_microbatches(batch, m, self.mesh, axes)
+
+      def body(carry, mb):
+        g_acc, num_acc, den_acc = carry
+        (num, (den, sums)), g = grad_fn(state.params, mb)
+        return (jax.tree.map(jnp.add, g_acc, g), num_acc + num, den_acc + den), sums
+
+      zeros = jax.tree.map(jnp.zeros_like, state.params)
+      zeros = jax.lax.with_sharding_constraint(zeros, self.param_shardings)
+      init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+      (grads, num, den), sums_M = jax.lax.scan(body, init, mbs)
+      sums = functools.reduce(obj.merge, [jax.tree.map(lambda x, i=i: x[i], sums_M)
+                                          for i in range(m)])
+
+    inv_den = 1.0 / jnp.maximum(den, 1.0)  # dens are counts: exact, 0 when empty
+    loss = num * inv_den
+    grads = jax.tree.map(lambda g: g * inv_den, grads)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    apply = finite & (den > 0)  # an empty batch (no trained token) changes nothing
+
+    updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    pick = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+    new_state = TrainState(
+        step=state.step + 1, params=pick(new_params, state.params),
+        opt_state=pick(new_opt, state.opt_state), rng=state.rng,
+        num_skipped=state.num_skipped + (~finite).astype(jnp.int32))
+
+    metrics = dict(obj.finalize(sums))
+    metrics.update(loss=loss, grad_norm=grad_norm,
+                   learning_rate=_learning_rate(state.opt_state, self.schedule),
+                   skipped=(~finite).astype(jnp.float32), empty_batch=(den <= 0).astype(
+                       jnp.float32), num_skipped=new_state.num_skipped, step=state.step)
+    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+    return new_state, metrics
+
+  def fetch_metrics(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Host floats of a step's metrics; raises NonFiniteError under 'halt'."""
+    out = {k: float(v) for k, v in jax.device_get(dict(metrics)).items()}
+    if self.step_cfg.nonfinite == "halt" and out.get("skipped", 0.0) > 0:
+      raise NonFiniteError(
+          f"train step {int(out.get('step', -1))}: non-finite loss={out.get('loss')} or "
+          f"grad_norm={out.get('grad_norm')}; the update was skipped and "
+          "StepConfig.nonfinite='halt' stops the run (use 'skip' to continue)")
+    return out
