@@ -16,6 +16,8 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
+from mtrl_jax.registry import import_object
+
 _SOURCES: dict[str, Callable[..., "TaskSource"]] = {}
 
 
@@ -48,8 +50,7 @@ def registered_task_sources() -> list[str]:
 def resolve_task_source(spec: str, split: str, **kwargs) -> TaskSource:
   """A task source by registry name or import path (`pkg.module:attr`)."""
   if ":" in spec:
-    module, attr = spec.split(":", 1)
-    fn = getattr(importlib.import_module(module), attr)
+    fn = import_object(spec, "task source")
   else:
     if spec not in _SOURCES:
       # Built-in tasks register themselves on import.

@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 from mtrl_jax.envs.core import Environment, EnvironmentFactory
+from mtrl_jax.registry import import_object
 
 
 class _FunctionFactory(EnvironmentFactory):
@@ -66,18 +67,7 @@ def registered_env_factories() -> list[str]:
 
 
 def _import_path(spec: str):
-  module_name, _, attr = spec.partition(":")
-  if not module_name or not attr:
-    raise ValueError(f"environment factory {spec!r}: expected 'package.module:Name'")
-  try:
-    obj = importlib.import_module(module_name)
-  except ImportError as e:
-    raise ValueError(f"environment factory {spec!r}: cannot import {module_name!r}: {e}") from e
-  for part in attr.split("."):
-    if not hasattr(obj, part):
-      raise ValueError(f"environment factory {spec!r}: module {module_name!r} has no {attr!r}")
-    obj = getattr(obj, part)
-  return obj
+  return import_object(spec, "environment factory")
 
 
 def resolve_factory(spec, **kwargs) -> EnvironmentFactory:

@@ -198,12 +198,8 @@ def resolve_grader(spec: str, **kwargs) -> Grader:
     kwargs: constructor arguments (e.g. generator=..., criteria=...).
   """
   if ":" in spec:
-    import importlib
-    module, _, attr = spec.partition(":")
-    try:
-      ctor = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-      raise ValueError(f"grader {spec!r}: cannot load: {e}") from e
+    from mtrl_jax.registry import import_object
+    ctor = import_object(spec, "grader")
   elif spec in _GRADERS:
     ctor = _GRADERS[spec]
   else:

@@ -18,7 +18,6 @@ Two entry points:
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import flax.struct
 import jax

@@ -17,7 +17,6 @@ import numpy as np
 
 from mtrl_jax.rollout import expand_tree
 from mtrl_jax.rollout.policy import SamplerPolicy
-from mtrl_jax.sampling import SamplingConfig
 
 
 def _step_infos(info):

@@ -10,15 +10,14 @@ task sources from an `Experiment`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import warnings
-from typing import Any, Optional
 
 import ml_collections
 
 from mtrl_jax import data, sharding
+from mtrl_jax.registry import import_object
 from mtrl_jax.envs import FaultPolicy, StepLimits, resolve_factory
 from mtrl_jax.graders.reward import RewardConfig, check_reward_dominance
 from mtrl_jax.losses import LossConfig
@@ -103,17 +102,6 @@ def _fields(cd, cls, **extra):
   if unknown:
     raise ValueError(f"{cls.__name__}: unknown config keys {unknown}; allowed: {sorted(names)}")
   return cls(**kw)
-
-
-def import_object(spec: str) -> Any:
-  """'pkg.module:attr' -> the object."""
-  module, sep, attr = spec.partition(":")
-  if not sep:
-    raise ValueError(f"{spec!r}: expected an import path 'pkg.module:attr'")
-  obj = importlib.import_module(module)
-  for part in attr.split("."):
-    obj = getattr(obj, part)
-  return obj
 
 
 def build(config: ml_collections.ConfigDict) -> Experiment:

@@ -46,7 +46,7 @@ def run_summary(workdir: str, key: str = SUCCESS_KEY) -> dict:
 def summary_table(workdirs: Sequence[str], key: str = SUCCESS_KEY) -> str:
   """Markdown table: held-out success after SFT, after RL and at the best step, per seed."""
   rows = [run_summary(w, key) for w in workdirs]
-  lines = [f"| run | held-out success after SFT | after RL | best (step) |",
+  lines = ["| run | held-out success after SFT | after RL | best (step) |",
            "|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {os.path.basename(r['workdir'])} | {r['after_sft']:.3f} | "

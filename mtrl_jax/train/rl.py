@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import ml_collections
@@ -34,6 +34,7 @@ from mtrl_jax.rollout import expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.packing import default_row_count
 from mtrl_jax.rollout.policy import SamplerPolicy
+from mtrl_jax.registry import import_object
 from mtrl_jax.sampling import Sampler
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
@@ -78,7 +79,7 @@ def compact_rows(batch: dict, row_multiple: int) -> dict:
 
 
 def _sft_rows(exp, renderer, source) -> list:
-  make = exp_lib.import_object(exp.run.sft_conversations)
+  make = import_object(exp.run.sft_conversations, "sft.conversations")
   rows = []
   for i in range(min(exp.run.sft_num_examples, len(source))):
     ledger = renderer.render_conversation(make(source[i]))

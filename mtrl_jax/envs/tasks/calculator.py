@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ast
 import operator
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import numpy as np
 

@@ -50,7 +50,7 @@ is instantiated with `expert_kwargs`).
 """
 from __future__ import annotations
 
-import importlib
+from mtrl_jax.registry import import_object
 import math
 from typing import Any, Mapping, Optional, Sequence
 
@@ -87,12 +87,7 @@ def resolve_expert(spec, kwargs: Optional[Mapping] = None):
     return None
   obj = spec
   if isinstance(spec, str):
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-      raise ValueError(f"expert={spec!r}: expected an import path 'pkg.module:name'")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-      obj = getattr(obj, part)
+    obj = import_object(spec, "expert")
   if isinstance(obj, type):
     obj = obj(**dict(kwargs or {}))
   if hasattr(obj, "generate"):
