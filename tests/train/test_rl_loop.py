@@ -13,7 +13,7 @@ import pytest
 from configs import calculator as calc_config
 from mtrl_jax.rollout import TreeConfig
 from mtrl_jax.rollout.tree import Completion, Tree
-from mtrl_jax.train import experiment, rl
+from mtrl_jax.train import experiment, report, rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Counters that belong to a process, not to the run: compile counts restart
@@ -109,6 +109,11 @@ def test_smoke_run_writes_every_artifact(tmp_path):
   assert rows[1]["compiles/train_step"] == rows[3]["compiles/train_step"] == 1
   assert rows[1]["compiles/sampler"] == rows[3]["compiles/sampler"]
   assert summary["best"]["step"] in (0, 2, 3)
+  table = report.summary_table([workdir])
+  assert "| run |" in table and "run |" in table.splitlines()[2]
+  png = report.plot_learning_curves([workdir, workdir], str(tmp_path / "curve.png"))
+  with open(png, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_killed_run_resumes_exactly(tmp_path):
