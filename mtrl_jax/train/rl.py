@@ -226,7 +226,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     from tqdm import tqdm
     bar = tqdm(total=exp.run.rl_steps, initial=start, desc="RL", dynamic_ncols=True)
   if latest is None:
-    m = eval_and_keep_best(0, state)
+    m = {**eval_and_keep_best(0, state), **r.text_metrics()}
     writer.write(0, m)
     summary["eval_start"] = m
     r.save(0, state, ref, {"summary": summary})
