@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mtrl_jax.train import report
@@ -26,6 +26,7 @@ _SEEDS = flags.DEFINE_list("seeds", ["0"], "seeds to run, one run directory each
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   workdirs = report.run_seeds(_CONFIG.value, _WORKDIR.value, [int(s) for s in _SEEDS.value])
   print(report.summary_table(workdirs))
   png = report.plot_learning_curves(workdirs, os.path.join(_WORKDIR.value, "learning_curve.png"))

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mtrl_jax.train import rl
@@ -25,6 +25,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   summary = rl.run(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
   print(json.dumps({k: summary[k] for k in ("workdir", "best", "compiles") if k in summary},
                    indent=1, default=float))

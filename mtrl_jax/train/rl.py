@@ -274,9 +274,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     if step % exp.run.ckpt_every == 0 or step == exp.run.rl_steps:
       r.save(step, state, ref, {"summary": summary})
     if bar is not None:
-      bar.update(1)
       bar.set_postfix(reward=f"{m.get('rollout/return', float('nan')):.2f}",
-                      success=f"{m.get('rollout/success', float('nan')):.2f}")
+                      success=f"{m.get('rollout/success', float('nan')):.2f}", refresh=False)
+      bar.update(1)
   if bar is not None:
     bar.close()
   writer.close()
