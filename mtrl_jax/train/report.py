@@ -66,8 +66,10 @@ def plot_learning_curves(workdirs: Sequence[str], out_png: str, key: str = SUCCE
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6, 4))
   curves = [eval_curve(w, key) for w in workdirs]
+  alone = len(curves) == 1
   for w, (s, v) in zip(workdirs, curves):
-    ax.plot(s, v, lw=0.8, alpha=0.5, label=os.path.basename(w))
+    ax.plot(s, v, lw=2 if alone else 0.8, alpha=1 if alone else 0.5, marker="o" if alone else None,
+            label=os.path.basename(w))
   common = min((len(s) for s, _ in curves), default=0)
   if len(curves) > 1 and common:
     vals = np.stack([v[:common] for _, v in curves])
