@@ -44,6 +44,9 @@ class RunConfig:
   sft_batch_size: int
   sft_num_examples: int
   sft_conversations: str
+  sft_until_success: float
+  sft_check_every: int
+  sft_check_tasks: int
   eval_every: int
   eval_num_tasks: int
   eval_greedy: bool
@@ -56,7 +59,10 @@ class RunConfig:
     for name in ("rl_steps", "sft_steps", "dump_every", "ref_reset_every"):
       if getattr(self, name) < 0:
         raise ValueError(f"config {name}={getattr(self, name)}; must be >= 0")
+    if not 0.0 <= self.sft_until_success <= 1.0:
+      raise ValueError(f"config sft.until_success={self.sft_until_success}; allowed: [0, 1]")
     for name in ("roots_per_step", "updates_per_step", "sft_batch_size", "eval_every",
+                 "sft_check_every", "sft_check_tasks",
                  "eval_num_tasks", "ckpt_every", "ckpt_keep"):
       if getattr(self, name) < 1:
         raise ValueError(f"config {name}={getattr(self, name)}; must be >= 1")
@@ -132,6 +138,8 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       ref_reset_every=c.rl.ref_reset_every, length_buckets=buckets,
       dump_every=c.rl.dump_every, sft_steps=c.sft.steps, sft_batch_size=c.sft.batch_size,
       sft_num_examples=c.sft.num_examples, sft_conversations=c.sft.conversations,
+      sft_until_success=c.sft.until_success, sft_check_every=c.sft.check_every,
+      sft_check_tasks=c.sft.check_tasks,
       eval_every=c.eval.every, eval_num_tasks=c.eval.num_tasks, eval_greedy=c.eval.greedy,
       eval_sampled=c.eval.sampled, success_threshold=c.eval.success_threshold,
       ckpt_every=c.checkpoint.every, ckpt_keep=c.checkpoint.keep)

@@ -164,10 +164,21 @@ class _Run:
     self.census.register("sft_step", step_fn)
     sft_state = step_fn.init_state(state.params, seed=exp.run.seed)
     history = []
-    for i in range(exp.run.sft_steps):
+    # Early-stop checks use train tasks the SFT data did not include.
+    first = min(len(rows), len(self.train_tasks))
+    check = [dict(self.train_tasks[i], task_index=i)
+             for i in range(first, min(first + exp.run.sft_check_tasks, len(self.train_tasks)))]
+    for i in range(1, exp.run.sft_steps + 1):
       sft_state, m = step_fn(sft_state, None, next(batcher))
-      if i % 25 == 0 or i == exp.run.sft_steps - 1:
-        history.append({"sft_step": i, **step_fn.fetch_metrics(m)})
+      if i % exp.run.sft_check_every == 0 or i == exp.run.sft_steps:
+        row = {"sft_step": i, **step_fn.fetch_metrics(m)}
+        if exp.run.sft_until_success > 0 and check:
+          row["check_success"] = eval_lib.evaluate(
+              self.sampler, sft_state.params, self.renderer, self.transition, self.factory,
+              check, exp, greedy=True, key=self.key)["success"]
+        history.append(row)
+        if row.get("check_success", 0.0) >= exp.run.sft_until_success > 0:
+          break
     return self.train_step.init_state(sft_state.params, seed=exp.run.seed), history
 
   # ------------------------------------------------------------ evaluation
@@ -208,6 +219,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
       t0 = time.time()
       state, history = r.sft(state)
       summary["sft_history"] = history
+      summary["sft_steps_run"] = history[-1]["sft_step"] if history else 0
       summary["sft_seconds"] = round(time.time() - t0, 1)
     ref = r.train_step.copy_params(state.params) if exp.loss.kl_coef > 0 else None
     start = 0
