@@ -75,6 +75,26 @@ class ListSource:
     return self.tasks[index]
 
 
+class GeneratedTasks:
+  """Task source over a generator `make(split, index, **kwargs) -> dict` (indices 0..size-1).
+
+  Generated tasks are a pure function of (split, index), so any index can be
+  served in any order and a resumed run sees the same tasks.
+  """
+
+  def __init__(self, make: Callable[..., dict], split: str, size: int, **kwargs):
+    make(split, 0, **kwargs)  # validates split and kwargs now, not mid-run
+    self.make, self.split, self.size, self.kwargs = make, split, size, kwargs
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getitem__(self, index: int) -> dict:
+    if not 0 <= index < self.size:
+      raise IndexError(f"task {index} of split {self.split!r} out of range [0, {self.size})")
+    return self.make(self.split, index, **self.kwargs)
+
+
 class TaskStream:
   """Seeded epoch-shuffled walk over a task source; state = (epoch, position)."""
 

@@ -175,23 +175,9 @@ class CalculatorFactory(EnvironmentFactory):
     return CalculatorEnv(metadata, self.show_tools, self.max_tool_calls)
 
 
-class CalculatorTasks:
-  """Task source: `size` generated tasks of a split (indices 0..size-1)."""
-
-  def __init__(self, split: str, size: int = 100_000, **task_kwargs):
-    self.split, self.size, self.task_kwargs = split, size, task_kwargs
-
-  def __len__(self) -> int:
-    return self.size
-
-  def __getitem__(self, index: int) -> dict:
-    if not 0 <= index < self.size:
-      raise IndexError(f"calculator task {index} out of range [0, {self.size})")
-    return make_task(self.split, index, **self.task_kwargs)
-
-
 @data.register_task_source("calculator")
-def calculator_tasks(split: str, size: Optional[int] = None, **task_kwargs) -> CalculatorTasks:
-  default = 100_000 if split == "train" else 200
-  return CalculatorTasks(split, size or default, **task_kwargs)
+def calculator_tasks(split: str, size: Optional[int] = None, **task_kwargs) -> data.GeneratedTasks:
+  """`size` tasks of a split (default: 100k train, 200 eval/test)."""
+  return data.GeneratedTasks(make_task, split, size or (100_000 if split == "train" else 200),
+                             **task_kwargs)
 

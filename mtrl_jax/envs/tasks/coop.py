@@ -164,22 +164,7 @@ class CoopFactory(EnvironmentFactory):
     return CoopEnv(metadata, self.num_turns, self.show_partner)
 
 
-class CoopTasks:
-  """Task source: `size` generated tasks of a split (indices 0..size-1)."""
-
-  def __init__(self, split: str, size: int, digits: int = 2):
-    make_task(split, 0, digits)  # validates split and digits
-    self.split, self.size, self.digits = split, size, digits
-
-  def __len__(self) -> int:
-    return self.size
-
-  def __getitem__(self, index: int) -> dict:
-    if not 0 <= index < self.size:
-      raise IndexError(f"coop task {index} out of range [0, {self.size})")
-    return make_task(self.split, index, self.digits)
-
-
 @data.register_task_source("coop")
-def coop_tasks(split: str, size: Optional[int] = None, digits: int = 2) -> CoopTasks:
-  return CoopTasks(split, size or (100_000 if split == "train" else 200), digits)
+def coop_tasks(split: str, size: Optional[int] = None, digits: int = 2) -> data.GeneratedTasks:
+  return data.GeneratedTasks(make_task, split, size or (100_000 if split == "train" else 200),
+                             digits=digits)
