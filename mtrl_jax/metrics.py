@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -221,9 +221,11 @@ _BACKEND = _BackendCompileCounter()
 class CompileCensus:
   """Compile counts of named jitted functions, reported as metrics.
 
-  A registered entry is a `jax.jit` function (counted by its executable
-  cache size), an object with a `num_compiles` attribute (e.g.
-  `TrainStep`, the sampler) or a zero-argument callable returning a count.
+  A registered entry is an object with a `num_compiles` attribute (e.g.
+  `TrainStep`, the sampler) or a zero-argument callable returning a count
+  (e.g. `lambda: fn.num_traces` for `jax.jit(count_calls(fn))`). A jitted
+  function's private cache size is not used: it under-counts when JAX takes
+  its slow dispatch path.
   `counts()` also reports `compiles/backend_total`, every XLA compilation in
   the process since the census was created (eager ops included), which must
   stay flat after warm-up.
@@ -235,18 +237,15 @@ class CompileCensus:
     self._entries: dict[str, Any] = {}
 
   def register(self, name: str, fn_or_obj) -> None:
-    if not (hasattr(fn_or_obj, "_cache_size") or hasattr(fn_or_obj, "num_compiles")
-            or callable(fn_or_obj)):
-      raise TypeError(f"CompileCensus.register({name!r}): expected a jitted function, an "
-                      f"object with `num_compiles` or a callable; got {type(fn_or_obj)}")
+    if not (hasattr(fn_or_obj, "num_compiles") or callable(fn_or_obj)):
+      raise TypeError(f"CompileCensus.register({name!r}): expected an object with "
+                      f"`num_compiles` or a callable; got {type(fn_or_obj)}")
     self._entries[name] = fn_or_obj
 
   @staticmethod
   def _count(entry) -> int:
     if hasattr(entry, "num_compiles"):
       return int(entry.num_compiles)
-    if hasattr(entry, "_cache_size"):
-      return int(entry._cache_size())
     return int(entry())
 
   def counts(self) -> dict[str, int]:
@@ -254,3 +253,20 @@ class CompileCensus:
     out["compiles/backend_total"] = _BACKEND.count - self._base
     return out
 
+
+
+def count_calls(fn: Callable) -> Callable:
+  """Wraps a function to be traced by `jax.jit`, counting its traces.
+
+  `jax.jit(count_calls(f))` compiles exactly when it traces, so the wrapper's
+  `num_traces` is the compile count of that jitted function.
+  """
+
+  def wrapped(*args, **kwargs):
+    wrapped.num_traces += 1
+    return fn(*args, **kwargs)
+
+  wrapped.num_traces = 0
+  wrapped.__name__ = getattr(fn, "__name__", "fn")
+  wrapped.__doc__ = fn.__doc__
+  return wrapped
