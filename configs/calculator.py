@@ -64,3 +64,26 @@ def get_config(arg=None):
     c.rl.dump_every = 1
     c.rl.zero_variance_filter = False  # a random policy's groups are all equal
   return c
+
+
+def get_sweep(arg=None):
+  """Ablation axes x 3 seeds: `experiments/sweep.py --sweep=<axis>`.
+
+  Axes: turns (T in 1, 2, 3), generations (G in 2, 4, 8), algorithm (grpo,
+  gspo, reinforce), sft (warm-up vs none), reward (outcome only vs with
+  penalties).
+  """
+  axes = {
+      "turns": [{"tree.num_turns": t} for t in (1, 2, 3)],
+      "generations": [{"tree.num_generations": g} for g in (2, 4, 8)],
+      "algorithm": [{"loss.algorithm": "grpo"},
+                    {"loss.algorithm": "gspo", "loss.clip_eps_low": 3e-4,
+                     "loss.clip_eps_high": 4e-4},
+                    {"loss.algorithm": "reinforce", "loss.aggregation": "seq-mean-token-sum"}],
+      "sft": [{"sft.steps": 400}, {"sft.steps": 0}],
+      "reward": [{"reward.step_penalty": -0.05, "reward.tool_penalty": -0.2},
+                 {"reward.step_penalty": 0.0, "reward.tool_penalty": 0.0}],
+  }
+  if arg not in axes:
+    raise ValueError(f"calculator get_sweep({arg!r}); allowed: {sorted(axes)}")
+  return [{**o, "seed": s} for o in axes[arg] for s in (0, 1, 2)]

@@ -87,3 +87,103 @@ def plot_learning_curves(workdirs: Sequence[str], out_png: str, key: str = SUCCE
   fig.savefig(out_png, dpi=120)
   plt.close(fig)
   return out_png
+
+
+# ------------------------------------------------------------------ sweeps and ablations
+def _load_config_module(config_path: str):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("sweep_config", config_path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def run_name(overrides: dict) -> str:
+  """A directory name from overrides: 'tree.num_turns=2,seed=0' -> 'tree.num_turns=2,seed=0'."""
+  return ",".join(f"{k}={v}" for k, v in overrides.items()).replace("/", "_")
+
+
+def expand_sweep(config_spec: str, sweep_arg: str, parent: str) -> list:
+  """(workdir, overrides, ConfigDict) per run of `get_sweep(sweep_arg)` of the config file."""
+  path, _, arg = config_spec.partition(":")
+  module = _load_config_module(path)
+  if not hasattr(module, "get_sweep"):
+    raise ValueError(f"{path} has no get_sweep(arg)")
+  out = []
+  for overrides in module.get_sweep(sweep_arg or None):
+    config = module.get_config(arg or None)
+    for key, value in overrides.items():
+      *path, leaf = key.split(".")
+      target = config
+      for part in path:
+        target = target[part]
+      if leaf not in target:
+        raise ValueError(f"sweep override {key!r}: no such config field")
+      target[leaf] = value
+    out.append((os.path.join(parent, run_name(overrides)), dict(overrides), config))
+  return out
+
+
+def train_command(config_spec: str, workdir: str, overrides: dict) -> str:
+  flags = " ".join(f"--config.{k}={v}" for k, v in overrides.items())
+  return f"python experiments/train.py --config={config_spec} --workdir={workdir} {flags}"
+
+
+def _group_key(workdir: str) -> str:
+  parts = [p for p in os.path.basename(workdir).split(",") if not p.startswith("seed=")]
+  return ",".join(parts) or "(base)"
+
+
+def steps_to_reach(workdir: str, level: float, key: str = SUCCESS_KEY):
+  steps, values = eval_curve(workdir, key)
+  hit = np.flatnonzero(values >= level)
+  return int(steps[hit[0]]) if hit.size else None
+
+
+def ablation_table(workdirs: Sequence[str], level: float, key: str = SUCCESS_KEY) -> str:
+  """Markdown: per group (overrides minus seed) mean +- std over seeds."""
+  groups: dict[str, list[str]] = {}
+  for w in workdirs:
+    groups.setdefault(_group_key(w), []).append(w)
+  lines = [f"| setting | seeds | after SFT | final | best | steps to {level:g} |",
+           "|---|---|---|---|---|---|"]
+  for name, runs in groups.items():
+    rows = [run_summary(w, key) for w in runs]
+
+    def ms(field):
+      v = np.array([np.nan if r[field] is None else r[field] for r in rows], np.float64)
+      return f"{np.nanmean(v):.3f} +- {np.nanstd(v):.3f}"
+
+    reach = [steps_to_reach(w, level, key) for w in runs]
+    reached = [s for s in reach if s is not None]
+    reach_txt = (f"{np.mean(reached):.0f} ({len(reached)}/{len(runs)} reached)" if reached
+                 else f"never (0/{len(runs)})")
+    lines.append(f"| {name} | {len(runs)} | {ms('after_sft')} | {ms('after_rl')} | "
+                 f"{ms('best')} | {reach_txt} |")
+  return "\n".join(lines)
+
+
+def plot_groups(workdirs: Sequence[str], out_png: str, key: str = SUCCESS_KEY) -> str:
+  """Mean held-out success vs step, one line per group."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  groups: dict[str, list[str]] = {}
+  for w in workdirs:
+    groups.setdefault(_group_key(w), []).append(w)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name, runs in groups.items():
+    curves = [eval_curve(w, key) for w in runs]
+    n = min(len(s) for s, _ in curves)
+    if n == 0:
+      continue
+    mean = np.stack([v[:n] for _, v in curves]).mean(0)
+    ax.plot(curves[0][0][:n], mean, label=f"{name} (n={len(runs)})")
+  ax.set_xlabel("RL step")
+  ax.set_ylabel("held-out success (greedy)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=120)
+  plt.close(fig)
+  return out_png

@@ -1,0 +1,44 @@
+"""Reads finished run directories and writes a markdown ablation table and a plot.
+
+  python experiments/ablate.py --runs='runs/sweep_T/*' --level=0.5 --out=docs/ablations_T.md
+
+Runs are grouped by their overrides minus the seed (the directory name written
+by `experiments/sweep.py`); each row reports mean +- std over seeds of the
+held-out success after SFT, final and best, and the RL steps to first reach
+--level.
+"""
+
+import glob
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags
+
+from mtrl_jax.train import report
+
+_RUNS = flags.DEFINE_string("runs", None, "glob of run directories")
+_LEVEL = flags.DEFINE_float("level", 0.5, "success level for the steps-to-reach column")
+_OUT = flags.DEFINE_string("out", "", "markdown output (also printed); a PNG is written beside it")
+flags.mark_flags_as_required(["runs"])
+
+
+def main(argv):
+  del argv
+  workdirs = sorted(d for d in glob.glob(_RUNS.value)
+                    if os.path.exists(os.path.join(d, "metrics.jsonl")))
+  if not workdirs:
+    raise SystemExit(f"no run directories with metrics.jsonl match {_RUNS.value!r}")
+  table = report.ablation_table(workdirs, level=_LEVEL.value)
+  print(table)
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      f.write(f"`python experiments/ablate.py --runs='{_RUNS.value}' --level={_LEVEL.value}`\n\n")
+      f.write(table + "\n")
+    png = report.plot_groups(workdirs, os.path.splitext(_OUT.value)[0] + ".png")
+    print(f"written {_OUT.value} and {png}")
+
+
+if __name__ == "__main__":
+  app.run(main)

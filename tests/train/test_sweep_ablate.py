@@ -1,0 +1,53 @@
+"""Sweep expansion and ablation tables (no training: hand-written run directories)."""
+
+import json
+import os
+
+import pytest
+
+from mtrl_jax.train import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CALC = os.path.join(ROOT, "configs", "calculator.py")
+
+
+def test_expand_sweep_applies_overrides_with_seeds(tmp_path):
+  runs = report.expand_sweep(CALC, "generations", str(tmp_path))
+  assert len(runs) == 9  # 3 values x 3 seeds
+  workdir, overrides, config = runs[4]
+  assert overrides == {"tree.num_generations": 4, "seed": 1}
+  assert config.tree.num_generations == 4 and config.seed == 1
+  assert os.path.basename(workdir) == "tree.num_generations=4,seed=1"
+  assert report.train_command(CALC, workdir, overrides).endswith(
+      "--config.tree.num_generations=4 --config.seed=1")
+  with pytest.raises(ValueError, match="allowed"):
+    report.expand_sweep(CALC, "nonsense", str(tmp_path))
+
+
+def _fake_run(parent, name, curve, best):
+  d = os.path.join(parent, name)
+  os.makedirs(d)
+  with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+    for step, v in curve:
+      f.write(json.dumps({"step": step, report.SUCCESS_KEY: v}) + "\n")
+  with open(os.path.join(d, "summary.json"), "w") as f:
+    json.dump({"best": best}, f)
+  return d
+
+
+def test_ablation_table_groups_seeds(tmp_path):
+  p = str(tmp_path)
+  runs = [_fake_run(p, "tree.num_generations=2,seed=0", [(0, 0.2), (10, 0.4), (20, 0.6)],
+                    {"step": 20, "score": 0.6}),
+          _fake_run(p, "tree.num_generations=2,seed=1", [(0, 0.2), (10, 0.3), (20, 0.4)],
+                    {"step": 20, "score": 0.4}),
+          _fake_run(p, "tree.num_generations=4,seed=0", [(0, 0.3), (10, 0.5), (20, 0.5)],
+                    {"step": 10, "score": 0.5})]
+  table = report.ablation_table(runs, level=0.5).splitlines()
+  assert table[0] == "| setting | seeds | after SFT | final | best | steps to 0.5 |"
+  # G=2: after SFT 0.2, 0.2; final 0.6, 0.4 -> 0.5 +- 0.1; reaches 0.5 at step 20 in seed 0 only
+  assert table[2] == ("| tree.num_generations=2 | 2 | 0.200 +- 0.000 | 0.500 +- 0.100 | "
+                      "0.500 +- 0.100 | 20 (1/2 reached) |")
+  assert table[3].startswith("| tree.num_generations=4 | 1 | 0.300 +- 0.000 | 0.500 +- 0.000")
+  png = report.plot_groups(runs, str(tmp_path / "g.png"))
+  assert os.path.getsize(png) > 1000
