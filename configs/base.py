@@ -111,6 +111,8 @@ def get_config(arg=None):
       zero_variance_filter=True,  # drop sibling groups whose returns are all equal
       ref_reset_every=0,  # copy the policy into the reference every k steps (0: never)
       length_buckets=(64, 128, 256, 512),  # packed row lengths
+      prompt_buckets=(),  # sampler prompt lengths (empty: length_buckets)
+      precompile=True,  # compile every shape bucket before step 1 (none after)
       max_generations=200_000,  # planning budget: generations per step
       dump_every=10,  # rollout dump every k steps (0: never)
   )

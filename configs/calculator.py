@@ -41,12 +41,14 @@ def get_config(arg=None):
   c.sft.learning_rate = 3e-3
   c.rl.steps = 100
   c.rl.roots_per_step = 32
-  c.rl.length_buckets = (64, 96, 128, 192, 256)
+  c.rl.length_buckets = (96, 128, 192, 256)  # a 2-turn row is longer than 64
+  c.rl.prompt_buckets = (64, 128, 256)  # coarse: fewer sampler programs to precompile
   c.eval.every = 10
   c.eval.num_tasks = 200
   c.eval.success_threshold = 0.0
   c.checkpoint.every = 10
   if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
+    c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
     c.model.preset = "tiny"
     c.sft.steps = 3
     c.sft.check_every = 3
@@ -71,7 +73,10 @@ def get_sweep(arg=None):
 
   Axes: turns (T in 1, 2, 3), generations (G in 2, 4, 8), algorithm (grpo,
   gspo, reinforce), sft (warm-up vs none), reward (outcome only vs with
-  penalties).
+  penalties), and 'all' (the config, then one change at a time: G 2 and 8,
+  GSPO, REINFORCE, no SFT, outcome-only reward). The turns axis is degenerate
+  here: an episode has exactly two user turns, so T = 1 cuts it before the
+  graded answer and T = 3 equals T = 2; the coop task has the T ablation.
   """
   axes = {
       "turns": [{"tree.num_turns": t} for t in (1, 2, 3)],
@@ -84,6 +89,10 @@ def get_sweep(arg=None):
       "reward": [{"reward.step_penalty": -0.05, "reward.tool_penalty": -0.2},
                  {"reward.step_penalty": 0.0, "reward.tool_penalty": 0.0}],
   }
+  # 'all': the demo config once plus every other setting of the axes above
+  # (one change each), so the base is not run once per axis.
+  axes["all"] = ([{}] + axes["generations"][0::2] + axes["algorithm"][1:] + axes["sft"][1:]
+                 + axes["reward"][1:])
   if arg not in axes:
     raise ValueError(f"calculator get_sweep({arg!r}); allowed: {sorted(axes)}")
   return [{**o, "seed": s} for o in axes[arg] for s in (0, 1, 2)]

@@ -65,6 +65,7 @@ def get_config(arg=None):
   c.eval.success_threshold = 0.5  # success: both answered the joint code at the last turn
   c.checkpoint.every = 10
   if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
+    c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
     c.model.preset = "tiny"
     c.sft.steps = 3
     c.sft.batch_size = 8
@@ -77,3 +78,22 @@ def get_config(arg=None):
     c.checkpoint.every = 1
     c.rl.dump_every = 1
   return c
+
+
+def get_sweep(arg=None):
+  """Ablation axes x 3 seeds: `experiments/sweep.py --config=configs/coop.py --sweep=<axis>`.
+
+  Axes: turns (T in 1, 2, 3: T = 1 is one joint answer with no partner
+  feedback), joint (align vs cross), feedback (the turn-2 message shows the
+  partner's answer or not), and 'all' (the config, then one change at a time).
+  """
+  axes = {
+      "turns": [{"tree.num_turns": t} for t in (1, 2, 3)],
+      "joint": [{"tree.joint_mode": "align"}, {"tree.joint_mode": "cross"}],
+      "feedback": [{"env.kwargs.show_partner": True}, {"env.kwargs.show_partner": False}],
+  }
+  axes["all"] = ([{}, axes["turns"][0], axes["turns"][2]] + axes["joint"][1:]
+                 + axes["feedback"][1:])
+  if arg not in axes:
+    raise ValueError(f"coop get_sweep({arg!r}); allowed: {sorted(axes)}")
+  return [{**o, "seed": s} for o in axes[arg] for s in (0, 1, 2)]

@@ -122,6 +122,7 @@ def get_config(arg=None):
   c.checkpoint.keep = 3
 
   if a.smoke:  # seconds on a CPU: the whole pipeline on a tiny byte-level model
+    c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
     c.model.path = ""
     c.model.preset = "tiny"
     c.model.dtype = ""

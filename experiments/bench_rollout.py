@@ -29,7 +29,6 @@ accelerator, where a small batch leaves the device idle. Not measured here.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 import time
@@ -40,11 +39,12 @@ from absl import app, flags
 from flax import nnx
 
 from mtrl_jax.models import create_model, get_preset
-from mtrl_jax.rollout import (Completion, SamplerPolicy, ActionOutcome, TreeConfig, expand_tree,
-                              plan_tree)
+from mtrl_jax.rollout import Completion, SamplerPolicy, TreeConfig, expand_tree, plan_tree
+from mtrl_jax.rollout.synthetic import TokenTransition
 from mtrl_jax.sampling import Sampler, SamplingConfig
 
 _PRESET = flags.DEFINE_string("preset", "small", "model preset ('small' on CPU, 'bench' on GPU)")
+_DTYPE = flags.DEFINE_string("dtype", None, "override param and compute dtype (e.g. bfloat16)")
 _ROOTS = flags.DEFINE_integer("roots", 8, "tasks (trees) per step")
 _TURNS = flags.DEFINE_integer("turns", 2, "T")
 _GENS = flags.DEFINE_integer("generations", 4, "G")
@@ -52,33 +52,6 @@ _AGENTS = flags.DEFINE_list("agents", ["1", "2"], "N values to benchmark (align)
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "root prompt tokens")
 _NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens per completion")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per method")
-
-
-@dataclasses.dataclass(frozen=True)
-class _State:
-  histories: tuple
-
-
-class TokenTransition:
-  """Scripted environment on token ids: append the completion and 8 feedback tokens."""
-
-  def __init__(self, vocab: int):
-    self.feedback = tuple(range(3, 11))
-    self.vocab = vocab
-
-  def roots(self, num_roots, num_agents, prompt_len):
-    rng = np.random.default_rng(0)
-    return [_State(tuple(tuple(rng.integers(12, self.vocab, prompt_len).tolist())
-                         for _ in range(num_agents))) for _ in range(num_roots)]
-
-  def prompts(self, state):
-    return [list(h) for h in state.histories]
-
-  def step(self, state, actions):
-    reward = float(np.mean([int(c.ids[0]) % 2 for c in actions]))
-    hist = tuple(h + tuple(c.ids.tolist()) + self.feedback
-                 for h, c in zip(state.histories, actions))
-    return ActionOutcome(_State(hist), reward)
 
 
 class NodeByNodePolicy(SamplerPolicy):
@@ -120,7 +93,8 @@ def _time_methods(cfg, sampler, policies, transition, roots, repeats):
 
 def main(argv):
   del argv
-  model_cfg = get_preset(_PRESET.value)
+  d = _DTYPE.value
+  model_cfg = get_preset(_PRESET.value, **({"param_dtype": d, "dtype": d} if d else {}))
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=_NEW.value)
   transition = TokenTransition(model_cfg.vocab_size)
   print("command:", " ".join([".venv/bin/python"] + sys.argv))

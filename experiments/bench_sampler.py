@@ -27,6 +27,7 @@ _TUNIX = flags.DEFINE_string("tunix_python", None,
                              "python of a venv with google-tunix==0.1.7; adds the Tunix column")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per case (median reported)")
 _PRESET = flags.DEFINE_string("preset", "bench", "model preset")
+_DTYPE = flags.DEFINE_string("dtype", None, "override param and compute dtype (e.g. bfloat16)")
 
 PROMPT_LEN, NEW_TOKENS = 32, 64
 # (label, number of distinct prompts, generations per prompt)
@@ -86,7 +87,8 @@ def bench_mtrl(preset: str, repeats: int) -> dict:
   from mtrl_jax import models  # pylint: disable=g-import-not-at-top
   from mtrl_jax.sampling import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
 
-  cfg = models.get_preset(preset)
+  d = _DTYPE.value
+  cfg = models.get_preset(preset, **({"param_dtype": d, "dtype": d} if d else {}))
   _, state = nnx.split(models.create_model(cfg, seed=0))
   sampler = Sampler(cfg)
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=NEW_TOKENS)

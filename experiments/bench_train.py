@@ -32,13 +32,15 @@ _ROWS = flags.DEFINE_integer("rows", 16, "rows per train batch")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed steps per case (median reported)")
 _PEAK_N = flags.DEFINE_integer("peak_n", 2048, "matmul size for the peak measurement")
 _PRESETS = flags.DEFINE_list("presets", ["bench", "small"], "model presets to measure")
+_DTYPE = flags.DEFINE_string("dtype", None, "override the presets' param and compute dtype, "
+                             "and measure the peak in it (e.g. bfloat16 on a GPU)")
 
 PROMPT, NEW = 32, 64
 
 
-def measure_peak(n: int, repeats: int) -> float:
-  """FLOP/s of an n x n x n float32 matmul (median)."""
-  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+def measure_peak(n: int, repeats: int, dtype: str = "float32") -> float:
+  """FLOP/s of an n x n x n matmul in `dtype` (median), on random data."""
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), dtype)
   f = jax.jit(lambda x, y: x @ y)
   f(a, a).block_until_ready()
   times = []
@@ -62,7 +64,8 @@ def batch(cfg, rows: int) -> dict:
 
 
 def time_case(preset: str, kl_coef: float, rows: int, repeats: int):
-  cfg = get_preset(preset)
+  d = _DTYPE.value
+  cfg = get_preset(preset, **({"param_dtype": d, "dtype": d} if d else {}))
   model = create_model(cfg)
   step = TrainStep(model, LossConfig(kl_coef=kl_coef), OptimConfig(learning_rate=1e-5))
   state = step.init_state(model)
@@ -85,10 +88,11 @@ def time_case(preset: str, kl_coef: float, rows: int, repeats: int):
 
 def main(argv):
   del argv
-  peak = measure_peak(_PEAK_N.value, _REPEATS.value)
+  dtype = _DTYPE.value or "float32"
+  peak = measure_peak(_PEAK_N.value, _REPEATS.value, dtype)
   print(f"command: {' '.join([sys.executable] + sys.argv)}")
   print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; "
-        f"measured float32 matmul peak ({_PEAK_N.value}^3): {peak / 1e9:.1f} GFLOP/s")
+        f"measured {dtype} matmul peak ({_PEAK_N.value}^3): {peak / 1e9:.1f} GFLOP/s")
   print("| model | reference | rows x len | step ms | tokens/s | model GFLOP/s | MFU | compiles |")
   print("|---|---|---|---|---|---|---|---|")
   for preset in _PRESETS.value:

@@ -235,6 +235,7 @@ class CompileCensus:
     _BACKEND.install()
     self._base = _BACKEND.count
     self._entries: dict[str, Any] = {}
+    self._warm: Optional[int] = None
 
   def register(self, name: str, fn_or_obj) -> None:
     if not (hasattr(fn_or_obj, "num_compiles") or callable(fn_or_obj)):
@@ -248,9 +249,20 @@ class CompileCensus:
       return int(entry.num_compiles)
     return int(entry())
 
+  def mark_warm(self) -> None:
+    """Ends warm-up: `counts()` then also reports `compiles/after_warmup`."""
+    self._warm = self._total()
+
+  def _total(self) -> int:
+    return sum(self._count(e) for e in self._entries.values()) + _BACKEND.count - self._base
+
   def counts(self) -> dict[str, int]:
     out = {f"compiles/{name}": self._count(e) for name, e in self._entries.items()}
     out["compiles/backend_total"] = _BACKEND.count - self._base
+    if self._warm is not None:
+      # Traces of the registered functions plus every backend compilation since
+      # warm-up ended; DESIGN.md invariant 5 wants this at 0.
+      out["compiles/after_warmup"] = self._total() - self._warm
     return out
 
 

@@ -28,6 +28,18 @@ BATCH_KEYS = ("tokens_BxL", "loss_mask_BxL", "old_logp_BxL", "adv_B", "row_weigh
               "turn_B", "agent_B", "node_B")
 
 
+_DTYPES = {"tokens_BxL": np.int32, "loss_mask_BxL": np.bool_, "old_logp_BxL": np.float32,
+           "adv_B": np.float32, "row_weight_B": np.float32, "turn_B": np.int32,
+           "agent_B": np.int32, "node_B": np.int32}
+
+
+def batch_spec(num_rows: int, length: int) -> dict:
+  """Shapes and dtypes of a `pack_tree` batch, as `jax.ShapeDtypeStruct`s (for precompiling)."""
+  import jax  # the packing itself is numpy only
+  return {k: jax.ShapeDtypeStruct((num_rows, length) if k.endswith("BxL") else (num_rows,),
+                                  _DTYPES[k]) for k in BATCH_KEYS}
+
+
 def bucket(n: int, buckets: Sequence[int], what: str) -> int:
   """The smallest bucket >= n; a clear error when none is large enough."""
   fits = [b for b in sorted(buckets) if b >= n]

@@ -229,10 +229,25 @@ class Sampler:
         raise ValueError(f"prompts[{i}] has ids outside [0, {vocab})")
 
     n_prompts, g = len(prompts), int(num_generations)
-    n_rows = n_prompts * g
+    n_rows, max_new = n_prompts * g, sampling.max_new_tokens
+    args, static = self._prepare(prompts, g, sampling, key, stop, pad_id)
+    out = self._jitted(self._put_state(state), *args, **static)
+    tokens, logp, lengths, stopped = jax.device_get(out)
+    return SampleResult(
+        tokens=np.asarray(tokens[:n_rows, :max_new]),
+        logprobs=np.asarray(logp[:n_rows, :max_new]),
+        lengths=np.asarray(lengths[:n_rows]),
+        finish_reason=["stop" if s else "length" for s in stopped[:n_rows]])
+
+  def _prepare(self, prompts, g: int, sampling: SamplingConfig, key, stop: list, pad_id: int):
+    """The jitted call's device arguments and static choices for these prompts."""
+    n_prompts = len(prompts)
     max_new = sampling.max_new_tokens
     p_rows = _bucket(n_prompts, self.batch_buckets, "batch_buckets", 1)
-    rows = _bucket(n_rows, self.batch_buckets, "batch_buckets", 1)
+    # Decode rows follow the prompt bucket, not the exact P * G, so the program
+    # is a function of the prompt bucket alone (same sizes for power-of-two
+    # buckets, fewer programs for custom ones).
+    rows = _bucket(p_rows * g, self.batch_buckets, "batch_buckets", 1)
     shards = self.num_batch_shards
     rows = -(-rows // shards) * shards
     lp = _bucket(max(p.size for p in prompts), self.prompt_buckets, "prompt_buckets", 16)
@@ -246,25 +261,35 @@ class Sampler:
       valid_PxL[i, lp - p.size:] = True
     valid_PxL[n_prompts:, -1] = True  # padding prompts: one dummy token, never read
     src_B = np.minimum(np.arange(rows) // g, n_prompts - 1).astype(np.int32)
-    active_B = np.arange(rows) < n_rows
+    active_B = np.arange(rows) < n_prompts * g
     stop_arr = np.full((num_stop,), -1, np.int32)
     stop_arr[:len(stop)] = stop
 
-    put = self._put_batch
-    out = self._jitted(
-        self._put_state(state), put(prompt_PxL), put(valid_PxL), put(src_B), put(active_B),
-        self._put_replicated(stop_arr), self._put_replicated(key),
-        self._put_replicated(np.float32(sampling.temperature)),
-        self._put_replicated(np.float32(sampling.top_p)),
-        self._put_replicated(np.int32(max_new)), self._put_replicated(np.int32(pad_id)),
-        num_new=num_new, greedy=sampling.greedy, top_k=sampling.top_k,
-        use_top_p=sampling.top_p < 1.0)
-    tokens, logp, lengths, stopped = jax.device_get(out)
-    return SampleResult(
-        tokens=np.asarray(tokens[:n_rows, :max_new]),
-        logprobs=np.asarray(logp[:n_rows, :max_new]),
-        lengths=np.asarray(lengths[:n_rows]),
-        finish_reason=["stop" if s else "length" for s in stopped[:n_rows]])
+    put, rep = self._put_batch, self._put_replicated
+    args = (put(prompt_PxL), put(valid_PxL), put(src_B), put(active_B), rep(stop_arr),
+            rep(key), rep(np.float32(sampling.temperature)), rep(np.float32(sampling.top_p)),
+            rep(np.int32(max_new)), rep(np.int32(pad_id)))
+    static = dict(num_new=num_new, greedy=sampling.greedy, top_k=sampling.top_k,
+                  use_top_p=sampling.top_p < 1.0)
+    return args, static
+
+  def precompile(self, state: nnx.State, num_prompts: int, prompt_len: int,
+                 num_generations: int, sampling: SamplingConfig, num_stop_ids: int = 1,
+                 key: Optional[jax.Array] = None) -> None:
+    """Compiles the program a `generate` call of this size would use, without running it.
+
+    The program is keyed by the buckets of `num_prompts` and `prompt_len`, the
+    decode bucket of `sampling.max_new_tokens`, the number of stop ids, the
+    static sampling choices and the key's type (`key`, default a raw
+    `PRNGKey` as the rollout policies pass); a later `generate` in the same buckets reuses it
+    (jax.jit's cache), so an RL loop can compile every bucket before its
+    first step and then never again (DESIGN.md invariant 5).
+    """
+    prompts = [np.ones(prompt_len, np.int64)] * num_prompts
+    key = jax.random.PRNGKey(0) if key is None else key
+    args, static = self._prepare(prompts, int(num_generations), sampling, key,
+                                 [0] * num_stop_ids, 0)
+    self._jitted.lower(self._put_state(state), *args, **static).compile()
 
   def _put_state(self, state):
     if self.mesh is None:

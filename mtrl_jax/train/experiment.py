@@ -39,6 +39,8 @@ class RunConfig:
   zero_variance_filter: bool
   ref_reset_every: int
   length_buckets: tuple
+  prompt_buckets: tuple
+  precompile: bool
   dump_every: int
   sft_steps: int
   sft_batch_size: int
@@ -69,8 +71,12 @@ class RunConfig:
     if self.sft_steps and not self.sft_conversations:
       raise ValueError("config sft.steps > 0 needs sft.conversations "
                        "('pkg.module:fn(task) -> [(role, content), ...]')")
-    if list(self.length_buckets) != sorted(set(self.length_buckets)):
-      raise ValueError(f"config rl.length_buckets={self.length_buckets}; must be increasing")
+    for name in ("length_buckets", "prompt_buckets"):
+      b = list(getattr(self, name))
+      if b != sorted(set(b)) or any(x < 1 for x in b):
+        raise ValueError(f"config rl.{name}={tuple(b)}; must be increasing positive ints")
+    if not self.length_buckets:
+      raise ValueError("config rl.length_buckets is empty; allowed: increasing positive ints")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +142,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       seed=c.seed, rl_steps=c.rl.steps, roots_per_step=c.rl.roots_per_step,
       updates_per_step=c.rl.updates_per_step, zero_variance_filter=c.rl.zero_variance_filter,
       ref_reset_every=c.rl.ref_reset_every, length_buckets=buckets,
+      prompt_buckets=tuple(int(b) for b in c.rl.prompt_buckets), precompile=c.rl.precompile,
       dump_every=c.rl.dump_every, sft_steps=c.sft.steps, sft_batch_size=c.sft.batch_size,
       sft_num_examples=c.sft.num_examples, sft_conversations=c.sft.conversations,
       sft_until_success=c.sft.until_success, sft_check_every=c.sft.check_every,

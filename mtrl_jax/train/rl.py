@@ -32,12 +32,13 @@ from mtrl_jax import checkpoint, data, metrics as metrics_lib, sharding
 from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout import expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.packing import default_row_count
+from mtrl_jax.rollout.packing import bucket, default_row_count
 from mtrl_jax.rollout.policy import SamplerPolicy
 from mtrl_jax.registry import import_object
 from mtrl_jax.sampling import Sampler
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
+from mtrl_jax.train import shapes as shapes_lib
 from mtrl_jax.train.sft import SFTBatcher, make_sft_step
 from mtrl_jax.train.step import TrainStep
 
@@ -63,10 +64,16 @@ def drop_zero_variance_groups(tree) -> int:
   return dropped
 
 
-def compact_rows(batch: dict, row_multiple: int) -> dict:
-  """Keeps the rows with weight > 0, padded to the next power-of-two bucket."""
+def compact_rows(batch: dict, row_multiple: int, row_buckets=None) -> dict:
+  """Keeps the rows with weight > 0, padded to the smallest row bucket that holds them.
+
+  `row_buckets` None: the next power of two, rounded up to `row_multiple`.
+  """
   keep = np.flatnonzero(batch["row_weight_B"] > 0)
-  n = default_row_count(max(len(keep), 1), row_multiple)
+  if row_buckets is None:
+    n = default_row_count(max(len(keep), 1), row_multiple)
+  else:
+    n = bucket(max(len(keep), 1), row_buckets, "rows after the zero-variance filter")
   out = {}
   for k, v in batch.items():
     axis = 1 if k == "ids_3xB" else 0
@@ -121,7 +128,9 @@ class _Run:
     self.stream = data.TaskStream(self.train_tasks, seed=exp.run.seed)
     self.train_step = TrainStep(self.model, exp.loss, exp.optim, mesh=self.mesh,
                                 step_cfg=exp.step)
-    self.sampler = Sampler(exp.model, mesh=self.mesh)
+    self.shapes = shapes_lib.plan_shapes(exp, self.row_multiple, self.row_multiple)
+    self.sampler = Sampler(exp.model, mesh=self.mesh, batch_buckets=self.shapes.sampler_rows,
+                           prompt_buckets=self.shapes.prompt_lens)
     stop_ids = self.renderer.fmt.stop_ids
     self.policy = _TimedPolicy(self.sampler, None, exp.sampling, stop_ids=stop_ids,
                                 pad_id=self.tokenizer.pad_id)
@@ -224,6 +233,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     ref = r.train_step.copy_params(state.params) if exp.loss.kl_coef > 0 else None
     start = 0
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start if latest is not None else None)
+  if exp.run.precompile:
+    info = shapes_lib.precompile(r.shapes, r.sampler, state.params, r.train_step,
+                                 len(r.renderer.fmt.stop_ids))
+    print(f"precompiled {info['sampler_programs']} sampler programs in "
+          f"{info['sampler_seconds']} s and {info['train_programs']} train-step programs in "
+          f"{info['train_seconds']} s", flush=True)
+    summary["precompile"] = info
+  r.census.mark_warm()
 
   def eval_and_keep_best(step, state):
     m = r.evaluate(state.params, step)
@@ -253,10 +270,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     row_m: dict[str, float] = {}
     dropped = drop_zero_variance_groups(tree) if exp.run.zero_variance_filter else 0
     batch = pack_tree(tree, length_buckets=exp.run.length_buckets,
-                      row_multiple=r.row_multiple, pad_id=r.tokenizer.pad_id)
+                      row_buckets=r.shapes.train_rows, row_multiple=r.row_multiple,
+                      pad_id=r.tokenizer.pad_id)
     row_m["batch/rows_total"] = float((batch["row_weight_B"] > 0).sum())
     if exp.run.zero_variance_filter:
-      batch = compact_rows(batch, r.row_multiple)
+      batch = compact_rows(batch, r.row_multiple, r.shapes.train_rows)
     row_m.update({"batch/zero_variance_groups": float(dropped),
                   "batch/rows": float(batch["tokens_BxL"].shape[0]),
                   "batch/length": float(batch["tokens_BxL"].shape[1])})

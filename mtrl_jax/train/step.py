@@ -233,7 +233,7 @@ class TrainStep:
     self.schedule = optim.make_schedule(optim_cfg)
     self.param_shardings = models.state_shardings(params, self.model_cfg, self.mesh, rules)
     rep = sharding.replicated(self.mesh)
-    abstract_opt = jax.eval_shape(self.tx.init, params)
+    abstract_opt = jax.eval_shape(self._init_opt, params)
     opt_shardings = optax.tree_utils.tree_map_params(
         self.tx, lambda _, s: s, abstract_opt, self.param_shardings,
         transform_non_params=lambda _: rep)
@@ -246,6 +246,13 @@ class TrainStep:
     self._num_traces = 0
 
   # ------------------------------------------------------------ state
+  def _init_opt(self, params):
+    # Optimizer moments are float32 whatever the parameter dtype (bf16 moments
+    # lose small updates, and updates arrive in float32 anyway, so bf16 moments
+    # would also change dtype after the first step and force a recompile).
+    return self.tx.init(jax.tree.map(lambda p: p.astype(jnp.float32)
+                                     if jnp.issubdtype(p.dtype, jnp.floating) else p, params))
+
   def init_state(self, model_or_params, seed: int = 0) -> TrainState:
     """A fresh TrainState (step 0, zero Adam moments) born sharded."""
     params = model_or_params
@@ -255,7 +262,7 @@ class TrainStep:
 
       def init(params, key):
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=self.tx.init(params), rng=key,
+                          opt_state=self._init_opt(params), rng=key,
                           num_skipped=jnp.zeros((), jnp.int32))
 
       self._init_fn = jax.jit(init, out_shardings=self.state_shardings)
@@ -288,7 +295,7 @@ class TrainStep:
     return self._num_traces
 
   def _batch_shardings(self, batch):
-    return {k: sharding.batch_sharding(self.mesh, np.ndim(v), np.shape(v)[0])
+    return {k: sharding.batch_sharding(self.mesh, len(v.shape), v.shape[0])
             for k, v in batch.items()}
 
   def _select(self, batch: Mapping[str, Any]) -> dict:
@@ -329,21 +336,42 @@ class TrainStep:
                          "ref_params is None")
     else:
       ref_params = None
+    fn = self._fn_for(batch, ref_params is None)
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
+      return fn(state, ref_params, batch)
+
+  def _fn_for(self, batch: Mapping[str, Any], no_ref: bool):
     # Shardings depend on the row count only; jax.jit's own cache adds one
     # executable per length bucket.
-    key = (ref_params is None,) + tuple(sorted((k, np.ndim(v), np.shape(v)[0])
-                                               for k, v in batch.items()))
+    key = (no_ref,) + tuple(sorted((k, len(v.shape), v.shape[0]) for k, v in batch.items()))
     fn = self._jitted.get(key)
     if fn is None:
-      in_sh = (self.state_shardings, None if ref_params is None else self.param_shardings,
+      in_sh = (self.state_shardings, None if no_ref else self.param_shardings,
                self._batch_shardings(batch))
       fn = jax.jit(self._step, in_shardings=in_sh,
                    out_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
                    donate_argnums=(0,),
                    compiler_options=dict(self.step_cfg.compiler_options) or None)
       self._jitted[key] = fn
+    return fn
+
+  def precompile(self, batch: Mapping[str, Any], with_ref: Optional[bool] = None) -> None:
+    """Compiles the step for this batch's shapes without running it.
+
+    `batch` may hold arrays or `jax.ShapeDtypeStruct`s (see
+    `rollout.packing.abstract_batch`). A later call with a batch of the same
+    shapes and dtypes reuses the program (jax.jit's cache), so a training loop
+    can compile all its shape buckets before the first step.
+    `with_ref` defaults to whether the objective needs reference logprobs.
+    """
+    batch = self._select(batch)
+    no_ref = not (self.objective.needs_ref if with_ref is None else with_ref)
+    fn = self._fn_for(batch, no_ref)
+    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    abstract = {k: sds(v) for k, v in batch.items()}
+    ref = None if no_ref else self.abstract_state().params
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      return fn(state, ref_params, batch)
+      fn.lower(self.abstract_state(), ref, abstract).compile()
 
   def _step(self, state: TrainState, ref_params, batch):
     self._num_traces += 1  # runs once per trace, i.e. per compilation

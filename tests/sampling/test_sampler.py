@@ -214,3 +214,22 @@ def test_bucket_overflow_names_the_bucket_list(state):
   s = Sampler(CFG, prompt_buckets=(8,))
   with pytest.raises(ValueError, match="prompt_buckets"):
     s.generate(state, [[1] * 9], 1, SamplingConfig(), jax.random.key(0), [], PAD)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_precompiled_bucket_runs_without_compiling(mesh_shape, state):
+  from mtrl_jax.metrics import CompileCensus
+  mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape)
+  s = Sampler(CFG, mesh=mesh, batch_buckets=(4, 8), prompt_buckets=(16,))
+  sampling = SamplingConfig(max_new_tokens=10)
+  s.precompile(state, num_prompts=4, prompt_len=16, num_generations=2, sampling=sampling,
+               num_stop_ids=1)
+  assert s.num_compiles == 1
+  census = CompileCensus()
+  census.register("sampler", s)
+  # 3 prompts of <= 16 tokens, G = 2: prompt rows bucket 4, decode rows bucket 8.
+  res = s.generate(state, PROMPTS[:3], 2, sampling, jax.random.PRNGKey(1), stop_ids=[3],
+                   pad_id=PAD)
+  assert res.tokens.shape == (6, 10)
+  assert census.counts()["compiles/sampler"] == 1
+  assert census.counts()["compiles/backend_total"] == 0

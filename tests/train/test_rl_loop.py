@@ -138,3 +138,18 @@ def test_killed_run_resumes_exactly(tmp_path):
   assert any(r["step"] == 2 for r in _rows(killed)), "the run never reached step 2"
   rl.run(smoke_config(), killed, progress=False)
   assert _run_comparable(_rows(killed)) == _run_comparable(_rows(full))
+
+
+def test_precompiled_run_never_compiles_after_warmup(tmp_path):
+  """DESIGN.md invariant 5: every shape bucket compiles before step 1, none after."""
+  c = smoke_config(steps=4)
+  c.rl.precompile = True
+  c.rl.length_buckets = (256,)  # one length bucket keeps the program count small
+  summary = rl.run(c, str(tmp_path / "run"), progress=False)
+  rows = _rows(str(tmp_path / "run"))
+  pre = summary["precompile"]
+  assert pre["sampler_programs"] > 0 and pre["train_programs"] > 0
+  for r in rows[1:]:
+    assert r["compiles/after_warmup"] == 0, r
+    assert r["compiles/train_step"] == pre["train_programs"]
+  assert summary["compiles"]["compiles/after_warmup"] == 0

@@ -260,3 +260,39 @@ def test_bad_inputs_raise_clear_errors():
   bad["tokens_BxL"][0, 3] = CFG.vocab_size
   with pytest.raises(ValueError, match="vocab_size=300"):
     ts(state, state.params, bad)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2)])
+def test_precompiled_shapes_run_without_compiling(shape):
+  from mtrl_jax.metrics import CompileCensus
+  from mtrl_jax.rollout.packing import batch_spec
+  model = _model()
+  ts = TrainStep(model, LOSS, OPT, _mesh(shape), StepConfig(compiler_options=FAST))
+  ts.precompile(batch_spec(B, L))
+  assert ts.num_compiles == 1
+  state = ts.init_state(model)
+  ref = ts.copy_params(state.params)
+  batch = make_batch()  # (its logprobs come from a jitted forward: compile it first)
+  census = CompileCensus()
+  census.register("train_step", ts)
+  state, metrics = ts(state, ref, batch)
+  jax.block_until_ready(metrics)
+  assert census.counts() == {"compiles/train_step": 1, "compiles/backend_total": 0}
+  assert np.isfinite(ts.fetch_metrics(metrics)["loss"])
+
+
+def test_bfloat16_params_keep_dtype_and_float32_moments_without_recompiling():
+  cfg = models.get_preset("tiny", param_dtype="bfloat16", dtype="bfloat16")
+  model = models.create_model(cfg, seed=0)
+  ts = TrainStep(model, LOSS, OPT, step_cfg=StepConfig(compiler_options=FAST))
+  state = ts.init_state(model)
+  ref = ts.copy_params(state.params)
+  tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (B, L)).astype(np.int32)
+  batch = {**make_batch(), "tokens_BxL": tokens}
+  for _ in range(2):
+    state, metrics = ts(state, ref, batch)
+  assert np.isfinite(ts.fetch_metrics(metrics)["loss"])
+  assert ts.num_compiles == 1
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim >= 1]
+  assert moments and all(x.dtype == jnp.float32 for x in moments)

@@ -1,0 +1,125 @@
+"""The fixed set of array shapes an RL run uses, and compiling all of them up front.
+
+A jitted function compiles once per shape bucket (DESIGN.md invariant 5). With
+power-of-two buckets the set of shapes an RL run meets depends on the policy
+(how many actions are still calling tools, how long the prompts grew), so new
+programs keep appearing late in a run. `plan_shapes` instead derives a small
+set of buckets from the config alone:
+
+  sampler rows      the sizes of the tree's levels (roots * B^t prompts, times
+                    N agents and G samples), the tool-call sub-step rounds
+                    (one prompt per action) and the evaluation batches;
+  sampler prompts   `rl.prompt_buckets` (default: `rl.length_buckets`);
+  train rows        a quarter, a half and all of the tree's rows (the
+                    zero-variance filter keeps a policy-dependent subset);
+                    each extra bucket multiplies the number of programs, so
+                    counts like the SFT check batch are padded up instead;
+  train lengths     `rl.length_buckets`.
+
+`precompile` then compiles every (call kind, row bucket, prompt bucket) of the
+sampler and every (rows, length) of the train step before the first RL step,
+so the compile census stays flat for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from mtrl_jax.rollout import plan_tree
+from mtrl_jax.rollout.packing import batch_spec
+from mtrl_jax.sampling import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerCall:
+  """One kind of sampler call: its sampling settings, G and the largest prompt count."""
+
+  sampling: SamplingConfig
+  num_generations: int
+  max_prompts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePlan:
+  """Buckets of one RL run (see the module docstring)."""
+
+  sampler_rows: tuple
+  prompt_lens: tuple
+  train_rows: tuple
+  train_lens: tuple
+  calls: tuple  # SamplerCall
+
+  def sampler_programs(self) -> list[tuple[SamplerCall, int, int]]:
+    """(call, prompt-row bucket, prompt-length bucket) of every sampler program."""
+    out = []
+    for call in self.calls:
+      for p in self.sampler_rows:
+        if p <= _round_up_to(call.max_prompts, self.sampler_rows):
+          out.extend((call, p, lp) for lp in self.prompt_lens)
+    return out
+
+  def train_shapes(self) -> list[tuple[int, int]]:
+    return [(b, l) for b in self.train_rows for l in self.train_lens]
+
+
+def _round_up_to(n: int, buckets) -> int:
+  return min(b for b in buckets if b >= n)
+
+
+def _multiple(n: int, k: int) -> int:
+  return -(-n // k) * k
+
+
+def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
+  """The buckets of an experiment (`train.experiment.Experiment`)."""
+  run, tree = exp.run, exp.tree
+  g, n = tree.num_generations, tree.num_agents
+  plan = plan_tree(tree, run.roots_per_step, max(run.length_buckets), exp.sampling.max_new_tokens)
+  greedy = dataclasses.replace(exp.sampling, greedy=True)
+  # Prompt counts of each kind of call: a level's first call (all its nodes'
+  # prompts, per agent state or all agents in one call), a sub-step round (one
+  # prompt per action), the evaluations (G = 1).
+  calls = []
+  first = [nodes * n for nodes in plan.level_nodes] + list(plan.level_nodes)
+  calls.append(SamplerCall(exp.sampling, g, max(first)))
+  counts = set(first)
+  if tree.substeps:  # one continuation per action: G = 1 over up to a level's samples
+    calls.append(SamplerCall(exp.sampling, 1, plan.max_level_generations))
+    counts.update(c * g for c in first)
+  eval_sizes = [run.eval_num_tasks * n]
+  counts.update(eval_sizes)
+  if run.sft_steps and run.sft_until_success > 0:
+    eval_sizes.append(run.sft_check_tasks * n)  # padded to a bucket above: no own bucket
+  if run.eval_greedy or (run.sft_steps and run.sft_until_success > 0):
+    calls.append(SamplerCall(greedy, 1, max(eval_sizes)))
+  if run.eval_sampled:
+    sampled = dataclasses.replace(exp.sampling, greedy=False, temperature=1.0, top_p=1.0,
+                                  top_k=0)
+    calls.append(SamplerCall(sampled, 1, max(eval_sizes)))
+  prompt_rows = {_multiple(c, sampler_shards) for c in counts}
+  # Decode rows are the bucket of (prompt-row bucket) x G.
+  decode_rows = {_multiple(p * c.num_generations, sampler_shards) for c in calls
+                 for p in prompt_rows if p <= _round_up_to(c.max_prompts, prompt_rows)}
+  sampler_rows = tuple(sorted(prompt_rows | decode_rows))
+  prompt_lens = run.prompt_buckets or run.length_buckets
+  total = plan.rows
+  train_rows = tuple(sorted({_multiple(max(total // d, 1), row_multiple) for d in (4, 2, 1)}))
+  return ShapePlan(sampler_rows=sampler_rows, prompt_lens=tuple(prompt_lens),
+                   train_rows=train_rows, train_lens=tuple(run.length_buckets),
+                   calls=tuple(calls))
+
+
+def precompile(shapes: ShapePlan, sampler, sampler_state, train_step, num_stop_ids: int) -> dict:
+  """Compiles every sampler and train-step program of `shapes`; returns counts and seconds."""
+  t0 = time.perf_counter()
+  programs = shapes.sampler_programs()
+  for call, p, lp in programs:
+    sampler.precompile(sampler_state, p, lp, call.num_generations, call.sampling,
+                       num_stop_ids=num_stop_ids)
+  t1 = time.perf_counter()
+  for rows, length in shapes.train_shapes():
+    train_step.precompile(batch_spec(rows, length))
+  t2 = time.perf_counter()
+  return {"sampler_programs": len(programs), "sampler_seconds": round(t1 - t0, 1),
+          "train_programs": len(shapes.train_shapes()), "train_seconds": round(t2 - t1, 1)}
