@@ -15,7 +15,7 @@ from configs.common import parse_arg
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, smoke=False)
+  a = parse_arg(arg, smoke=False, short=False)
   c = base.get_config()
   c.model.preset = "small"
   c.tokenizer.extra_specials = "mtrl_jax.envs.tasks.calculator:EXTRA_SPECIALS"
@@ -47,6 +47,10 @@ def get_config(arg=None):
   c.eval.num_tasks = 200
   c.eval.success_threshold = 0.0
   c.checkpoint.every = 10
+  if a.short:  # the ablation protocol of docs/ablations.md (~4-5 min per run on 2 cores)
+    c.rl.steps = 40
+    c.eval.num_tasks = 100
+    c.rl.precompile = False
   if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
     c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
     c.model.preset = "tiny"
@@ -93,6 +97,8 @@ def get_sweep(arg=None):
   # (one change each), so the base is not run once per axis.
   axes["all"] = ([{}] + axes["generations"][0::2] + axes["algorithm"][1:] + axes["sft"][1:]
                  + axes["reward"][1:])
+  # 'cpu': the subset docs/ablations.md ran on 2 CPU cores (with short=True).
+  axes["cpu"] = [{}, axes["generations"][2], axes["sft"][1]]
   if arg not in axes:
     raise ValueError(f"calculator get_sweep({arg!r}); allowed: {sorted(axes)}")
   return [{**o, "seed": s} for o in axes[arg] for s in (0, 1, 2)]

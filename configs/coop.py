@@ -94,6 +94,8 @@ def get_sweep(arg=None):
   }
   axes["all"] = ([{}, axes["turns"][0], axes["turns"][2]] + axes["joint"][1:]
                  + axes["feedback"][1:])
+  # 'cpu': the subset docs/ablations.md ran on 2 CPU cores.
+  axes["cpu"] = [{}, axes["turns"][0], axes["joint"][1]]
   if arg not in axes:
     raise ValueError(f"coop get_sweep({arg!r}); allowed: {sorted(axes)}")
   return [{**o, "seed": s} for o in axes[arg] for s in (0, 1, 2)]

@@ -41,7 +41,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import numpy as np
 from absl import app, flags
 
 from mtrl_jax.losses import LossConfig

@@ -34,7 +34,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 from absl import app, flags
 from flax import nnx
 
@@ -97,7 +96,7 @@ def main(argv):
   model_cfg = get_preset(_PRESET.value, **({"param_dtype": d, "dtype": d} if d else {}))
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=_NEW.value)
   transition = TokenTransition(model_cfg.vocab_size)
-  print("command:", " ".join([".venv/bin/python"] + sys.argv))
+  print("command:", " ".join([sys.executable] + sys.argv))
   print(f"device: {jax.devices()[0].device_kind}  preset: {_PRESET.value}  "
         f"T={_TURNS.value} G={_GENS.value} roots={_ROOTS.value} "
         f"max_new_tokens={_NEW.value} root prompt={_PROMPT_LEN.value}")

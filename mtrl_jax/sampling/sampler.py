@@ -246,8 +246,11 @@ class Sampler:
     p_rows = _bucket(n_prompts, self.batch_buckets, "batch_buckets", 1)
     # Decode rows follow the prompt bucket, not the exact P * G, so the program
     # is a function of the prompt bucket alone (same sizes for power-of-two
-    # buckets, fewer programs for custom ones).
-    rows = _bucket(p_rows * g, self.batch_buckets, "batch_buckets", 1)
+    # buckets, fewer programs for custom ones), unless no bucket is that large.
+    if self.batch_buckets is None or p_rows * g <= self.batch_buckets[-1]:
+      rows = _bucket(p_rows * g, self.batch_buckets, "batch_buckets", 1)
+    else:
+      rows = _bucket(n_prompts * g, self.batch_buckets, "batch_buckets", 1)
     shards = self.num_batch_shards
     rows = -(-rows // shards) * shards
     lp = _bucket(max(p.size for p in prompts), self.prompt_buckets, "prompt_buckets", 16)
