@@ -90,7 +90,10 @@ def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
   eval_sizes = [run.eval_num_tasks * n]
   counts.update(eval_sizes)
   if run.sft_steps and run.sft_until_success > 0:
-    eval_sizes.append(run.sft_check_tasks * n)  # padded to a bucket above: no own bucket
+    check = run.sft_check_tasks * n
+    eval_sizes.append(check)
+    if check > max(counts):  # else padded up to a bucket above: no program of its own
+      counts.add(check)
   if run.eval_greedy or (run.sft_steps and run.sft_until_success > 0):
     calls.append(SamplerCall(greedy, 1, max(eval_sizes)))
   if run.eval_sampled:

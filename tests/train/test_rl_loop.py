@@ -153,3 +153,19 @@ def test_precompiled_run_never_compiles_after_warmup(tmp_path):
     assert r["compiles/after_warmup"] == 0, r
     assert r["compiles/train_step"] == pre["train_programs"]
   assert summary["compiles"]["compiles/after_warmup"] == 0
+
+
+def test_shape_plan_covers_every_sampler_call_of_the_config():
+  from mtrl_jax.train import shapes
+  c = smoke_config()
+  c.sft.until_success = 0.5
+  c.sft.check_tasks = 40  # larger than every tree level and the eval batch
+  exp = experiment.build(c)
+  plan = shapes.plan_shapes(exp, row_multiple=2, sampler_shards=2)
+  assert all(r % 2 == 0 for r in plan.sampler_rows + plan.train_rows)
+  top = max(plan.sampler_rows)
+  for call in plan.calls:
+    assert call.max_prompts <= top  # no call can overflow the bucket list
+  programs = plan.sampler_programs()
+  assert len(programs) == len(set((id(c), p, lp) for c, p, lp in programs))
+  assert plan.train_shapes() == [(b, l) for b in plan.train_rows for l in plan.train_lens]
