@@ -26,10 +26,15 @@ flags.mark_flags_as_required(["runs"])
 
 def main(argv):
   del argv
-  workdirs = sorted(d for d in glob.glob(_RUNS.value)
-                    if os.path.exists(os.path.join(d, "metrics.jsonl")))
+  started = sorted(d for d in glob.glob(_RUNS.value)
+                   if os.path.exists(os.path.join(d, "metrics.jsonl")))
+  # A run writes summary.json when it ends; one still running (or killed) is left out.
+  workdirs = [d for d in started if os.path.exists(os.path.join(d, "summary.json"))]
+  for d in sorted(set(started) - set(workdirs)):
+    print(f"skipped (unfinished, no summary.json): {d}")
   if not workdirs:
-    raise SystemExit(f"no run directories with metrics.jsonl match {_RUNS.value!r}")
+    raise SystemExit(f"no finished run directories (metrics.jsonl + summary.json) match "
+                     f"{_RUNS.value!r}")
   table = report.ablation_table(workdirs, level=_LEVEL.value)
   print(table)
   if _OUT.value:
