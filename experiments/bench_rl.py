@@ -46,7 +46,8 @@ from absl import app, flags
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.metrics import CompileCensus
 from mtrl_jax.models import create_model, get_preset
-from mtrl_jax.rollout import SamplerPolicy, TreeConfig, expand_tree, pack_tree, plan_tree
+from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree, plan_tree
+from mtrl_jax.rollout.policy import TimedPolicy
 from mtrl_jax.rollout.synthetic import TokenTransition
 from mtrl_jax.sampling import Sampler, SamplingConfig
 from mtrl_jax.train.optim import OptimConfig
@@ -64,16 +65,6 @@ _TUNIX_STEPS = flags.DEFINE_integer("tunix_steps", 3, "Tunix timed steps")
 PROMPTS, GENERATIONS, PROMPT_LEN, NEW, OBS, BETA = 4, 4, 32, 64, 8, 0.05
 
 
-class _TimedPolicy(SamplerPolicy):
-  seconds = 0.0
-
-  def sample(self, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = super().sample(*args, **kwargs)
-    self.seconds += time.perf_counter() - t0
-    return out
-
-
 def bench_ours(cfg, workload: str, steps: int, warmup: int) -> dict:
   turns = {"grpo": 1, "agentic": 2}[workload]
   tree_cfg = TreeConfig(num_turns=turns, num_generations=GENERATIONS)
@@ -84,7 +75,7 @@ def bench_ours(cfg, workload: str, steps: int, warmup: int) -> dict:
   ref = train_step.copy_params(state.params)
   del model
   sampler = Sampler(cfg)
-  policy = _TimedPolicy(sampler, None, SamplingConfig(temperature=1.0, max_new_tokens=NEW),
+  policy = TimedPolicy(sampler, None, SamplingConfig(temperature=1.0, max_new_tokens=NEW),
                         stop_ids=(), pad_id=0)
   transition = TokenTransition(cfg.vocab_size, obs_len=OBS)
   length = PROMPT_LEN + turns * NEW + (turns - 1) * OBS
@@ -96,7 +87,6 @@ def bench_ours(cfg, workload: str, steps: int, warmup: int) -> dict:
     if step == warmup:
       warm = census.counts()
     key = jax.random.key(step)
-    policy.seconds = 0.0
     policy.set_states(state.params)
     t0 = time.perf_counter()
     tree = expand_tree(tree_cfg, policy, transition,
@@ -109,8 +99,9 @@ def bench_ours(cfg, workload: str, steps: int, warmup: int) -> dict:
     t3 = time.perf_counter()
     tokens = sum(len(c.ids) for n in tree.nodes for a in n.completions for c in a)
     assert tokens == plan.generations * NEW, (tokens, plan.generations)
-    rows.append({"step": t3 - t0, "generation": policy.seconds,
-                 "environment": t1 - t0 - policy.seconds, "packing": t2 - t1,
+    generation = policy.pop_seconds()
+    rows.append({"step": t3 - t0, "generation": generation,
+                 "environment": t1 - t0 - generation, "packing": t2 - t1,
                  "train": t3 - t2, "tokens": tokens})
   timed = rows[warmup:]
   out = {k: statistics.median(r[k] for r in timed) for k in timed[0]}

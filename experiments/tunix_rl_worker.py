@@ -238,7 +238,9 @@ def first_token_parity(text):
   return float(int(ids[0]) % 2 == 0) if ids else 0.0
 
 
-def _step_report(a, durations, clock, windows, rows):
+def _step_report(a, clock, windows, consumed):
+  """Timings of the (start, end) step windows after warm-up, with the phase split."""
+  durations = [t1 - t0 for t0, t1 in windows]
   timed = durations[a["warmup"]:]
   med = statistics.median(timed)
   per_step = [clock.summarize(t0, t1) for t0, t1 in windows[a["warmup"]:]]
@@ -260,11 +262,12 @@ def _step_report(a, durations, clock, windows, rows):
       "step_s_all": [round(d, 4) for d in durations],
       "warmup_steps": a["warmup"],
       "timed_steps": len(timed),
-      "sequences_per_step": rows,
+      "sequences_per_step": a["num_prompts"] * a["generations"],
       "generated_tokens_per_step": gen_med,
       "generated_tokens_per_step_all": gen,
       "tokens_per_s": round(gen_med / med, 2),
       "phases": phases,
+      "train_examples": consumed,
   }
 
 
@@ -301,11 +304,9 @@ def run_grpo(a, mesh):
 
   learner._run_global_step = timed_global_step  # pylint: disable=protected-access
   learner.train(random_batches(a, seed=0))
-  durations = [t1 - t0 for t0, t1 in windows]
-  if len(durations) != a["warmup"] + a["steps"]:
-    raise RuntimeError(f"expected {a['warmup'] + a['steps']} global steps, got {len(durations)}")
-  rep = _step_report(a, durations, clock, windows, a["num_prompts"] * a["generations"])
-  rep["train_examples"] = consumed
+  if len(windows) != a["warmup"] + a["steps"]:
+    raise RuntimeError(f"expected {a['warmup'] + a['steps']} global steps, got {len(windows)}")
+  rep = _step_report(a, clock, windows, consumed)
   rep["notes"] = (
       "one RLCluster.generate call per step on all num_prompts*G rows (Tunix repeats each "
       "prompt G times; no shared-prefix prefill); reference logprobs every step (beta>0) in "
@@ -392,9 +393,7 @@ def run_agentic(a, mesh):
   if len(stamps) < n + 1:
     raise RuntimeError(f"expected {n + 1} batch pulls, got {len(stamps)}")
   windows = list(zip(stamps[:n], stamps[1:n + 1]))
-  durations = [t1 - t0 for t0, t1 in windows]
-  rep = _step_report(a, durations, clock, windows, a["num_prompts"] * a["generations"])
-  rep["train_examples"] = consumed
+  rep = _step_report(a, clock, windows, consumed)
   rep["notes"] = (
       "every agent turn is its own RLCluster.generate call with ONE prompt row (the "
       "orchestrator runs up to max_concurrency episodes in threads): 2*num_prompts*G generate "

@@ -12,6 +12,7 @@ batching-independent stand-in for tests of the tree bookkeeping.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any, Optional, Protocol, Sequence
 
 import jax
@@ -98,6 +99,23 @@ class SamplerPolicy:
                                   finish_reason=str(res.finish_reason[row])))
         out[p] = comps
     return out
+
+
+class TimedPolicy(SamplerPolicy):
+  """SamplerPolicy that accumulates the wall time of its sampler calls."""
+
+  seconds = 0.0
+
+  def sample(self, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = super().sample(*args, **kwargs)
+    self.seconds += time.perf_counter() - t0
+    return out
+
+  def pop_seconds(self) -> float:
+    """Seconds spent sampling since the last call (and resets the count)."""
+    s, self.seconds = self.seconds, 0.0
+    return s
 
 
 def _key_bytes(key) -> bytes:

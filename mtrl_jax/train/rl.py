@@ -33,7 +33,7 @@ from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout import expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.packing import bucket, default_row_count
-from mtrl_jax.rollout.policy import SamplerPolicy
+from mtrl_jax.rollout.policy import TimedPolicy
 from mtrl_jax.registry import import_object
 from mtrl_jax.sampling import Sampler
 from mtrl_jax.train import evaluate as eval_lib
@@ -94,22 +94,6 @@ def _sft_rows(exp, renderer, source) -> list:
   return rows
 
 
-class _TimedPolicy(SamplerPolicy):
-  """SamplerPolicy that accumulates the wall time of its sampler calls."""
-
-  seconds = 0.0
-
-  def sample(self, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = super().sample(*args, **kwargs)
-    self.seconds += time.perf_counter() - t0
-    return out
-
-  def pop_seconds(self) -> float:
-    s, self.seconds = self.seconds, 0.0
-    return s
-
-
 class _Run:
   """The state of one training job (the loop body lives in `run`)."""
 
@@ -132,7 +116,7 @@ class _Run:
     self.sampler = Sampler(exp.model, mesh=self.mesh, batch_buckets=self.shapes.sampler_rows,
                            prompt_buckets=self.shapes.prompt_lens)
     stop_ids = self.renderer.fmt.stop_ids
-    self.policy = _TimedPolicy(self.sampler, None, exp.sampling, stop_ids=stop_ids,
+    self.policy = TimedPolicy(self.sampler, None, exp.sampling, stop_ids=stop_ids,
                                 pad_id=self.tokenizer.pad_id)
     self.transition = EnvTransition(self.renderer, exp.tree.num_agents, limits=exp.limits,
                                     reward_cfg=exp.reward)

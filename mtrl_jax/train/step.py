@@ -369,9 +369,9 @@ class TrainStep:
     fn = self._fn_for(batch, no_ref)
     sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     abstract = {k: sds(v) for k, v in batch.items()}
-    ref = None if no_ref else self.abstract_state().params
+    state = self.abstract_state()
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      fn.lower(self.abstract_state(), ref, abstract).compile()
+      fn.lower(state, None if no_ref else state.params, abstract).compile()
 
   def _step(self, state: TrainState, ref_params, batch):
     self._num_traces += 1  # runs once per trace, i.e. per compilation
