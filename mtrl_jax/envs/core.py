@@ -292,7 +292,15 @@ class Environment:
 
 
 class EnvironmentFactory:
-  """Creates a fresh environment per trajectory: state is never shared across rollouts."""
+  """Creates a fresh environment per trajectory: state is never shared across rollouts.
+
+  Attributes:
+    outcome_range: (lowest, highest) score of the final grades its
+      environments return; the start-up reward-dominance check compares step
+      and tool penalties with this gap (`graders.check_reward_dominance`).
+  """
+
+  outcome_range: tuple[float, float] = (0.0, 1.0)
 
   def create_environment(self, metadata: Mapping) -> Environment:
     raise NotImplementedError(f"{type(self).__name__} must implement create_environment")

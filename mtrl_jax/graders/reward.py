@@ -116,42 +116,51 @@ def mean_score(grades: Mapping) -> Optional[float]:
 
 
 def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
-                           max_outcome: float = 1.0, max_shaping: float = 1.0) -> list[str]:
+                           outcome_range: tuple[float, float] = (0.0, 1.0),
+                           max_shaping: float = 1.0) -> list[str]:
   """Warns when shaping or penalties can outweigh the outcome term.
 
-  Worst cases over one trajectory, with outcome scores in [0, max_outcome]
-  and per-turn shaping grades in [0, max_shaping]:
-    shaping: a policy that never succeeds but collects shaping every step
-      earns shaping_weight * max_shaping * max_steps; it must stay below
-      outcome_weight * max_outcome, the value of succeeding.
+  What matters is the gap the outcome opens between a success and a failure,
+  outcome_weight * (hi - lo) for outcome scores in outcome_range = (lo, hi)
+  (a shift of the scores changes nothing), against the worst cases over one
+  trajectory of at most max_steps steps:
+    shaping: a policy that never succeeds but collects per-turn grades of
+      max_shaping every step earns shaping_weight * max_shaping * max_steps
+      more than one that succeeds without any; that must stay below the gap.
     penalties: a success that takes max_steps steps with max_invalid invalid
-      calls loses |step_penalty| * max_steps + |tool_penalty| * max_invalid;
-      if that reaches the outcome, failing fast beats succeeding slowly.
+      calls pays |step_penalty| * (max_steps - 1) + |tool_penalty| * max_invalid
+      more than a failure after one clean step; if that reaches the gap,
+      failing fast beats succeeding slowly.
 
   Args:
     cfg: the reward weights.
     max_steps: the turn cap.
     max_invalid: the most invalid calls a trajectory can make.
-    max_outcome: the largest outcome score.
+    outcome_range: (lowest, highest) final-grade score, as the environment
+      factory declares it (`EnvironmentFactory.outcome_range`).
     max_shaping: the largest per-turn grade.
 
   Returns:
     The warning messages (also issued as `RewardDominanceWarning`).
   """
-  outcome = cfg.outcome_weight * max_outcome
+  lo, hi = (float(x) for x in outcome_range)
+  if not hi > lo:
+    raise ValueError(f"check_reward_dominance: outcome_range={outcome_range!r}; "
+                     "must be (lowest, highest) with lowest < highest")
+  gap = cfg.outcome_weight * (hi - lo)
   shaping = cfg.shaping_weight * max_shaping * max_steps
-  penalty = abs(cfg.step_penalty) * max_steps + abs(cfg.tool_penalty) * max_invalid
+  penalty = abs(cfg.step_penalty) * max(max_steps - 1, 0) + abs(cfg.tool_penalty) * max_invalid
   messages = []
-  if shaping >= outcome:
+  if shaping >= gap:
     messages.append(
         f"shaping can outweigh the outcome: shaping_weight * max_shaping * max_steps = "
-        f"{shaping:.4g} >= outcome_weight * max_outcome = {outcome:.4g}; a policy can earn "
-        "more by farming per-turn grades than by finishing the task")
-  if penalty >= outcome:
+        f"{shaping:.4g} >= outcome_weight * (max - min outcome) = {gap:.4g}; a policy can "
+        "earn more by farming per-turn grades than by finishing the task")
+  if penalty >= gap:
     messages.append(
-        f"penalties can outweigh the outcome: |step_penalty| * max_steps + |tool_penalty| * "
-        f"max_invalid = {penalty:.4g} >= outcome_weight * max_outcome = {outcome:.4g}; "
-        "failing early can beat succeeding")
+        f"penalties can outweigh the outcome: |step_penalty| * (max_steps - 1) + "
+        f"|tool_penalty| * max_invalid = {penalty:.4g} >= outcome_weight * (max - min outcome)"
+        f" = {gap:.4g}; failing early can beat succeeding")
   for m in messages:
     logger.warning("reward dominance: %s", m)
     warnings.warn(m, RewardDominanceWarning, stacklevel=2)

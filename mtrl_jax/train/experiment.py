@@ -177,10 +177,6 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   # Size the tree before launch: a config that cannot fit fails here.
   plan_tree(tree, run.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
             max_new_tokens=sampling.max_new_tokens, max_generations=c.rl.max_generations)
-  with warnings.catch_warnings():
-    warnings.simplefilter("always")
-    check_reward_dominance(reward, max_steps=limits.max_turns or 1,
-                           max_invalid=limits.max_turns or 1)
   return exp
 
 
@@ -227,7 +223,15 @@ def make_model(exp: Experiment, mesh):
 
 
 def make_factory(exp: Experiment):
-  return resolve_factory(exp.env_factory, **dict(exp.env_kwargs))
+  """The environment factory; warns when the reward weights let penalties or
+  shaping outweigh the outcome range the factory declares."""
+  factory = resolve_factory(exp.env_factory, **dict(exp.env_kwargs))
+  steps = exp.limits.max_turns or 1
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    check_reward_dominance(exp.reward, max_steps=steps, max_invalid=steps,
+                           outcome_range=factory.outcome_range)
+  return factory
 
 
 def make_task_source(exp: Experiment, split: str):

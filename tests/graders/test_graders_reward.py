@@ -44,9 +44,22 @@ def test_dominance_check():
   farm = RewardConfig(1.0, shaping_weight=0.2)
   with pytest.warns(RewardDominanceWarning, match="shaping can outweigh the outcome"):
     msgs = check_reward_dominance(farm, max_steps=5, max_invalid=0)  # 0.2 * 5 = 1.0 >= 1
-  assert len(msgs) == 1 and "1 >= outcome_weight * max_outcome = 1" in msgs[0]
+  assert len(msgs) == 1 and "1 >= outcome_weight * (max - min outcome) = 1" in msgs[0]
   harsh = RewardConfig(1.0, step_penalty=-0.05, tool_penalty=-0.3)
   with pytest.warns(RewardDominanceWarning, match="penalties can outweigh"):
-    msgs = check_reward_dominance(harsh, max_steps=10, max_invalid=2)  # 0.5 + 0.6 = 1.1
-  assert len(msgs) == 1
-  assert check_reward_dominance(harsh, max_steps=10, max_invalid=2, max_outcome=2.0) == []
+    msgs = check_reward_dominance(harsh, max_steps=11, max_invalid=2)  # 0.5 + 0.6 = 1.1
+  assert len(msgs) == 1 and "= 1.1 >=" in msgs[0]
+  # The gap counts, not the top score: outcomes in [-1, 1] (the calculator's)
+  # open a gap of 2, and a shift (the code task's [-4, 0]) changes nothing.
+  assert check_reward_dominance(harsh, max_steps=11, max_invalid=2,
+                                outcome_range=(-1.0, 1.0)) == []
+  calc = RewardConfig(1.0, step_penalty=-0.05, tool_penalty=-0.2)
+  # A success after 8 steps and 8 invalid calls (-1.95 in penalties) still
+  # beats a failure after one step: +1 - 0.4 - 1.6 = -1.0 > -1 - 0.05.
+  assert check_reward_dominance(calc, max_steps=8, max_invalid=8, outcome_range=(-1, 1)) == []
+  with pytest.warns(RewardDominanceWarning, match="penalties can outweigh"):
+    check_reward_dominance(calc, max_steps=8, max_invalid=9, outcome_range=(-1, 1))  # 2.15
+  assert check_reward_dominance(RewardConfig(1.0, step_penalty=0.0, tool_penalty=0.0),
+                                max_steps=4, max_invalid=4, outcome_range=(-4.0, 0.0)) == []
+  with pytest.raises(ValueError, match="outcome_range"):
+    check_reward_dominance(calc, max_steps=2, max_invalid=2, outcome_range=(1.0, 1.0))

@@ -167,6 +167,8 @@ class CalculatorEnv(Environment):
 class CalculatorFactory(EnvironmentFactory):
   """Fresh `CalculatorEnv` per trajectory."""
 
+  outcome_range = (-1.0, 1.0)
+
   def __init__(self, show_tools: bool = False, max_tool_calls: int = 2):
     self.show_tools = show_tools
     self.max_tool_calls = max_tool_calls

@@ -44,6 +44,11 @@ def _env(task):
   return resolve_factory("calculator").create_environment(task)
 
 
+def test_outcome_range_covers_every_grade():
+  # Grades are -1 (wrong, truncated, too many calls, no answer) or +1.
+  assert resolve_factory("calculator").outcome_range == (-1.0, 1.0)
+
+
 def test_golden_episode_succeeds_with_two_user_turns_and_two_tool_calls(renderer):
   task = calculator.make_task("eval", 3)
   convo = calculator.golden_conversation(task)

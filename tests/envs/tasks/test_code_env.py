@@ -87,6 +87,13 @@ def test_single_agent_variant_shift():
   assert outs[0].grades["code"].components["level_1_reward"] == 0.6
 
 
+def test_outcome_range_is_the_processed_reward_range():
+  assert resolve_factory("humaneval").outcome_range == (-4.0, 0.0)
+  assert resolve_factory("humaneval", num_agents=1).outcome_range == pytest.approx((-2.1, 0.0))
+  assert resolve_factory("humaneval", reward_shift=0.0, reward_scale=0.25).outcome_range == \
+      (0.0, 1.0)
+
+
 @pytest.mark.parametrize("mode", ["level_feedback", "level_passed", "passed", "plain",
                                   "expert_edits", "bandit"])
 def test_chat_style_feedback_turn_is_the_block_after_the_history(mode):

@@ -113,6 +113,13 @@ def _validate(num_agents, num_turns, external_mode, sandbox_slice, prompt_style,
                      "'pkg.module:name' of a callable prompt -> str or a TextGenerator)")
 
 
+def _shift(num_agents: int, reward_shift: Optional[float]) -> float:
+  """The reward shift; None: the reference's (-4 with two agents, -2.1 with one)."""
+  if reward_shift is None:
+    return rewards.MAGRPO_SHIFT if num_agents == 2 else rewards.GRPO_SHIFT
+  return float(reward_shift)
+
+
 class CodeRefinementEnv(Environment):
   """Aux + main agents write code; every joint action is scored; feedback drives turn t+1.
 
@@ -144,9 +151,7 @@ class CodeRefinementEnv(Environment):
     self.external_mode = external_mode
     self.sandbox_slice = sandbox_slice
     self.prompt_style = prompt_style
-    if reward_shift is None:
-      reward_shift = rewards.MAGRPO_SHIFT if num_agents == 2 else rewards.GRPO_SHIFT
-    self.reward_shift, self.reward_scale = float(reward_shift), float(reward_scale)
+    self.reward_shift, self.reward_scale = _shift(num_agents, reward_shift), float(reward_scale)
     self.expert = expert
     self.timeout_per_assert_s, self.max_timeouts = timeout_per_assert_s, max_timeouts
 
@@ -246,6 +251,16 @@ class HumanEvalFactory(EnvironmentFactory):
   @property
   def num_agents(self) -> int:
     return self.kwargs["num_agents"]
+
+  @property
+  def outcome_range(self) -> tuple[float, float]:
+    """The processed reward's range: raw levels in [0, max], scaled, then shifted."""
+    k = self.kwargs
+    top = rewards.MAX_REWARD if k["num_agents"] == 2 else rewards.MAX_SINGLE_AGENT_REWARD
+    ends = sorted(rewards.process_reward(r, scale=k["reward_scale"],
+                                         shift=_shift(k["num_agents"], k["reward_shift"]))
+                  for r in (0.0, top))
+    return ends[0], ends[1]
 
   def create_environment(self, metadata: Mapping[str, Any]) -> CodeRefinementEnv:
     return CodeRefinementEnv(metadata, **self.kwargs)
