@@ -134,8 +134,7 @@ def _fmt(x, spec):
 
 def main(argv):
   del argv
-  overrides = {"param_dtype": _DTYPE.value, "dtype": _DTYPE.value} if _DTYPE.value else {}
-  cfg = get_preset(_PRESET.value, **overrides)
+  cfg = get_preset(_PRESET.value, dtype=_DTYPE.value)
   ours = {w: bench_ours(cfg, w, _STEPS.value, _WARMUP.value) for w in _WORKLOADS.value}
   theirs = bench_tunix(_TUNIX.value, cfg, _TUNIX_STEPS.value) if _TUNIX.value else {}
   print(f"command: {' '.join([sys.executable] + sys.argv)}")

@@ -92,8 +92,7 @@ def _time_methods(cfg, sampler, policies, transition, roots, repeats):
 
 def main(argv):
   del argv
-  d = _DTYPE.value
-  model_cfg = get_preset(_PRESET.value, **({"param_dtype": d, "dtype": d} if d else {}))
+  model_cfg = get_preset(_PRESET.value, dtype=_DTYPE.value)
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=_NEW.value)
   transition = TokenTransition(model_cfg.vocab_size)
   print("command:", " ".join([sys.executable] + sys.argv))

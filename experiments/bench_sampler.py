@@ -87,8 +87,7 @@ def bench_mtrl(preset: str, repeats: int) -> dict:
   from mtrl_jax import models  # pylint: disable=g-import-not-at-top
   from mtrl_jax.sampling import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
 
-  d = _DTYPE.value
-  cfg = models.get_preset(preset, **({"param_dtype": d, "dtype": d} if d else {}))
+  cfg = models.get_preset(preset, dtype=_DTYPE.value)
   _, state = nnx.split(models.create_model(cfg, seed=0))
   sampler = Sampler(cfg)
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=NEW_TOKENS)

@@ -64,8 +64,7 @@ def batch(cfg, rows: int) -> dict:
 
 
 def time_case(preset: str, kl_coef: float, rows: int, repeats: int):
-  d = _DTYPE.value
-  cfg = get_preset(preset, **({"param_dtype": d, "dtype": d} if d else {}))
+  cfg = get_preset(preset, dtype=_DTYPE.value)
   model = create_model(cfg)
   step = TrainStep(model, LossConfig(kl_coef=kl_coef), OptimConfig(learning_rate=1e-5))
   state = step.init_state(model)

@@ -231,8 +231,17 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def get_preset(name: str, **overrides) -> ModelConfig:
-  """Returns a preset by name, with field overrides."""
+def get_preset(name: str, dtype: Optional[str] = None, **overrides) -> ModelConfig:
+  """Returns a preset by name, with field overrides.
+
+  Args:
+    name: a key of `PRESETS`.
+    dtype: sets both `param_dtype` and `dtype` (e.g. 'bfloat16'); None keeps
+      the preset's.
+    **overrides: other `ModelConfig` fields.
+  """
   if name not in PRESETS:
     raise ValueError(f"model preset {name!r}; allowed: {sorted(PRESETS)}")
+  if dtype:
+    overrides = {"param_dtype": dtype, "dtype": dtype, **overrides}
   return PRESETS[name].replace(**overrides)

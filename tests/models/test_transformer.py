@@ -108,7 +108,10 @@ def test_bfloat16_params_and_compute():
   model32 = models.create_model(_cfg(), seed=0)
   state16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model32))
   nnx.update(model32, jax.tree.map(lambda x: x.astype(jnp.float32), state16))
-  cfg16 = _cfg(param_dtype="bfloat16", dtype="bfloat16")
+  cfg16 = models.get_preset("tiny", dtype="bfloat16")  # both param_dtype and dtype
+  assert (cfg16.param_dtype, cfg16.dtype) == ("bfloat16", "bfloat16")
+  assert cfg16.replace(param_dtype="float32") == models.get_preset(
+      "tiny", dtype="bfloat16", param_dtype="float32")  # an explicit field wins
   mesh = sharding.single_device_mesh()
   with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules_for(cfg16, mesh)):
     graphdef16 = nnx.split(nnx.eval_shape(lambda: Transformer(cfg16, rngs=nnx.Rngs(0))))[0]
