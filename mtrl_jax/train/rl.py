@@ -40,7 +40,7 @@ from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train import shapes as shapes_lib
 from mtrl_jax.train.sft import SFTBatcher, make_sft_step
-from mtrl_jax.train.step import TrainStep
+from mtrl_jax.train.step import PolicyObjective, TrainStep
 
 
 PLOT_KEYS = ("eval/*/success", "rollout/success", "rollout/return", "turn_*/mean_reward",
@@ -110,7 +110,8 @@ class _Run:
     self.train_tasks = exp_lib.make_task_source(exp, exp.train_split)
     self.eval_tasks = exp_lib.make_task_source(exp, exp.eval_split)
     self.stream = data.TaskStream(self.train_tasks, seed=exp.run.seed)
-    self.train_step = TrainStep(self.model, exp.loss, exp.optim, mesh=self.mesh,
+    objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature)
+    self.train_step = TrainStep(self.model, objective, exp.optim, mesh=self.mesh,
                                 step_cfg=exp.step)
     self.shapes = shapes_lib.plan_shapes(exp, self.row_multiple, self.row_multiple)
     self.sampler = Sampler(exp.model, mesh=self.mesh, batch_buckets=self.shapes.sampler_rows,

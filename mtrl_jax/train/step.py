@@ -109,6 +109,7 @@ class Objective(Protocol):
 
   needs_ref: bool  # compute reference logprobs (a second forward, no gradient)
   batch_keys: tuple[str, ...]  # required batch entries
+  temperature: float  # logprobs (policy and reference) are of softmax(logits / temperature)
 
   def terms(self, logp_BxL, ref_logp_BxL, entropy_BxL, batch) -> tuple[Any, Any, dict]:
     """(num, den, metric_sums) of one micro-batch; num is differentiated."""
@@ -141,9 +142,25 @@ class PolicyObjective:
 
   Batch: tokens_BxL, loss_mask_BxL, old_logp_BxL, adv_B (or adv_BxL),
   row_weight_B.
+
+  Attributes:
+    loss_cfg: the loss.
+    temperature: the policy being optimised is softmax(logits / temperature).
+      Set it to the sampler's temperature (the RL loop does): then on-policy
+      ratios start at 1, as they do at temperature 1, instead of measuring
+      the gap between the tempered sampler and the untempered model
+      (verl and OpenRLHF score the actor at the rollout temperature too).
+      top-k / top-p filters are not reproduced; their gap shows in
+      `train/logp_gap`.
   """
 
   loss_cfg: losses.LossConfig
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    t = self.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+      raise ValueError(f"PolicyObjective.temperature={t!r}; allowed: a finite number > 0")
 
   @property
   def needs_ref(self) -> bool:
@@ -165,20 +182,21 @@ class PolicyObjective:
     return losses.finalize_metrics(sums)
 
 
-def _forward_logprobs(graphdef, params, tokens_BxL, step_cfg: StepConfig, want_entropy: bool):
+def _forward_logprobs(graphdef, params, tokens_BxL, step_cfg: StepConfig, want_entropy: bool,
+                      temperature: float):
   """Per-token logprobs (and entropies, without gradient) of one parameter state."""
   model = nnx.merge(graphdef, params)
   if step_cfg.logprob_chunk_size:
     hidden = model.final_norm(model.hidden(tokens_BxL))
     w_DxV = model.embed[...].T if model.cfg.tie_embeddings else model.lm_head[...]
     logp = losses.chunked_token_logprobs(hidden, w_DxV, tokens_BxL,
-                                         step_cfg.logprob_chunk_size)
+                                         step_cfg.logprob_chunk_size, temperature=temperature)
     return logp, None
   logits_BxLxV = model(tokens_BxL)
-  logp = losses.token_logprobs(logits_BxLxV, tokens_BxL)
+  logp = losses.token_logprobs(logits_BxLxV, tokens_BxL, temperature=temperature)
   entropy = None
   if want_entropy:
-    entropy = losses.token_entropy(jax.lax.stop_gradient(logits_BxLxV))
+    entropy = losses.token_entropy(jax.lax.stop_gradient(logits_BxLxV), temperature=temperature)
   return logp, entropy
 
 
@@ -380,7 +398,7 @@ class TrainStep:
 
     def num_fn(params, mb, ref_logp):
       logp, entropy = _forward_logprobs(self.graphdef, params, mb["tokens_BxL"], cfg,
-                                        want_entropy)
+                                        want_entropy, obj.temperature)
       num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
       return num, (den, sums)
 
@@ -391,7 +409,7 @@ class TrainStep:
       ref_logp = None
       if ref_params is not None:
         ref_logp, _ = _forward_logprobs(self.graphdef, ref_params, mb["tokens_BxL"], cfg,
-                                        False)
+                                        False, obj.temperature)
         ref_logp = jax.lax.stop_gradient(ref_logp)
       return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
 

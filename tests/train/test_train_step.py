@@ -296,3 +296,40 @@ def test_bfloat16_params_keep_dtype_and_float32_moments_without_recompiling():
   assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
   moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim >= 1]
   assert moments and all(x.dtype == jnp.float32 for x in moments)
+
+
+def test_policy_objective_at_the_sampler_temperature_is_on_policy():
+  # Sampled at temperature 1.7, the sampler reports log q = log softmax(z / 1.7).
+  # An objective at the same temperature recomputes exactly those logprobs:
+  # no gap, every ratio 1, nothing clipped. At temperature 1 the step scores
+  # the untempered model instead and the gap is the temperature's effect.
+  from mtrl_jax.sampling import Sampler, SamplingConfig
+  from mtrl_jax.train import PolicyObjective
+  tau, g, n_new = 1.7, 2, L - 4
+  model = _model()
+  prompts = np.random.RandomState(3).randint(1, CFG.vocab_size, (B // g, 4)).tolist()
+  res = Sampler(CFG).generate(nnx.state(model), prompts, g,
+                              SamplingConfig(temperature=tau, max_new_tokens=n_new),
+                              jax.random.key(0), stop_ids=[], pad_id=0)
+  tokens = np.concatenate([np.repeat(np.asarray(prompts), g, 0), res.tokens], 1)
+  mask = np.zeros((B, L), bool)
+  mask[:, 4:] = True
+  old_logp = np.zeros((B, L), np.float32)
+  old_logp[:, 4:] = res.logprobs
+  batch = {"tokens_BxL": tokens.astype(np.int32), "loss_mask_BxL": mask,
+           "old_logp_BxL": old_logp, "adv_B": np.random.RandomState(4).randn(B).astype(
+               np.float32), "row_weight_B": np.ones(B, np.float32)}
+  gaps = {}
+  for temperature in (tau, 1.0):
+    ts = TrainStep(model, PolicyObjective(LOSS, temperature=temperature), OPT,
+                   step_cfg=StepConfig(compiler_options=FAST))
+    state = ts.init_state(model)
+    _, metrics = ts(state, ts.copy_params(state.params), batch)
+    m = ts.fetch_metrics(metrics)
+    gaps[temperature] = m["logp_gap"], m["clip_frac"]
+    assert m["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is tempered alike
+  assert gaps[tau][0] < 1e-5 and gaps[tau][1] == 0
+  # Measured 0.21 and 5% clipped: tempering moves the tiny init's distribution a lot.
+  assert gaps[1.0][0] > 0.1 and gaps[1.0][1] > 0, gaps
+  with pytest.raises(ValueError, match="temperature"):
+    PolicyObjective(LOSS, temperature=0.0)
