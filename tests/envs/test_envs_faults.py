@@ -55,3 +55,26 @@ def test_call_with_timeout():
   release.set()
   assert time.perf_counter() - start < 1.0
   assert call_with_timeout(lambda: "inline", None, "x") == "inline"
+
+
+def test_timed_calls_reuse_workers_and_skip_a_stuck_one():
+  from mtrl_jax.envs.faults import _WORKERS
+  call_with_timeout(lambda: None, 1.0, "warm")
+  started = _WORKERS.started
+  assert [call_with_timeout(lambda i=i: i * i, 1.0, "sq") for i in range(200)] == \
+      [i * i for i in range(200)]
+  assert _WORKERS.started == started  # one idle worker served them all
+  # A stuck worker is not handed the next call: that one gets a fresh worker
+  # and finishes at once. Nested timed calls (a tool inside react_to) work too.
+  release = threading.Event()
+  with pytest.raises(FaultTimeoutError):
+    call_with_timeout(release.wait, 0.05, "stuck", 10)
+  start = time.perf_counter()
+  inner = lambda: call_with_timeout(lambda: "tool", 1.0, "tool")
+  assert call_with_timeout(inner, 1.0, "react_to") == "tool"
+  assert time.perf_counter() - start < 0.5
+  release.set()  # the stuck worker returns and rejoins the idle ones
+  deadline = time.perf_counter() + 10  # (every timed call in the suite is released)
+  while len(_WORKERS._idle) < _WORKERS.started and time.perf_counter() < deadline:
+    time.sleep(0.01)
+  assert len(_WORKERS._idle) == _WORKERS.started
