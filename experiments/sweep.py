@@ -7,7 +7,8 @@
 `get_sweep(arg)` (beside `get_config` in the config file) returns a list of
 dicts of dotted overrides, e.g. [{"tree.num_turns": 1, "seed": 0}, ...]; seeds
 are one more axis. Each run's workdir is named after its overrides, so a sweep
-re-run skips finished runs (they resume at their last step) and
+re-run skips finished runs (those with summary.json; --rerun runs them again),
+resumes unfinished ones at their last checkpoint, and
 `experiments/ablate.py` can read them back. With --parallel=K the runs are K
 `experiments/train.py` processes at a time (each logs to <workdir>.log), e.g.
 several small runs sharing one GPU.
@@ -29,6 +30,9 @@ _CONFIG = flags.DEFINE_string("config", None, "config file (path[:arg])")
 _SWEEP = flags.DEFINE_string("sweep", "", "argument of get_sweep(arg)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "parent directory of the runs")
 _PRINT = flags.DEFINE_bool("print_only", False, "print one command per run instead of running")
+_RERUN = flags.DEFINE_bool("rerun", False, "also run the runs that finished already "
+                           "(their workdir has summary.json); by default they are skipped, so "
+                           "repeating a sweep command completes the missing runs")
 _PARALLEL = flags.DEFINE_integer("parallel", 0, "run K train.py processes at a time (0: in-process, one by one)")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -62,6 +66,11 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   runs = report.expand_sweep(_CONFIG.value, _SWEEP.value, _WORKDIR.value)
+  if not (_RERUN.value or _PRINT.value):
+    done = [w for w, _, _ in runs if os.path.exists(os.path.join(w, "summary.json"))]
+    for w in done:
+      print(f"skipped (finished; --rerun runs it again): {w}", flush=True)
+    runs = [r for r in runs if r[0] not in done]
   if _PARALLEL.value > 0 and not _PRINT.value:
     commands = [(w, report.train_command(_CONFIG.value, w, o) + " --progress=false")
                 for w, o, _ in runs]

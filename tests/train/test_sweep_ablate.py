@@ -51,3 +51,17 @@ def test_ablation_table_groups_seeds(tmp_path):
   assert table[3].startswith("| tree.num_generations=4 | 1 | 0.300 +- 0.000 | 0.500 +- 0.000")
   png = report.plot_groups(runs, str(tmp_path / "g.png"))
   assert os.path.getsize(png) > 1000
+
+
+def test_sweep_skips_finished_runs(tmp_path):
+  import subprocess
+  import sys
+  runs = report.expand_sweep(CALC, "generations", str(tmp_path))
+  for workdir, _, _ in runs:  # every run finished: nothing is started
+    os.makedirs(workdir)
+    open(os.path.join(workdir, "summary.json"), "w").close()
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "sweep.py"),
+                        f"--config={CALC}", "--sweep=generations", f"--workdir={tmp_path}",
+                        "--parallel=2"], capture_output=True, text=True, check=True,
+                       cwd=ROOT).stdout
+  assert out.count("skipped (finished") == 9 and "started" not in out
