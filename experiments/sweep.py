@@ -3,6 +3,7 @@
   python experiments/sweep.py --config=configs/calculator.py --workdir=runs/sweep_T --sweep=turns
   python experiments/sweep.py --config=configs/calculator.py --workdir=runs/sweep_T --sweep=turns --print_only
   python experiments/sweep.py --config=configs/coop.py --workdir=runs/coop --sweep=all --parallel=6
+  python experiments/sweep.py --config=configs/coop.py --workdir=runs/coop --sweep=all --only=show_partner
 
 `get_sweep(arg)` (beside `get_config` in the config file) returns a list of
 dicts of dotted overrides, e.g. [{"tree.num_turns": 1, "seed": 0}, ...]; seeds
@@ -33,6 +34,8 @@ _PRINT = flags.DEFINE_bool("print_only", False, "print one command per run inste
 _RERUN = flags.DEFINE_bool("rerun", False, "also run the runs that finished already "
                            "(their workdir has summary.json); by default they are skipped, so "
                            "repeating a sweep command completes the missing runs")
+_ONLY = flags.DEFINE_list("only", [], "keep only the runs whose workdir name contains one of "
+                          "these strings, e.g. --only=show_partner,num_generations=2")
 _PARALLEL = flags.DEFINE_integer("parallel", 0, "run K train.py processes at a time (0: in-process, one by one)")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -66,6 +69,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   runs = report.expand_sweep(_CONFIG.value, _SWEEP.value, _WORKDIR.value)
+  if _ONLY.value:
+    runs = [r for r in runs if any(o in os.path.basename(r[0]) for o in _ONLY.value)]
+    if not runs:
+      raise SystemExit(f"--only={','.join(_ONLY.value)} matches no run of --sweep={_SWEEP.value}")
   if not (_RERUN.value or _PRINT.value):
     done = [w for w, _, _ in runs if os.path.exists(os.path.join(w, "summary.json"))]
     for w in done:

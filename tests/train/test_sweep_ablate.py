@@ -65,3 +65,8 @@ def test_sweep_skips_finished_runs(tmp_path):
                         "--parallel=2"], capture_output=True, text=True, check=True,
                        cwd=ROOT).stdout
   assert out.count("skipped (finished") == 9 and "started" not in out
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "sweep.py"),
+                        f"--config={CALC}", "--sweep=generations", f"--workdir={tmp_path}",
+                        "--only=generations=8,generations=2", "--print_only"],
+                       capture_output=True, text=True, check=True, cwd=ROOT).stdout
+  assert len(out.splitlines()) == 6 and "num_generations=4" not in out
