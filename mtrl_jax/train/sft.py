@@ -38,8 +38,6 @@ class SFTObjective:
   minus padding rows (row_weight 0) and position 0.
   """
 
-  temperature = 1.0  # the model's own distribution
-
   @property
   def needs_ref(self) -> bool:
     return False

@@ -109,7 +109,8 @@ class Objective(Protocol):
 
   needs_ref: bool  # compute reference logprobs (a second forward, no gradient)
   batch_keys: tuple[str, ...]  # required batch entries
-  temperature: float  # logprobs (policy and reference) are of softmax(logits / temperature)
+  # Optional (default 1): logprobs, policy and reference, of softmax(logits / temperature).
+  temperature: float
 
   def terms(self, logp_BxL, ref_logp_BxL, entropy_BxL, batch) -> tuple[Any, Any, dict]:
     """(num, den, metric_sums) of one micro-batch; num is differentiated."""
@@ -395,10 +396,11 @@ class TrainStep:
     self._num_traces += 1  # runs once per trace, i.e. per compilation
     obj, cfg = self.objective, self.step_cfg
     want_entropy = cfg.report_entropy and cfg.logprob_chunk_size is None
+    temperature = getattr(obj, "temperature", 1.0)
 
     def num_fn(params, mb, ref_logp):
       logp, entropy = _forward_logprobs(self.graphdef, params, mb["tokens_BxL"], cfg,
-                                        want_entropy, obj.temperature)
+                                        want_entropy, temperature)
       num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
       return num, (den, sums)
 
@@ -409,7 +411,7 @@ class TrainStep:
       ref_logp = None
       if ref_params is not None:
         ref_logp, _ = _forward_logprobs(self.graphdef, ref_params, mb["tokens_BxL"], cfg,
-                                        False, obj.temperature)
+                                        False, temperature)
         ref_logp = jax.lax.stop_gradient(ref_logp)
       return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
 
