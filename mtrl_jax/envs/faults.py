@@ -215,9 +215,10 @@ class FaultCounter:
 class _TimedWorkers:
   """Daemon threads that run timed calls, reused across calls.
 
-  Starting a thread per call cost ~1 ms of an environment step that takes
-  ~0.2 ms (measured on the calculator task, 2 CPU cores); handing the call to
-  an idle worker costs tens of microseconds. A worker stuck past its timeout
+  A thread started per call made a calculator environment step cost 0.35 ms
+  against 0.24 ms with pooled workers on a quiet 2-core machine, and 1.2 ms
+  against 0.2-0.3 ms with both cores busy (experiments/bench_env.py; inline,
+  without the guard, the step is 0.16 ms). A worker stuck past its timeout
   is simply not idle: the next call starts another worker, and the stuck one
   rejoins the idle list if its call ever returns.
   """
