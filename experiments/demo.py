@@ -1,6 +1,6 @@
 """The default experiment (`make demo`): SFT warm-up then ENVGRPO on the calculator task.
 
-  python experiments/demo.py                      # one seed (~15 min on 2 CPU cores)
+  python experiments/demo.py                      # one seed (~12 min on 2 CPU cores)
   python experiments/demo.py --seeds=0,1,2        # the README figure (mean and spread)
   python experiments/demo.py --config=configs/calculator.py:smoke=True --seeds=0  # seconds
 
