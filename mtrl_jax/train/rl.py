@@ -225,7 +225,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
           f"{info['sampler_seconds']} s and {info['train_programs']} train-step programs in "
           f"{info['train_seconds']} s", flush=True)
     summary["precompile"] = info
-  r.census.mark_warm()
 
   def eval_and_keep_best(step, state):
     m = r.evaluate(state.params, step)
@@ -244,6 +243,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     writer.write(0, m)
     summary["eval_start"] = m
     r.save(0, state, ref, {"summary": summary})
+  # Warm-up ends here: the step-0 evaluation and checkpoint compile their
+  # one-time helpers (Orbax slices each array it saves once per shape).
+  r.census.mark_warm()
   for step in range(start + 1, exp.run.rl_steps + 1):
     timer = metrics_lib.StepTimer()
     key = jax.random.fold_in(r.key, step)
