@@ -6,8 +6,12 @@ the whole batch for every aggregation (all denominators are counts or counts
 scaled by a constant). Rows without any masked-in token count nowhere, so
 padding rows change neither the numerator nor the denominator.
 
-Aggregations (m: mask, x: per-token loss, n_b: masked tokens of row b,
-R: rows with n_b >= 1):
+A "sequence" is a row, or, when `sequence_ids` are given (packed trees, where
+one row holds many actions and one action may sit anywhere in it), the tokens
+of a row that share an id: one action.
+
+Aggregations (m: mask, x: per-token loss, n_b: masked tokens of sequence b,
+R: sequences with n_b >= 1):
   token-mean               sum_bt m x / sum_b n_b
   seq-mean-token-mean      (1/R) sum_b (1/n_b) sum_t m x
   seq-mean-token-sum       (1/R) sum_b sum_t m x
@@ -18,13 +22,61 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+import jax
 import jax.numpy as jnp
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                 "seq-mean-token-sum-norm")
 
 
-def aggregate(x_BxL, mask_BxL, aggregation: str, max_len: Optional[int] = None):
+class Sequences:
+  """Sums over sequences: rows, or (row, id) groups of per-token `sequence_ids`.
+
+  Args:
+    mask_BxL: bool, True where a token counts.
+    sequence_ids_BxL: optional int ids in [0, L) numbering the sequences of
+      each row (None: one sequence per row).
+  """
+
+  def __init__(self, mask_BxL, sequence_ids_BxL=None):
+    b, l = mask_BxL.shape
+    self.shape = (b, l)
+    self.mask = mask_BxL.astype(bool)
+    if sequence_ids_BxL is None:
+      self.gid = None
+      self.num = b
+    else:
+      self.gid = (jnp.arange(b, dtype=jnp.int32)[:, None] * l
+                  + sequence_ids_BxL.astype(jnp.int32)).reshape(-1)
+      self.num = b * l
+
+  def sum(self, x_BxL):
+    """Per-sequence sums of x over masked tokens: [S]."""
+    xm = jnp.where(self.mask, x_BxL, 0)
+    if self.gid is None:
+      return xm.sum(-1)
+    return jax.ops.segment_sum(xm.reshape(-1), self.gid, num_segments=self.num)
+
+  def per_token(self, seq_S):
+    """Broadcasts a per-sequence value back to the tokens: [B, L]."""
+    if self.gid is None:
+      return jnp.broadcast_to(seq_S[:, None], self.shape)
+    return seq_S[self.gid].reshape(self.shape)
+
+  def first_token(self):
+    """bool [B, L]: the first masked token of each sequence."""
+    if self.gid is None:
+      first = jnp.argmax(self.mask, axis=-1)
+      return self.mask & (jnp.arange(self.shape[1])[None, :] == first[:, None])
+    pos = jnp.arange(self.shape[0] * self.shape[1], dtype=jnp.int32)
+    big = jnp.iinfo(jnp.int32).max
+    pos_m = jnp.where(self.mask.reshape(-1), pos, big)
+    seg_first = jax.ops.segment_min(pos_m, self.gid, num_segments=self.num)
+    return self.mask & (pos == seg_first[self.gid]).reshape(self.shape)
+
+
+def aggregate(x_BxL, mask_BxL, aggregation: str, max_len: Optional[int] = None,
+              sequence_ids_BxL=None):
   """Reduces a per-token quantity to (num, den) with value num / den.
 
   Args:
@@ -32,25 +84,27 @@ def aggregate(x_BxL, mask_BxL, aggregation: str, max_len: Optional[int] = None):
     mask_BxL: bool, True where the token counts.
     aggregation: one of AGGREGATIONS.
     max_len: the divisor of 'seq-mean-token-sum-norm'.
+    sequence_ids_BxL: optional per-token sequence ids within each row
+      (`Sequences`); None: one sequence per row.
 
   Returns:
     Scalars (num, den) in x's floating dtype; den is 0 only when no token counts.
   """
-  mask_BxL = mask_BxL.astype(bool)
-  xm_BxL = jnp.where(mask_BxL, x_BxL, 0)
-  ntok_B = mask_BxL.astype(xm_BxL.dtype).sum(-1)
-  rows = (ntok_B > 0).astype(xm_BxL.dtype).sum()
+  seqs = Sequences(mask_BxL, sequence_ids_BxL)
+  xm_BxL = jnp.where(seqs.mask, x_BxL, 0)
   if aggregation == "token-mean":
-    return xm_BxL.sum(), ntok_B.sum()
-  row_sum_B = xm_BxL.sum(-1)
+    return xm_BxL.sum(), seqs.mask.astype(xm_BxL.dtype).sum()
+  ntok_S = seqs.sum(jnp.ones(seqs.shape, xm_BxL.dtype))
+  rows = (ntok_S > 0).astype(xm_BxL.dtype).sum()
+  seq_sum_S = seqs.sum(xm_BxL)
   if aggregation == "seq-mean-token-mean":
-    return (row_sum_B / jnp.maximum(ntok_B, 1)).sum(), rows
+    return (seq_sum_S / jnp.maximum(ntok_S, 1)).sum(), rows
   if aggregation == "seq-mean-token-sum":
-    return row_sum_B.sum(), rows
+    return seq_sum_S.sum(), rows
   if aggregation == "seq-mean-token-sum-norm":
     if max_len is None:
       raise ValueError("aggregate: 'seq-mean-token-sum-norm' needs max_len")
-    return row_sum_B.sum() / max_len, rows
+    return seq_sum_S.sum() / max_len, rows
   raise ValueError(f"aggregation={aggregation!r}; allowed: {list(AGGREGATIONS)}")
 
 

@@ -51,6 +51,32 @@ def token_logprobs(logits_BxLxV, tokens_BxL, *, temperature: float = 1.0):
   return _shift_pad(picked - jax.nn.logsumexp(logits, axis=-1))
 
 
+def target_logprobs(logits_BxKxV, targets_BxK, *, temperature: float = 1.0):
+  """log_softmax(logits[b, k] / temperature)[targets[b, k]]: no shift.
+
+  Packed trees gather the logits of each trained token's predecessor on its
+  path (`rollout.tree_packing`), so logits and targets already line up.
+  """
+  if logits_BxKxV.ndim != 3 or logits_BxKxV.shape[:2] != targets_BxK.shape:
+    raise ValueError(f"target_logprobs: logits shape {logits_BxKxV.shape} does not match "
+                     f"targets {targets_BxK.shape}")
+  logits = _float(logits_BxKxV)
+  if temperature != 1.0:
+    logits = logits / temperature
+  picked = jnp.take_along_axis(logits, targets_BxK[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def target_entropy(logits_BxKxV, *, temperature: float = 1.0):
+  """Entropy of softmax(logits[b, k] / temperature): no shift."""
+  logits = _float(logits_BxKxV)
+  if temperature != 1.0:
+    logits = logits / temperature
+  logq = jax.nn.log_softmax(logits, axis=-1)
+  q = jnp.exp(logq)
+  return -jnp.sum(q * jnp.where(q > 0, logq, 0), axis=-1)
+
+
 def token_entropy(logits_BxLxV, *, temperature: float = 1.0):
   """Entropy of the next-token distribution, aligned like `token_logprobs`.
 

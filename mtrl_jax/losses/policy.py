@@ -103,12 +103,13 @@ class LossConfig:
     return dataclasses.replace(self, **kw)
 
 
-def _check_shapes(logp, old_logp, ref_logp, adv, mask, entropy, cfg: LossConfig):
+def _check_shapes(logp, old_logp, ref_logp, adv, mask, entropy, cfg: LossConfig,
+                  action_ids=None):
   if logp.ndim != 2:
     raise ValueError(f"policy_loss: logp must be [B, L]; got shape {logp.shape}")
   shape = logp.shape
   for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask),
-                  ("entropy", entropy)):
+                  ("entropy", entropy), ("action_ids", action_ids)):
     if x is not None and x.shape != shape:
       raise ValueError(f"policy_loss: {name} shape {x.shape} != logp shape {shape}")
   if adv.shape not in (shape[:1], shape):
@@ -127,7 +128,8 @@ def _kl(d_BxL, estimator: str):
   return jnp.expm1(d_BxL) - d_BxL
 
 
-def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None):
+def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None,
+                      action_ids=None):
   """The loss as an exact (numerator, denominator) pair plus summable metrics.
 
   Args:
@@ -138,6 +140,10 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
     mask: [B, L] bool (nonzero = True), True on policy tokens.
     cfg: the loss configuration.
     entropy: optional [B, L] per-token policy entropy, only reported.
+    action_ids: optional [B, L] int ids in [0, L) numbering the actions
+      (sequences) within each row, for packed trees: GSPO's sequence ratio,
+      the seq-mean aggregations, `rows` and the advantage statistics then
+      count one action as one sequence. None: one sequence per row.
 
   Returns:
     (num, den, metric_sums): scalars num and den with loss = num / den (0 when
@@ -145,8 +151,9 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
     `aggregation.merge_metric_sums` combines across micro-batches and
     `aggregation.finalize_metrics` turns into the metrics of `policy_loss`.
   """
-  _check_shapes(logp, old_logp, ref_logp, adv, mask, entropy, cfg)
+  _check_shapes(logp, old_logp, ref_logp, adv, mask, entropy, cfg, action_ids)
   mask = mask.astype(bool)
+  seqs = agg.Sequences(mask, action_ids)
   dtype = jnp.promote_types(logp.dtype, jnp.float32)
   clean = lambda x: jnp.where(mask, x.astype(dtype), 0)
   logp_ = clean(logp)
@@ -154,14 +161,14 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
   adv_BxL = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape)
   adv_ = _sg(clean(adv_BxL))
   maskf = mask.astype(dtype)
-  ntok_B = maskf.sum(-1)
+  ntok_S = seqs.sum(maskf)
 
   token_log_ratio = logp_ - old_
   if cfg.algorithm == "gspo":
-    seq_log_ratio_B = (token_log_ratio * maskf).sum(-1) / jnp.maximum(ntok_B, 1)
-    # GSPO-token: value = the row's sequence ratio, gradient = that ratio times
-    # d logp_t for every token of the row, so per-token advantages work too.
-    log_ratio = _sg(seq_log_ratio_B)[:, None] + logp_ - _sg(logp_)
+    seq_log_ratio_S = seqs.sum(token_log_ratio) / jnp.maximum(ntok_S, 1)
+    # GSPO-token: value = the sequence's ratio, gradient = that ratio times
+    # d logp_t for every token of it, so per-token advantages work too.
+    log_ratio = _sg(seqs.per_token(seq_log_ratio_S)) + logp_ - _sg(logp_)
   else:
     log_ratio = token_log_ratio
   ratio_sg = jnp.exp(_sg(log_ratio))
@@ -190,16 +197,17 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
     if cfg.kl_coef != 0:
       loss_BxL = pg_BxL + cfg.kl_coef * kl_BxL
 
-  num, den = agg.aggregate(loss_BxL, mask, cfg.aggregation, cfg.max_len)
+  num, den = agg.aggregate(loss_BxL, mask, cfg.aggregation, cfg.max_len, action_ids)
 
   # Metrics: sums / counts / extrema only, so micro-batches merge exactly.
   msum = lambda x: jnp.sum(jnp.where(mask, _sg(x), 0))
   m = {
       "loss_num": _sg(num),
       "loss_den": den,
-      "pg_num": _sg(agg.aggregate(pg_BxL, mask, cfg.aggregation, cfg.max_len)[0]),
+      "pg_num": _sg(agg.aggregate(pg_BxL, mask, cfg.aggregation, cfg.max_len,
+                                  action_ids)[0]),
       "tokens": maskf.sum(),
-      "rows": (ntok_B > 0).astype(dtype).sum(),
+      "rows": (ntok_S > 0).astype(dtype).sum(),
       "clip_high_sum": clip_high.astype(dtype).sum(),
       "clip_low_sum": clip_low.astype(dtype).sum(),
       "ratio_sum": msum(ratio_sg),
@@ -213,8 +221,12 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
     m["kl_k3_sum"] = msum(kl3_BxL)
   if entropy is not None:
     m["entropy_sum"] = msum(entropy.astype(dtype))
-  # Advantage statistics per row for [B] advantages, per token for [B, L].
-  has_adv = (ntok_B > 0) if adv.ndim == 1 else mask
+  # Advantage statistics per row for [B] advantages, per token for [B, L],
+  # per action (its first token's value) with action ids.
+  if action_ids is not None:
+    has_adv = seqs.first_token()
+  else:
+    has_adv = (ntok_S > 0) if adv.ndim == 1 else mask
   adv_vals = _sg(jnp.where(has_adv, adv.astype(dtype), 0))
   m.update({
       "adv_count": has_adv.astype(dtype).sum(),
@@ -226,7 +238,8 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
   return num, den, m
 
 
-def policy_loss(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None):
+def policy_loss(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None,
+                action_ids=None):
   """The policy loss of one batch (DESIGN.md section 4).
 
   Args:
@@ -237,11 +250,13 @@ def policy_loss(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy
     mask: [B, L] bool, True on policy tokens.
     cfg: the loss configuration.
     entropy: optional [B, L] per-token policy entropy, only reported.
+    action_ids: optional [B, L] action (sequence) ids within each row, for
+      packed trees (see `policy_loss_terms`); None: one sequence per row.
 
   Returns:
     (loss, metrics): the scalar loss and a dict of scalar metrics
     (see `aggregation.finalize_metrics`).
   """
   num, den, metric_sums = policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg,
-                                            entropy=entropy)
+                                            entropy=entropy, action_ids=action_ids)
   return agg.safe_divide(num, den), agg.finalize_metrics(metric_sums)

@@ -5,9 +5,14 @@ parameter states of the same `Transformer` (see `nnx.split`). Parameters carry
 logical axis names (`out_sharding=`) that `mtrl_jax.sharding` maps onto the
 device mesh.
 
-Two entry points:
+Entry points:
   * `model(tokens_BxL, positions_BxL=None, mask_BxL=None) -> logits_BxLxV`,
-    the full causal forward used by training and reference log-probs;
+    the full causal forward;
+  * `model.hidden(tokens_BxL, positions_BxL, mask_BxL, tree_ends_BxL=)` ->
+    final hidden states [B, L, D] (after the final norm), causal or with the
+    packed-tree attention structure (see `tree_attention_mask`), and
+    `model.logits_at(hidden_BxLxD, index_BxK)` -> logits [B, K, V] of chosen
+    positions only: the train step computes the LM head where a loss needs it;
   * `model.forward_cached(tokens_BxL, positions_BxL, attn_mask_BxLxS, cache,
     cache_index) -> (logits_BxLxV, cache)`, used by the sampler: keys/values of
     the L new tokens are written into cache slots
@@ -81,6 +86,23 @@ def apply_rope(x_BxLxHxDh: jax.Array, positions_BxL: jax.Array, inv_freq: jax.Ar
   x1, x2 = jnp.split(x, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxLxHxDh.dtype)
+
+
+def tree_attention_mask(ends_BxL: jax.Array) -> jax.Array:
+  """Ancestor-only attention of packed trees: mask[b, q, k] = k <= q < ends[b, k].
+
+  Packed trees are laid out in depth-first pre-order, so the subtree of token
+  k is the contiguous range [k, ends[k]); token q may attend to k exactly
+  when k is q itself or one of its ancestors, i.e. when q falls in k's
+  subtree. Several trees in one row and padding (ends[k] = k + 1: a padding
+  token sees only itself) need nothing more. A causal row is ends = L.
+  Returns bool [B, L, L]; memory is bounded by the row bucket.
+  """
+  l = ends_BxL.shape[-1]
+  idx = jnp.arange(l, dtype=jnp.int32)
+  q = idx[None, :, None]
+  k = idx[None, None, :]
+  return (k <= q) & (q < ends_BxL[:, None, :])
 
 
 class RMSNorm(nnx.Module):
@@ -218,18 +240,27 @@ class Transformer(nnx.Module):
 
   def head(self, x_BxLxD):
     """Final norm + LM head; logits in float32."""
-    x = self.final_norm(x_BxLxD)
-    w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-    return jnp.einsum("bld,dv->blv", x, w.astype(x.dtype),
-                      preferred_element_type=jnp.float32)
+    return self.project(self.final_norm(x_BxLxD))
 
-  def hidden(self, tokens_BxL, positions_BxL=None, mask_BxL=None):
-    """Causal forward up to (not including) the final norm: [B, L, D]."""
+  def hidden(self, tokens_BxL, positions_BxL=None, mask_BxL=None, *, tree_ends_BxL=None):
+    """Forward up to and including the final norm: [B, L, D].
+
+    Args:
+      tokens_BxL: int token ids.
+      positions_BxL: RoPE positions; default 0..L-1 per row.
+      mask_BxL: optional bool validity mask (False = padding, never attended).
+      tree_ends_BxL: packed trees (`tree_attention_mask`): token q attends to
+        key k iff k <= q < tree_ends_BxL[k]; None: causal.
+    """
     b, l = tokens_BxL.shape
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-    causal = jnp.tril(jnp.ones((l, l), dtype=bool))[None]
-    mask = causal if mask_BxL is None else causal & mask_BxL[:, None, :].astype(bool)
+    if tree_ends_BxL is None:
+      mask = jnp.tril(jnp.ones((l, l), dtype=bool))[None]
+    else:
+      mask = tree_attention_mask(tree_ends_BxL)
+    if mask_BxL is not None:
+      mask = mask & mask_BxL[:, None, :].astype(bool)
     mask = jnp.broadcast_to(mask, (b, l, l))
     inv_freq = rope_inv_freq(self.cfg)
     x = self.embed_tokens(tokens_BxL)
@@ -238,7 +269,22 @@ class Transformer(nnx.Module):
         x, _ = nnx.remat(lambda blk, x: blk(x, positions_BxL, mask, inv_freq))(block, x)
       else:
         x, _ = block(x, positions_BxL, mask, inv_freq)
-    return x
+    return self.final_norm(x)
+
+  def head_weight(self):
+    """The LM head as [D, V] (the transposed embedding when tied)."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+  def logits_at(self, hidden_BxLxD, index_BxK):
+    """Logits [B, K, V] (float32) of the positions `index_BxK` of `hidden`."""
+    h = jnp.take_along_axis(hidden_BxLxD, index_BxK[..., None].astype(jnp.int32), axis=1)
+    return self.project(h)
+
+  def project(self, normed_BxLxD):
+    """LM head of final-normed hidden states; logits in float32."""
+    w = self.head_weight()
+    return jnp.einsum("bld,dv->blv", normed_BxLxD, w.astype(normed_BxLxD.dtype),
+                      preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BxL, positions_BxL=None, mask_BxL=None):
     """Full causal forward.
@@ -250,7 +296,7 @@ class Transformer(nnx.Module):
     Returns:
       logits_BxLxV in float32.
     """
-    return self.head(self.hidden(tokens_BxL, positions_BxL, mask_BxL))
+    return self.project(self.hidden(tokens_BxL, positions_BxL, mask_BxL))
 
   def forward_cached(self, tokens_BxL, positions_BxL, attn_mask_BxLxS, cache: KVCache,
                      cache_index):

@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import losses, models, sharding
+from mtrl_jax.rollout.tree_packing import TREE_BATCH_KEYS
 from mtrl_jax.train import optim
 
 _NONFINITE = ("skip", "halt")
@@ -122,8 +123,15 @@ class Objective(Protocol):
     """Scalar metrics from merged sums."""
 
 
+def is_tree_batch(batch) -> bool:
+  """A tree-packed batch (`rollout.tree_packing`): per-token arrays are [B, K]."""
+  return "prev_BxK" in batch
+
+
 def train_mask(batch) -> jax.Array:
-  """loss_mask with padding / fault rows (row_weight 0) and position 0 removed."""
+  """loss_mask with padding / fault rows (row_weight 0) removed (and position 0 of rows)."""
+  if is_tree_batch(batch):
+    return batch["loss_mask_BxK"].astype(bool) & (batch["row_weight_B"] > 0)[:, None]
   mask_BxL = batch["loss_mask_BxL"].astype(bool)
   if "row_weight_B" in batch:
     mask_BxL = mask_BxL & (batch["row_weight_B"] > 0)[:, None]
@@ -132,8 +140,9 @@ def train_mask(batch) -> jax.Array:
 
 
 def _adv(batch):
-  if "adv_BxL" in batch:
-    return batch["adv_BxL"]
+  for key in ("adv_BxK", "adv_BxL"):
+    if key in batch:
+      return batch[key]
   return batch["adv_B"]
 
 
@@ -171,7 +180,17 @@ class PolicyObjective:
   def batch_keys(self) -> tuple[str, ...]:
     return ("tokens_BxL", "loss_mask_BxL", "old_logp_BxL", "row_weight_B")
 
+  def keys_for(self, batch) -> tuple[str, ...]:
+    """The entries this objective reads from `batch` (row or tree-packed layout)."""
+    if is_tree_batch(batch):
+      return TREE_BATCH_KEYS
+    return self.batch_keys + ("adv_BxL" if "adv_BxL" in batch else "adv_B",)
+
   def terms(self, logp_BxL, ref_logp_BxL, entropy_BxL, batch):
+    if is_tree_batch(batch):
+      return losses.policy_loss_terms(logp_BxL, batch["old_logp_BxK"], ref_logp_BxL,
+                                      batch["adv_BxK"], train_mask(batch), self.loss_cfg,
+                                      entropy=entropy_BxL, action_ids=batch["action_BxK"])
     return losses.policy_loss_terms(logp_BxL, batch["old_logp_BxL"], ref_logp_BxL,
                                     _adv(batch), train_mask(batch), self.loss_cfg,
                                     entropy=entropy_BxL)
@@ -183,14 +202,32 @@ class PolicyObjective:
     return losses.finalize_metrics(sums)
 
 
-def _forward_logprobs(graphdef, params, tokens_BxL, step_cfg: StepConfig, want_entropy: bool,
+def _forward_logprobs(graphdef, params, batch, step_cfg: StepConfig, want_entropy: bool,
                       temperature: float):
-  """Per-token logprobs (and entropies, without gradient) of one parameter state."""
+  """Per-token logprobs (and entropies, without gradient) of one parameter state.
+
+  Row batches: every position of `tokens_BxL`, aligned as `losses.token_logprobs`.
+  Tree-packed batches: the forward uses the packed attention structure and the
+  LM head runs only at `prev_BxK` (each trained token's predecessor), giving
+  [B, K] logprobs of `target_BxK`.
+  """
   model = nnx.merge(graphdef, params)
+  tokens_BxL = batch["tokens_BxL"]
+  if is_tree_batch(batch):
+    if step_cfg.logprob_chunk_size:
+      raise ValueError("StepConfig.logprob_chunk_size is not supported for tree-packed "
+                       "batches (their logits are already limited to trained tokens)")
+    hidden = model.hidden(tokens_BxL, batch["positions_BxL"], tree_ends_BxL=batch["ends_BxL"])
+    logits_BxKxV = model.logits_at(hidden, batch["prev_BxK"])
+    logp = losses.target_logprobs(logits_BxKxV, batch["target_BxK"], temperature=temperature)
+    entropy = None
+    if want_entropy:
+      entropy = losses.target_entropy(jax.lax.stop_gradient(logits_BxKxV),
+                                      temperature=temperature)
+    return logp, entropy
   if step_cfg.logprob_chunk_size:
-    hidden = model.final_norm(model.hidden(tokens_BxL))
-    w_DxV = model.embed[...].T if model.cfg.tie_embeddings else model.lm_head[...]
-    logp = losses.chunked_token_logprobs(hidden, w_DxV, tokens_BxL,
+    hidden = model.hidden(tokens_BxL)
+    logp = losses.chunked_token_logprobs(hidden, model.head_weight(), tokens_BxL,
                                          step_cfg.logprob_chunk_size, temperature=temperature)
     return logp, None
   logits_BxLxV = model(tokens_BxL)
@@ -318,9 +355,8 @@ class TrainStep:
             for k, v in batch.items()}
 
   def _select(self, batch: Mapping[str, Any]) -> dict:
-    keys = list(self.objective.batch_keys)
-    if isinstance(self.objective, PolicyObjective):
-      keys.append("adv_BxL" if "adv_BxL" in batch else "adv_B")
+    keys_for = getattr(self.objective, "keys_for", None)
+    keys = list(keys_for(batch) if keys_for else self.objective.batch_keys)
     missing = [k for k in keys if k not in batch]
     if missing:
       raise KeyError(f"train batch lacks {missing}; has {sorted(batch)}")
@@ -399,8 +435,8 @@ class TrainStep:
     temperature = getattr(obj, "temperature", 1.0)
 
     def num_fn(params, mb, ref_logp):
-      logp, entropy = _forward_logprobs(self.graphdef, params, mb["tokens_BxL"], cfg,
-                                        want_entropy, temperature)
+      logp, entropy = _forward_logprobs(self.graphdef, params, mb, cfg, want_entropy,
+                                        temperature)
       num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
       return num, (den, sums)
 
@@ -410,8 +446,8 @@ class TrainStep:
       # refuses variables captured from an outer trace).
       ref_logp = None
       if ref_params is not None:
-        ref_logp, _ = _forward_logprobs(self.graphdef, ref_params, mb["tokens_BxL"], cfg,
-                                        False, temperature)
+        ref_logp, _ = _forward_logprobs(self.graphdef, ref_params, mb, cfg, False,
+                                        temperature)
         ref_logp = jax.lax.stop_gradient(ref_logp)
       return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
 

@@ -1,0 +1,291 @@
+"""Tree packing equals one row per action: loss, every metric and every gradient.
+
+Random trees cover T 1-3, G 2-4, N 1-2, align and cross, terminated nodes,
+fault-masked actions, user-turn sub-steps (completions with tool context
+inside), a shared system prompt across roots, and an environment that rewrites
+history (a child prompt that does not extend its parent's). The reference is
+the row layout (`pack_tree`), which the rest of the suite checks against
+hand-worked values and numpy.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtrl_jax import losses, models, sharding
+from mtrl_jax.models.transformer import tree_attention_mask
+from mtrl_jax.rollout import Completion, Tree, TreeConfig, pack_tree
+from mtrl_jax.rollout.tree_packing import (logit_buckets, pack_actions, tree_actions,
+                                           tree_batch_spec, TREE_BATCH_KEYS)
+from mtrl_jax.train import OptimConfig, StepConfig, TrainStep
+from mtrl_jax.train.step import PolicyObjective, _forward_logprobs, train_mask
+
+CFG = models.get_preset("tiny")
+ROW_LENGTHS = (16, 32, 64, 128, 256)  # the row layout takes the smallest that fits
+FAST = (("xla_backend_optimization_level", 0),)
+
+
+@functools.cache
+def _model():
+  return models.create_model(CFG, seed=0)
+
+
+def _toks(r, n):
+  return [int(x) for x in r.randint(3, CFG.vocab_size, n)]
+
+
+def random_tree(seed, *, turns, gens, agents, mode="align", substeps=False, faults=True,
+                rewrite=False, tau=None, roots=2):
+  """A finalized tree with random tokens; logprobs are filled in by `_with_policy_logprobs`."""
+  r = np.random.RandomState(seed)
+  cfg = TreeConfig(num_turns=turns, num_generations=gens, num_agents=agents, joint_mode=mode,
+                   termination_threshold=tau, discount=0.9)
+  tree = Tree(cfg)
+  system = _toks(r, 5)  # shared by every root: packed once per row
+  frontier = [tree.add_root([system + _toks(r, r.randint(1, 4)) for _ in range(agents)])
+              for _ in range(roots)]
+  while frontier:
+    nxt = []
+    for node in frontier:
+      comps = []
+      for _ in range(agents):
+        per = []
+        for _ in range(gens):
+          ids = np.asarray(_toks(r, r.randint(1, 5)), np.int32)
+          c = Completion(ids, np.zeros(len(ids), np.float32))
+          if substeps and r.rand() < 0.5:  # a tool round trip inside the action
+            seg = np.asarray(_toks(r, r.randint(1, 4)), np.int32)
+            c = c.continued(_toks(r, r.randint(1, 3)), Completion(seg, np.zeros(len(seg),
+                                                                             np.float32)))
+          per.append(c)
+        comps.append(per)
+      tree.set_completions(node, comps)
+      b = cfg.branching
+      rewards = r.randint(0, 3, b).astype(float)
+      valid = np.ones(b, bool)
+      if faults and r.rand() < 0.3:
+        valid[r.randint(b)] = False
+      if tree.record(node, rewards, valid):
+        for j in range(b):
+          if not valid[j] or r.rand() < 0.25:  # some actions end the episode
+            continue
+          prompts = []
+          for i in range(agents):
+            g = tree.joint_BxN[j, i]
+            if rewrite and r.rand() < 0.2:  # history rewritten: no shared prefix
+              prompts.append(_toks(r, r.randint(3, 8)))
+            else:
+              prompts.append(node.prompts[i] + list(node.completions[i][g].ids)
+                             + _toks(r, r.randint(1, 3)))
+          nxt.append(tree.add_child(node, j, prompts))
+    frontier = nxt
+  return tree.finalize()
+
+
+def _with_policy_logprobs(tree, noise_seed=0):
+  """Sets each completion's sampled logprobs to the policy's own plus noise.
+
+  Ratios then sit near 1 (some clipped), as in training; unrelated logprobs
+  would give ratios of e^±15 whose gradients are float32 rounding noise.
+  """
+  rows = pack_tree(tree, length_buckets=ROW_LENGTHS)
+  graphdef, params = nnx.split(_model(), nnx.Param)
+  logp = np.asarray(jax.jit(lambda p, t: losses.token_logprobs(nnx.merge(graphdef, p)(t), t))(
+      params, rows["tokens_BxL"]))
+  r = np.random.RandomState(noise_seed)
+  b = 0
+  for node in tree.nodes:
+    for i in range(tree.cfg.num_agents):
+      for g, comp in enumerate(node.completions[i]):
+        p, c = len(node.prompts[i]), len(comp.ids)
+        lp = (logp[b, p:p + c] + 0.1 * r.randn(c)) * comp.sampled_mask
+        node.completions[i][g] = Completion(comp.ids, lp.astype(np.float32),
+                                            comp.finish_reason, comp.trainable)
+        b += 1
+  return tree
+
+
+CASES = [
+    dict(turns=1, gens=4, agents=1),
+    dict(turns=2, gens=2, agents=1, substeps=True),
+    dict(turns=3, gens=2, agents=1, tau=1.5, rewrite=True),
+    dict(turns=2, gens=3, agents=2, mode="align"),
+    dict(turns=2, gens=2, agents=2, mode="cross", substeps=True),
+    dict(turns=3, gens=2, agents=2, mode="cross", tau=1.2),
+]
+
+
+class _Layout:
+  """One batch layout: its forward (policy, reference) and VJP compiled once.
+
+  A loss's gradient is its cotangent on the per-token logprobs pulled back
+  through the forward (the chain rule the train step's value_and_grad
+  applies in one piece), so each loss configuration costs only the small
+  loss program, not a new forward and backward.
+  """
+
+  def __init__(self, batch, ref_params=None, temperature=0.7):
+    graphdef, self.params = nnx.split(_model(), nnx.Param)
+    self.batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    self.obj = PolicyObjective(losses.LossConfig(), temperature=temperature)
+    cfg = StepConfig()
+
+    def fwd(p, want_entropy=False):
+      return _forward_logprobs(graphdef, p, self.batch, cfg, want_entropy, temperature)
+
+    self.logp, self.entropy = jax.jit(lambda p: fwd(p, True))(self.params)
+    self.ref = None if ref_params is None else jax.jit(lambda p: fwd(p)[0])(ref_params)
+    self._pull = jax.jit(lambda p, ct: jax.vjp(lambda q: fwd(q)[0], p)[1](ct)[0])
+
+  def loss_metrics_grads(self, loss_cfg):
+    obj = PolicyObjective(loss_cfg, temperature=self.obj.temperature)
+    ref = self.ref if loss_cfg.kl_coef else None
+
+    def f(logp):  # eager: compiling a program per loss costs more than running it
+      num, den, sums = obj.terms(logp, ref, self.entropy, self.batch)
+      return num / jnp.maximum(den, 1), sums
+
+    (loss, sums), ct = jax.value_and_grad(f, has_aux=True)(self.logp)
+    grads = self._pull(self.params, ct)
+    return float(loss), {k: float(v) for k, v in obj.finalize(sums).items()}, grads
+
+
+def _assert_same(a, b, what):
+  """Equal within 1e-5, gradients within 1e-5 of each leaf's largest entry.
+
+  The packed forward runs matmuls of other shapes than the row layout, so
+  float32 sums come in another order: per-token logprobs differ by up to
+  ~1e-5 (temperature 0.7), gradient entries by ~1e-5 of the gradient's own
+  scale (a reordering of the same rows gives ~1e-7). A packing error (a wrong
+  position, a token attending off its path, an action counted twice) moves
+  them by orders of magnitude more.
+  """
+  (la, ma, ga), (lb, mb, gb) = a, b
+  assert la == pytest.approx(lb, rel=1e-5, abs=1e-5), what
+  assert set(ma) == set(mb)
+  for k in mb:
+    assert ma[k] == pytest.approx(mb[k], rel=1e-5, abs=1e-5), (what, k)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    y = np.asarray(y)
+    np.testing.assert_allclose(np.asarray(x), y, rtol=1e-5, atol=1e-5 * max(np.abs(y).max(), 1),
+                               err_msg=str(what))
+
+
+def _ref_params():
+  graphdef, params = nnx.split(_model(), nnx.Param)
+  r = np.random.RandomState(7)
+  return jax.tree.map(lambda x: x + 0.02 * r.randn(*x.shape).astype(x.dtype), params)
+
+
+LOSSES = [losses.LossConfig(algorithm=a, aggregation=agg, kl_coef=kl, kl_estimator=est,
+                            max_len=256, clip_eps_low=e, clip_eps_high=e)
+          for a, e in (("grpo", 0.2), ("gspo", 0.05), ("reinforce", 0.2))
+          for agg in losses.AGGREGATIONS
+          if not (a == "gspo" and agg.startswith("seq-mean-token-sum"))
+          for kl, est in ((0.0, "k3"), (0.1, "k1"), (0.1, "k2"), (0.1, "k3"))]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_tree_packing_equals_rows_every_loss(case):
+  tree = _with_policy_logprobs(random_tree(100 + case, **CASES[case]))
+  rows = pack_tree(tree, length_buckets=ROW_LENGTHS)
+  packed, stats = pack_actions(tree_actions(tree), length=64)
+  assert stats["tokens_trained"] < stats["tokens_rows_equivalent"]
+  ref = _ref_params()
+  row_layout, tree_layout = _Layout(rows, ref), _Layout(packed, ref)
+  # Every algorithm x aggregation x KL estimator on one case; a rotating
+  # slice of them on the others keeps the suite's time in bounds.
+  chosen = LOSSES if case == 0 else LOSSES[case::len(CASES) - 1]
+  for cfg in chosen:
+    _assert_same(tree_layout.loss_metrics_grads(cfg), row_layout.loss_metrics_grads(cfg), cfg)
+
+
+def test_every_trained_token_once_and_only_policy_tokens():
+  tree = random_tree(3, turns=3, gens=3, agents=2, mode="cross", substeps=True)
+  rows = pack_tree(tree, length_buckets=ROW_LENGTHS)
+  packed, stats = pack_actions(tree_actions(tree), length=32, row_multiple=4)
+  assert packed["tokens_BxL"].shape[0] % 4 == 0
+  # Same multiset of (target token, old logprob) over trained tokens.
+  m = rows["loss_mask_BxL"] & (rows["row_weight_B"] > 0)[:, None]
+  want = sorted(zip(rows["tokens_BxL"][m].tolist(), rows["old_logp_BxL"][m].tolist()))
+  got = sorted(zip(packed["target_BxK"][packed["loss_mask_BxK"]].tolist(),
+                   packed["old_logp_BxK"][packed["loss_mask_BxK"]].tolist()))
+  assert got == want
+  assert packed["target_BxK"].shape[1] in logit_buckets(32)
+  # Row-equivalent tokens: what one row per trained action holds.
+  n_rows = int((rows["row_weight_B"] > 0).sum())
+  assert stats["actions"] == n_rows
+  assert 0 <= stats["padding_fraction"] < 1
+
+
+def test_subtrees_split_to_fit_short_rows_still_equal():
+  tree = _with_policy_logprobs(random_tree(11, turns=3, gens=3, agents=1, roots=3))
+  rows = pack_tree(tree, length_buckets=ROW_LENGTHS)
+  longest = max(len(n.prompts[0]) + len(c.ids) for n in tree.nodes for c in n.completions[0])
+  short, _ = pack_actions(tree_actions(tree), length=longest)  # forces splits
+  cfg = losses.LossConfig(algorithm="gspo", aggregation="seq-mean-token-mean",
+                          clip_eps_low=0.05, clip_eps_high=0.05)
+  want = _Layout(rows).loss_metrics_grads(cfg)
+  got = _Layout(short).loss_metrics_grads(cfg)
+  _assert_same(got, want, cfg)
+  assert got[1]["rows"] == want[1]["rows"]
+  with pytest.raises(ValueError, match="exceeds the largest length bucket"):
+    pack_actions(tree_actions(tree), length=longest - 1)
+
+
+def test_attention_sees_only_its_own_path():
+  """A token's output is unchanged when tokens outside its path are replaced."""
+  tree = random_tree(5, turns=3, gens=2, agents=1, roots=2)
+  packed, _ = pack_actions(tree_actions(tree), length=128)
+  tokens, pos, ends = packed["tokens_BxL"], packed["positions_BxL"], packed["ends_BxL"]
+  mask = np.asarray(tree_attention_mask(jnp.asarray(ends)))
+  model = _model()
+  fwd = jax.jit(lambda t: model.hidden(t, jnp.asarray(pos), tree_ends_BxL=jnp.asarray(ends)))
+  base = np.asarray(fwd(jnp.asarray(tokens)))
+  r = np.random.RandomState(0)
+  for q in r.choice(int((tokens[0] != 0).sum()), 6, replace=False):
+    off_path = ~mask[0, q]
+    assert off_path.any()
+    noisy = tokens.copy()
+    noisy[0, off_path] = r.randint(3, CFG.vocab_size, int(off_path.sum()))
+    out = np.asarray(fwd(jnp.asarray(noisy)))
+    np.testing.assert_allclose(out[0, q], base[0, q], rtol=1e-5, atol=1e-6)
+    # ...and the row layout's hidden state of the same token is the same vector.
+  # The mask is ancestor-only: each token's ancestors are exactly its path.
+  assert all(mask[0, q, q] for q in range(tokens.shape[1]))
+
+
+def test_equal_on_eight_devices_with_a_2x2x2_mesh():
+  tree = _with_policy_logprobs(random_tree(21, turns=2, gens=3, agents=2, mode="align"))
+  rows = pack_tree(tree, length_buckets=(128,), row_multiple=4)
+  packed, _ = pack_actions(tree_actions(tree), length=64, row_multiple=4)
+  cfg = losses.LossConfig(algorithm="grpo", aggregation="seq-mean-token-mean", kl_coef=0.05)
+  opt = OptimConfig(learning_rate=1e-3, eps=1e-4, grad_clip_norm=1.0)
+  mesh = sharding.make_mesh((2, 2, 2))
+  out = {}
+  for name, batch in (("rows", rows), ("tree", packed)):
+    step = TrainStep(_model(), PolicyObjective(cfg), opt, mesh=mesh,
+                     step_cfg=StepConfig(compiler_options=FAST))
+    state = step.init_state(_model())
+    ref = step.copy_params(state.params)
+    state, m = step(state, ref, batch)
+    out[name] = (step.fetch_metrics(m), jax.device_get(state.params))
+  (mr, pr), (mt, pt) = out["rows"], out["tree"]
+  for k in mr:
+    assert mt[k] == pytest.approx(mr[k], rel=1e-5, abs=1e-5), k
+  for a, b in zip(jax.tree.leaves(pt), jax.tree.leaves(pr)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_spec_matches_batch():
+  tree = random_tree(1, turns=2, gens=2, agents=1)
+  packed, _ = pack_actions(tree_actions(tree), length=64)
+  spec = tree_batch_spec(*packed["tokens_BxL"].shape, packed["target_BxK"].shape[1])
+  assert set(spec) == set(packed) == set(TREE_BATCH_KEYS)
+  for k, v in packed.items():
+    assert spec[k].shape == v.shape and spec[k].dtype == v.dtype, k
+  assert train_mask(packed).shape == packed["loss_mask_BxK"].shape
