@@ -28,6 +28,9 @@ _TUNIX = flags.DEFINE_string("tunix_python", None,
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per case (median reported)")
 _PRESET = flags.DEFINE_string("preset", "bench", "model preset")
 _DTYPE = flags.DEFINE_string("dtype", None, "override param and compute dtype (e.g. bfloat16)")
+_CHUNKS = flags.DEFINE_list("decode_chunks", ["default"],
+                            "Sampler.decode_chunk values to compare ('default': the "
+                            "platform's); adds a decode-step vs memory-floor table")
 
 PROMPT_LEN, NEW_TOKENS = 32, 64
 # (label, number of distinct prompts, generations per prompt)
@@ -80,7 +83,22 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def bench_mtrl(preset: str, repeats: int) -> dict:
+def measure_bandwidth(n_bytes: int = 1 << 30) -> float:
+  """Device memory bandwidth (bytes read + written per second) of a large copy."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  x = jnp.ones((n_bytes // 4,), jnp.float32)
+  f = jax.jit(lambda a: a * 1.0001)
+  f(x).block_until_ready()
+  times = []
+  for _ in range(10):
+    t0 = time.perf_counter()
+    f(x).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * n_bytes / statistics.median(times)
+
+
+def bench_mtrl(preset: str, repeats: int, decode_chunk=None) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -89,7 +107,7 @@ def bench_mtrl(preset: str, repeats: int) -> dict:
 
   cfg = models.get_preset(preset, dtype=_DTYPE.value)
   _, state = nnx.split(models.create_model(cfg, seed=0))
-  sampler = Sampler(cfg)
+  sampler = Sampler(cfg, decode_chunk=decode_chunk)
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=NEW_TOKENS)
   rng = np.random.default_rng(0)
   calls = {}
@@ -112,6 +130,9 @@ def bench_mtrl(preset: str, repeats: int) -> dict:
   out = {label: rows * NEW_TOKENS / statistics.median(times[label])
          for label, (_, rows) in calls.items()}
   out["_compiles"] = sampler.num_compiles
+  out["_chunk"] = sampler.decode_chunk
+  # Per decode step of the 16-row batch (the prefill is a small part of the call).
+  out["_step_ms"] = 1e3 * statistics.median(times["batch 16"]) / NEW_TOKENS
   return out
 
 
@@ -133,7 +154,9 @@ def bench_tunix(python: str, preset: str, repeats: int) -> dict:
 
 def main(argv):
   del argv
-  ours = bench_mtrl(_PRESET.value, _REPEATS.value)
+  chunks = [None if c == "default" else int(c) for c in _CHUNKS.value]
+  runs = [bench_mtrl(_PRESET.value, _REPEATS.value, c) for c in chunks]
+  ours = runs[0]
   theirs = bench_tunix(_TUNIX.value, _PRESET.value, _REPEATS.value) if _TUNIX.value else {}
   import jax  # pylint: disable=g-import-not-at-top
   print(f"command: {' '.join([sys.executable] + sys.argv)}")
@@ -150,6 +173,21 @@ def main(argv):
           f"{(f'{t:.0f}' if t else 'n/a'):>17} | {(f'{ours[label] / t:.2f}' if t else 'n/a'):>5} |")
   if theirs:
     print("Tunix has no prefix fork: its '4 prompts x G=4' row decodes 16 repeated prompts.")
+  from mtrl_jax import models  # pylint: disable=g-import-not-at-top
+  cfg = models.get_preset(_PRESET.value, dtype=_DTYPE.value)
+  bw = measure_bandwidth()
+  itemsize = 2 if cfg.dtype == "bfloat16" else 4
+  weights = cfg.num_params() * itemsize
+  cache = 2 * cfg.num_layers * 16 * (PROMPT_LEN + NEW_TOKENS) * cfg.num_kv_heads * cfg.head_dim \
+      * itemsize
+  floor_ms = 1e3 * (weights + cache) / bw
+  print(f"\ndecode step, batch 16: memory floor = (weights {weights / 2**20:.0f} MiB + KV cache "
+        f"{cache / 2**20:.1f} MiB) / measured bandwidth {bw / 1e9:.0f} GB/s = {floor_ms:.3f} ms")
+  print("| decode_chunk | step ms (call / new tokens) | x floor | batch 16 tok/s |")
+  print("|---|---|---|---|")
+  for r in runs:
+    print(f"| {r['_chunk']} | {r['_step_ms']:.3f} | {r['_step_ms'] / floor_ms:.2f} | "
+          f"{r['batch 16']:.0f} |")
 
 
 if __name__ == "__main__":

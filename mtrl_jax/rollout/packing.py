@@ -59,7 +59,8 @@ def default_row_count(n: int, multiple: int = 1) -> int:
 
 def pack_tree(tree: Tree, *, length_buckets: Sequence[int],
               row_buckets: Optional[Sequence[int]] = None, row_multiple: int = 1,
-              pad_id: int = 0, agents: Optional[Sequence[int]] = None) -> dict[str, np.ndarray]:
+              pad_id: int = 0, agents: Optional[Sequence[int]] = None,
+              trained: Optional[Sequence[np.ndarray]] = None) -> dict[str, np.ndarray]:
   """Packs every (node, agent, sample) of a finalized tree into one batch.
 
   Args:
@@ -72,6 +73,9 @@ def pack_tree(tree: Tree, *, length_buckets: Sequence[int],
     pad_id: token id of padding positions.
     agents: pack only these agents' rows (e.g. one batch per separate
       policy); default: every agent.
+    trained: optional per node a bool [N, G] (`batching.trained_samples`):
+      only those samples get rows; default: every sample (fault-masked ones
+      as rows of weight 0).
 
   Returns:
     The batch dict of numpy arrays (keys `BATCH_KEYS`).
@@ -83,11 +87,13 @@ def pack_tree(tree: Tree, *, length_buckets: Sequence[int],
   if any(not 0 <= i < n for i in agents):
     raise ValueError(f"pack_tree agents={list(agents)}; allowed: ids in [0, {n})")
   rows = []
-  for node in tree.nodes:
+  for k, node in enumerate(tree.nodes):
     if node.completions is None:
       raise ValueError(f"node {node.node_id} was never sampled")
     for i in agents:
       for g, comp in enumerate(node.completions[i]):
+        if trained is not None and not trained[k][i, g]:
+          continue
         rows.append((node.prompts[i], comp, node.advantages_NxG[i, g], node.weight_NxG[i, g],
                      node.turn, i, node.node_id))
   longest = max((len(r[0]) + len(r[1].ids) for r in rows), default=1)

@@ -29,9 +29,15 @@ class TokenTransition:
     self.observation = tuple(range(3, 3 + obs_len))
     self.vocab, self.low = vocab, low
 
-  def roots(self, num_roots: int, num_agents: int, prompt_len: int, seed: int = 0):
+  def roots(self, num_roots: int, num_agents: int, prompt_len: int, seed: int = 0,
+            system_len: int = 0):
+    """Random prompts of `prompt_len` ids after a `system_len`-token system prompt
+    that every root shares (the same ids whatever the seed, like a tool schema)."""
+    system = tuple(np.random.default_rng(12345).integers(self.low, self.vocab,
+                                                         system_len).tolist())
     rng = np.random.default_rng(seed)
-    return [TokenState(tuple(tuple(rng.integers(self.low, self.vocab, prompt_len).tolist())
+    return [TokenState(tuple(system + tuple(rng.integers(self.low, self.vocab,
+                                                         prompt_len).tolist())
                              for _ in range(num_agents))) for _ in range(num_roots)]
 
   def prompts(self, state: TokenState):

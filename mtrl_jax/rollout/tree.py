@@ -217,6 +217,8 @@ def advantages(returns_G: np.ndarray, valid_G: np.ndarray, mode: str,
   count = r.size
   if count == 0:
     return out
+  if mode != "raw" and np.all(r == r[0]):
+    return out  # equal returns: exactly zero (r - mean(r) can be off by an ulp)
   if mode == "mean":
     a = r - r.mean()
   elif mode == "raw":

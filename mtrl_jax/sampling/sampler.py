@@ -144,6 +144,7 @@ class Sampler:
                batch_buckets: Optional[Sequence[int]] = None,
                prompt_buckets: Optional[Sequence[int]] = None,
                decode_buckets: Optional[Sequence[int]] = None,
+               decode_chunk: Optional[int] = None,
                rules=sharding.SAMPLE_RULES):
     """Builds the sampler; nothing is compiled until the first `generate`.
 
@@ -156,12 +157,23 @@ class Sampler:
       prompt_buckets: allowed padded prompt lengths; None: powers of two >= 16.
       decode_buckets: allowed numbers of new-token slots (cache length =
         prompt bucket + decode bucket); None: powers of two >= 16.
+      decode_chunk: decode steps per iteration of the device loop. The loop
+        checks "every row done?" once per iteration, and on a GPU that
+        predicate travels to the host each time, so a chunk of k unrolled steps
+        syncs k times less often (at most k - 1 wasted steps at the end, their
+        writes discarded). None: 1 on CPU (no sync to save, and unrolling
+        multiplies compile time), 8 elsewhere.
       rules: logical-axis rules for parameters while sampling.
     """
     self.model_cfg = model_cfg
     self.batch_buckets = _check_buckets(batch_buckets, "batch_buckets")
     self.prompt_buckets = _check_buckets(prompt_buckets, "prompt_buckets")
     self.decode_buckets = _check_buckets(decode_buckets, "decode_buckets")
+    if decode_chunk is None:
+      decode_chunk = 1 if jax.default_backend() == "cpu" else 8
+    if isinstance(decode_chunk, bool) or not isinstance(decode_chunk, int) or decode_chunk < 1:
+      raise ValueError(f"Sampler.decode_chunk={decode_chunk!r}; allowed: None or an int >= 1")
+    self.decode_chunk = decode_chunk
     if mesh is not None and any(t != AxisType.Auto for t in mesh.axis_types):
       # Explicit axes would make the cache update's sharding part of its type.
       mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
@@ -364,8 +376,13 @@ class Sampler:
       tok_B, logq_B = choose(logits_BxV, u_B)
       tok_B = jnp.where(done_B, pad_id, tok_B)
       logq_B = jnp.where(done_B, 0.0, logq_B)
-      tokens_BxN = jax.lax.dynamic_update_index_in_dim(tokens_BxN, tok_B, t, axis=1)
-      logp_BxN = jax.lax.dynamic_update_index_in_dim(logp_BxN, logq_B, t, axis=1)
+      # Steps past the buffer (the tail of a decode chunk) must not write: a
+      # dynamic update would clamp onto the last column.
+      inside = t < num_new
+      tokens_BxN = jnp.where(inside, jax.lax.dynamic_update_index_in_dim(
+          tokens_BxN, tok_B, t, axis=1), tokens_BxN)
+      logp_BxN = jnp.where(inside, jax.lax.dynamic_update_index_in_dim(
+          logp_BxN, logq_B, t, axis=1), logp_BxN)
       hit_B = jnp.any(tok_B[:, None] == stop_ids[None, :], axis=-1) & ~done_B
       length_B = length_B + (~done_B).astype(jnp.int32)
       stopped_B = stopped_B | hit_B
@@ -381,14 +398,21 @@ class Sampler:
       t, _, _, out = loop
       return (t < max_new) & ~jnp.all(out[2])
 
-    def body(loop):
+    def step(loop):
       t, tok_B, cache, out = loop
       slot = lp + t - 1  # slot of the token sampled at step t - 1
       mask_Bx1xS = (valid_BxS & (slots_S[None, :] <= slot))[:, None, :]
+      # A chunk's steps past the last real one write slot S - 1 (the update
+      # clamps there), which no real step reads: real steps use slots <= S - 2.
       logits_Bx1xV, cache = model.forward_cached(
           tok_B[:, None], (next_pos_B + t - 1)[:, None], mask_Bx1xS, cache, slot)
       tok_B, out = record(t, logits_Bx1xV[:, 0, :], out)
       return t + 1, tok_B, self._constrain_cache(cache), out
+
+    def body(loop):
+      for _ in range(self.decode_chunk):  # unrolled: one loop predicate per chunk
+        loop = step(loop)
+      return loop
 
     _, _, _, out = jax.lax.while_loop(cond, body, (jnp.int32(1), tok_B, cache, out0))
     tokens_BxN, logp_BxN, _, stopped_B, length_B = out

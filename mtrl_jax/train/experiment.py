@@ -23,6 +23,7 @@ from mtrl_jax.graders.reward import RewardConfig, check_reward_dominance
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
+from mtrl_jax.rollout.batching import PACKINGS
 from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import StepConfig
@@ -37,6 +38,7 @@ class RunConfig:
   roots_per_step: int
   updates_per_step: int
   zero_variance_filter: bool
+  packing: str
   ref_reset_every: int
   length_buckets: tuple
   prompt_buckets: tuple
@@ -77,6 +79,8 @@ class RunConfig:
         raise ValueError(f"config rl.{name}={tuple(b)}; must be increasing positive ints")
     if not self.length_buckets:
       raise ValueError("config rl.length_buckets is empty; allowed: increasing positive ints")
+    if self.packing not in PACKINGS:
+      raise ValueError(f"config rl.packing={self.packing!r}; allowed: {list(PACKINGS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +145,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   run = RunConfig(
       seed=c.seed, rl_steps=c.rl.steps, roots_per_step=c.rl.roots_per_step,
       updates_per_step=c.rl.updates_per_step, zero_variance_filter=c.rl.zero_variance_filter,
+      packing=c.rl.packing,
       ref_reset_every=c.rl.ref_reset_every, length_buckets=buckets,
       prompt_buckets=tuple(int(b) for b in c.rl.prompt_buckets), precompile=c.rl.precompile,
       dump_every=c.rl.dump_every, sft_steps=c.sft.steps, sft_batch_size=c.sft.batch_size,

@@ -7,7 +7,8 @@
   for each RL step:
     tasks from a seeded, resumable stream -> one environment per root
     tree expansion (one sampler call per level, env steps on a thread pool)
-    returns / advantages -> fixed-shape batch (zero-variance groups dropped)
+    returns / advantages -> fixed-shape batch (`rollout.batching`: zero-variance
+      groups dropped; tree-packed, every token once, or one row per action)
     train step (GRPO / GSPO / REINFORCE, KL to the frozen reference)
     metrics.jsonl + TensorBoard, rollout dumps, checkpoints,
     held-out evaluation every k steps with keep-best under workdir/best
@@ -30,9 +31,9 @@ import numpy as np
 
 from mtrl_jax import checkpoint, data, metrics as metrics_lib, sharding
 from mtrl_jax.rollout import dump as dump_lib
-from mtrl_jax.rollout import expand_tree, pack_tree
+from mtrl_jax.rollout import expand_tree
+from mtrl_jax.rollout.batching import BatchConfig, make_train_batch
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.packing import bucket, default_row_count
 from mtrl_jax.rollout.policy import TimedPolicy
 from mtrl_jax.registry import import_object
 from mtrl_jax.sampling import Sampler
@@ -45,44 +46,6 @@ from mtrl_jax.train.step import PolicyObjective, TrainStep
 
 PLOT_KEYS = ("eval/*/success", "rollout/success", "rollout/return", "turn_*/mean_reward",
              "train/loss", "train/kl", "train/clip_frac", "train/entropy", "faults/*")
-
-
-def drop_zero_variance_groups(tree) -> int:
-  """Zeroes the weight of (node, agent) groups whose G returns are all equal.
-
-  Their advantages are zero under the baseline modes anyway; dropping them
-  saves the compute. Returns the number of groups dropped.
-  """
-  dropped = 0
-  for node in tree.nodes:
-    for i in range(node.agent_returns_NxG.shape[0]):
-      valid = node.weight_NxG[i] > 0
-      r = node.agent_returns_NxG[i][valid]
-      if valid.any() and np.all(r == r[0]):
-        node.weight_NxG[i] = 0.0
-        dropped += 1
-  return dropped
-
-
-def compact_rows(batch: dict, row_multiple: int, row_buckets=None) -> dict:
-  """Keeps the rows with weight > 0, padded to the smallest row bucket that holds them.
-
-  `row_buckets` None: the next power of two, rounded up to `row_multiple`.
-  """
-  keep = np.flatnonzero(batch["row_weight_B"] > 0)
-  if row_buckets is None:
-    n = default_row_count(max(len(keep), 1), row_multiple)
-  else:
-    n = bucket(max(len(keep), 1), row_buckets, "rows after the zero-variance filter")
-  out = {}
-  for k, v in batch.items():
-    axis = 1 if k == "ids_3xB" else 0
-    taken = np.take(v, keep, axis=axis)
-    pad = [(0, 0)] * v.ndim
-    pad[axis] = (0, n - len(keep))
-    fill = -1 if k in ("ids_3xB", "turn_B", "agent_B", "node_B") else 0
-    out[k] = np.pad(taken, pad, constant_values=fill)
-  return out
 
 
 def _sft_rows(exp, renderer, source) -> list:
@@ -114,6 +77,11 @@ class _Run:
     self.train_step = TrainStep(self.model, objective, exp.optim, mesh=self.mesh,
                                 step_cfg=exp.step)
     self.shapes = shapes_lib.plan_shapes(exp, self.row_multiple, self.row_multiple)
+    self.batch_cfg = BatchConfig(
+        packing=exp.run.packing, length_buckets=exp.run.length_buckets,
+        row_buckets=self.shapes.train_rows, row_multiple=self.row_multiple,
+        pad_id=self.tokenizer.pad_id, zero_variance_filter=exp.run.zero_variance_filter,
+        keep_kl=exp.loss.kl_coef > 0)
     self.sampler = Sampler(exp.model, mesh=self.mesh, batch_buckets=self.shapes.sampler_rows,
                            prompt_buckets=self.shapes.prompt_lens)
     stop_ids = self.renderer.fmt.stop_ids
@@ -254,27 +222,17 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
       tasks = r.stream.next(exp.run.roots_per_step)
       roots = r.transition.root_states(r.factory, tasks)
       tree = expand_tree(exp.tree, r.policy, r.transition, roots, key)
-    row_m: dict[str, float] = {}
-    dropped = drop_zero_variance_groups(tree) if exp.run.zero_variance_filter else 0
-    batch = pack_tree(tree, length_buckets=exp.run.length_buckets,
-                      row_buckets=r.shapes.train_rows, row_multiple=r.row_multiple,
-                      pad_id=r.tokenizer.pad_id)
-    row_m["batch/rows_total"] = float((batch["row_weight_B"] > 0).sum())
-    if exp.run.zero_variance_filter:
-      batch = compact_rows(batch, r.row_multiple, r.shapes.train_rows)
-    row_m.update({"batch/zero_variance_groups": float(dropped),
-                  "batch/rows": float(batch["tokens_BxL"].shape[0]),
-                  "batch/length": float(batch["tokens_BxL"].shape[1])})
+    batch, batch_m = make_train_batch(tree, r.batch_cfg)
     train_m = {}
     with timer.section("train"):
-      if (batch["row_weight_B"] > 0).any():
+      if batch is not None:
         for _ in range(exp.run.updates_per_step):
           state, dm = r.train_step(state, ref, batch)
         train_m = {f"train/{k}": v for k, v in r.train_step.fetch_metrics(dm).items()}
     if exp.run.ref_reset_every and step % exp.run.ref_reset_every == 0:
       ref = r.train_step.copy_params(state.params)
     m = {**tree.metrics(), **eval_lib.rollout_metrics(tree, exp.run.success_threshold),
-         **row_m, **train_m, **r.census.counts()}
+         **batch_m, **train_m, **r.census.counts()}
     if exp.run.dump_every and step % exp.run.dump_every == 0:
       dump_lib.write_rollout_dump(tree, dump_lib.dump_path(workdir, step), r.transition.decode)
     if step % exp.run.eval_every == 0 or step == exp.run.rl_steps:

@@ -10,11 +10,15 @@ set of buckets from the config alone:
                     N agents and G samples), the tool-call sub-step rounds
                     (one prompt per action) and the evaluation batches;
   sampler prompts   `rl.prompt_buckets` (default: `rl.length_buckets`);
-  train rows        a quarter, a half and all of the tree's rows (the
-                    zero-variance filter keeps a policy-dependent subset);
-                    each extra bucket multiplies the number of programs, so
-                    counts like the SFT check batch are padded up instead;
-  train lengths     `rl.length_buckets`.
+  train rows        rl.packing='rows': a quarter, a half and all of the
+                    tree's rows (the zero-variance filter keeps a
+                    policy-dependent subset); 'tree': all of the tree's rows
+                    (the row layout's count bounds the packed one) halved
+                    down to a 32nd, since packed trees fill few rows;
+  train lengths     'rows': `rl.length_buckets`; 'tree': the largest of them
+                    (bin packing fills rows, so one length serves);
+  trained tokens    'tree' only: a quarter, a half or all of the row length
+                    (`tree_packing.logit_buckets`): the LM head runs there.
 
 `precompile` then compiles every (call kind, row bucket, prompt bucket) of the
 sampler and every (rows, length) of the train step before the first RL step,
@@ -28,6 +32,7 @@ import time
 
 from mtrl_jax.rollout import plan_tree
 from mtrl_jax.rollout.packing import batch_spec
+from mtrl_jax.rollout.tree_packing import logit_buckets, tree_batch_spec
 from mtrl_jax.sampling import SamplingConfig
 
 
@@ -49,6 +54,7 @@ class ShapePlan:
   train_rows: tuple
   train_lens: tuple
   calls: tuple  # SamplerCall
+  packing: str = "rows"
 
   def sampler_programs(self) -> list[tuple[SamplerCall, int, int]]:
     """(call, prompt-row bucket, prompt-length bucket) of every sampler program."""
@@ -59,8 +65,17 @@ class ShapePlan:
           out.extend((call, p, lp) for lp in self.prompt_lens)
     return out
 
-  def train_shapes(self) -> list[tuple[int, int]]:
+  def train_shapes(self) -> list[tuple[int, ...]]:
+    """(rows, length) of every train program, plus trained tokens per row for 'tree'."""
+    if self.packing == "tree":
+      return [(b, l, k) for b in self.train_rows for l in self.train_lens
+              for k in logit_buckets(l)]
     return [(b, l) for b in self.train_rows for l in self.train_lens]
+
+  def train_specs(self) -> list[dict]:
+    """The batch specs (`jax.ShapeDtypeStruct`s) of every train program."""
+    spec = tree_batch_spec if self.packing == "tree" else batch_spec
+    return [spec(*shape) for shape in self.train_shapes()]
 
 
 def _round_up_to(n: int, buckets) -> int:
@@ -107,10 +122,14 @@ def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
   sampler_rows = tuple(sorted(prompt_rows | decode_rows))
   prompt_lens = run.prompt_buckets or run.length_buckets
   total = plan.rows
-  train_rows = tuple(sorted({_multiple(max(total // d, 1), row_multiple) for d in (4, 2, 1)}))
+  if run.packing == "tree":
+    fractions, train_lens = (32, 16, 8, 4, 2, 1), (max(run.length_buckets),)
+  else:
+    fractions, train_lens = (4, 2, 1), tuple(run.length_buckets)
+  train_rows = tuple(sorted({_multiple(max(total // d, 1), row_multiple) for d in fractions}))
   return ShapePlan(sampler_rows=sampler_rows, prompt_lens=tuple(prompt_lens),
-                   train_rows=train_rows, train_lens=tuple(run.length_buckets),
-                   calls=tuple(calls))
+                   train_rows=train_rows, train_lens=train_lens, calls=tuple(calls),
+                   packing=run.packing)
 
 
 def precompile(shapes: ShapePlan, sampler, sampler_state, train_step, num_stop_ids: int) -> dict:
@@ -121,8 +140,8 @@ def precompile(shapes: ShapePlan, sampler, sampler_state, train_step, num_stop_i
     sampler.precompile(sampler_state, p, lp, call.num_generations, call.sampling,
                        num_stop_ids=num_stop_ids)
   t1 = time.perf_counter()
-  for rows, length in shapes.train_shapes():
-    train_step.precompile(batch_spec(rows, length))
+  for spec in shapes.train_specs():
+    train_step.precompile(spec)
   t2 = time.perf_counter()
   return {"sampler_programs": len(programs), "sampler_seconds": round(t1 - t0, 1),
           "train_programs": len(shapes.train_shapes()), "train_seconds": round(t2 - t1, 1)}

@@ -233,3 +233,23 @@ def test_precompiled_bucket_runs_without_compiling(mesh_shape, state):
   assert res.tokens.shape == (6, 10)
   assert census.counts()["compiles/sampler"] == 1
   assert census.counts()["compiles/backend_total"] == 0
+
+
+@pytest.mark.parametrize("max_new", [12, 16])  # 16 fills the decode bucket: overflow steps
+def test_chunked_decoding_equals_one_step_per_iteration(sampler, state, max_new):
+  """decode_chunk=3 (not a divisor of the steps) samples exactly what chunk 1 does."""
+  chunked = Sampler(CFG, decode_chunk=3)
+  assert sampler.decode_chunk == 1  # the CPU default
+  free = sampler.generate(state, PROMPTS, 2, SamplingConfig(greedy=True, max_new_tokens=12),
+                          jax.random.key(0), stop_ids=[], pad_id=PAD)
+  stops = [int(free.tokens[0, 3])]  # some rows stop early, others run to the limit
+  for cfg in (SamplingConfig(greedy=True, max_new_tokens=max_new),
+              SamplingConfig(max_new_tokens=max_new, temperature=0.8)):
+    a = sampler.generate(state, PROMPTS, 2, cfg, jax.random.key(4), stop_ids=stops, pad_id=PAD)
+    b = chunked.generate(state, PROMPTS, 2, cfg, jax.random.key(4), stop_ids=stops, pad_id=PAD)
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_array_equal(b.lengths, a.lengths)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-6)
+    assert b.finish_reason == a.finish_reason
+  with pytest.raises(ValueError, match="decode_chunk=0; allowed"):
+    Sampler(CFG, decode_chunk=0)

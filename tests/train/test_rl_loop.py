@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 
 from configs import calculator as calc_config
-from mtrl_jax.rollout import TreeConfig
-from mtrl_jax.rollout.tree import Completion, Tree
 from mtrl_jax.train import experiment, report, rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,33 +56,6 @@ def test_build_rejects_bad_configs_with_named_fields():
   with pytest.raises(AttributeError):  # the config is locked in the entry point
     c.lock()
     c.loss.algorithmm = "grpo"
-
-
-def _tiny_tree(returns):
-  """A finalized one-node tree (N=1) with the given G rewards."""
-  cfg = TreeConfig(num_turns=1, num_generations=len(returns))
-  tree = Tree(cfg)
-  root = tree.add_root([[1, 2, 3]])
-  tree.set_completions(root, [[Completion(np.array([4, 5], np.int32),
-                                          np.array([-0.1, -0.2], np.float32))
-                               for _ in returns]])
-  tree.record(root, np.array(returns, np.float64))
-  return tree.finalize()
-
-
-def test_zero_variance_groups_are_dropped_and_rows_compacted():
-  tree = _tiny_tree([1.0, 1.0, 1.0, 1.0])
-  assert rl.drop_zero_variance_groups(tree) == 1
-  assert not tree.nodes[0].weight_NxG.any()
-  tree = _tiny_tree([1.0, 0.0, 1.0, 1.0])
-  assert rl.drop_zero_variance_groups(tree) == 0
-  batch = {"tokens_BxL": np.arange(8 * 3).reshape(8, 3), "row_weight_B": np.array(
-      [1, 0, 1, 0, 0, 1, 0, 0], np.float32), "node_B": np.arange(8)}
-  out = rl.compact_rows(batch, row_multiple=2)
-  assert out["tokens_BxL"].shape == (4, 3)
-  np.testing.assert_array_equal(out["tokens_BxL"][:3], batch["tokens_BxL"][[0, 2, 5]])
-  np.testing.assert_array_equal(out["row_weight_B"], [1, 1, 1, 0])
-  np.testing.assert_array_equal(out["node_B"], [0, 2, 5, -1])
 
 
 def test_smoke_run_writes_every_artifact(tmp_path):
@@ -156,6 +127,7 @@ def test_precompiled_run_never_compiles_after_warmup(tmp_path):
 
 
 def test_shape_plan_covers_every_sampler_call_of_the_config():
+  from mtrl_jax.rollout.tree_packing import logit_buckets
   from mtrl_jax.train import shapes
   c = smoke_config()
   c.sft.until_success = 0.5
@@ -168,4 +140,9 @@ def test_shape_plan_covers_every_sampler_call_of_the_config():
     assert call.max_prompts <= top  # no call can overflow the bucket list
   programs = plan.sampler_programs()
   assert len(programs) == len(set((id(c), p, lp) for c, p, lp in programs))
+  assert plan.packing == "tree" and plan.train_lens == (max(exp.run.length_buckets),)
+  assert plan.train_shapes() == [(b, l, k) for b in plan.train_rows for l in plan.train_lens
+                                 for k in logit_buckets(l)]
+  c.rl.packing = "rows"
+  plan = shapes.plan_shapes(experiment.build(c), row_multiple=2, sampler_shards=2)
   assert plan.train_shapes() == [(b, l) for b in plan.train_rows for l in plan.train_lens]
