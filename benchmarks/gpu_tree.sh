@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Tree-packed training and chunked decoding on a lent GPU (issue 13), one call:
+# Tree-packed training and chunked decoding on a lent GPU (issue 13).
 #
-#   bash benchmarks/gpu_tree.sh [OUTDIR]
+#   bash benchmarks/gpu_tree.sh PART [OUTDIR]     PART = 1 | 2 (each fits one 10-minute call)
 #
 # Same set-up as benchmarks/gpu.sh (the machine's jax with CUDA; flax, orbax,
-# ml_collections and tensorboardX travel as wheels in .whl/).
+# ml_collections and tensorboardX travel as wheels in .whl/). Each benchmark runs
+# under its own time limit, so one that fails (out of memory, an unsupported
+# cuDNN mask) leaves the others' figures.
 set -u
-OUT_DIR=${1:-/tmp/gpu_bench}
+PART=${1:-1}
+OUT_DIR=${2:-/tmp/gpu_bench}
 mkdir -p "$OUT_DIR"
 if ls .whl/*.whl >/dev/null 2>&1; then
   rm -rf /tmp/site
@@ -21,17 +24,27 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
   | tee -a "$OUT_DIR/benchmarks.txt"
 
-run() {  # run NAME CMD...: time a benchmark, keep its output
-  local name=$1; shift
+run() {  # run NAME SECONDS CMD...: a benchmark under a time limit, output kept
+  local name=$1 limit=$2; shift 2
   echo "=== $name: $*"
   local t0=$SECONDS
-  "$@" 2>&1 | grep -v -E "^(W|I)[0-9]{4} |UserWarning|warnings.warn" | tee -a "$OUT_DIR/benchmarks.txt"
-  echo "=== $name took $((SECONDS - t0)) s"
+  timeout "$limit" "$@" 2>&1 | grep -v -E "^(W|I)[0-9]{4} |UserWarning|warnings.warn" \
+    | tee -a "$OUT_DIR/benchmarks.txt"
+  echo "=== $name took $((SECONDS - t0)) s (exit ${PIPESTATUS[0]})"
 }
 
-run sampler_bf16 python3 experiments/bench_sampler.py --preset=qwen2-0.5b --dtype=bfloat16 \
-  --repeats=10 --decode_chunks=1,4,8,16
-run train_bf16 python3 experiments/bench_train.py --presets=qwen2-0.5b --dtype=bfloat16 \
-  --rows=64 --peak_n=8192 --repeats=10 --packing=tree,rows --roots=4
-run rl_bf16 python3 experiments/bench_rl.py --preset=qwen2-0.5b --dtype=bfloat16 --steps=5 \
-  --long_steps=3
+Q="--dtype=bfloat16"
+if [ "$PART" = 1 ]; then
+  run sampler_bf16 150 python3 experiments/bench_sampler.py --preset=qwen2-0.5b $Q \
+    --repeats=10 --decode_chunks=1,8,16
+  run train_tree_cudnn 170 python3 experiments/bench_train.py --presets=qwen2-0.5b $Q \
+    --rows=64 --peak_n=8192 --repeats=10 --packing=tree,rows --roots=2 --tree_kl=0.05 \
+    --attention=cudnn
+  run train_tree_xla_remat 200 python3 experiments/bench_train.py --presets=qwen2-0.5b $Q \
+    --rows=64 --peak_n=8192 --repeats=5 --packing=tree,rows --roots=2 --tree_kl=0.05 --remat
+else
+  run rl_bf16 300 python3 experiments/bench_rl.py --preset=qwen2-0.5b $Q --steps=5 \
+    --workloads=grpo,agentic
+  run rl_long_bf16 240 python3 experiments/bench_rl.py --preset=qwen2-0.5b $Q \
+    --workloads=longctx --long_steps=2 ${LONG_FLAGS:---remat}
+fi

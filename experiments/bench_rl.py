@@ -71,6 +71,8 @@ _TUNIX = flags.DEFINE_string("tunix_python", None,
 _WORKLOADS = flags.DEFINE_list("workloads", ["grpo", "agentic", "longctx"],
                                 "grpo, agentic and/or longctx")
 _PACKING = flags.DEFINE_list("packing", ["tree", "rows"], "our train-batch layouts: tree, rows")
+_ATTENTION = flags.DEFINE_string("attention", "xla", "ModelConfig.attention: xla | cudnn")
+_REMAT = flags.DEFINE_bool("remat", False, "rematerialise blocks in the backward pass")
 _LONG_STEPS = flags.DEFINE_integer("long_steps", 3, "timed steps of the longctx workload")
 _STEPS = flags.DEFINE_integer("steps", 20, "our timed steps (also the compile-census run)")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "untimed first steps (compilation)")
@@ -182,7 +184,8 @@ def _fmt(x, spec):
 
 def main(argv):
   del argv
-  cfg = get_preset(_PRESET.value, dtype=_DTYPE.value)
+  cfg = get_preset(_PRESET.value, dtype=_DTYPE.value, attention=_ATTENTION.value,
+                   remat=_REMAT.value)
   ours = {}
   for w in _WORKLOADS.value:
     steps = _LONG_STEPS.value if w == "longctx" else _STEPS.value

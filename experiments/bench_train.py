@@ -49,6 +49,9 @@ _PACKING = flags.DEFINE_list("packing", [], "also time the long-context tree wor
                               "these train-batch layouts (tree, rows)")
 _SYSTEM = flags.DEFINE_integer("system", 512, "tree workload: shared system-prompt tokens")
 _ROOTS = flags.DEFINE_integer("roots", 2, "tree workload: roots (tasks) per batch")
+_ATTENTION = flags.DEFINE_string("attention", "xla", "ModelConfig.attention: xla | cudnn")
+_REMAT = flags.DEFINE_bool("remat", False, "rematerialise blocks in the backward pass")
+_KLS = flags.DEFINE_list("tree_kl", ["0", "0.05"], "tree workload: kl_coef values")
 _TREE_LEN = flags.DEFINE_integer("tree_len", 2048, "tree workload: packed row length")
 
 PROMPT, NEW = 32, 64
@@ -81,7 +84,7 @@ def batch(cfg, rows: int) -> dict:
 
 
 def time_case(preset: str, kl_coef: float, rows: int, repeats: int):
-  cfg = get_preset(preset, dtype=_DTYPE.value)
+  cfg = get_preset(preset, dtype=_DTYPE.value, attention=_ATTENTION.value, remat=_REMAT.value)
   model = create_model(cfg)
   step = TrainStep(model, LossConfig(kl_coef=kl_coef), OptimConfig(learning_rate=1e-5))
   state = step.init_state(model)
@@ -141,7 +144,7 @@ def tree_batches(cfg, roots: int, system: int, length: int) -> dict:
 
 
 def time_tree_case(preset: str, packing: str, kl_coef: float, work: dict, repeats: int):
-  cfg = get_preset(preset, dtype=_DTYPE.value)
+  cfg = get_preset(preset, dtype=_DTYPE.value, attention=_ATTENTION.value, remat=_REMAT.value)
   model = create_model(cfg)
   step = TrainStep(model, LossConfig(kl_coef=kl_coef), OptimConfig(learning_rate=1e-5))
   state = step.init_state(model)
@@ -186,7 +189,7 @@ def main(argv):
     work = tree_batches(get_preset(preset, dtype=_DTYPE.value), _ROOTS.value, _SYSTEM.value,
                         _TREE_LEN.value)
     for packing in _PACKING.value:
-      for kl in (0.0, 0.05):
+      for kl in map(float, _KLS.value):
         s, fps, compiles = time_tree_case(preset, packing, kl, work, _REPEATS.value)
         shape = "x".join(map(str, work[packing]["tokens_BxL"].shape))
         print(f"| {preset} | {packing} | {'on' if kl else 'off'} | {shape} | "

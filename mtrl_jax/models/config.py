@@ -40,8 +40,14 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype; norms, softmax and logits stay float32.
   remat: bool = False  # rematerialise each block in the backward pass.
+  # 'xla': masked einsum attention (any device); 'cudnn': cuDNN's fused flash
+  # attention through jax.nn.dot_product_attention with the boolean mask (GPU,
+  # bf16/fp16): no [L, L] scores kept for the backward pass.
+  attention: str = "xla"
 
   def __post_init__(self):
+    if self.attention not in ("xla", "cudnn"):
+      raise ValueError(f"ModelConfig.attention={self.attention!r}; allowed: ['cudnn', 'xla']")
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(

@@ -166,12 +166,17 @@ class Attention(nnx.Module):
     cfg = self.cfg
     b, l, h, dh = q_BxLxHxDh.shape
     kh = cfg.num_kv_heads
-    q = q_BxLxHxDh.reshape(b, l, kh, h // kh, dh)
-    scores = jnp.einsum("blkgd,bskd->bkgls", q, k_BxSxKxDh,
-                        preferred_element_type=jnp.float32) / math.sqrt(dh)
-    scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
-    out = jnp.einsum("bkgls,bskd->blkgd", probs, v_BxSxKxDh)
+    if cfg.attention == "cudnn":
+      out = jax.nn.dot_product_attention(
+          q_BxLxHxDh, k_BxSxKxDh.astype(q_BxLxHxDh.dtype), v_BxSxKxDh.astype(q_BxLxHxDh.dtype),
+          mask=mask_BxLxS[:, None, :, :], implementation="cudnn")
+    else:
+      q = q_BxLxHxDh.reshape(b, l, kh, h // kh, dh)
+      scores = jnp.einsum("blkgd,bskd->bkgls", q, k_BxSxKxDh,
+                          preferred_element_type=jnp.float32) / math.sqrt(dh)
+      scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, _NEG_INF)
+      probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
+      out = jnp.einsum("bkgls,bskd->blkgd", probs, v_BxSxKxDh)
     out = out.reshape(b, l, h, dh)
     y = jnp.einsum("blhe,hed->bld", out, self.o[...].astype(out.dtype))
     if cfg.o_bias:

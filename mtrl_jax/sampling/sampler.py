@@ -165,7 +165,9 @@ class Sampler:
         multiplies compile time), 8 elsewhere.
       rules: logical-axis rules for parameters while sampling.
     """
-    self.model_cfg = model_cfg
+    # Decoding attends one query at a time over a cache: the masked einsum
+    # serves every device (cuDNN's fused attention is for training forwards).
+    self.model_cfg = model_cfg = model_cfg.replace(attention="xla")
     self.batch_buckets = _check_buckets(batch_buckets, "batch_buckets")
     self.prompt_buckets = _check_buckets(prompt_buckets, "prompt_buckets")
     self.decode_buckets = _check_buckets(decode_buckets, "decode_buckets")
