@@ -190,7 +190,16 @@ def main(argv):
   for w in _WORKLOADS.value:
     steps = _LONG_STEPS.value if w == "longctx" else _STEPS.value
     for packing in _PACKING.value:
-      ours[(w, packing)] = bench_ours(cfg, w, steps, _WARMUP.value, packing)
+      try:
+        ours[(w, packing)] = o = bench_ours(cfg, w, steps, _WARMUP.value, packing)
+      except Exception as e:  # pylint: disable=broad-except
+        # e.g. out of memory: the row layout's full logits of a long-context batch
+        print(f"{w} ({packing}): failed: {str(e).splitlines()[0][:200]}", flush=True)
+        continue
+      # As it finishes, so a run cut short keeps what it measured.
+      print(f"{w} ({packing}): step {o['step']:.3f} s, train {o['train']:.3f} s, batch "
+            f"{o['shape']}, trained tokens {o['trained']:.0f}, gen tok/s {o['tok_s']:.0f}",
+            flush=True)
   tunix_workloads = [w for w in _WORKLOADS.value if w != "longctx"]
   theirs = (bench_tunix(_TUNIX.value, cfg, _TUNIX_STEPS.value, tunix_workloads)
             if _TUNIX.value and tunix_workloads else {})
@@ -207,6 +216,9 @@ def main(argv):
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for w in _WORKLOADS.value:
     for packing in _PACKING.value:
+      if (w, packing) not in ours:
+        print(f"| {w} | mtrl_jax ({packing}) | failed (see above) |")
+        continue
       o = ours[(w, packing)]
       print(f"| {w} | mtrl_jax ({packing}) | {o['completions']} | {o['step']:.3f} | "
             f"{o['generation']:.3f} | {o['environment']:.3f} | {o['packing']:.3f} | "
@@ -230,7 +242,7 @@ def main(argv):
       print(f"{w} ({packing}): step time ours/Tunix = {o['step'] / t['step_s_median']:.2f}; "
             f"generated tok/s ours/Tunix = {o['tok_s'] / t['tokens_per_s']:.2f}")
   for w in _WORKLOADS.value:
-    if "tree" in _PACKING.value and "rows" in _PACKING.value:
+    if (w, "tree") in ours and (w, "rows") in ours:
       tr, ro = ours[(w, "tree")], ours[(w, "rows")]
       print(f"{w}: rows/tree trained tokens = {ro['trained'] / tr['trained']:.2f}x; "
             f"train step rows/tree = {ro['train'] / tr['train']:.2f}x")
