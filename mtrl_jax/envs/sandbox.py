@@ -37,7 +37,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +46,11 @@ import time
 from typing import Sequence
 
 from mtrl_jax.envs.faults import InfrastructureError
+from mtrl_jax.envs.sandbox_procs import decode as _decode
+from mtrl_jax.envs.sandbox_procs import kill_all as _kill_all
+from mtrl_jax.envs.sandbox_procs import live as _live
+from mtrl_jax.envs.sandbox_procs import read as _read
+from mtrl_jax.envs.sandbox_procs import rmtree as _rmtree
 
 STATUSES = ("passed", "failed", "error", "timeout", "killed")
 ISOLATION_MODES = ("drop_uid", "drop_uid_read", "process_group")
@@ -144,74 +148,6 @@ def _allocate_uid() -> int:
   with _lock:
     n = next(_uid_counter) % 256
   return _UID_BASE + (os.getpid() % 65536) * 256 + n
-
-
-def _live(uid: int | None = None, pgid: int | None = None) -> list[tuple[int, int]]:
-  """(pid, threads) of the live processes of user `uid` or process group `pgid`."""
-  found = []
-  for name in os.listdir("/proc"):
-    if not name.isdigit():
-      continue
-    try:
-      with open(f"/proc/{name}/status", "rb") as f:
-        status = f.read()
-      field = lambda key: status.split(b"\n" + key + b":\t", 1)[1].split(b"\n", 1)[0]
-      if field(b"State")[:1] in b"ZX":
-        continue
-      if uid is not None and int(field(b"Uid").split()[0]) != uid:
-        continue
-      if pgid is not None and int(field(b"NSpgid").split()[0]) != pgid:
-        continue
-      found.append((int(name), int(field(b"Threads"))))
-    except (OSError, ValueError, IndexError):
-      continue
-  return found
-
-
-def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
-  """SIGKILLs the process group (and every process of `uid`) until none is left; reaps."""
-  deadline = time.monotonic() + 5.0
-  while True:
-    try:
-      os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-      pass
-    left = [pid for pid, _ in (_live(pgid=proc.pid) if uid is None else _live(uid=uid))]
-    if not left:
-      break
-    for pid in left:
-      try:
-        os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-    if time.monotonic() > deadline:
-      logging.warning("sandbox: processes survive SIGKILL: %s", left)
-      break
-    time.sleep(0.002)
-  proc.wait()
-
-
-def _rmtree(path: str) -> None:
-  def fix(func, p, _):
-    try:  # the program may have made its own directories unreadable
-      os.chmod(os.path.dirname(p), 0o700)
-      if os.path.isdir(p) and not os.path.islink(p):
-        os.chmod(p, 0o700)
-      func(p)
-    except OSError:
-      logging.warning("sandbox: could not remove %s", p)
-  shutil.rmtree(path, **({"onexc": fix} if sys.version_info >= (3, 12) else {"onerror": fix}))
-
-
-def _read(f, cap: int | None) -> bytes:
-  f.seek(0)
-  return f.read() if cap is None else f.read(cap)
-
-
-def _decode(f, cap: int) -> str:
-  size = os.fstat(f.fileno()).st_size
-  text = _read(f, cap).decode("utf-8", errors="replace")
-  return text + (f"\n...[truncated {size - cap} bytes]" if size > cap else "")
 
 
 def _execute(spec: dict, wall_s: float, limits: _Limits, mode: str) -> _Raw:

@@ -273,6 +273,20 @@ def test_no_writes_through_ctypes(tmp_path, attack, hook):
     assert r.error_type in ("ImportError", "PermissionError"), r
 
 
+@pytest.mark.parametrize("hook", HOOK_MODES)
+def test_no_writes_into_the_python_installation(hook):
+  # A .pth file in site-packages would run in every later interpreter, the trainer's too.
+  import site
+  target = os.path.join(site.getsitepackages()[0], f"zz_sandbox_{secrets.token_hex(4)}.pth")
+  r = sandbox.run_python(f"open({target!r}, 'w').write('import os')", 2.0,
+                         block_outside_writes=hook)
+  planted = os.path.exists(target)
+  if planted:  # never leave it behind in the shared installation
+    os.remove(target)
+  assert not r.passed and not planted, r
+  assert r.error_type in (("PermissionError",) if hook else ("PermissionError", "OSError"))
+
+
 def test_confinement_is_reported():
   assert set(CONFINED) == {"net", "files"} and all(isinstance(v, bool) for v in CONFINED.values())
   r = sandbox.run_python("import os\nprint(sorted(os.listdir('.')))\nimport numpy, hashlib", 5.0)
