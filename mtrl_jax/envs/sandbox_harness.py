@@ -148,10 +148,14 @@ def confine(spec) -> dict:
   _limit(resource.RLIMIT_FSIZE, lim["file_bytes"])
   _limit(resource.RLIMIT_NPROC, lim["nproc"])
   uid, as_root = spec["uid"], os.geteuid() == 0
-  ctypes = libc = None
-  if uid is not None or spec["namespaces"]:
+  try:
     ctypes, libc = _libc()
-  if spec["namespaces"]:
+  except (ImportError, OSError) as e:  # dropping root needs it; the namespaces can go
+    if uid is not None:
+      raise
+    ctypes = libc = None
+    done["why"].append(f"no ctypes: {type(e).__name__}: {e}")
+  if spec["namespaces"] and libc is not None:
     try:
       _unshare(ctypes, libc, as_root and uid is not None)
       done["net"] = True
@@ -167,7 +171,7 @@ def confine(spec) -> dict:
     os.setresuid(uid, uid, uid)
     if spec["read_cap"]:
       _drop_capabilities(ctypes, libc, keep=1 << 2)  # CAP_DAC_READ_SEARCH only
-  elif spec["namespaces"]:
+  elif spec["namespaces"] and libc is not None:
     _drop_capabilities(ctypes, libc)  # a user namespace's full set would undo the chroot
   if libc is not None:
     _ok(ctypes, libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
