@@ -287,6 +287,17 @@ def test_no_writes_into_the_python_installation(hook):
   assert r.error_type in (("PermissionError",) if hook else ("PermissionError", "OSError"))
 
 
+@pytest.mark.skipif(not CONFINED["files"], reason="no mount namespace here")
+def test_the_view_cannot_be_left(secrets_outside):
+  # The classic chroot break (chroot into a subdirectory, walk up, chroot '.')
+  # needs CAP_SYS_CHROOT, which no sandboxed process holds.
+  (path, home), secret = secrets_outside
+  program = ("import os\nos.mkdir('d')\nos.chroot('d')\nfor _ in range(32):\n"
+             "  os.chdir('..')\nos.chroot('.')\nprint(open({home!r}).read())").format(home=home)
+  r = sandbox.run_python(program, 2.0, block_outside_writes=False)
+  assert r.error_type == "PermissionError" and secret not in r.stdout, r
+
+
 def test_confinement_is_reported():
   assert set(CONFINED) == {"net", "files"} and all(isinstance(v, bool) for v in CONFINED.values())
   r = sandbox.run_python("import os\nprint(sorted(os.listdir('.')))\nimport numpy, hashlib", 5.0)
@@ -392,6 +403,22 @@ def test_process_group_mode_used_without_root(monkeypatch):
   assert r.status == "timeout" and _group_members(int(r.stdout.split()[0])) == []
   rs = sandbox.run_tests("def f(x):\n  return x", ["assert f(1) == 1", "assert f(1) == 2"], 1.0)
   assert [x.status for x in rs] == ["passed", "failed"]
+
+
+@pytest.mark.skipif(not (CONFINED["net"] and CONFINED["files"]), reason="no namespaces here")
+def test_process_group_mode_confines_in_a_user_namespace(monkeypatch, listener, secrets_outside):
+  # Without root the namespaces come from a new user namespace; kernel layers only.
+  monkeypatch.setattr(sandbox, "_isolation", "process_group")
+  port = listener.getsockname()[1]
+  r = sandbox.run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 1)",
+                         2.0, block_outside_writes=False)
+  assert r.status == "error" and _connections(listener) == 0, r
+  (path, home), secret = secrets_outside
+  r = sandbox.run_python(f"print(open({home!r}).read())", 2.0, block_outside_writes=False)
+  assert r.error_type == "FileNotFoundError" and secret not in r.stdout, r
+  r = sandbox.run_python("import os\nos.mkdir('d')\nos.chroot('d')", 2.0,
+                         block_outside_writes=False)
+  assert r.error_type == "PermissionError", r  # no capability left to undo the chroot
 
 
 def test_bad_arguments_name_the_field():
