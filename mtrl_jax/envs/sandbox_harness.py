@@ -205,8 +205,9 @@ def make_hook(root: str, readable: tuple):
     if path is None or isinstance(path, int):
       return
     if not inside(path, roots):
-      raise PermissionError(f"sandbox: {what} outside the working directory is blocked: "
-                            f"{path!r}")
+      where = "" if roots is writable else " and the Python installation"
+      raise PermissionError(f"sandbox: {what} outside the working directory{where} is "
+                            f"blocked: {path!r}")
 
   def hook(event, args):
     if event == "open":
@@ -224,8 +225,11 @@ def make_hook(root: str, readable: tuple):
     elif event in ("os.listdir", "os.scandir"):
       check("." if args[0] is None else args[0], readable, "listing")
     elif event == "sqlite3.connect":
-      if fsdecode(args[0]) not in (":memory:", ""):
-        check(args[0], writable, "opening a database")
+      name = fsdecode(args[0])
+      if name.startswith("file:"):  # a URI: the hook cannot resolve its path
+        raise PermissionError("sandbox: sqlite URIs are blocked")
+      if name not in (":memory:", ""):
+        check(name, writable, "opening a database")
     elif event.startswith("sqlite3.") and "load_extension" in event:
       raise PermissionError("sandbox: loading sqlite extensions is blocked")
     elif event == "socket.__new__":
