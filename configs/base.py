@@ -39,6 +39,7 @@ def get_config(arg=None):
       max_tokens=256,  # ledger tokens per trajectory (framework cap -> truncation)
       react_timeout_s=30.0,  # wall-clock limit of one react_to call
       max_retries=2,  # retries of infrastructure faults before masking
+      tool_timeout="mask",  # timed-out tool call: 'mask' the step | 'tell' the policy, go on
   )
   c.tasks = dict(
       source="calculator",  # task source: registry name or 'pkg.module:fn(split, **kw)'

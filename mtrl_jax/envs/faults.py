@@ -13,7 +13,12 @@ on who caused it (DESIGN.md invariant 7):
   infrastructure  anything that is not the policy's fault: an environment
                   bug, a crashed judge, an unknown exception. Retried, then the
                   sample is masked out of the update; never scored as reward.
-  timeout         a tool or environment call ran past its time limit.
+  timeout         a tool or environment call ran past its time limit:
+                  infrastructure too (an overloaded tool says nothing about
+                  the policy), so the step is masked. `FaultPolicy(
+                  tool_timeout='tell')` (config `env.tool_timeout`) keeps a
+                  timed-out tool call as an error turn the policy reads and
+                  the trajectory goes on, unmasked and unpenalised.
   truncation      the framework stopped the trajectory at its turn cap or
                   token budget.
 
@@ -53,6 +58,8 @@ class FaultKind(str, enum.Enum):
 
 # Model-caused kinds: the only ones a reward may penalise.
 MODEL_CAUSED = frozenset({FaultKind.MODEL_FORMAT, FaultKind.TOOL_ERROR})
+# What a timed-out tool call does to its step (`FaultPolicy.tool_timeout`).
+TOOL_TIMEOUT_MODES = ("mask", "tell")
 
 
 class EnvFault(Exception):
@@ -146,18 +153,35 @@ class FaultPolicy:
   Attributes:
     penalise: kinds counted as invalid calls for the tool-validity penalty;
       only model-caused kinds are allowed here.
-    mask: kinds that mask the sample out of the update.
+    mask: kinds that mask the sample out of the update; after construction
+      it also holds 'timeout' when `tool_timeout='mask'`.
     max_retries: retries of an environment step that failed with an
       infrastructure fault before it is masked.
+    tool_timeout: 'mask' (default): a step with a timeout fault (a tool call
+      past its `timeout_s`, or one the environment reports) is masked: never
+      rewarded, never penalised, its branch ends. 'tell': the policy reads
+      the "timed out" tool turn and the trajectory goes on, the step scored
+      as usual (no penalty: timeouts are not model-caused). A react_to call
+      past `StepLimits.react_timeout_s` is masked in both modes (the
+      environment's state is unknown).
   """
 
   penalise: frozenset = MODEL_CAUSED
   mask: frozenset = frozenset({FaultKind.INFRASTRUCTURE})
   max_retries: int = 2
+  tool_timeout: str = "mask"
 
   def __post_init__(self):
+    if self.tool_timeout not in TOOL_TIMEOUT_MODES:
+      raise ValueError(f"FaultPolicy.tool_timeout={self.tool_timeout!r} (config "
+                       f"env.tool_timeout); allowed: {list(TOOL_TIMEOUT_MODES)}")
     penalise = frozenset(FaultKind.parse(k) for k in self.penalise)
     mask = frozenset(FaultKind.parse(k) for k in self.mask)
+    if FaultKind.TIMEOUT in mask and self.tool_timeout == "tell":
+      raise ValueError("FaultPolicy.mask contains 'timeout' but tool_timeout='tell'; "
+                       "use tool_timeout='mask' to mask timeouts")
+    if self.tool_timeout == "mask":
+      mask |= {FaultKind.TIMEOUT}
     bad = penalise - MODEL_CAUSED
     if bad:
       raise ValueError(

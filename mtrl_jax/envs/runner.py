@@ -26,6 +26,11 @@ and guarantees:
     environment) are counted as invalid calls for the tool penalty;
   * a react_to that runs past `limits.react_timeout_s` is a timeout fault
     (masked, trajectory ends: the environment's state is unknown);
+  * a tool call that ran past its `timeout_s` (a timeout fault the
+    environment recorded) is infrastructure: the step is masked (reward 0,
+    row weight 0; the engine ends the branch), unless
+    `limits.faults.tool_timeout == 'tell'`: then the policy reads "timed
+    out" in the tool turn and the trajectory goes on, unpenalised;
   * the turn cap (`max_turns` policy turns) and token budget (`max_tokens`
     ledger tokens) are enforced: the trajectory ends as a truncation fault,
     graded by `env.finalize(thread)` (default: no outcome);

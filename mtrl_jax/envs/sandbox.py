@@ -1,44 +1,32 @@
-"""Run untrusted (model-written) Python in a separate, resource-limited process.
+"""Run untrusted (model-written) Python in a separate, confined process.
 
 `run_python` runs one program; `run_tests` loads code once and runs a list of
 asserts in the same process, each under its own alarm (the per-assert protocol
 of the HumanEval-style rewards). Each call starts a fresh interpreter
-(`sys.executable -s -P -B -c <harness>`) in a new session, with a fresh
-temporary working directory (deleted afterwards) and an environment built from
-scratch (PATH, LANG, HOME/TMPDIR = the working directory, PYTHONHASHSEED, ...;
-nothing of `os.environ` is inherited). `-I` is not used because it would also
-ignore our PYTHONHASHSEED; since the environment is ours, `-s -P` isolates as
-much as `-I` does.
+(`sys.executable -s -P -B -c <sandbox_harness.py>`) in a new session, with a
+fresh temporary working directory (deleted afterwards) and an environment
+built from scratch (HOME = TMPDIR = the working directory; nothing of
+`os.environ` is inherited; `-I` is not used because it would also ignore our
+PYTHONHASHSEED). The harness confines itself before the first untrusted line:
 
-Threat model, honestly: this guards a training run against *accidental* harm
-from generated code (infinite loops, fork bombs, huge allocations, stray file
-writes, early exits, reading the trainer's secrets), not against a determined
-attacker. The layers:
+* resource limits (CPU, address space, file size, core, processes) and a
+  wall-clock timer here that kills the whole process group;
+* its own network namespace (no interface up: no sockets reach anything)
+  and its own root: a tmpfs holding read-only binds of the Python
+  installation and the shared libraries, and the writable working directory
+  (nothing of $HOME, /tmp or the project is visible); as root, or in a new
+  user namespace where the kernel allows one;
+* a fresh uid per run when the caller is root (`isolation_mode`), no
+  capabilities, no_new_privs; afterwards every process of that uid is killed;
+* an audit hook: writes, reads and listings outside the working directory
+  and the Python installation, sockets, ctypes, starting programs and
+  signalling other processes raise PermissionError (ImportError for ctypes
+  and subinterpreters);
+* completion: a program passes only if the harness reaches its end and
+  writes a record carrying a random nonce: `os._exit(0)` is not a pass.
 
-* Resource limits, set by the harness before any untrusted line runs (not in a
-  `preexec_fn`, which is unsafe in the forked child of a multi-threaded
-  trainer): RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_CORE=0, RLIMIT_NPROC;
-  and a wall-clock timer that kills the whole process group.
-* Privileges. RLIMIT_NPROC counts a *user's* processes and never applies to
-  root. So when the caller is root, the harness switches to a fresh uid for
-  each run and sets `no_new_privs` (see `isolation_mode`). That really caps
-  fork bombs, makes files the sandbox does not own unwritable and hides the
-  caller's /proc/<pid>/environ; afterwards every process of that uid is
-  killed, which also catches children that left the process group with
-  setsid(). If the interpreter lives in a directory other users cannot read
-  (e.g. under /root), the run keeps CAP_DAC_READ_SEARCH so that imports work:
-  it can then *read* any file on the machine (not write). Without root, the
-  program runs as the caller's user: the cap is RLIMIT_NPROC on top of the
-  caller's task count, the cleanup a process-group kill only (a child that
-  calls setsid() escapes it) and only the audit hook guards the files.
-* An audit hook (`sys.addaudithook`) installed before the program: writes,
-  deletes, renames, permission changes outside the working directory, starting
-  other programs and signalling other processes raise PermissionError. It is
-  not a security boundary: ctypes or interpreter corruption bypass it.
-* Completion. A program passes only if the harness reaches its end and writes
-  a record carrying a random nonce to a side channel: `os._exit(0)` or
-  `sys.exit(0)` inside the program is an early exit, not a pass. Code that
-  inspects the harness on purpose could forge the record; accidents cannot.
+The threat model and the residual risks are in docs/internals.md ("The code
+sandbox"); `confinement()` says which namespaces this machine allows.
 """
 from __future__ import annotations
 
@@ -49,7 +37,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +46,11 @@ import time
 from typing import Sequence
 
 from mtrl_jax.envs.faults import InfrastructureError
+from mtrl_jax.envs.sandbox_procs import decode as _decode
+from mtrl_jax.envs.sandbox_procs import kill_all as _kill_all
+from mtrl_jax.envs.sandbox_procs import live as _live
+from mtrl_jax.envs.sandbox_procs import read as _read
+from mtrl_jax.envs.sandbox_procs import rmtree as _rmtree
 
 STATUSES = ("passed", "failed", "error", "timeout", "killed")
 ISOLATION_MODES = ("drop_uid", "drop_uid_read", "process_group")
@@ -131,172 +123,23 @@ class _Raw:
   duration_s: float
 
 
-# The child side. Runs as root (if the caller is) until it drops to `uid`.
-_HARNESS = r'''
-import json, os, resource, signal, sys, time, builtins
-spec = json.loads(sys.stdin.buffer.read())
-_fd = os.open(os.devnull, os.O_RDONLY); os.dup2(_fd, 0); os.close(_fd)
-_OUT, _NONCE, _CAP, _LIM = spec["result_fd"], spec["nonce"], spec["cap"], spec["limits"]
-# Our own references: the program shares these modules and may rebind names.
-_write, _dumps, _exit, _clock = os.write, json.dumps, os._exit, time.perf_counter
-_compile, _exec, _signal, _setitimer = compile, exec, signal.signal, signal.setitimer
+_HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")
+_harness_text: str | None = None
 
-def _emit(**rec):
-  rec["nonce"] = _NONCE
-  data = (_dumps(rec) + "\n").encode()
-  while data:
-    data = data[_write(_OUT, data):]
 
-def _limit(res, soft, hard=None):
-  hard = soft if hard is None else hard
-  top = resource.getrlimit(res)[1]
-  if top != resource.RLIM_INFINITY:
-    soft, hard = min(soft, top), min(hard, top)
-  resource.setrlimit(res, (soft, hard))
+def _harness() -> str:
+  """The child's program: `sandbox_harness.py`, read once (never imported here)."""
+  global _harness_text
+  if _harness_text is None:
+    with open(_HARNESS_PATH, encoding="utf-8") as f:
+      _harness_text = f.read()
+  return _harness_text
 
-try:
-  _limit(resource.RLIMIT_CORE, 0)
-  _limit(resource.RLIMIT_CPU, _LIM["cpu_s"], _LIM["cpu_s"] + 1)
-  _limit(resource.RLIMIT_FSIZE, _LIM["file_bytes"])
-  _limit(resource.RLIMIT_NPROC, _LIM["nproc"])
-  if spec["uid"] is not None:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    def _ok(ret, what):
-      if ret != 0:
-        raise OSError(ctypes.get_errno(), what)
-    # Without KEEPCAPS, leaving root clears every capability.
-    _ok(libc.prctl(8, int(spec["read_cap"]), 0, 0, 0), "prctl(PR_SET_KEEPCAPS)")
-    uid = spec["uid"]
-    os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
-    if spec["read_cap"]:
-      class _Hdr(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-      class _Caps(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
-      caps = (_Caps * 2)()
-      caps[0].effective = caps[0].permitted = 1 << 2  # CAP_DAC_READ_SEARCH only
-      _ok(libc.capset(ctypes.byref(_Hdr(0x20080522, 0)), caps), "capset")
-    _ok(libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
-  _limit(resource.RLIMIT_AS, _LIM["as_bytes"])
-except BaseException as e:
-  _emit(kind="infra", message=f"{type(e).__name__}: {e}")
-  os._exit(3)
-
-if spec["block_writes"]:
-  _ROOT = os.path.realpath(os.getcwd())
-  _WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-  _PATHS = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.chmod": (0,),
-            "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,), "os.chflags": (0,),
-            "os.setxattr": (0,), "os.removexattr": (0,), "os.rename": (0, 1),
-            "os.link": (0, 1), "os.symlink": (1,), "shutil.rmtree": (0,),
-            "shutil.move": (0, 1), "shutil.chown": (0,)}
-  _SPAWN = {"os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen",
-            "pty.spawn", "os.startfile", "os.forkpty"}
-  def _check(path):
-    if path is None or isinstance(path, int):
-      return
-    full = os.path.realpath(os.fsdecode(path))
-    if full != _ROOT and not full.startswith(_ROOT + os.sep) and full != os.devnull:
-      raise PermissionError(f"sandbox: writing outside the working directory is blocked: {path!r}")
-  def _hook(event, args):
-    if event == "open":
-      mode, flags = args[1], args[2]
-      if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-          isinstance(flags, int) and flags & _WRITE):
-        _check(args[0])
-    elif event in _PATHS:
-      for i in _PATHS[event]:
-        _check(args[i])
-    elif event in _SPAWN:
-      raise PermissionError("sandbox: starting other programs is blocked")
-    elif event in ("os.kill", "os.killpg"):
-      # Only the sandbox's own process group may be signalled.
-      pid, group = args[0], os.getpgid(0)
-      if event == "os.killpg":
-        ok = pid in (0, group)
-      else:
-        ok = pid in (0, os.getpid(), -group) or (pid > 0 and os.getpgid(pid) == group)
-      if not ok:
-        raise PermissionError("sandbox: signalling other processes is blocked")
-  sys.addaudithook(_hook)
-
-class _Timeout(BaseException):
-  pass
-
-def _on_alarm(signum, frame):
-  raise _Timeout()
-
-def _describe(e):
-  if isinstance(e, _Timeout):
-    return "timeout", "TimeoutException", "Code execution timed out"
-  try:
-    msg = str(e)[:_CAP]
-  except BaseException:
-    msg = "<unprintable exception>"
-  return ("failed" if isinstance(e, AssertionError) else "error"), type(e).__name__, msg
-
-_G = {"__name__": "__main__", "__builtins__": builtins}
-
-def _timed(src, name, seconds):
-  _signal(signal.SIGALRM, _on_alarm)
-  _setitimer(signal.ITIMER_REAL, seconds)
-  try:
-    _exec(_compile(src, name, "exec", dont_inherit=True), _G)
-  finally:
-    _setitimer(signal.ITIMER_REAL, 0)
-
-_emit(kind="ready")
-if spec["mode"] == "program":
-  try:
-    _exec(_compile(spec["program"], "<program>", "exec", dont_inherit=True), _G)
-    res = ("passed", None, None)
-  except BaseException as e:
-    res = _describe(e)
-    try:
-      import traceback
-      traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-    except BaseException:
-      pass
-  _emit(kind="program", status=res[0], error_type=res[1], error_message=res[2])
-else:
-  T, fail = spec["timeout_s"], None
-  try:
-    if spec["prelude"]:
-      _timed(spec["prelude"], "<prelude>", T)
-    _timed(spec["setup"], "<setup>", T)
-  except BaseException as e:
-    fail = _describe(e)
-  _emit(kind="setup", ok=fail is None)
-  timeouts = 0
-  for i, a in enumerate(spec["asserts"]):
-    t0 = _clock()
-    if fail is not None:
-      res = ("error",) + fail[1:]
-    elif timeouts >= spec["max_timeouts"]:
-      res = ("skipped", "TimeoutException", f"skipped after {timeouts} timeouts")
-    else:
-      try:
-        _timed(a, "<assert>", T)
-        res = ("passed", None, None)
-      except BaseException as e:
-        res = _describe(e)
-        timeouts += res[0] == "timeout"
-    _emit(kind="assert", i=i, status=res[0], error_type=res[1], error_message=res[2],
-          duration_s=_clock() - t0)
-for _s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-  try:
-    _s.flush()
-  except BaseException:
-    pass
-_emit(kind="end")
-_exit(0)
-'''
 
 _lock = threading.Lock()
 _uid_counter = itertools.count()
 _isolation: str | None = None
+_confined: dict = {}
 
 
 def _allocate_uid() -> int:
@@ -307,74 +150,6 @@ def _allocate_uid() -> int:
   return _UID_BASE + (os.getpid() % 65536) * 256 + n
 
 
-def _live(uid: int | None = None, pgid: int | None = None) -> list[tuple[int, int]]:
-  """(pid, threads) of the live processes of user `uid` or process group `pgid`."""
-  found = []
-  for name in os.listdir("/proc"):
-    if not name.isdigit():
-      continue
-    try:
-      with open(f"/proc/{name}/status", "rb") as f:
-        status = f.read()
-      field = lambda key: status.split(b"\n" + key + b":\t", 1)[1].split(b"\n", 1)[0]
-      if field(b"State")[:1] in b"ZX":
-        continue
-      if uid is not None and int(field(b"Uid").split()[0]) != uid:
-        continue
-      if pgid is not None and int(field(b"NSpgid").split()[0]) != pgid:
-        continue
-      found.append((int(name), int(field(b"Threads"))))
-    except (OSError, ValueError, IndexError):
-      continue
-  return found
-
-
-def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
-  """SIGKILLs the process group (and every process of `uid`) until none is left; reaps."""
-  deadline = time.monotonic() + 5.0
-  while True:
-    try:
-      os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-      pass
-    left = [pid for pid, _ in (_live(pgid=proc.pid) if uid is None else _live(uid=uid))]
-    if not left:
-      break
-    for pid in left:
-      try:
-        os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-    if time.monotonic() > deadline:
-      logging.warning("sandbox: processes survive SIGKILL: %s", left)
-      break
-    time.sleep(0.002)
-  proc.wait()
-
-
-def _rmtree(path: str) -> None:
-  def fix(func, p, _):
-    try:  # the program may have made its own directories unreadable
-      os.chmod(os.path.dirname(p), 0o700)
-      if os.path.isdir(p) and not os.path.islink(p):
-        os.chmod(p, 0o700)
-      func(p)
-    except OSError:
-      logging.warning("sandbox: could not remove %s", p)
-  shutil.rmtree(path, **({"onexc": fix} if sys.version_info >= (3, 12) else {"onerror": fix}))
-
-
-def _read(f, cap: int | None) -> bytes:
-  f.seek(0)
-  return f.read() if cap is None else f.read(cap)
-
-
-def _decode(f, cap: int) -> str:
-  size = os.fstat(f.fileno()).st_size
-  text = _read(f, cap).decode("utf-8", errors="replace")
-  return text + (f"\n...[truncated {size - cap} bytes]" if size > cap else "")
-
-
 def _execute(spec: dict, wall_s: float, limits: _Limits, mode: str) -> _Raw:
   """Runs the harness once; `mode` is one of ISOLATION_MODES."""
   uid = None if mode == "process_group" else _allocate_uid()
@@ -382,6 +157,7 @@ def _execute(spec: dict, wall_s: float, limits: _Limits, mode: str) -> _Raw:
   if uid is None and os.geteuid() != 0:
     nproc += sum(threads for _, threads in _live(uid=os.getuid()))
   workdir = tempfile.mkdtemp(prefix="mtrl_sandbox_")
+  new_root = tempfile.mkdtemp(prefix="mtrl_sandbox_root_")  # the child mounts its tmpfs here
   # Anonymous files (O_TMPFILE): the child writes through inherited fds and
   # nothing is left to delete.
   out, err, res = (tempfile.TemporaryFile() for _ in range(3))
@@ -389,7 +165,7 @@ def _execute(spec: dict, wall_s: float, limits: _Limits, mode: str) -> _Raw:
     if uid is not None:
       os.chown(workdir, uid, uid)
     spec = dict(spec, result_fd=res.fileno(), nonce=secrets.token_hex(16), uid=uid,
-                read_cap=mode == "drop_uid_read",
+                read_cap=mode == "drop_uid_read", namespaces=True, new_root=new_root,
                 cap=_MESSAGE_CAP, block_writes=limits.block_outside_writes, limits={
                     "cpu_s": limits.cpu_time_s, "nproc": nproc,
                     "as_bytes": limits.memory_mb << 20, "file_bytes": limits.max_file_mb << 20})
@@ -399,7 +175,7 @@ def _execute(spec: dict, wall_s: float, limits: _Limits, mode: str) -> _Raw:
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     flags = ["-s", "-B"] + (["-P"] if sys.version_info >= (3, 11) else [])
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, *flags, "-c", _HARNESS], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, *flags, "-c", _harness()], stdin=subprocess.PIPE,
                             stdout=out, stderr=err, cwd=workdir, env=env,
                             pass_fds=(res.fileno(),), start_new_session=True)
     # A timer thread and a blocking wait: Popen.wait(timeout) polls with
@@ -444,6 +220,20 @@ def _execute(spec: dict, wall_s: float, limits: _Limits, mode: str) -> _Raw:
     for f in (out, err, res):
       f.close()
     _rmtree(workdir)
+    os.rmdir(new_root)
+
+
+def _probe(mode: str):
+  """One trivial run in `mode`: its 'ready' record when it passed, else the failure."""
+  try:
+    raw = _execute({"mode": "program", "program": "import decimal, fractions"}, 10.0,
+                   _Limits(512, 8, 5, 1, 4096, True), mode)
+  except OSError as e:
+    return e
+  kinds = {r.get("kind"): r for r in raw.records}
+  if kinds.get("program", {}).get("status") != "passed":
+    return SandboxError(f"probe in mode {mode!r} failed: {raw.records} {raw.stderr[-500:]}")
+  return kinds["ready"]
 
 
 def isolation_mode() -> str:
@@ -451,33 +241,39 @@ def isolation_mode() -> str:
 
   'drop_uid': root, a fresh uid per run, no capabilities; 'drop_uid_read':
   the same but keeping CAP_DAC_READ_SEARCH because the interpreter's files are
-  not readable by other users (the sandbox can then read, not write, any
-  file); 'process_group': not root (or the drop failed; logged), the caller's
-  user with RLIMIT_NPROC on top of its task count and a process-group kill.
+  not readable by the run's uid even inside its own root (it can then read,
+  not write, any file it can name); 'process_group': not root (or the drop
+  failed; logged), the caller's user with RLIMIT_NPROC on top of its task
+  count and a process-group kill. `confinement()` says which namespaces work.
   """
-  global _isolation
+  global _isolation, _confined
   with _lock:
     if _isolation is not None:
       return _isolation
-  mode = "process_group"
-  if os.geteuid() == 0:
-    probe = _Limits(512, 8, 5, 1, 4096, True)
-    for candidate in ("drop_uid", "drop_uid_read"):
-      try:
-        raw = _execute({"mode": "program", "program": "import decimal, fractions"}, 10.0,
-                       probe, candidate)
-      except OSError as e:
-        raw = e
-      if not isinstance(raw, Exception) and any(
-          r.get("kind") == "program" and r["status"] == "passed" for r in raw.records):
-        mode = candidate
-        break
-    else:
-      logging.warning("sandbox: cannot drop root privileges (%s); untrusted code runs as "
-                      "root and RLIMIT_NPROC does not apply", raw)
+  mode, ready = "process_group", None
+  candidates = ("drop_uid", "drop_uid_read", "process_group") if os.geteuid() == 0 else (
+      "process_group",)
+  for candidate in candidates:
+    ready = _probe(candidate)
+    if not isinstance(ready, Exception):
+      mode = candidate
+      break
+    if candidate != "process_group":
+      logging.warning("sandbox: cannot drop root privileges in mode %s (%s)", candidate, ready)
+  if isinstance(ready, Exception):
+    raise SandboxError(f"the sandbox cannot run a trivial program: {ready}")
+  if not (ready["net"] and ready["files"]):
+    logging.warning("sandbox: no network/mount namespace here (%s): network, reads and ctypes "
+                    "are guarded by the audit hook only", "; ".join(ready["why"]))
   with _lock:
-    _isolation = mode
+    _isolation, _confined = mode, {"net": ready["net"], "files": ready["files"]}
   return mode
+
+
+def confinement() -> dict:
+  """{'net': own network namespace, 'files': own root (chroot)}, as the probe found."""
+  isolation_mode()
+  return dict(_confined)
 
 
 def _make_limits(timeout_s, memory_mb, max_processes, cpu_time_s, max_file_mb,
@@ -514,11 +310,14 @@ def _abnormal_end(raw: _Raw, limits: _Limits, wall_s: float) -> tuple[str, str, 
 
 
 def _check_started(raw: _Raw) -> None:
-  kinds = {r.get("kind") for r in raw.records}
-  if "ready" not in kinds:
+  ready = [r for r in raw.records if r.get("kind") == "ready"]
+  if not ready:
     infra = [r.get("message") for r in raw.records if r.get("kind") == "infra"]
     raise SandboxError(f"the sandbox did not start (returncode {raw.returncode}, "
                        f"timed_out {raw.timed_out}): {infra or raw.stderr[-1000:]}")
+  lost = [k for k, v in _confined.items() if v and not ready[0].get(k)]
+  if lost:  # worked at the probe, failed now (e.g. out of namespaces): not the program's fault
+    raise SandboxError(f"the sandbox lost its {'/'.join(lost)} isolation: {ready[0]['why']}")
 
 
 def run_python(program: str, timeout_s: float, *, memory_mb: int = 1024,
@@ -536,7 +335,8 @@ def run_python(program: str, timeout_s: float, *, memory_mb: int = 1024,
     cpu_time_s: CPU-seconds limit; default ceil(timeout_s) + 1.
     max_file_mb: largest file it may write (RLIMIT_FSIZE), stdout included.
     max_output_bytes: stdout/stderr are truncated to this many bytes.
-    block_outside_writes: install the audit hook (see module docstring).
+    block_outside_writes: install the audit hook (see module docstring); off, only
+      the kernel layers (namespaces, uid, limits) guard the machine.
 
   Returns:
     A SandboxResult; `.passed` only if the program ran to its end.

@@ -18,8 +18,10 @@ Invalid calls (malformed JSON, unknown tool, wrong or missing arguments, a
 `ToolError` raised by the tool) become an error tool turn the policy can
 recover from and a penalisable fault. A tool that raises anything else is an
 infrastructure fault (retried `max_retries` times, then the sample is masked);
-a tool that runs past its timeout is a timeout fault. Each call runs in its
-own daemon worker thread so a hung tool cannot block the rollout.
+a tool that runs past its timeout is a timeout fault: infrastructure, so the
+step is masked by default (`FaultPolicy.tool_timeout`, config
+`env.tool_timeout='tell'` shows the policy the error turn instead). Each call
+runs in a pooled daemon worker thread so a hung tool cannot block the rollout.
 """
 
 from __future__ import annotations

@@ -164,7 +164,8 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
                           grad_clip_norm=c.optim.grad_clip_norm)
   limits = StepLimits(max_turns=c.env.max_turns, max_tokens=c.env.max_tokens,
                       react_timeout_s=c.env.react_timeout_s,
-                      faults=FaultPolicy(max_retries=c.env.max_retries))
+                      faults=FaultPolicy(max_retries=c.env.max_retries,
+                                         tool_timeout=c.env.tool_timeout))
   if limits.max_tokens and limits.max_tokens + sampling.max_new_tokens > max(buckets):
     raise ValueError(f"config env.max_tokens={limits.max_tokens} + sampling.max_new_tokens="
                      f"{sampling.max_new_tokens} exceeds the largest rl.length_buckets "

@@ -5,8 +5,9 @@ import time
 
 import pytest
 
-from mtrl_jax.envs import (Fault, FaultCounter, FaultKind, FaultTimeoutError, InfrastructureError,
-                           ModelFormatError, ToolError, call_with_timeout, classify)
+from mtrl_jax.envs import (Fault, FaultCounter, FaultKind, FaultPolicy, FaultTimeoutError,
+                           InfrastructureError, ModelFormatError, ToolError, call_with_timeout,
+                           classify)
 from mtrl_jax.text import ToolCallError, parse_tool_calls
 
 
@@ -42,6 +43,20 @@ def test_fault_record_and_counter():
   assert a.count() == 0
   with pytest.raises(ValueError, match="fault kind 'bug'; allowed: \\['model_format'"):
     Fault("bug", "x", "y")
+
+
+def test_fault_policy_timeouts_are_infrastructure_unless_told():
+  default = FaultPolicy()
+  assert default.tool_timeout == "mask"
+  assert default.mask == {FaultKind.INFRASTRUCTURE, FaultKind.TIMEOUT}
+  assert FaultKind.TIMEOUT not in default.penalise  # masked, never penalised
+  tell = FaultPolicy(tool_timeout="tell")
+  assert tell.mask == {FaultKind.INFRASTRUCTURE} and tell.penalise == default.penalise
+  assert FaultPolicy(mask={"infrastructure", "timeout"}) == default
+  with pytest.raises(ValueError, match=r"tool_timeout='wait'.*allowed: \['mask', 'tell'\]"):
+    FaultPolicy(tool_timeout="wait")
+  with pytest.raises(ValueError, match="mask contains 'timeout' but tool_timeout='tell'"):
+    FaultPolicy(mask={"infrastructure", "timeout"}, tool_timeout="tell")
 
 
 def test_call_with_timeout():

@@ -8,12 +8,17 @@ takes through `step_environment`.
 import json
 import threading
 
+import jax
+import numpy as np
 import pytest
 
 from mtrl_jax.envs import (Environment, FaultCounter, FaultKind, FaultPolicy, InfrastructureError,
                            ModelFormatError, StepLimits, Thread, ToolError, ToolSet, Turn,
                            resolve_factory, rollout_scripted, step_environment, tool)
 from mtrl_jax.graders import Grade, RewardConfig
+from mtrl_jax.rollout import TreeConfig, expand_tree
+from mtrl_jax.rollout.env_transition import EnvTransition
+from mtrl_jax.rollout.tree import Completion
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 
 REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.01, tool_penalty=-0.1,
@@ -154,21 +159,96 @@ def test_tool_infrastructure_fault_masks_but_continues():
   assert not outs[1].masked and outs[1].reward.outcome == 1.0
 
 
-def test_tool_timeout_is_counted_not_penalised():
-  release = threading.Event()
+@pytest.fixture
+def slow_tool():
+  """A tool that sleeps past its 0.05 s timeout (woken when the test ends)."""
+  wake = threading.Event()
 
   @tool(timeout_s=0.05)
   def slow() -> str:
     """Slow."""
-    release.wait(5)
+    wake.wait(5)
     return "x"
 
-  outs, _ = rollout_scripted(_ToolEnv(ToolSet([slow])), [call("slow"), "done"],
+  yield slow
+  wake.set()
+
+
+def test_tool_timeout_masks_the_step_by_default(slow_tool):
+  assert FaultKind.TIMEOUT in FaultPolicy().mask
+  outs, _ = rollout_scripted(_ToolEnv(ToolSet([slow_tool])), [call("slow"), "done"],
                              reward_cfg=REWARD)
-  release.set()
-  assert [f.kind for f in outs[0].faults] == [FaultKind.TIMEOUT]
-  assert outs[0].invalid_calls == 0 and not outs[0].masked and not outs[0].done
-  assert "timed out" in outs[0].next_thread.turns[-1].content
+  first = outs[0]
+  assert [f.kind for f in first.faults] == [FaultKind.TIMEOUT]
+  assert first.faults[0].source == "tool:slow"
+  # Infrastructure: neither rewarded (no step penalty, no shaping) nor penalised.
+  assert first.masked and first.invalid_calls == 0
+  assert first.reward.total == 0.0 and first.reward.step == 0.0
+  assert not outs[1].masked and outs[1].reward.outcome == 1.0
+
+
+def test_tool_timeout_tell_mode_shows_the_policy_and_goes_on(slow_tool):
+  limits = StepLimits(faults=FaultPolicy(tool_timeout="tell"))
+  outs, seen = rollout_scripted(_ToolEnv(ToolSet([slow_tool])), [call("slow"), "done"], limits,
+                                reward_cfg=REWARD)
+  first = outs[0]
+  assert [f.kind for f in first.faults] == [FaultKind.TIMEOUT]
+  assert not first.masked and not first.done and first.invalid_calls == 0
+  assert first.reward.total == pytest.approx(-0.01)  # the step penalty only
+  assert "timed out" in first.next_thread.turns[-1].content
+  assert "timed out" in seen[1].turns[-2].content  # the policy read it
+  assert outs[1].done and outs[1].reward.outcome == 1.0
+
+
+class _ScriptedPolicy:
+  """Sample g of every prompt says texts[g] (then the stop id)."""
+
+  def __init__(self, renderer, texts):
+    self.renderer, self.texts = renderer, texts
+
+  def sample(self, prompts, agent_ids, num_generations, key):
+    stop = self.renderer.fmt.stop_ids[0]
+    out = []
+    for _ in prompts:
+      comps = []
+      for g in range(num_generations):
+        ids = np.asarray(self.renderer.tokenizer.encode(self.texts[g]) + [stop], np.int32)
+        comps.append(Completion(ids, np.full(len(ids), -0.5, np.float32), "stop"))
+      out.append(comps)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["mask", "tell"])
+def test_tool_timeout_in_the_tree_engine(renderer, slow_tool, mode):
+  # Sample 0 calls the slow tool, sample 1 answers at once.
+  limits = StepLimits(max_turns=4, faults=FaultPolicy(tool_timeout=mode))
+  transition = EnvTransition(renderer, limits=limits, reward_cfg=REWARD)
+  root = transition.root_state(_ToolEnv(ToolSet([slow_tool])))
+  policy = _ScriptedPolicy(renderer, [call("slow"), "done"])
+  tree = expand_tree(TreeConfig(num_turns=2, num_generations=2), policy, transition, [root],
+                     jax.random.key(0))
+  node = tree.nodes[0]
+  assert [f["kind"] for f in node.infos[0]["faults"]] == ["timeout"]
+  assert node.infos[0]["masked"] == (mode == "mask")
+  if mode == "mask":  # no reward, no child, weight 0, out of the baseline
+    assert not node.valid_B[0] and node.children_B[0] < 0 and node.rewards_B[0] == 0.0
+    assert node.weight_NxG[0, 0] == 0.0 and node.advantages_NxG[0, 1] == 0.0
+  else:  # the branch goes on: the policy saw "timed out" and answered
+    assert node.valid_B[0] and node.children_B[0] >= 0
+    assert node.rewards_B[0] == pytest.approx(-0.01)
+    assert "timed out" in renderer.tokenizer.decode(tree.nodes[node.children_B[0]].prompts[0])
+
+
+def test_tool_timeout_config_switch():
+  from configs import calculator as calc_config
+  from mtrl_jax.train import experiment
+  c = calc_config.get_config("smoke=True")
+  assert experiment.build(c).limits.faults.tool_timeout == "mask"
+  c.env.tool_timeout = "tell"
+  assert FaultKind.TIMEOUT not in experiment.build(c).limits.faults.mask
+  c.env.tool_timeout = "ignore"
+  with pytest.raises(ValueError, match=r"env.tool_timeout.*allowed: \['mask', 'tell'\]"):
+    experiment.build(c)
 
 
 def test_react_timeout_masks_and_ends():

@@ -1,5 +1,7 @@
 """Sandbox tests with hostile programs: none may hang, crash the caller or leak."""
 import os
+import secrets
+import socket
 import time
 
 import pytest
@@ -7,6 +9,10 @@ import pytest
 from mtrl_jax.envs import sandbox
 
 DROP = sandbox.isolation_mode() in ("drop_uid", "drop_uid_read")
+CONFINED = sandbox.confinement()
+# The kernel layers alone (audit hook off), where this machine has them.
+HOOK_MODES = [True] + [pytest.param(False, marks=pytest.mark.skipif(
+    not (CONFINED["net"] and CONFINED["files"]), reason="no network/mount namespaces here"))]
 
 
 def _alive(pid: int) -> bool:
@@ -154,12 +160,148 @@ def test_writes_outside_the_working_directory_are_blocked(tmp_path, attack):
   assert keep.read_text() == "precious"
 
 
-@pytest.mark.skipif(not DROP, reason="needs root: the sandbox runs under its own uid")
-def test_file_permissions_block_writes_even_without_the_audit_hook(tmp_path):
+@pytest.mark.skipif(not (DROP or CONFINED["files"]), reason="needs its own uid or root")
+def test_writes_are_blocked_even_without_the_audit_hook(tmp_path):
   target = tmp_path / "pwned.txt"
   r = sandbox.run_python(f"open({str(target)!r}, 'w').write('x')", 2.0,
                          block_outside_writes=False)
-  assert r.error_type == "PermissionError" and not target.exists()
+  # Not in the sandbox's root (FileNotFoundError), or not its file (PermissionError).
+  assert r.error_type in ("FileNotFoundError", "PermissionError") and not target.exists()
+
+
+# ------------------------------------------------------------------ escapes
+# Each escape is tried with the audit hook (the default) and, where the
+# machine has the namespaces, without it: the kernel layers must hold alone.
+
+@pytest.fixture
+def listener():
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen(8)
+  server.setblocking(False)
+  yield server
+  server.close()
+
+
+def _connections(server) -> int:
+  n = 0
+  while True:
+    try:
+      conn, _ = server.accept()
+    except BlockingIOError:
+      return n
+    conn.close()
+    n += 1
+
+
+@pytest.mark.parametrize("hook", HOOK_MODES)
+@pytest.mark.parametrize("attack", [
+    "import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+    "s.sendall(b'leak')",
+    "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', "
+    "('127.0.0.1', {port}))\nimport urllib.request\n"
+    "urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=1)",
+    "import asyncio\nasync def go():\n  await asyncio.open_connection('127.0.0.1', {port})\n"
+    "asyncio.run(go())",
+])
+def test_no_network(listener, attack, hook):
+  program = attack.format(port=listener.getsockname()[1])
+  r = sandbox.run_python(program, 2.0, block_outside_writes=hook)
+  assert not r.passed and r.status == "error", r
+  assert _connections(listener) == 0  # the loopback server saw nothing
+  if hook:
+    assert r.error_type == "PermissionError" and "network" in r.error_message
+
+
+@pytest.fixture
+def secrets_outside(tmp_path):
+  """A secret in a directory of this test, and one under the caller's $HOME."""
+  token = secrets.token_hex(8)
+  mine = tmp_path / "secret.txt"
+  mine.write_text(f"SECRET-{token}")
+  mine.chmod(0o644)  # even world-readable
+  home = os.path.join(os.path.expanduser("~"), f".mtrl_sandbox_secret_{token}")
+  with open(home, "w") as f:
+    f.write(f"SECRET-{token}")
+  yield [str(mine), home], f"SECRET-{token}"
+  os.remove(home)
+
+
+@pytest.mark.parametrize("hook", HOOK_MODES)
+@pytest.mark.parametrize("attack", [
+    "print(open({path!r}).read())",
+    "import os\nprint(os.read(os.open({path!r}, os.O_RDONLY), 100))",
+    "import os\nprint(os.listdir(os.path.dirname({path!r})))",
+    "import shutil\nshutil.copy({path!r}, 'copy.txt')\nprint(open('copy.txt').read())",
+    # Patching what the hook might use must not help: it holds its own references.
+    "import os, posixpath\nos.path.realpath = posixpath.realpath = lambda p: os.getcwd()\n"
+    "print(open({path!r}).read())",
+])
+def test_no_reads_outside_the_working_directory(secrets_outside, attack, hook):
+  paths, secret = secrets_outside
+  for path in paths:
+    r = sandbox.run_python(attack.format(path=path), 2.0, block_outside_writes=hook)
+    assert secret not in r.stdout + r.stderr and os.path.basename(path) not in r.stdout
+    # Without the hook a listing succeeds, of the sandbox's own (empty) view.
+    assert hook is False and "listdir" in attack or (not r.passed and r.status == "error"), r
+    if hook:
+      assert r.error_type == "PermissionError", r
+
+
+@pytest.mark.parametrize("hook", HOOK_MODES)
+@pytest.mark.parametrize("attack", [
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "fd = libc.open({target!r}.encode(), 0o101, 0o644)\n"
+    "assert fd >= 0, ctypes.get_errno()\nlibc.write(fd, b'pwned', 5)",
+    "import ctypes\nlibc = ctypes.CDLL('libc.so.6')\nlibc.fopen.restype = ctypes.c_void_p\n"
+    "f = libc.fopen({target!r}.encode(), b'w')\nassert f, 'fopen failed'\n"
+    "libc.fputs(b'pwned', ctypes.c_void_p(f))\nlibc.fclose(ctypes.c_void_p(f))",
+    # Loaded past the import machinery's audit event ('import').
+    "import sys, importlib.util as u\nfor name in ('_ctypes', 'ctypes'):\n"
+    "  spec = u.find_spec(name)\n  sys.modules[name] = m = u.module_from_spec(spec)\n"
+    "  spec.loader.exec_module(m)\nlibc = m.CDLL(None)\n"
+    "assert libc.open({target!r}.encode(), 0o101, 0o644) >= 0",
+])
+def test_no_writes_through_ctypes(tmp_path, attack, hook):
+  outside = tmp_path / "open"
+  outside.mkdir()
+  outside.chmod(0o777)  # writable by any uid: only the sandbox stands in the way
+  target = outside / "pwned.txt"
+  r = sandbox.run_python(attack.format(target=str(target)), 2.0, block_outside_writes=hook)
+  assert not r.passed and not target.exists(), r
+  if hook:
+    assert r.error_type in ("ImportError", "PermissionError"), r
+
+
+@pytest.mark.parametrize("hook", HOOK_MODES)
+def test_no_writes_into_the_python_installation(hook):
+  # A .pth file in site-packages would run in every later interpreter, the trainer's too.
+  import site
+  target = os.path.join(site.getsitepackages()[0], f"zz_sandbox_{secrets.token_hex(4)}.pth")
+  r = sandbox.run_python(f"open({target!r}, 'w').write('import os')", 2.0,
+                         block_outside_writes=hook)
+  planted = os.path.exists(target)
+  if planted:  # never leave it behind in the shared installation
+    os.remove(target)
+  assert not r.passed and not planted, r
+  assert r.error_type in (("PermissionError",) if hook else ("PermissionError", "OSError"))
+
+
+@pytest.mark.skipif(not CONFINED["files"], reason="no mount namespace here")
+def test_the_view_cannot_be_left(secrets_outside):
+  # The classic chroot break (chroot into a subdirectory, walk up, chroot '.')
+  # needs CAP_SYS_CHROOT, which no sandboxed process holds.
+  (path, home), secret = secrets_outside
+  program = ("import os\nos.mkdir('d')\nos.chroot('d')\nfor _ in range(32):\n"
+             "  os.chdir('..')\nos.chroot('.')\nprint(open({home!r}).read())").format(home=home)
+  r = sandbox.run_python(program, 2.0, block_outside_writes=False)
+  assert r.error_type == "PermissionError" and secret not in r.stdout, r
+
+
+def test_confinement_is_reported():
+  assert set(CONFINED) == {"net", "files"} and all(isinstance(v, bool) for v in CONFINED.values())
+  r = sandbox.run_python("import os\nprint(sorted(os.listdir('.')))\nimport numpy, hashlib", 5.0)
+  assert r.passed and r.stdout == "[]\n", r  # a fresh, empty working directory; imports work
 
 
 def test_working_directory_is_private_and_removed():
@@ -261,6 +403,22 @@ def test_process_group_mode_used_without_root(monkeypatch):
   assert r.status == "timeout" and _group_members(int(r.stdout.split()[0])) == []
   rs = sandbox.run_tests("def f(x):\n  return x", ["assert f(1) == 1", "assert f(1) == 2"], 1.0)
   assert [x.status for x in rs] == ["passed", "failed"]
+
+
+@pytest.mark.skipif(not (CONFINED["net"] and CONFINED["files"]), reason="no namespaces here")
+def test_process_group_mode_confines_in_a_user_namespace(monkeypatch, listener, secrets_outside):
+  # Without root the namespaces come from a new user namespace; kernel layers only.
+  monkeypatch.setattr(sandbox, "_isolation", "process_group")
+  port = listener.getsockname()[1]
+  r = sandbox.run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 1)",
+                         2.0, block_outside_writes=False)
+  assert r.status == "error" and _connections(listener) == 0, r
+  (path, home), secret = secrets_outside
+  r = sandbox.run_python(f"print(open({home!r}).read())", 2.0, block_outside_writes=False)
+  assert r.error_type == "FileNotFoundError" and secret not in r.stdout, r
+  r = sandbox.run_python("import os\nos.mkdir('d')\nos.chroot('d')", 2.0,
+                         block_outside_writes=False)
+  assert r.error_type == "PermissionError", r  # no capability left to undo the chroot
 
 
 def test_bad_arguments_name_the_field():
