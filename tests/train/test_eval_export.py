@@ -1,0 +1,112 @@
+"""experiments/eval.py and experiments/export.py on a tiny finished run (calculator smoke config)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import calculator as calc_config
+from mtrl_jax import text
+from mtrl_jax.train import experiment, rl, saved
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EVAL_KEYS = ("success", "outcome", "return", "turns", "masked")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  """A finished 2-step run: checkpoints at steps 0, 1, 2; best kept at its held-out evals."""
+  workdir = str(tmp_path_factory.mktemp("run"))
+  c = calc_config.get_config("smoke=True")
+  c.rl.steps = 2
+  rl.run(c, workdir, progress=False)
+  return workdir
+
+
+def _entry(script, *flags):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *flags],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_config_json_rebuilds_the_same_experiment(run_dir):
+  c = calc_config.get_config("smoke=True")
+  c.rl.steps = 2
+  assert experiment.validate(saved.load_config(run_dir)) == experiment.validate(c)
+
+
+def test_eval_reproduces_the_runs_final_evaluation(run_dir, tmp_path):
+  out = _entry("eval.py", f"--workdir={run_dir}", "--checkpoint=latest", "--samples=3",
+               f"--json={tmp_path / 'rows.json'}")
+  assert out.returncode == 0, out.stderr
+  rows = json.loads((tmp_path / "rows.json").read_text())
+  final = _rows(run_dir)[-1]
+  assert final["step"] == 2
+  greedy, sampled = rows
+  assert (greedy["mode"], greedy["checkpoint"], greedy["tasks"]) == ("greedy", "latest (step 2)", 4)
+  # The same policy, tasks and greedy rollout as the run's own held-out eval at step 2.
+  assert {k: greedy[k] for k in EVAL_KEYS} == pytest.approx(
+      {k: final[f"eval/greedy/{k}"] for k in EVAL_KEYS}, abs=1e-9)
+  assert (sampled["mode"], sampled["attempts"]) == ("sampled", 3)
+  assert sampled["success"] <= sampled["pass@3"] <= min(1.0, 3 * sampled["success"])
+  table = out.stdout.strip().splitlines()
+  assert table[0].startswith("| checkpoint | mode |") and "pass@3" in table[0]
+  assert len(table) == 4 and table[2].startswith("| latest (step 2) | greedy | 4 | 1 |")
+
+
+def test_eval_and_export_refuse_bad_checkpoints_in_one_line(run_dir, tmp_path):
+  for script, flags, needle in (
+      ("eval.py", [f"--workdir={run_dir}", "--checkpoint=7"], "--checkpoint=7"),
+      ("eval.py", [f"--workdir={run_dir}", "--checkpoint=newest"], "--checkpoint='newest'"),
+      ("export.py", [f"--workdir={tmp_path / 'none'}", f"--out={tmp_path / 'hf'}"],
+       "has no config.json")):
+    out = _entry(script, *flags)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert needle in [l for l in out.stderr.splitlines() if l.strip()][-1], out.stderr
+  assert not (tmp_path / "hf").exists()
+
+
+def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  out_dir = tmp_path / "hf"
+  out = _entry("export.py", f"--workdir={run_dir}", f"--out={out_dir}")
+  assert out.returncode == 0, out.stderr
+  assert "byte-level tokenizer" in out.stdout and "no tokenizer.json" in out.stdout
+  files = set(os.listdir(out_dir))
+  assert {"config.json", "model.safetensors", saved.BYTE_TOKENIZER_FILE} <= files
+  assert "tokenizer.json" not in files
+
+  policy = saved.load_policy(run_dir, "best")
+  # The best checkpoint's parameters are those of the step it was kept at.
+  at_step = saved.load_policy(run_dir, policy.step)
+  for a, b in zip(jax.tree.leaves(policy.params), jax.tree.leaves(at_step.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(
+      str(out_dir), attn_implementation="eager").eval()
+  tokens = np.random.RandomState(0).randint(0, policy.exp.model.vocab_size, (3, 12))
+  ours = np.asarray(policy.model(jnp.asarray(tokens, jnp.int32)))
+  with torch.no_grad():
+    theirs = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+  hf_cfg = json.loads((out_dir / "config.json").read_text())
+  assert (hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (policy.tokenizer.eos_id,
+                                                              policy.tokenizer.pad_id)
+  # The byte tokenizer's description rebuilds the run's tokenizer exactly.
+  desc = json.loads((out_dir / saved.BYTE_TOKENIZER_FILE).read_text())
+  rebuilt = text.ByteTokenizer(specials=desc["special_tokens"])
+  sample = "<answer>12</answer> héllo"
+  assert rebuilt.encode(sample) == policy.tokenizer.encode(sample)
+  assert rebuilt.vocab_size == desc["vocab_size"] == hf_cfg["vocab_size"]
+
