@@ -1,4 +1,4 @@
-"""Every bad config is refused before compute, in one line naming the field (DESIGN.md invariant 8)."""
+"""Every bad config is refused before compute in one line naming the field (invariant 8)."""
 
 import os
 import subprocess

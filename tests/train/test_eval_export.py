@@ -1,4 +1,4 @@
-"""experiments/eval.py and experiments/export.py on a tiny finished run (calculator smoke config)."""
+"""experiments/eval.py and experiments/export.py on a tiny finished run (calculator smoke)."""
 
 import json
 import os
