@@ -287,6 +287,11 @@ def check_environment(exp: Experiment):
   n = getattr(env, "num_agents", 1)
   if hasattr(env, "close"):
     env.close()
+  declared = getattr(factory, "num_agents", None)
+  if declared is not None and declared != n:
+    raise ValueError(f"config env.factory={exp.env_factory!r}: the factory declares "
+                     f"num_agents={declared} but its environments have {n}; allowed: equal "
+                     "counts (fix the factory)")
   if n != exp.tree.num_agents:
     raise ValueError(f"config tree.num_agents={exp.tree.num_agents}; the environments of "
                      f"env.factory={exp.env_factory!r} have {n} agent(s); allowed: {n}")

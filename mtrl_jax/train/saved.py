@@ -93,6 +93,10 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
   """
   which = parse_checkpoint(which)
   exp = exp_lib.validate(load_config(workdir))
+  if not any(os.path.isdir(os.path.join(workdir, d))
+             for d in (checkpoint.CKPT_DIR, checkpoint.BEST_DIR)):
+    raise exp_lib.ConfigError(f"--workdir={workdir!r} has no checkpoints; allowed: the workdir "
+                              "of a run that saved one (ckpt/ or best/)")
   mesh = sharding.make_mesh(exp.mesh.shape(jax.device_count()))
   tokenizer, renderer = exp_lib.make_tokenizer(exp)
   exp = exp_lib.fit_vocab(exp, tokenizer)

@@ -9,6 +9,7 @@ import pytest
 from configs import calculator as calc_config
 from configs import coop as coop_config
 from configs import humaneval as humaneval_config
+from mtrl_jax.envs import Environment, EnvironmentFactory
 from mtrl_jax.train import experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,6 +77,23 @@ def test_good_configs_and_raw_single_sample_pass():
   # `build` keeps raising plain ValueErrors (ConfigError is one) for library callers.
   with pytest.raises(ValueError, match="model.dtype"):
     experiment.build(_config("calculator", {"model.dtype": "int8"}))
+
+
+class _MiscountingFactory(EnvironmentFactory):
+  """Declares two agents but creates one-agent environments."""
+
+  num_agents = 2
+
+  def create_environment(self, metadata):
+    return Environment(metadata)
+
+
+def test_factory_agent_count_must_match_its_environments():
+  assert EnvironmentFactory.num_agents is None  # undeclared by default
+  c = _config("calculator", {"env.factory": f"{__name__}:_MiscountingFactory"})
+  with pytest.raises(experiment.ConfigError, match="declares num_agents=2 but its "
+                                                   "environments have 1"):
+    experiment.validate(c)
 
 
 def _flag(key, value):

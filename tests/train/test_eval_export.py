@@ -65,15 +65,21 @@ def test_eval_reproduces_the_runs_final_evaluation(run_dir, tmp_path):
 
 
 def test_eval_and_export_refuse_bad_checkpoints_in_one_line(run_dir, tmp_path):
+  (tmp_path / "fresh").mkdir()  # a run that wrote its config and died before a checkpoint
+  (tmp_path / "fresh" / "config.json").write_text(
+      (open(os.path.join(run_dir, "config.json")).read()))
   for script, flags, needle in (
       ("eval.py", [f"--workdir={run_dir}", "--checkpoint=7"], "--checkpoint=7"),
       ("eval.py", [f"--workdir={run_dir}", "--checkpoint=newest"], "--checkpoint='newest'"),
       ("export.py", [f"--workdir={tmp_path / 'none'}", f"--out={tmp_path / 'hf'}"],
-       "has no config.json")):
+       "has no config.json"),
+      ("export.py", [f"--workdir={tmp_path / 'fresh'}", f"--out={tmp_path / 'hf'}"],
+       "has no checkpoints")):
     out = _entry(script, *flags)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert needle in [l for l in out.stderr.splitlines() if l.strip()][-1], out.stderr
   assert not (tmp_path / "hf").exists()
+  assert os.listdir(tmp_path / "fresh") == ["config.json"]  # nothing created there
 
 
 def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path):
