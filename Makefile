@@ -3,18 +3,21 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install install-test clean
+# Pinned: every install takes the exact versions of constraints.txt (setup.py keeps ranges).
+PIN := -c constraints.txt
+
+.PHONY: demo test install install-test constraints clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python setup.py
-	$(BIN)/pip install -q -e .
+$(VENV)/.installed: $(BIN)/python setup.py constraints.txt
+	$(BIN)/pip install -q -e . $(PIN)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test]" $(PIN)
 	touch $@
 
 install: $(VENV)/.installed
@@ -25,6 +28,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n auto -q tests
+
+# Re-pins to the venv's versions (after `pip install -U -e ".[test]"` and a passing make test).
+constraints:
+	{ grep '^#' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v -i '^mtrl[_-]jax' \
+	  | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -3,7 +3,9 @@
   python experiments/train.py --config=configs/calculator.py --workdir=runs/calc \
       --config.loss.algorithm=gspo --config.tree.num_generations=8
 
-Resumes automatically when --workdir holds a checkpoint.
+Resumes automatically when --workdir holds a checkpoint. A config that cannot
+run is refused before any model is built or file written, with one line naming
+the field, its value and what is allowed (exit status 1, no traceback).
 """
 
 import json
@@ -15,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mtrl_jax.train import rl
+from mtrl_jax.train import experiment, rl
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (created; resumed if present)")
@@ -24,7 +26,12 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; allowed: flags only")
+  try:
+    experiment.validate(_CONFIG.value)
+  except experiment.ConfigError as e:
+    raise app.UsageError(str(e)) from None
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   summary = rl.run(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
   print(json.dumps({k: summary[k] for k in ("workdir", "best", "compiles") if k in summary},

@@ -298,9 +298,13 @@ class EnvironmentFactory:
     outcome_range: (lowest, highest) score of the final grades its
       environments return; the start-up reward-dominance check compares step
       and tool penalties with this gap (`graders.check_reward_dominance`).
+    num_agents: agents of the environments it creates, when the factory
+      knows it (None: not declared). Config validation builds one environment
+      and compares its `num_agents` with `tree.num_agents` (and with this).
   """
 
   outcome_range: tuple[float, float] = (0.0, 1.0)
+  num_agents: Optional[int] = None
 
   def create_environment(self, metadata: Mapping) -> Environment:
     raise NotImplementedError(f"{type(self).__name__} must implement create_environment")

@@ -45,8 +45,31 @@ def fault_counts(tree) -> dict[str, float]:
   return {k: float(v) for k, v in sorted(counts.items())}
 
 
+# Reward components of a step record (`StepOutcome.to_dict()["reward"]`), logged per action.
+REWARD_PARTS = ("outcome", "step_penalty", "tool_penalty", "shaping")
+
+
+def reward_metrics(tree) -> dict[str, float]:
+  """Mean reward components per valid joint action: `reward/outcome`, `reward/step_penalty`,
+  `reward/tool_penalty`, `reward/shaping` (weighted as composed; an action's sub-steps
+  summed, so the four add up to the mean action reward). Shows whether the outcome
+  dominates the penalties and shaping; {} when no action carries a reward record."""
+  per_part = {k: [] for k in REWARD_PARTS}
+  for node in tree.nodes:
+    for b, info in enumerate(node.infos or []):
+      if node.valid_B is not None and not node.valid_B[b]:
+        continue  # masked (infrastructure fault): not trained on
+      records = [s["reward"] for s in _step_infos(info) if "reward" in s]
+      if records:
+        for k in REWARD_PARTS:
+          per_part[k].append(sum(float(r.get(k, 0.0)) for r in records))
+  if not per_part["outcome"]:
+    return {}
+  return {f"reward/{k}": float(np.mean(v)) for k, v in per_part.items()}
+
+
 def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
-  """Training-rollout statistics: success of ended actions, returns, faults."""
+  """Training-rollout statistics: success of ended actions, returns, reward components, faults."""
   ended, success = 0, 0
   for node in tree.nodes:
     for info in node.infos or []:
@@ -58,7 +81,7 @@ def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
   out = {"rollout/success": success / max(ended, 1),
          "rollout/return": float(np.mean([n.returns_B[n.valid_B].mean() for n in roots
                                           if n.valid_B.any()] or [np.nan])),
-         **fault_counts(tree)}
+         **reward_metrics(tree), **fault_counts(tree)}
   return out
 
 
@@ -82,8 +105,15 @@ def path_results(tree) -> list[dict]:
 
 
 def evaluate(sampler, params, renderer, transition, factory, tasks: Sequence[dict], exp, *,
-             greedy: bool, key) -> dict[str, float]:
-  """Single-path rollouts of `tasks`; mean success, outcome, return and turns."""
+             greedy: bool, key, samples: int = 1) -> dict[str, float]:
+  """Single-path rollouts of `tasks`; mean success, outcome, return and turns.
+
+  `samples` > 1 rolls each task that many times (independent attempts; use
+  greedy=False) and adds `pass@{samples}`: the fraction of tasks that any of
+  their attempts solved. The means are over all attempts.
+  """
+  if samples < 1:
+    raise ValueError(f"evaluate samples={samples}; allowed: an int >= 1")
   tree_cfg = dataclasses.replace(exp.tree, num_generations=1, termination_threshold=None,
                                  advantage_mode="mean", advantage_std_norm=False)
   sampling = dataclasses.replace(exp.sampling, greedy=greedy)
@@ -91,12 +121,17 @@ def evaluate(sampler, params, renderer, transition, factory, tasks: Sequence[dic
     sampling = dataclasses.replace(sampling, temperature=1.0, top_p=1.0, top_k=0)
   policy = SamplerPolicy(sampler, params, sampling, stop_ids=renderer.fmt.stop_ids,
                          pad_id=renderer.tokenizer.pad_id)
-  roots = transition.root_states(factory, tasks)
+  roots = transition.root_states(factory, [t for t in tasks for _ in range(samples)])
   tree = expand_tree(tree_cfg, policy, transition, roots, key)
   res = path_results(tree)
   thr = exp.run.success_threshold
-  return {"success": float(np.mean([r["ended"] and r["outcome"] > thr for r in res])),
-          "outcome": float(np.mean([r["outcome"] for r in res])),
-          "return": float(np.mean([r["return"] for r in res])),
-          "turns": float(np.mean([r["turns"] for r in res])),
-          "masked": float(np.mean([r["masked"] for r in res]))}
+  solved = [r["ended"] and r["outcome"] > thr for r in res]
+  out = {"success": float(np.mean(solved)),
+         "outcome": float(np.mean([r["outcome"] for r in res])),
+         "return": float(np.mean([r["return"] for r in res])),
+         "turns": float(np.mean([r["turns"] for r in res])),
+         "masked": float(np.mean([r["masked"] for r in res]))}
+  if samples > 1:
+    out[f"pass@{samples}"] = float(np.mean([any(solved[i:i + samples])
+                                            for i in range(0, len(solved), samples)]))
+  return out

@@ -123,6 +123,7 @@ def _fields(cd, cls, **extra):
 def build(config: ml_collections.ConfigDict) -> Experiment:
   """Validates `config` and returns the frozen experiment description."""
   c = config
+  check_fields(c)
   if c.model.path:
     model = ModelConfig.from_hf_json(c.model.path)
   else:
@@ -183,7 +184,123 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   # Size the tree before launch: a config that cannot fit fails here.
   plan_tree(tree, run.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
             max_new_tokens=sampling.max_new_tokens, max_generations=c.rl.max_generations)
+  check_imports(exp)
+  check_environment(exp)
   return exp
+
+
+# ------------------------------------------------------------------ validation
+# Modes whose baseline comes from siblings: with one sibling every advantage is 0.
+_SIBLING_BASELINES = ("mean", "max", "rloo")
+_MODEL_DTYPES = ("", "float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A config that cannot run; the message is one line naming the field, the
+  value and what is allowed (entry points print it without a traceback)."""
+
+
+def validate(config: ml_collections.ConfigDict) -> Experiment:
+  """`build`, with every refusal raised as a one-line `ConfigError`.
+
+  Entry points call this before building a model or writing a file.
+  """
+  try:
+    return build(config)
+  except ConfigError:
+    raise
+  except (ValueError, TypeError, LookupError, OSError) as e:
+    raise ConfigError(" ".join(str(e).split())) from e
+
+
+def check_fields(c: ml_collections.ConfigDict):
+  """Single-field and cross-field checks that need nothing but the config."""
+  if c.model.dtype not in _MODEL_DTYPES:
+    raise ValueError(f"config model.dtype={c.model.dtype!r}; allowed: {list(_MODEL_DTYPES)} "
+                     "('' keeps the preset's / checkpoint's dtype)")
+  if c.model.path and not os.path.isfile(os.path.join(c.model.path, "config.json")):
+    raise ValueError(f"config model.path={c.model.path!r} has no config.json; allowed: a local "
+                     "HF-format checkpoint directory, or '' for model.preset")
+  if c.tree.num_generations == 1 and c.tree.advantage_mode in _SIBLING_BASELINES:
+    raise ValueError(f"config tree.num_generations=1 with tree.advantage_mode="
+                     f"{c.tree.advantage_mode!r}: a sibling baseline of one sample makes every "
+                     f"advantage 0; allowed: num_generations >= 2, or advantage_mode='raw'")
+
+
+class _Resolving:
+  """Turns an error while resolving user code into one `ValueError` naming the field.
+
+  `what` is the field and its value ("env.factory='x'"); `allowed` is added
+  unless the underlying message already lists what is allowed.
+  """
+
+  def __init__(self, what: str, allowed: str):
+    self.what, self.allowed = what, allowed
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, err, tb):
+    if kind is None or not issubclass(kind, (ValueError, TypeError, ImportError,
+                                              AttributeError, LookupError, OSError)):
+      return False
+    msg = str(err) if kind is ValueError else f"{kind.__name__}: {err}"
+    if "allowed" not in msg and "registered" not in msg:
+      msg += f"; allowed: {self.allowed}"
+    raise ValueError(f"config {self.what}: {msg}") from err
+
+
+def check_imports(exp: Experiment):
+  """Resolves the import paths the run will call later (SFT data, tokenizer specials)."""
+  if exp.run.sft_conversations:
+    with _Resolving(f"sft.conversations={exp.run.sft_conversations!r}",
+                    "'pkg.module:fn' with fn(task) -> [(role, content), ...]"):
+      fn = import_object(exp.run.sft_conversations, "sft.conversations")
+      if not callable(fn):
+        raise TypeError(f"{fn!r} is not callable")
+  if exp.tokenizer_kind == "byte" and exp.extra_specials:
+    with _Resolving(f"tokenizer.extra_specials={exp.extra_specials!r}",
+                    "'pkg.module:NAME' naming a tuple of strings"):
+      specials = import_object(exp.extra_specials, "tokenizer.extra_specials")
+      if isinstance(specials, str) or not all(isinstance(x, str) for x in specials):
+        raise TypeError(f"{specials!r} is not a tuple of strings")
+
+
+def check_environment(exp: Experiment):
+  """Builds the factory (and the graders or experts its kwargs name), both task
+  splits and one environment from the first train task; its agent count must
+  equal `tree.num_agents`.
+
+  Runs before any model is built, so a wrong factory, task source or agent
+  count fails in one line instead of at the first rollout after SFT.
+  """
+  with _Resolving(f"env.factory={exp.env_factory!r} (env.kwargs={dict(exp.env_kwargs)})",
+                  "a registered name or 'pkg.module:Factory' taking env.kwargs"):
+    factory = resolve_factory(exp.env_factory, **dict(exp.env_kwargs))
+  sources = {}
+  for field, split in (("tasks.train_split", exp.train_split),
+                       ("tasks.eval_split", exp.eval_split)):
+    with _Resolving(f"tasks.source={exp.task_source!r} with {field}={split!r}",
+                    "a registered name or 'pkg.module:fn(split, **tasks.kwargs)' "
+                    "serving that split"):
+      sources[field] = make_task_source(exp, split)
+      if len(sources[field]) == 0:
+        raise ValueError("the split has no tasks")
+  task = dict(sources["tasks.train_split"][0], task_index=0)
+  with _Resolving(f"env.factory={exp.env_factory!r} on the first task of tasks.source="
+                  f"{exp.task_source!r}", "a factory whose environments take these tasks"):
+    env = factory.create_environment(task)
+  n = getattr(env, "num_agents", 1)
+  if hasattr(env, "close"):
+    env.close()
+  declared = getattr(factory, "num_agents", None)
+  if declared is not None and declared != n:
+    raise ValueError(f"config env.factory={exp.env_factory!r}: the factory declares "
+                     f"num_agents={declared} but its environments have {n}; allowed: equal "
+                     "counts (fix the factory)")
+  if n != exp.tree.num_agents:
+    raise ValueError(f"config tree.num_agents={exp.tree.num_agents}; the environments of "
+                     f"env.factory={exp.env_factory!r} have {n} agent(s); allowed: {n}")
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:

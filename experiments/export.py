@@ -1,0 +1,54 @@
+"""Exports a trained policy as a Hugging Face directory that `transformers` loads.
+
+  python experiments/export.py --workdir=runs/calc --out=runs/calc/hf            # best checkpoint
+  python experiments/export.py --workdir=runs/calc --out=/tmp/hf --checkpoint=latest
+
+  # then, with torch and transformers installed:
+  transformers.AutoModelForCausalLM.from_pretrained("runs/calc/hf")
+
+The run is rebuilt from --workdir/config.json and --checkpoint ('best', 'latest'
+or a saved step) restored. --out gets config.json and model.safetensors (split
+into shards above 4 GiB), the tokenizer files of an HF-tokenizer run
+(tokenizer.json, tokenizer_config.json, ... as found in model.path), and
+mtrl_export.json (which run and step). A byte-tokenizer run (the tiny
+from-scratch models) has no HF tokenizer: mtrl_byte_tokenizer.json describes
+it instead, and the command says so. Logits equal ours (tests/train/
+test_eval_export.py checks them against transformers within 1e-4).
+"""
+
+import json
+import os
+
+from absl import app, flags, logging
+
+from mtrl_jax.train import experiment, saved
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "the training run's directory")
+_OUT = flags.DEFINE_string("out", None, "output directory (created)")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "best", "'best' | 'latest' | a step number")
+flags.mark_flags_as_required(["workdir", "out"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; allowed: flags only")
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every restore at INFO
+  out = os.path.abspath(_OUT.value)
+  try:
+    if os.path.exists(out) and not os.path.isdir(out):
+      raise experiment.ConfigError(f"--out={_OUT.value!r} is a file; allowed: a directory")
+    if os.path.abspath(_WORKDIR.value) == out:
+      raise experiment.ConfigError(f"--out={_OUT.value!r} is the workdir; allowed: another "
+                                   "directory (a subdirectory is fine)")
+    policy = saved.load_policy(_WORKDIR.value, _CHECKPOINT.value)
+  except experiment.ConfigError as e:
+    raise app.UsageError(str(e)) from None
+  info = saved.export_policy(policy, out)
+  print(f"exported {policy.label} of {policy.workdir} to {info['out']}: "
+        f"{', '.join(['config.json'] + info['weights'] + info['tokenizer'])}")
+  print(info["note"])
+  print(json.dumps({"out": info["out"], "step": policy.step}))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,233 @@
+"""A saved run's policy: rebuilt from `workdir/config.json` and one of its checkpoints.
+
+What `experiments/eval.py` and `experiments/export.py` do, as library calls:
+
+  policy = load_policy(workdir, "best")        # or "latest", or a step number
+  rows = evaluate_policy(policy, num_tasks=100, samples=4)
+  print(markdown_table(rows))
+  export_policy(policy, out_dir)               # a Hugging Face directory
+
+The run is rebuilt exactly as `train.rl` built it (same validation, tokenizer,
+vocabulary fit and train-step state), so a checkpoint restores onto the same
+pytree; only its parameters are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any, Union
+
+import jax
+import ml_collections
+from flax import nnx
+
+from mtrl_jax import checkpoint, sharding
+from mtrl_jax.rollout.env_transition import EnvTransition
+from mtrl_jax.sampling import Sampler
+from mtrl_jax.train import evaluate as eval_lib
+from mtrl_jax.train import experiment as exp_lib
+from mtrl_jax.train.step import PolicyObjective, TrainStep
+
+# Files of an HF tokenizer copied next to the exported weights when the run has them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+# What a byte-tokenizer run writes instead (transformers has no byte tokenizer).
+BYTE_TOKENIZER_FILE = "mtrl_byte_tokenizer.json"
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a run saved as `workdir/config.json`."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise exp_lib.ConfigError(f"--workdir={workdir!r} has no config.json; allowed: the "
+                              "workdir of an experiments/train.py run")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def parse_checkpoint(value: Union[str, int]) -> Union[str, int]:
+  """'best' | 'latest' | a step number (int >= 0)."""
+  text = str(value).strip()
+  if text in ("best", "latest"):
+    return text
+  if text.isdigit():
+    return int(text)
+  raise exp_lib.ConfigError(f"--checkpoint={value!r}; allowed: 'best', 'latest' or a step "
+                            "number")
+
+
+@dataclasses.dataclass
+class SavedPolicy:
+  """A run's policy at one checkpoint, with what it needs to act and to be exported."""
+
+  workdir: str
+  exp: exp_lib.Experiment
+  mesh: Any
+  tokenizer: Any
+  renderer: Any
+  model: Any  # the Transformer, its parameters replaced by the checkpoint's
+  step: int
+  checkpoint: str  # 'best' | 'latest' | 'step'
+
+  @property
+  def params(self):
+    return nnx.state(self.model, nnx.Param)
+
+  @property
+  def label(self) -> str:
+    return f"{self.checkpoint} (step {self.step})"
+
+
+def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
+  """Rebuilds the run of `workdir` and restores the parameters of checkpoint `which`.
+
+  Args:
+    workdir: a training run's directory (config.json plus ckpt/ and best/).
+    which: 'best' (kept by held-out success), 'latest', or a saved step.
+  Raises:
+    ConfigError (one line) for a missing config or checkpoint; the config
+    itself is validated as at the start of training.
+  """
+  which = parse_checkpoint(which)
+  exp = exp_lib.validate(load_config(workdir))
+  if not any(os.path.isdir(os.path.join(workdir, d))
+             for d in (checkpoint.CKPT_DIR, checkpoint.BEST_DIR)):
+    raise exp_lib.ConfigError(f"--workdir={workdir!r} has no checkpoints; allowed: the workdir "
+                              "of a run that saved one (ckpt/ or best/)")
+  mesh = sharding.make_mesh(exp.mesh.shape(jax.device_count()))
+  tokenizer, renderer = exp_lib.make_tokenizer(exp)
+  exp = exp_lib.fit_vocab(exp, tokenizer)
+  ckpt = checkpoint.Checkpointer(workdir, keep=exp.run.ckpt_keep, async_save=False)
+  try:
+    steps = ckpt.all_steps()
+    best = ckpt.best()
+    if which == "best" and best is None:
+      raise exp_lib.ConfigError(f"--checkpoint=best: {workdir} has no best checkpoint; "
+                                f"allowed: 'latest' or a saved step {steps}")
+    if (which == "latest" and not steps) or (isinstance(which, int) and which not in steps):
+      raise exp_lib.ConfigError(f"--checkpoint={which}: not saved under {workdir}/ckpt; "
+                                f"allowed: 'best', 'latest' or a saved step {steps}")
+    model = exp_lib.make_model(exp, mesh)
+    objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature)
+    train_step = TrainStep(model, objective, exp.optim, mesh=mesh, step_cfg=exp.step)
+    if which == "best":
+      state, _ = ckpt.restore_best(train_step.abstract_state())
+      step = best["step"]
+    else:
+      # The latest-N checkpoints hold {"train": state, "ref": params when kl_coef > 0}.
+      target = {"train": train_step.abstract_state()}
+      if exp.loss.kl_coef > 0:
+        target["ref"] = train_step.abstract_state().params
+      step = steps[-1] if which == "latest" else which
+      restored, _ = ckpt.restore(target, step=step)
+      state = restored["train"]
+  finally:
+    ckpt.close()
+  nnx.update(model, state.params)
+  kind = "step" if isinstance(which, int) else which
+  return SavedPolicy(os.path.abspath(workdir), exp, mesh, tokenizer, renderer, model, int(step),
+                     kind)
+
+
+def evaluate_policy(policy: SavedPolicy, *, num_tasks: int = 0, samples: int = 1,
+                    greedy: bool = True, seed: int = 0) -> list[dict]:
+  """Held-out rollouts of the policy, as `train.rl` evaluates during training.
+
+  Args:
+    policy: from `load_policy`.
+    num_tasks: the first K tasks of the eval split (0: the run's eval.num_tasks).
+    samples: k sampled (temperature 1) attempts per task; k > 1 adds pass@k,
+      the fraction of tasks that any of their k attempts solved.
+    greedy: also a greedy single-path evaluation.
+    seed: the sampling key.
+  Returns:
+    One row per mode: {'checkpoint', 'mode', 'tasks', 'attempts', 'success',
+    'outcome', 'return', 'turns', 'masked'[, 'pass@k']}.
+  """
+  exp = policy.exp
+  if num_tasks < 0 or samples < 1:
+    raise exp_lib.ConfigError(f"--num_tasks={num_tasks}, --samples={samples}; allowed: "
+                              "num_tasks >= 0 (0: the run's eval.num_tasks), samples >= 1")
+  source = exp_lib.make_task_source(exp, exp.eval_split)
+  k = min(num_tasks or exp.run.eval_num_tasks, len(source))
+  tasks = [dict(source[i], task_index=i) for i in range(k)]
+  factory = exp_lib.make_factory(exp)
+  transition = EnvTransition(policy.renderer, exp.tree.num_agents, limits=exp.limits,
+                             reward_cfg=exp.reward)
+  sampler = Sampler(exp.model, mesh=policy.mesh)
+  modes = ([("greedy", True, 1)] if greedy else []) + (
+      [("sampled", False, samples)] if samples > 1 or not greedy else [])
+  rows = []
+  for mode, is_greedy, attempts in modes:
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), len(rows))
+    res = eval_lib.evaluate(sampler, policy.params, policy.renderer, transition, factory, tasks,
+                            exp, greedy=is_greedy, key=key, samples=attempts)
+    rows.append({"checkpoint": policy.label, "mode": mode, "tasks": len(tasks),
+                 "attempts": attempts, **res})
+  return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+  """The rows of `evaluate_policy` as a markdown table (pass@k only where measured)."""
+  cols = ["checkpoint", "mode", "tasks", "attempts", "success", "outcome", "return", "turns"]
+  cols += sorted({c for r in rows for c in r if c.startswith("pass@")})
+
+  def cell(v):
+    if v is None:
+      return "-"
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def export_policy(policy: SavedPolicy, out_dir: str) -> dict:
+  """Writes the policy as a Hugging Face directory `transformers` can load.
+
+  config.json + model.safetensors (sharded above 4 GiB) from
+  `models.loading.save_pretrained`; for an HF-tokenizer run its tokenizer
+  files (`TOKENIZER_FILES` found in model.path). A byte-tokenizer run has no
+  HF tokenizer: `mtrl_byte_tokenizer.json` describes it instead (rebuild it
+  with `mtrl_jax.text.ByteTokenizer(specials=...)`).
+
+  Returns:
+    {'out': dir, 'weights': [files], 'tokenizer': [files], 'note': str}.
+  """
+  from mtrl_jax.models import loading
+  weights = loading.save_pretrained(policy.model, out_dir)  # every process gathers
+  exp, tok = policy.exp, policy.tokenizer
+  if jax.process_index() != 0:
+    return {"out": os.path.abspath(out_dir), "weights": weights, "tokenizer": [], "note": ""}
+  # The special ids generation needs (config.json from ModelConfig has none).
+  with open(os.path.join(out_dir, "config.json")) as f:
+    hf = json.load(f)
+  hf.update({k: v for k, v in (("pad_token_id", tok.pad_id), ("eos_token_id", tok.eos_id),
+                               ("bos_token_id", getattr(tok, "bos_id", None))) if v is not None})
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2)
+  if exp.tokenizer_kind == "hf":
+    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(exp.model_path, f))]
+    for f in copied:
+      shutil.copyfile(os.path.join(exp.model_path, f), os.path.join(out_dir, f))
+    note = f"tokenizer files copied from {exp.model_path}"
+  else:
+    desc = {"kind": "byte", "num_bytes": 256, "vocab_size": tok.vocab_size,
+            "special_tokens": list(tok.special_tokens),
+            "special_ids": {s: 256 + i for i, s in enumerate(tok.special_tokens)},
+            "pad_id": tok.pad_id, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
+            "chat_format": exp.chat_format,
+            "how_to_load": "mtrl_jax.text.ByteTokenizer(specials=special_tokens): ids 0-255 "
+                           "are UTF-8 bytes, special tokens follow in this order"}
+    with open(os.path.join(out_dir, BYTE_TOKENIZER_FILE), "w") as f:
+      json.dump(desc, f, indent=2)
+    copied = [BYTE_TOKENIZER_FILE]
+    note = ("byte-level tokenizer: transformers has no tokenizer for it, so no tokenizer.json "
+            f"was written; {BYTE_TOKENIZER_FILE} describes it")
+  with open(os.path.join(out_dir, "mtrl_export.json"), "w") as f:
+    json.dump({"workdir": policy.workdir, "checkpoint": policy.checkpoint, "step": policy.step},
+              f, indent=2)
+  return {"out": os.path.abspath(out_dir), "weights": weights, "tokenizer": copied, "note": note}

@@ -1,0 +1,160 @@
+"""experiments/eval.py and experiments/export.py on a tiny finished run (calculator smoke)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import calculator as calc_config
+from mtrl_jax import text
+from mtrl_jax.train import experiment, rl, saved
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EVAL_KEYS = ("success", "outcome", "return", "turns", "masked")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  """A finished 2-step run: checkpoints at steps 0, 1, 2; best kept at its held-out evals."""
+  workdir = str(tmp_path_factory.mktemp("run"))
+  c = calc_config.get_config("smoke=True")
+  c.rl.steps = 2
+  rl.run(c, workdir, progress=False)
+  return workdir
+
+
+def _entry(script, *flags):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *flags],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_config_json_rebuilds_the_same_experiment(run_dir):
+  c = calc_config.get_config("smoke=True")
+  c.rl.steps = 2
+  assert experiment.validate(saved.load_config(run_dir)) == experiment.validate(c)
+
+
+def test_eval_reproduces_the_runs_final_evaluation(run_dir, tmp_path):
+  out = _entry("eval.py", f"--workdir={run_dir}", "--checkpoint=latest", "--samples=3",
+               f"--json={tmp_path / 'rows.json'}")
+  assert out.returncode == 0, out.stderr
+  rows = json.loads((tmp_path / "rows.json").read_text())
+  final = _rows(run_dir)[-1]
+  assert final["step"] == 2
+  greedy, sampled = rows
+  assert (greedy["mode"], greedy["checkpoint"], greedy["tasks"]) == ("greedy", "latest (step 2)", 4)
+  # The same policy, tasks and greedy rollout as the run's own held-out eval at step 2.
+  assert {k: greedy[k] for k in EVAL_KEYS} == pytest.approx(
+      {k: final[f"eval/greedy/{k}"] for k in EVAL_KEYS}, abs=1e-9)
+  assert (sampled["mode"], sampled["attempts"]) == ("sampled", 3)
+  assert sampled["success"] <= sampled["pass@3"] <= min(1.0, 3 * sampled["success"])
+  table = out.stdout.strip().splitlines()
+  assert table[0].startswith("| checkpoint | mode |") and "pass@3" in table[0]
+  assert len(table) == 4 and table[2].startswith("| latest (step 2) | greedy | 4 | 1 |")
+
+
+def test_eval_and_export_refuse_bad_checkpoints_in_one_line(run_dir, tmp_path):
+  (tmp_path / "fresh").mkdir()  # a run that wrote its config and died before a checkpoint
+  (tmp_path / "fresh" / "config.json").write_text(
+      (open(os.path.join(run_dir, "config.json")).read()))
+  for script, flags, needle in (
+      ("eval.py", [f"--workdir={run_dir}", "--checkpoint=7"], "--checkpoint=7"),
+      ("eval.py", [f"--workdir={run_dir}", "--checkpoint=newest"], "--checkpoint='newest'"),
+      ("export.py", [f"--workdir={tmp_path / 'none'}", f"--out={tmp_path / 'hf'}"],
+       "has no config.json"),
+      ("export.py", [f"--workdir={tmp_path / 'fresh'}", f"--out={tmp_path / 'hf'}"],
+       "has no checkpoints")):
+    out = _entry(script, *flags)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert needle in [l for l in out.stderr.splitlines() if l.strip()][-1], out.stderr
+  assert not (tmp_path / "hf").exists()
+  assert os.listdir(tmp_path / "fresh") == ["config.json"]  # nothing created there
+
+
+def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  out_dir = tmp_path / "hf"
+  out = _entry("export.py", f"--workdir={run_dir}", f"--out={out_dir}")
+  assert out.returncode == 0, out.stderr
+  assert "byte-level tokenizer" in out.stdout and "no tokenizer.json" in out.stdout
+  files = set(os.listdir(out_dir))
+  assert {"config.json", "model.safetensors", saved.BYTE_TOKENIZER_FILE} <= files
+  assert "tokenizer.json" not in files
+
+  policy = saved.load_policy(run_dir, "best")
+  # The best checkpoint's parameters are those of the step it was kept at.
+  at_step = saved.load_policy(run_dir, policy.step)
+  for a, b in zip(jax.tree.leaves(policy.params), jax.tree.leaves(at_step.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(
+      str(out_dir), attn_implementation="eager").eval()
+  tokens = np.random.RandomState(0).randint(0, policy.exp.model.vocab_size, (3, 12))
+  ours = np.asarray(policy.model(jnp.asarray(tokens, jnp.int32)))
+  with torch.no_grad():
+    theirs = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+  hf_cfg = json.loads((out_dir / "config.json").read_text())
+  assert (hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (policy.tokenizer.eos_id,
+                                                              policy.tokenizer.pad_id)
+  # The byte tokenizer's description rebuilds the run's tokenizer exactly.
+  desc = json.loads((out_dir / saved.BYTE_TOKENIZER_FILE).read_text())
+  rebuilt = text.ByteTokenizer(specials=desc["special_tokens"])
+  sample = "<answer>12</answer> héllo"
+  assert rebuilt.encode(sample) == policy.tokenizer.encode(sample)
+  assert rebuilt.vocab_size == desc["vocab_size"] == hf_cfg["vocab_size"]
+
+
+
+def test_export_of_an_hf_tokenizer_run_copies_its_tokenizer(tmp_path):
+  transformers = pytest.importorskip("transformers")
+  from tokenizers import AddedToken, Tokenizer, decoders, models as tok_models
+  from tokenizers import pre_tokenizers, trainers
+  from mtrl_jax import models
+  from mtrl_jax.models import loading
+  src = tmp_path / "base"
+  src.mkdir()
+  raw = Tokenizer(tok_models.BPE())
+  raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  raw.decoder = decoders.ByteLevel()
+  raw.train_from_iterator(["what is 12 + 30? call the calculator tool", "the answer is 42"] * 4,
+                          trainer=trainers.BpeTrainer(
+                              vocab_size=300, special_tokens=["<|endoftext|>"],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                              show_progress=False))
+  raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                          for t in ("<|im_start|>", "<|im_end|>")])
+  raw.save(str(src / "tokenizer.json"))
+  (src / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+       "tokenizer_class": "PreTrainedTokenizerFast"}))
+  loading.save_pretrained(models.create_model(models.get_preset("tiny", vocab_size=320)),
+                          str(src))
+  c = calc_config.get_config("smoke=True")
+  c.model.path, c.tokenizer.kind, c.tokenizer.chat_format = str(src), "hf", "chatml"
+  c.tokenizer.extra_specials, c.sft.steps = "", 0
+  exp = experiment.validate(c)
+  tok, renderer = experiment.make_tokenizer(exp)
+  policy = saved.SavedPolicy(str(tmp_path), exp, None, tok, renderer,
+                             experiment.make_model(exp, None), step=0, checkpoint="latest")
+  info = saved.export_policy(policy, str(tmp_path / "hf"))
+  assert info["tokenizer"] == ["tokenizer.json", "tokenizer_config.json"]
+  for name in info["tokenizer"]:
+    assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes()
+  hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert (hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (tok.eos_id, tok.pad_id)
+  theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  sample = "<|im_start|>user\nwhat is 12 + 30?<|im_end|>"
+  assert theirs(sample)["input_ids"] == tok.encode(sample)
