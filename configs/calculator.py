@@ -18,7 +18,7 @@ def get_config(arg=None):
   a = parse_arg(arg, smoke=False, short=False)
   c = base.get_config()
   c.model.preset = "small"
-  c.tokenizer.extra_specials = "mtrl_jax.envs.tasks.calculator:EXTRA_SPECIALS"
+  c.tokenizer.extra_specials = "mtrl_jax.tasks.calculator:EXTRA_SPECIALS"
   c.tokenizer.chat_format = "compact"
   c.env.factory = "calculator"
   c.env.max_turns = 8  # two user turns x (tool call + answer), with slack
@@ -40,7 +40,7 @@ def get_config(arg=None):
   c.sft.check_every = 5
   c.sft.batch_size = 32
   c.sft.num_examples = 4000
-  c.sft.conversations = "mtrl_jax.envs.tasks.calculator:golden_conversation"
+  c.sft.conversations = "mtrl_jax.tasks.calculator:golden_conversation"
   c.sft.learning_rate = 3e-3
   c.rl.steps = 150  # success plateaus near 0.7 by here (docs/ablations.md)
   c.rl.roots_per_step = 32

@@ -5,7 +5,7 @@
       --config.env.kwargs.show_partner=False     # ablation: no partner answer in turn 2
   python experiments/train.py --config=configs/coop.py:smoke=True --workdir=/tmp/coop_smoke
 
-The `coop` task (mtrl_jax/envs/tasks/coop.py): agent 0 sees "A:x", agent 1
+The `coop` task (mtrl_jax/tasks/coop.py): agent 0 sees "A:x", agent 1
 "B:y"; both must answer x‖y; turn 2 shows each agent its partner's turn-1
 answer. A 2-layer byte-level policy (`small` preset, shared by both agents,
 which the role letter tells apart) is warmed up on golden episodes of both
@@ -55,7 +55,7 @@ def get_config(arg=None):
   c.sft.steps = 150
   c.sft.batch_size = 32
   c.sft.num_examples = 4000  # golden episodes, agent = task index parity
-  c.sft.conversations = "mtrl_jax.envs.tasks.coop:golden_conversation"
+  c.sft.conversations = "mtrl_jax.tasks.coop:golden_conversation"
   c.sft.learning_rate = 3e-3
   c.rl.steps = 150
   c.rl.roots_per_step = 16

@@ -37,7 +37,7 @@ from absl import app, flags
 
 from configs import calculator as calculator_config
 from mtrl_jax.envs import rollout_scripted
-from mtrl_jax.envs.tasks import calculator
+from mtrl_jax.tasks import calculator
 from mtrl_jax.train import experiment as exp_lib
 
 _TASKS = flags.DEFINE_integer("tasks", 300, "golden episodes per timed pass")

@@ -8,7 +8,7 @@ import pytest
 
 from mtrl_jax.envs import (Environment, EnvironmentFactory, SharedResource, Thread, ToolSet, Turn,
                            register_env_factory, registered_env_factories, resolve_factory, tool)
-from mtrl_jax.envs.examples.weather import WeatherEnv, WeatherFactory
+from mtrl_jax.tasks.weather import WeatherEnv, WeatherFactory
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 
 

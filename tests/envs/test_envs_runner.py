@@ -13,7 +13,8 @@ import pytest
 from mtrl_jax.envs import (Environment, FaultCounter, FaultKind, FaultPolicy, InfrastructureError,
                            ModelFormatError, StepLimits, Thread, ToolError, ToolSet, Turn,
                            resolve_factory, rollout_scripted, step_environment, tool)
-from mtrl_jax.graders import Grade, RewardConfig
+from mtrl_jax.envs import Grade, RewardConfig
+from mtrl_jax.tasks import weather  # noqa: F401  (registers "weather")
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 
 REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.01, tool_penalty=-0.1,

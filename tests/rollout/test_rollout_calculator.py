@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from mtrl_jax.envs import StepLimits, resolve_factory
-from mtrl_jax.envs.tasks import calculator
-from mtrl_jax.graders.reward import RewardConfig
+from mtrl_jax.tasks import calculator
+from mtrl_jax.envs import RewardConfig
 from mtrl_jax.rollout import Completion, TreeConfig, expand_tree, pack_tree, write_rollout_dump
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mtrl_jax.envs import StepLimits
-from mtrl_jax.graders.reward import RewardConfig
+from mtrl_jax.envs import RewardConfig
 from mtrl_jax.rollout import FakePolicySampler, TreeConfig, expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact

@@ -4,13 +4,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mtrl_jax.graders.reward import RewardConfig
+from mtrl_jax.envs import RewardConfig
 from mtrl_jax.models import create_model, get_preset
 from mtrl_jax.rollout import SamplerPolicy, TreeConfig, expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.sampling import Sampler, SamplingConfig
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
-from mtrl_jax.envs.tasks import calculator
+from mtrl_jax.tasks import calculator
 from rollout_envs import DuoEnv, ToolThenUserEnv
 
 

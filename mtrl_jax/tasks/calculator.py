@@ -30,7 +30,7 @@ import numpy as np
 from mtrl_jax import data
 from mtrl_jax.envs import Environment, EnvironmentFactory, Thread, Turn, register_env_factory
 from mtrl_jax.envs.tools import ToolSet, tool
-from mtrl_jax.graders.base import Grade
+from mtrl_jax.envs.grades import Grade
 from mtrl_jax.text.tool_calls import extract_answer, render_tool_call
 
 # Byte-tokenizer specials that make the JSON tool call of this task short: the

@@ -1,7 +1,7 @@
 """Static analysis of generated code for the aux/main code task.
 
 Text-level helpers shared by the reward (`rewards.py`) and the feedback
-transitions (`mtrl_jax/envs/feedback.py`). They reproduce the behaviour of the
+transitions (`mtrl_jax/tasks/code/feedback.py`). They reproduce the behaviour of the
 reference environment (comlrl_spec.md section 3.1), quirks included, because
 reward values and feedback texts depend on them:
 

@@ -12,12 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.envs import StepLimits, Thread, Turn, feedback, resolve_factory, rollout_scripted
-from mtrl_jax.envs.tasks.code import env as code_env
-from mtrl_jax.envs.tasks.code import prompts
-from mtrl_jax.envs.tasks.code.data import load_humaneval
+from mtrl_jax.envs import StepLimits, Thread, Turn, resolve_factory, rollout_scripted
+from mtrl_jax.tasks.code import env as code_env
+from mtrl_jax.tasks.code import feedback, prompts
+from mtrl_jax.tasks.code.data import load_humaneval
 from mtrl_jax.graders import ScriptedGenerator
-from mtrl_jax.graders.reward import RewardConfig
+from mtrl_jax.envs import RewardConfig
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.tree import Completion

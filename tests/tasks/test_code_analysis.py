@@ -1,7 +1,7 @@
 """Code clean-up, static checks and turn-1 prompts of the code task."""
 import pytest
 
-from mtrl_jax.envs.tasks.code import analysis, prompts
+from mtrl_jax.tasks.code import analysis, prompts
 
 TASK = {"prompt": 'from typing import List\n\n\ndef total(xs: List[int], start: int) -> int:\n'
                   '    """Sum of xs plus start."""\n',

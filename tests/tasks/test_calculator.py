@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from mtrl_jax.envs import FaultKind, StepLimits, resolve_factory, rollout_scripted
-from mtrl_jax.envs.tasks import calculator
-from mtrl_jax.graders.reward import RewardConfig
+from mtrl_jax.tasks import calculator
+from mtrl_jax.envs import RewardConfig
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 
 REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.05, tool_penalty=-0.2)

@@ -28,7 +28,7 @@ reward). The single-agent baseline is `execution_reward_aux("", main, ...)`
 from __future__ import annotations
 
 from mtrl_jax.envs import sandbox
-from mtrl_jax.envs.tasks.code import analysis
+from mtrl_jax.tasks.code import analysis
 
 MAX_REWARD = 4.0
 MAX_SINGLE_AGENT_REWARD = 2.1

@@ -1,7 +1,7 @@
 """The gated level reward, on hand-worked examples (values summed in comments)."""
 import pytest
 
-from mtrl_jax.envs.tasks.code import rewards
+from mtrl_jax.tasks.code import rewards
 
 PROMPT = ('from typing import List\n\n\ndef total(xs: List[int], start: int) -> int:\n'
           '    """Sum of xs plus start."""\n')

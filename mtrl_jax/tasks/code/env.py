@@ -14,7 +14,7 @@ published multi-turn code task (comlrl_spec.md sections 1.4, 2.2, 3.1):
            the shifted scale. One Grade named 'code' carries the processed
            reward as its score and every level as a component (logged in the
            rollout dumps; `code_metrics` aggregates them).
-  turn t+1 each agent gets ONE new user turn built by `mtrl_jax.envs.feedback`
+  turn t+1 each agent gets ONE new user turn built by `mtrl_jax.tasks.code.feedback`
            in `external_mode` (level_feedback | level_passed | passed | plain |
            expert_edits | bandit), diagnostics run on `sandbox_slice` asserts.
 
@@ -50,16 +50,15 @@ is instantiated with `expert_kwargs`).
 """
 from __future__ import annotations
 
-from mtrl_jax.registry import import_object
 import math
 from typing import Any, Mapping, Optional, Sequence
 
 from mtrl_jax import data
-from mtrl_jax.envs import (Environment, EnvironmentFactory, SharedResource, Thread, Turn,
-                           feedback, register_env_factory)
-from mtrl_jax.envs.tasks.code import prompts, rewards
-from mtrl_jax.envs.tasks.code.data import SPLITS, load_humaneval
-from mtrl_jax.graders.base import Grade
+from mtrl_jax.envs import (Environment, EnvironmentFactory, Grade, SharedResource, Thread, Turn,
+                           register_env_factory)
+from mtrl_jax.registry import import_object
+from mtrl_jax.tasks.code import feedback, prompts, rewards
+from mtrl_jax.tasks.code.data import SPLITS, load_humaneval
 
 PROMPT_STYLES = ("chat", "comlrl", "comlrl_v2")
 GRADE_NAME = "code"

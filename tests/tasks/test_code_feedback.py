@@ -1,7 +1,7 @@
 """External transitions: exact prompt texts, sandbox diagnostics, test slicing."""
 import pytest
 
-from mtrl_jax.envs import feedback
+from mtrl_jax.tasks.code import feedback
 
 TESTS = ("\n\nMETADATA = {\n    'author': 'jt',\n}\n\n\ndef check(candidate):\n"
          "    assert candidate([1, 2], 0) == 3\n    assert candidate([], 5) == 5\n"

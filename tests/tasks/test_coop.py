@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mtrl_jax.envs import Turn, resolve_factory, rollout_scripted, step_environment
-from mtrl_jax.envs.tasks import coop
-from mtrl_jax.graders.reward import RewardConfig
+from mtrl_jax.tasks import coop
+from mtrl_jax.envs import RewardConfig
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.tree import Completion

@@ -4,8 +4,8 @@ import warnings
 
 import pytest
 
-from mtrl_jax.graders import (RewardBreakdown, RewardConfig, RewardDominanceWarning,
-                              check_reward_dominance, compose_reward)
+from mtrl_jax.envs import (RewardBreakdown, RewardConfig, RewardDominanceWarning,
+                           check_reward_dominance, compose_reward)
 
 
 def test_compose_reward_components():

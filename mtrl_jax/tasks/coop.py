@@ -41,7 +41,7 @@ import numpy as np
 
 from mtrl_jax import data
 from mtrl_jax.envs import Environment, EnvironmentFactory, Thread, Turn, register_env_factory
-from mtrl_jax.graders.base import Grade
+from mtrl_jax.envs.grades import Grade
 from mtrl_jax.text.tool_calls import extract_answer
 
 LETTERS = ("A", "B")

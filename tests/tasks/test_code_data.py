@@ -6,7 +6,7 @@ import sys
 import pytest
 import tensorflow_datasets as tfds
 
-from mtrl_jax.envs.tasks.code import data
+from mtrl_jax.tasks.code import data
 
 
 def test_plain_loader_splits_follow_the_reference_configs():
@@ -23,7 +23,7 @@ def test_plain_loader_splits_follow_the_reference_configs():
 
 
 def test_plain_loader_does_not_import_tfds():
-  code = ("import sys\nfrom mtrl_jax.envs.tasks.code import data\n"
+  code = ("import sys\nfrom mtrl_jax.tasks.code import data\n"
           "assert len(data.load_humaneval('eval')) == 32\n"
           "assert 'tensorflow_datasets' not in sys.modules")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
