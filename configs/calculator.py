@@ -11,7 +11,7 @@ turn do not branch. Runtime and the figures it reproduces: see README.md.
 """
 
 from configs import base
-from configs.common import parse_arg
+from configs.common import apply_smoke, parse_arg
 
 
 def get_config(arg=None):
@@ -56,22 +56,11 @@ def get_config(arg=None):
     c.eval.num_tasks = 100
     c.rl.precompile = False
   if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
-    c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
-    c.model.preset = "tiny"
-    c.sft.steps = 3
+    apply_smoke(c, rl_steps=3)
     c.sft.check_every = 3
     c.sft.check_tasks = 4
-    c.sft.batch_size = 8
-    c.sft.num_examples = 16
-    c.rl.steps = 3
     c.optim.warmup_steps = 0
-    c.rl.roots_per_step = 2
-    c.tree.num_generations = 2
     c.sampling.max_new_tokens = 24
-    c.eval.every = 2
-    c.eval.num_tasks = 4
-    c.checkpoint.every = 1
-    c.rl.dump_every = 1
     c.rl.zero_variance_filter = False  # a random policy's groups are all equal
   return c
 

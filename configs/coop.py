@@ -20,7 +20,7 @@ measurable ingredient.
 from ml_collections import config_dict
 
 from configs import base
-from configs.common import parse_arg
+from configs.common import apply_smoke, parse_arg
 
 
 def get_config(arg=None):
@@ -65,18 +65,7 @@ def get_config(arg=None):
   c.eval.success_threshold = 0.5  # success: both answered the joint code at the last turn
   c.checkpoint.every = 10
   if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
-    c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
-    c.model.preset = "tiny"
-    c.sft.steps = 3
-    c.sft.batch_size = 8
-    c.sft.num_examples = 16
-    c.rl.steps = 2
-    c.rl.roots_per_step = 2
-    c.tree.num_generations = 2
-    c.eval.every = 2
-    c.eval.num_tasks = 4
-    c.checkpoint.every = 1
-    c.rl.dump_every = 1
+    apply_smoke(c)
   return c
 
 
