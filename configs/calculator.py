@@ -1,8 +1,8 @@
 """The CPU demo: SFT warm-up then ENVGRPO on the multi-turn calculator tool task.
 
-  make demo          # = python experiments/demo.py (this config, 3 seeds, summary + plot)
-  python experiments/train.py --config=configs/calculator.py --workdir=runs/calc
-  python experiments/train.py --config=configs/calculator.py:smoke=True --workdir=/tmp/smoke
+  make demo          # = python -m experiments.demo (this config, 3 seeds, summary + plot)
+  python -m experiments.train --config=configs/calculator.py --workdir=runs/calc
+  python -m experiments.train --config=configs/calculator.py:smoke=True --workdir=/tmp/smoke
 
 A 2-layer byte-level policy (`small` preset, trained from scratch) learns to
 call the `calculate` tool, copy its result into <answer>, then answer a

@@ -1,9 +1,9 @@
 """CPU demo of multi-agent multi-turn RL: two agents build a code from private halves.
 
-  python experiments/train.py --config=configs/coop.py --workdir=runs/coop
-  python experiments/train.py --config=configs/coop.py --workdir=runs/coop_blind \
+  python -m experiments.train --config=configs/coop.py --workdir=runs/coop
+  python -m experiments.train --config=configs/coop.py --workdir=runs/coop_blind \
       --config.env.kwargs.show_partner=False     # ablation: no partner answer in turn 2
-  python experiments/train.py --config=configs/coop.py:smoke=True --workdir=/tmp/coop_smoke
+  python -m experiments.train --config=configs/coop.py:smoke=True --workdir=/tmp/coop_smoke
 
 The `coop` task (mtrl_jax/tasks/coop.py): agent 0 sees "A:x", agent 1
 "B:y"; both must answer x‖y; turn 2 shows each agent its partner's turn-1

@@ -1,10 +1,10 @@
 """MAGRPO on HumanEval: two agents (aux helper + main function), T=2 turns of code refinement.
 
-  python experiments/train.py --config=configs/humaneval.py --workdir=runs/he \
+  python -m experiments.train --config=configs/humaneval.py --workdir=runs/he \
       --config.model.path=/path/to/Qwen2.5-Coder-3B
-  python experiments/train.py --config=configs/humaneval.py:agents=1 --workdir=runs/he_grpo \
+  python -m experiments.train --config=configs/humaneval.py:agents=1 --workdir=runs/he_grpo \
       --config.model.path=/path/to/Qwen2.5-Coder-3B          # the single-agent GRPO baseline
-  python experiments/train.py --config=configs/humaneval.py:smoke=True --workdir=/tmp/he_smoke
+  python -m experiments.train --config=configs/humaneval.py:smoke=True --workdir=/tmp/he_smoke
 
 Reproduces the published multi-turn HumanEval setting (HE-MAGRPO-MT, V2 tree;
 comlrl_spec.md 1 and 2.2 @ e9f0098): Qwen2.5-Coder-3B in bfloat16 with its

@@ -1,16 +1,12 @@
 """Trains a policy with ENVGRPO / ENVGSPO (optional SFT warm-up) from a config file.
 
-  python experiments/train.py --config=configs/calculator.py --workdir=runs/calc \
+  python -m experiments.train --config=configs/calculator.py --workdir=runs/calc \
       --config.loss.algorithm=gspo --config.tree.num_generations=8
 
 Resumes automatically when --workdir holds a checkpoint.
 """
 
 import json
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 
 from absl import app, flags, logging
 from ml_collections import config_flags

@@ -15,7 +15,6 @@ from mtrl_jax.envs import (Environment, FaultCounter, FaultKind, FaultPolicy, In
                            resolve_factory, rollout_scripted, step_environment, tool)
 from mtrl_jax.envs import Grade, RewardConfig
 from mtrl_jax.tasks import weather  # noqa: F401  (registers "weather")
-from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 
 REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.01, tool_penalty=-0.1,
                       shaping_weight=0.05)
@@ -23,12 +22,6 @@ REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.01, tool_penalty=-0.1,
 
 def call(name, **arguments):
   return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
-@pytest.fixture(scope="module")
-def renderer():
-  tok = ByteTokenizer()
-  return ChatRenderer(tok, compact(tok))
 
 
 def test_weather_example_end_to_end(renderer):

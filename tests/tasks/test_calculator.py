@@ -3,18 +3,17 @@
 import numpy as np
 import pytest
 
-from mtrl_jax.envs import FaultKind, StepLimits, resolve_factory, rollout_scripted
+from mtrl_jax.envs import FaultKind, RewardConfig, StepLimits, resolve_factory, rollout_scripted
 from mtrl_jax.tasks import calculator
-from mtrl_jax.envs import RewardConfig
-from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
+from mtrl_jax.testing import byte_renderer
 
 REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.05, tool_penalty=-0.2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def renderer():
-  tok = ByteTokenizer(extra_specials=calculator.EXTRA_SPECIALS)
-  return ChatRenderer(tok, compact(tok))
+  """The shared renderer fixture with the calculator's extra specials."""
+  return byte_renderer(calculator.EXTRA_SPECIALS)
 
 
 def test_evaluate_matches_python_on_random_expressions():

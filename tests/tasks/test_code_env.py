@@ -12,16 +12,15 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.envs import StepLimits, Thread, Turn, resolve_factory, rollout_scripted
+from mtrl_jax.envs import RewardConfig, StepLimits, Thread, Turn, resolve_factory, rollout_scripted
 from mtrl_jax.tasks.code import env as code_env
 from mtrl_jax.tasks.code import feedback, prompts
 from mtrl_jax.tasks.code.data import load_humaneval
 from mtrl_jax.graders import ScriptedGenerator
-from mtrl_jax.envs import RewardConfig
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.tree import Completion
-from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
+from mtrl_jax.testing import byte_renderer
 
 TASK = load_humaneval("test")[23]  # strlen
 CANONICAL = TASK["prompt"] + TASK["canonical_solution"]
@@ -31,8 +30,8 @@ OFF_BY_ONE = "def strlen(string: str) -> int:\n    return aux(string) + 1"  # a 
 COOP = ("def strlen(string: str) -> int:\n    count = aux(string)\n    if count < 0:\n"
         "        return 0\n    return count")
 PER_TURN = RewardConfig(outcome_weight=1.0, shaping_weight=1.0)
-TOK = ByteTokenizer()
-RENDERER = ChatRenderer(TOK, compact(TOK))
+RENDERER = byte_renderer()
+TOK = RENDERER.tokenizer
 
 
 def make_env(**kw):

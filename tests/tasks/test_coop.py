@@ -5,17 +5,16 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.envs import Turn, resolve_factory, rollout_scripted, step_environment
+from mtrl_jax.envs import RewardConfig, Turn, resolve_factory, rollout_scripted, step_environment
 from mtrl_jax.tasks import coop
-from mtrl_jax.envs import RewardConfig
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.tree import Completion
-from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
+from mtrl_jax.testing import byte_renderer
 
 PER_TURN = RewardConfig(outcome_weight=1.0, shaping_weight=1.0)
-TOK = ByteTokenizer()
-RENDERER = ChatRenderer(TOK, compact(TOK))
+RENDERER = byte_renderer()
+TOK = RENDERER.tokenizer
 
 
 def make_env(task, **kw):

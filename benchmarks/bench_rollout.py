@@ -16,7 +16,7 @@ never stop early (no stop ids), so both methods generate the same number of
 tokens.
 
 Command (CPU, about 2 minutes on 2 cores):
-  PYTHONPATH=. .venv/bin/python experiments/bench_rollout.py --preset=small
+  .venv/bin/python -m benchmarks.bench_rollout --preset=small
 GPU: add --preset=bench.
 
 Measured on this project's 2-core CPU machine, shared with other jobs
@@ -39,7 +39,7 @@ from flax import nnx
 
 from mtrl_jax.models import create_model, get_preset
 from mtrl_jax.rollout import Completion, SamplerPolicy, TreeConfig, expand_tree, plan_tree
-from mtrl_jax.rollout.synthetic import TokenTransition
+from mtrl_jax.testing import TokenTransition
 from mtrl_jax.sampling import Sampler, SamplingConfig
 
 _PRESET = flags.DEFINE_string("preset", "small", "model preset ('small' on CPU, 'bench' on GPU)")

@@ -19,7 +19,7 @@ Also reported: `Environment.fork` (a deep copy, once per tree branch) and
 one untimed pass.
 
 Command (CPU, about 10 s):
-  .venv/bin/python experiments/bench_env.py
+  .venv/bin/python -m benchmarks.bench_env
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import statistics
 import sys
 import time
 import timeit
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 
 from absl import app, flags
 

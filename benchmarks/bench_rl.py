@@ -1,8 +1,8 @@
 r"""One full RL step (rollout + rewards + reference logprobs + update), beside Tunix.
 
-  .venv/bin/python experiments/bench_rl.py --tunix_python=/tmp/tunix_venv/bin/python
+  .venv/bin/python -m benchmarks.bench_rl --tunix_python=/tmp/tunix_venv/bin/python
   (Tunix venv: python3 -m venv /tmp/tunix_venv && /tmp/tunix_venv/bin/pip install google-tunix==0.1.7)
-  GPU, no Tunix:  python experiments/bench_rl.py --preset=qwen2-0.5b --dtype=bfloat16
+  GPU, no Tunix:  python -m benchmarks.bench_rl --preset=qwen2-0.5b --dtype=bfloat16
 
 Workloads (same model shape on both sides: the `bench` preset, a 2-layer Qwen3 shape,
 random weights; 4 prompts of 32 random ids, G = 4, 64 new tokens per turn with EOS
@@ -11,9 +11,9 @@ with beta = 0.05, Adam lr 1e-5, one update per step on every sampled sequence):
 
   grpo     one turn: 16 sequences of 32 + 64 tokens. Ours: `expand_tree` with T = 1
            (one sampler call, each prompt prefilled once and forked G ways), rewards
-           from `rollout.synthetic.TokenTransition` (parity of the first token),
+           from `mtrl_jax.testing.TokenTransition` (parity of the first token),
            `pack_tree`, one jitted `TrainStep` (reference logprobs inside). Tunix:
-           its GRPOLearner (`experiments/tunix_rl_worker.py`).
+           its GRPOLearner (`benchmarks/tunix_rl_worker.py`).
   agentic  two turns with an 8-token observation between them. Ours: the tree with
            T = 2, G = 4: each of the 16 turn-1 samples branches into G = 4 turn-2
            samples from its shared prefix (4 + 16 nodes, 80 completions of 64 tokens,
@@ -38,8 +38,6 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax
 from absl import app, flags
 
@@ -48,7 +46,7 @@ from mtrl_jax.metrics import CompileCensus
 from mtrl_jax.models import create_model, get_preset
 from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree, plan_tree
 from mtrl_jax.rollout.policy import TimedPolicy
-from mtrl_jax.rollout.synthetic import TokenTransition
+from mtrl_jax.testing import TokenTransition
 from mtrl_jax.sampling import Sampler, SamplingConfig
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import TrainStep

@@ -2,7 +2,7 @@ r"""Sampler throughput: generated tokens/s, mtrl_jax beside Google's Tunix sampl
 
 Command (the Tunix column needs a separate venv with google-tunix==0.1.7):
   python3 -m venv /tmp/tunix_venv && /tmp/tunix_venv/bin/pip install google-tunix==0.1.7
-  .venv/bin/python experiments/bench_sampler.py --tunix_python=/tmp/tunix_venv/bin/python
+  .venv/bin/python -m benchmarks.bench_sampler --tunix_python=/tmp/tunix_venv/bin/python
 
 Model: the `bench` preset (2-layer Qwen3 shape, d_model 256, 4 heads of 64, 2 KV
 heads, MLP 768, vocab 8192, tied, float32), random weights; Tunix builds its own

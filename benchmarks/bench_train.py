@@ -1,6 +1,6 @@
 r"""Train-step throughput and model FLOP utilisation against the measured matmul peak.
 
-  .venv/bin/python experiments/bench_train.py
+  .venv/bin/python -m benchmarks.bench_train
 
 Peak: the median time of a large float32 matmul (--peak_n cubed) in the same
 run. Cases: the `bench` preset (2-layer Qwen3 shape, d_model 256, vocab 8192)
@@ -11,12 +11,9 @@ reference model (kl_coef 0 vs 0.05: one more forward). Model FLOPs per step =
 MFU = model FLOP/s / peak FLOP/s. Median of --repeats steps after warm-up.
 """
 
-import os
 import statistics
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
