@@ -1,8 +1,12 @@
-"""Test set-up: 8 fake CPU devices, set before jax is imported anywhere.
+"""Test set-up: 8 fake CPU devices, set before jax is imported anywhere; shared fixtures.
 
 The backend optimisation level only changes how hard LLVM optimises the CPU
 code (the XLA program is the same); level 0 halves compile time, which
 dominates this suite.
+
+Fixtures (built by `mtrl_jax.testing`, which also holds the scripted fakes):
+`byte_tokenizer`, `renderer` (compact chat format on it, fresh per test) and
+`tiny_model` (the seed-0 `tiny` preset, built once per process).
 """
 import os
 

@@ -13,19 +13,18 @@ from mtrl_jax.graders import BinaryJudgeGrader, RangeJudgeGrader, ScriptedGenera
 from mtrl_jax.sampling.generation import BatchingGenerator, LocalLLM
 from mtrl_jax.models import create_model, get_preset
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.text import ByteTokenizer
 
 THREAD = Thread.from_messages([("user", "2+2?"), ("assistant", "<answer>4</answer>")])
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(byte_tokenizer):
   model = create_model(get_preset("tiny"), seed=3)
   graphdef, state = nnx.split(model)
   # The reference forward: jitted (eager op-by-op dispatch is slow), unpadded.
   forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
   return (lambda ids_BxL: np.asarray(forward(state, np.asarray(ids_BxL, np.int32)), np.float64),
-          LocalLLM(model, ByteTokenizer(), seed=0))
+          LocalLLM(model, byte_tokenizer, seed=0))
 
 
 def _log_softmax(logits):
