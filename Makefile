@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 demo: $(VENV)/.installed
-	$(BIN)/python experiments/demo.py
+	$(BIN)/python -m experiments.demo
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n auto -q tests

@@ -32,12 +32,12 @@ run() {  # run NAME CMD...: time a benchmark, keep its output
   echo "=== $name took $((SECONDS - t0)) s"
 }
 
-run train_f32 python3 experiments/bench_train.py --presets=bench,small --peak_n=8192 --repeats=10
-run train_bf16 python3 experiments/bench_train.py --presets=qwen2-0.5b --dtype=bfloat16 \
+run train_f32 python3 -m benchmarks.bench_train --presets=bench,small --peak_n=8192 --repeats=10
+run train_bf16 python3 -m benchmarks.bench_train --presets=qwen2-0.5b --dtype=bfloat16 \
   --rows=64 --peak_n=8192 --repeats=10
-run sampler_f32 python3 experiments/bench_sampler.py --preset=bench --repeats=10
-run sampler_bf16 python3 experiments/bench_sampler.py --preset=qwen2-0.5b --dtype=bfloat16 --repeats=10
-run rollout_f32 python3 experiments/bench_rollout.py --preset=bench --repeats=5
-run rollout_bf16 python3 experiments/bench_rollout.py --preset=qwen2-0.5b --dtype=bfloat16 --repeats=3
-run rl_f32 python3 experiments/bench_rl.py --preset=bench --steps=20
-run rl_bf16 python3 experiments/bench_rl.py --preset=qwen2-0.5b --dtype=bfloat16 --steps=10
+run sampler_f32 python3 -m benchmarks.bench_sampler --preset=bench --repeats=10
+run sampler_bf16 python3 -m benchmarks.bench_sampler --preset=qwen2-0.5b --dtype=bfloat16 --repeats=10
+run rollout_f32 python3 -m benchmarks.bench_rollout --preset=bench --repeats=5
+run rollout_bf16 python3 -m benchmarks.bench_rollout --preset=qwen2-0.5b --dtype=bfloat16 --repeats=3
+run rl_f32 python3 -m benchmarks.bench_rl --preset=bench --steps=20
+run rl_bf16 python3 -m benchmarks.bench_rl --preset=qwen2-0.5b --dtype=bfloat16 --steps=10

@@ -35,16 +35,16 @@ run() {  # run NAME SECONDS CMD...: a benchmark under a time limit, output kept
 
 Q="--dtype=bfloat16"
 if [ "$PART" = 1 ]; then
-  run sampler_bf16 150 python3 experiments/bench_sampler.py --preset=qwen2-0.5b $Q \
+  run sampler_bf16 150 python3 -m benchmarks.bench_sampler --preset=qwen2-0.5b $Q \
     --repeats=10 --decode_chunks=1,8,16
-  run train_tree_cudnn 170 python3 experiments/bench_train.py --presets=qwen2-0.5b $Q \
+  run train_tree_cudnn 170 python3 -m benchmarks.bench_train --presets=qwen2-0.5b $Q \
     --rows=64 --peak_n=8192 --repeats=10 --packing=tree,rows --roots=2 --tree_kl=0.05 \
     --attention=cudnn
-  run train_tree_xla_remat 200 python3 experiments/bench_train.py --presets=qwen2-0.5b $Q \
+  run train_tree_xla_remat 200 python3 -m benchmarks.bench_train --presets=qwen2-0.5b $Q \
     --rows=64 --peak_n=8192 --repeats=5 --packing=tree,rows --roots=2 --tree_kl=0.05 --remat
 else
-  run rl_bf16 300 python3 experiments/bench_rl.py --preset=qwen2-0.5b $Q --steps=5 \
+  run rl_bf16 300 python3 -m benchmarks.bench_rl --preset=qwen2-0.5b $Q --steps=5 \
     --workloads=grpo,agentic
-  run rl_long_bf16 240 python3 experiments/bench_rl.py --preset=qwen2-0.5b $Q \
+  run rl_long_bf16 240 python3 -m benchmarks.bench_rl --preset=qwen2-0.5b $Q \
     --workloads=longctx --long_steps=2 ${LONG_FLAGS:---remat}
 fi

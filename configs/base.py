@@ -3,7 +3,7 @@
 Every field is documented here; task configs (e.g. `configs/calculator.py`)
 override what they need. Usage:
 
-  python experiments/train.py --config=configs/base.py --workdir=/tmp/run \
+  python -m experiments.train --config=configs/base.py --workdir=/tmp/run \
       --config.env.factory=my_pkg.my_env:MyFactory --config.tasks.source=my_pkg.my_env:tasks
 
 A mistyped key fails at start (the config is locked), and `mtrl_jax.train.

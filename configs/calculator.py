@@ -1,8 +1,8 @@
 """The CPU demo: SFT warm-up then ENVGRPO on the multi-turn calculator tool task.
 
-  make demo          # = python experiments/demo.py (this config, 3 seeds, summary + plot)
-  python experiments/train.py --config=configs/calculator.py --workdir=runs/calc
-  python experiments/train.py --config=configs/calculator.py:smoke=True --workdir=/tmp/smoke
+  make demo          # = python -m experiments.demo (this config, 3 seeds, summary + plot)
+  python -m experiments.train --config=configs/calculator.py --workdir=runs/calc
+  python -m experiments.train --config=configs/calculator.py:smoke=True --workdir=/tmp/smoke
 
 A 2-layer byte-level policy (`small` preset, trained from scratch) learns to
 call the `calculate` tool, copy its result into <answer>, then answer a
@@ -11,14 +11,14 @@ turn do not branch. Runtime and the figures it reproduces: see README.md.
 """
 
 from configs import base
-from configs.common import parse_arg
+from configs.common import apply_smoke, parse_arg
 
 
 def get_config(arg=None):
   a = parse_arg(arg, smoke=False, short=False)
   c = base.get_config()
   c.model.preset = "small"
-  c.tokenizer.extra_specials = "mtrl_jax.envs.tasks.calculator:EXTRA_SPECIALS"
+  c.tokenizer.extra_specials = "mtrl_jax.tasks.calculator:EXTRA_SPECIALS"
   c.tokenizer.chat_format = "compact"
   c.env.factory = "calculator"
   c.env.max_turns = 8  # two user turns x (tool call + answer), with slack
@@ -40,7 +40,7 @@ def get_config(arg=None):
   c.sft.check_every = 5
   c.sft.batch_size = 32
   c.sft.num_examples = 4000
-  c.sft.conversations = "mtrl_jax.envs.tasks.calculator:golden_conversation"
+  c.sft.conversations = "mtrl_jax.tasks.calculator:golden_conversation"
   c.sft.learning_rate = 3e-3
   c.rl.steps = 150  # success plateaus near 0.7 by here (docs/ablations.md)
   c.rl.roots_per_step = 32
@@ -56,22 +56,11 @@ def get_config(arg=None):
     c.eval.num_tasks = 100
     c.rl.precompile = False
   if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
-    c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
-    c.model.preset = "tiny"
-    c.sft.steps = 3
+    apply_smoke(c, rl_steps=3)
     c.sft.check_every = 3
     c.sft.check_tasks = 4
-    c.sft.batch_size = 8
-    c.sft.num_examples = 16
-    c.rl.steps = 3
     c.optim.warmup_steps = 0
-    c.rl.roots_per_step = 2
-    c.tree.num_generations = 2
     c.sampling.max_new_tokens = 24
-    c.eval.every = 2
-    c.eval.num_tasks = 4
-    c.checkpoint.every = 1
-    c.rl.dump_every = 1
     c.rl.zero_variance_filter = False  # a random policy's groups are all equal
   return c
 

@@ -38,3 +38,37 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     else:
       out[key] = value
   return out
+
+
+def apply_smoke(c: ml_collections.ConfigDict, *, rl_steps: int = 2, sft_steps: int = 3,
+                roots_per_step: int = 2, eval_tasks: int = 4) -> ml_collections.ConfigDict:
+  """The `smoke=True` overlay: the whole pipeline in seconds on a tiny model (tests, CI).
+
+  Compiles lazily, uses the `tiny` preset, G = 2, evaluates every 2 steps,
+  checkpoints and dumps every step. The keyword arguments are what differs by
+  task; the task config sets anything else it needs afterwards.
+
+  Args:
+    c: the task's full config (changed in place).
+    rl_steps: RL steps.
+    sft_steps: SFT warm-up steps, on batches of 8 rows from 16 examples (0:
+      leave the SFT fields alone).
+    roots_per_step: tasks per RL step.
+    eval_tasks: held-out tasks per evaluation.
+  Returns:
+    `c`.
+  """
+  c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
+  c.model.preset = "tiny"
+  c.tree.num_generations = 2
+  c.rl.steps = rl_steps
+  c.rl.roots_per_step = roots_per_step
+  c.rl.dump_every = 1
+  c.eval.every = 2
+  c.eval.num_tasks = eval_tasks
+  c.checkpoint.every = 1
+  if sft_steps:
+    c.sft.steps = sft_steps
+    c.sft.batch_size = 8
+    c.sft.num_examples = 16
+  return c

@@ -1,11 +1,11 @@
 """CPU demo of multi-agent multi-turn RL: two agents build a code from private halves.
 
-  python experiments/train.py --config=configs/coop.py --workdir=runs/coop
-  python experiments/train.py --config=configs/coop.py --workdir=runs/coop_blind \
+  python -m experiments.train --config=configs/coop.py --workdir=runs/coop
+  python -m experiments.train --config=configs/coop.py --workdir=runs/coop_blind \
       --config.env.kwargs.show_partner=False     # ablation: no partner answer in turn 2
-  python experiments/train.py --config=configs/coop.py:smoke=True --workdir=/tmp/coop_smoke
+  python -m experiments.train --config=configs/coop.py:smoke=True --workdir=/tmp/coop_smoke
 
-The `coop` task (mtrl_jax/envs/tasks/coop.py): agent 0 sees "A:x", agent 1
+The `coop` task (mtrl_jax/tasks/coop.py): agent 0 sees "A:x", agent 1
 "B:y"; both must answer x‖y; turn 2 shows each agent its partner's turn-1
 answer. A 2-layer byte-level policy (`small` preset, shared by both agents,
 which the role letter tells apart) is warmed up on golden episodes of both
@@ -20,7 +20,7 @@ measurable ingredient.
 from ml_collections import config_dict
 
 from configs import base
-from configs.common import parse_arg
+from configs.common import apply_smoke, parse_arg
 
 
 def get_config(arg=None):
@@ -55,7 +55,7 @@ def get_config(arg=None):
   c.sft.steps = 150
   c.sft.batch_size = 32
   c.sft.num_examples = 4000  # golden episodes, agent = task index parity
-  c.sft.conversations = "mtrl_jax.envs.tasks.coop:golden_conversation"
+  c.sft.conversations = "mtrl_jax.tasks.coop:golden_conversation"
   c.sft.learning_rate = 3e-3
   c.rl.steps = 150
   c.rl.roots_per_step = 16
@@ -65,18 +65,7 @@ def get_config(arg=None):
   c.eval.success_threshold = 0.5  # success: both answered the joint code at the last turn
   c.checkpoint.every = 10
   if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
-    c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
-    c.model.preset = "tiny"
-    c.sft.steps = 3
-    c.sft.batch_size = 8
-    c.sft.num_examples = 16
-    c.rl.steps = 2
-    c.rl.roots_per_step = 2
-    c.tree.num_generations = 2
-    c.eval.every = 2
-    c.eval.num_tasks = 4
-    c.checkpoint.every = 1
-    c.rl.dump_every = 1
+    apply_smoke(c)
   return c
 
 

@@ -1,10 +1,10 @@
 """MAGRPO on HumanEval: two agents (aux helper + main function), T=2 turns of code refinement.
 
-  python experiments/train.py --config=configs/humaneval.py --workdir=runs/he \
+  python -m experiments.train --config=configs/humaneval.py --workdir=runs/he \
       --config.model.path=/path/to/Qwen2.5-Coder-3B
-  python experiments/train.py --config=configs/humaneval.py:agents=1 --workdir=runs/he_grpo \
+  python -m experiments.train --config=configs/humaneval.py:agents=1 --workdir=runs/he_grpo \
       --config.model.path=/path/to/Qwen2.5-Coder-3B          # the single-agent GRPO baseline
-  python experiments/train.py --config=configs/humaneval.py:smoke=True --workdir=/tmp/he_smoke
+  python -m experiments.train --config=configs/humaneval.py:smoke=True --workdir=/tmp/he_smoke
 
 Reproduces the published multi-turn HumanEval setting (HE-MAGRPO-MT, V2 tree;
 comlrl_spec.md 1 and 2.2 @ e9f0098): Qwen2.5-Coder-3B in bfloat16 with its
@@ -37,7 +37,7 @@ about 40 s on a shared 2-core CPU, most of it compilation.
 from ml_collections import config_dict
 
 from configs import base
-from configs.common import parse_arg
+from configs.common import apply_smoke, parse_arg
 
 MAGRPO = dict(shift=-4.0, tau=-0.2, temperature=0.7, top_p=0.9)
 GRPO = dict(shift=-2.1, tau=-0.1, temperature=0.8, top_p=0.95)
@@ -122,22 +122,15 @@ def get_config(arg=None):
   c.checkpoint.keep = 3
 
   if a.smoke:  # seconds on a CPU: the whole pipeline on a tiny byte-level model
-    c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
+    apply_smoke(c, sft_steps=0, roots_per_step=1, eval_tasks=1)
     c.model.path = ""
-    c.model.preset = "tiny"
     c.model.dtype = ""
     c.tokenizer.kind = "byte"
     c.tokenizer.chat_format = "compact"
     c.tasks.kwargs.max_prompt_chars = 150  # train: 4 problems, eval: 1
     c.env.max_tokens = 1536
     c.env.kwargs.timeout_per_assert_s = 2.0
-    c.tree.num_generations = 2
     c.sampling.max_new_tokens = 16
-    c.rl.steps = 2
     c.rl.length_buckets = (1024, 2048)
-    c.rl.dump_every = 1
-    c.eval.every = 2
-    c.eval.num_tasks = 1
-    c.checkpoint.every = 1
     c.optim.learning_rate = 1e-3
   return c

@@ -1,6 +1,6 @@
 """Reads finished run directories and writes a markdown ablation table and a plot.
 
-  python experiments/ablate.py --runs='runs/sweep_T/*' --level=0.5 --out=docs/ablations_T.md
+  python -m experiments.ablate --runs='runs/sweep_T/*' --level=0.5 --out=docs/ablations_T.md
 
 Runs are grouped by their overrides minus the seed (the directory name written
 by `experiments/sweep.py`); each row reports mean +- std over seeds of the
@@ -10,9 +10,6 @@ held-out success after SFT, final and best, and the RL steps to first reach
 
 import glob
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 
@@ -39,7 +36,7 @@ def main(argv):
   print(table)
   if _OUT.value:
     with open(_OUT.value, "w") as f:
-      f.write(f"`python experiments/ablate.py --runs='{_RUNS.value}' --level={_LEVEL.value}`\n\n")
+      f.write(f"`python -m experiments.ablate --runs='{_RUNS.value}' --level={_LEVEL.value}`\n\n")
       f.write(table + "\n")
     png = report.plot_groups(workdirs, os.path.splitext(_OUT.value)[0] + ".png")
     print(f"written {_OUT.value} and {png}")

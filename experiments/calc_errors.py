@@ -1,6 +1,6 @@
 """Where a calculator policy fails: its rollout dumps, classified per turn.
 
-  python experiments/calc_errors.py --workdir=runs/demo/seed_0 --steps=10,50,100
+  python -m experiments.calc_errors --workdir=runs/demo/seed_0 --steps=10,50,100
 
 Every completion of every dumped tree node (`workdir/rollouts/step_*.jsonl`,
 written every `rl.dump_every` steps) is one attempt at one user turn, put in

@@ -1,17 +1,14 @@
 """The default experiment (`make demo`): SFT warm-up then ENVGRPO on the calculator task.
 
-  python experiments/demo.py                      # one seed (~12 min on 2 CPU cores)
-  python experiments/demo.py --seeds=0,1,2        # the README figure (mean and spread)
-  python experiments/demo.py --config=configs/calculator.py:smoke=True --seeds=0  # seconds
+  python -m experiments.demo                      # one seed (~12 min on 2 CPU cores)
+  python -m experiments.demo --seeds=0,1,2        # the README figure (mean and spread)
+  python -m experiments.demo --config=configs/calculator.py:smoke=True --seeds=0  # seconds
 
 Prints a summary table (held-out success after SFT, after RL, best step) and
 writes `learning_curve.png` beside the per-seed run directories.
 """
 
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 
 from absl import app, flags, logging
 from ml_collections import config_flags

@@ -1,9 +1,9 @@
 """Expands a config's `get_sweep(arg)` into runs, one workdir each.
 
-  python experiments/sweep.py --config=configs/calculator.py --workdir=runs/sweep_T --sweep=turns
-  python experiments/sweep.py --config=configs/calculator.py --workdir=runs/sweep_T --sweep=turns --print_only
-  python experiments/sweep.py --config=configs/coop.py --workdir=runs/coop --sweep=all --parallel=6
-  python experiments/sweep.py --config=configs/coop.py --workdir=runs/coop --sweep=all --only=show_partner
+  python -m experiments.sweep --config=configs/calculator.py --workdir=runs/sweep_T --sweep=turns
+  python -m experiments.sweep --config=configs/calculator.py --workdir=runs/sweep_T --sweep=turns --print_only
+  python -m experiments.sweep --config=configs/coop.py --workdir=runs/coop --sweep=all --parallel=6
+  python -m experiments.sweep --config=configs/coop.py --workdir=runs/coop --sweep=all --only=show_partner
 
 `get_sweep(arg)` (beside `get_config` in the config file) returns a list of
 dicts of dotted overrides, e.g. [{"tree.num_turns": 1, "seed": 0}, ...]; seeds
@@ -20,8 +20,6 @@ import shlex
 import subprocess
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 
 from absl import app, flags, logging
 

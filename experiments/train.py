@@ -1,6 +1,6 @@
 """Trains a policy with ENVGRPO / ENVGSPO (optional SFT warm-up) from a config file.
 
-  python experiments/train.py --config=configs/calculator.py --workdir=runs/calc \
+  python -m experiments.train --config=configs/calculator.py --workdir=runs/calc \
       --config.loss.algorithm=gspo --config.tree.num_generations=8
 
 Resumes automatically when --workdir holds a checkpoint. A config that cannot
@@ -9,10 +9,6 @@ the field, its value and what is allowed (exit status 1, no traceback).
 """
 
 import json
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 
 from absl import app, flags, logging
 from ml_collections import config_flags

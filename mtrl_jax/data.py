@@ -11,14 +11,16 @@ the same tasks in the same order (DESIGN.md invariant 6).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
-from mtrl_jax.registry import import_object
+from mtrl_jax.registry import Registry
 
-_SOURCES: dict[str, Callable[..., "TaskSource"]] = {}
+# name -> a callable `(split, **kwargs) -> TaskSource`. Built-in tasks register
+# themselves when `mtrl_jax.tasks` is imported (the run's composition root does).
+TASK_SOURCES = Registry("task source", hint="the built-in tasks register when mtrl_jax.tasks "
+                        "is imported")
 
 
 class TaskSource(Protocol):
@@ -33,33 +35,25 @@ class TaskSource(Protocol):
 
 def register_task_source(name: str):
   """Decorator: `name` -> a callable `(split, **kwargs) -> TaskSource`."""
-
-  def decorate(fn):
-    if name in _SOURCES:
-      raise ValueError(f"task source {name!r} is already registered")
-    _SOURCES[name] = fn
-    return fn
-
-  return decorate
+  return TASK_SOURCES.register(name)
 
 
 def registered_task_sources() -> list[str]:
-  return sorted(_SOURCES)
+  return TASK_SOURCES.names()
 
 
 def resolve_task_source(spec: str, split: str, **kwargs) -> TaskSource:
   """A task source by registry name or import path (`pkg.module:attr`)."""
-  if ":" in spec:
-    fn = import_object(spec, "task source")
-  else:
-    if spec not in _SOURCES:
-      # Built-in tasks register themselves on import.
-      importlib.import_module("mtrl_jax.envs.tasks")
-    if spec not in _SOURCES:
-      raise ValueError(f"task source {spec!r}; registered: {registered_task_sources()} "
-                       "(or give an import path 'pkg.module:attr')")
-    fn = _SOURCES[spec]
-  return fn(split, **kwargs)
+  return TASK_SOURCES.resolve(spec)(split, **kwargs)
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+  """The order in which epoch `epoch` visits indices 0..n-1: a permutation seeded by
+  (seed, epoch), or 0..n-1 when not shuffling. A pure function of its arguments, so a
+  resumed run walks the same order (DESIGN.md invariant 6)."""
+  if not shuffle:
+    return np.arange(n)
+  return np.random.default_rng([seed, epoch]).permutation(n)
 
 
 @dataclasses.dataclass
@@ -110,12 +104,7 @@ class TaskStream:
 
   def _epoch_order(self) -> np.ndarray:
     if self._order is None:
-      n = len(self.source)
-      if self.shuffle:
-        rng = np.random.default_rng([self.seed, self.epoch])
-        self._order = rng.permutation(n)
-      else:
-        self._order = np.arange(n)
+      self._order = epoch_order(len(self.source), self.seed, self.epoch, self.shuffle)
     return self._order
 
   def next(self, count: int) -> list[dict]:

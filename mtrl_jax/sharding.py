@@ -10,14 +10,24 @@ tiny test models run on any mesh.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-if TYPE_CHECKING:  # models imports this module
-  from mtrl_jax.models.config import ModelConfig
+
+
+class ModelDims(Protocol):
+  """The model sizes the rules need (`mtrl_jax.models.ModelConfig` has them); a protocol,
+  because models import this module, not the other way round."""
+
+  vocab_size: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -74,13 +84,13 @@ def single_device_mesh() -> jax.sharding.Mesh:
   return make_mesh((1, 1, 1), devices=jax.devices()[:1])
 
 
-def _logical_sizes(cfg: ModelConfig) -> dict[str, int]:
+def _logical_sizes(cfg: ModelDims) -> dict[str, int]:
   return {"vocab": cfg.vocab_size, "embed": cfg.d_model, "q_heads": cfg.num_heads,
           "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "mlp": cfg.mlp_dim,
           "norm": cfg.d_model}
 
 
-def rules_for(cfg: ModelConfig, mesh: jax.sharding.Mesh,
+def rules_for(cfg: ModelDims, mesh: jax.sharding.Mesh,
               rules=TRAIN_RULES) -> tuple[tuple[str, Optional[str]], ...]:
   """`rules` with every mapping dropped whose mesh axis does not divide the dim."""
   sizes = _logical_sizes(cfg)

@@ -1,8 +1,12 @@
-"""Test set-up: 8 fake CPU devices, set before jax is imported anywhere.
+"""Test set-up: 8 fake CPU devices, set before jax is imported anywhere; shared fixtures.
 
 The backend optimisation level only changes how hard LLVM optimises the CPU
 code (the XLA program is the same); level 0 halves compile time, which
 dominates this suite.
+
+Fixtures (built by `mtrl_jax.testing`, which also holds the scripted fakes):
+`byte_tokenizer`, `renderer` (compact chat format on it, fresh per test) and
+`tiny_model` (the seed-0 `tiny` preset, built once per process).
 """
 import os
 
@@ -11,3 +15,25 @@ os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", "")] +
     [f for f in _FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402  (after the XLA flags above)
+
+from mtrl_jax import testing  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+  """The byte tokenizer with the default specials (shared: it is immutable)."""
+  return testing.byte_tokenizer()
+
+
+@pytest.fixture
+def renderer():
+  """A fresh compact-format renderer on the byte tokenizer (its counters start at 0)."""
+  return testing.byte_renderer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+  """The seed-0 `tiny` model, built once per process; tests must not mutate it."""
+  return testing.tiny_model()

@@ -8,11 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrl_jax import losses, models, sharding
+from mtrl_jax import losses, sharding, testing
 from mtrl_jax.checkpoint import Checkpointer
 from mtrl_jax.train import OptimConfig, TrainState, TrainStep
 
-CFG = models.get_preset("tiny")
 META = {"data": {"position": 12, "seed": 3}, "curriculum": {"level": 2, "names": ["a", "b"]},
         "best_score": 0.5}
 
@@ -20,7 +19,7 @@ META = {"data": {"position": 12, "seed": 3}, "curriculum": {"level": 2, "names":
 @functools.cache
 def _trainer(shape=(1, 1, 1)):
   mesh = sharding.make_mesh(shape, devices=jax.devices()[:int(np.prod(shape))])
-  model = _model()
+  model = testing.tiny_model()
   ts = TrainStep(model, losses.LossConfig(), OptimConfig(), mesh)
 
   def perturb(state, shift):
@@ -32,11 +31,6 @@ def _trainer(shape=(1, 1, 1)):
 
   ts.test_perturb = jax.jit(perturb, out_shardings=ts.state_shardings)
   return model, ts
-
-
-@functools.cache
-def _model():
-  return models.create_model(CFG, seed=0)
 
 
 def _state(model, ts, shift=0):

@@ -5,14 +5,20 @@ The researcher-facing API (DESIGN.md section 4). An environment subclasses
 trajectory and is named in the config by registry name or import path
 (`resolve_factory`). The framework runs each step through
 `step_environment`, which enforces limits, classifies faults and composes the
-reward. See `mtrl_jax/envs/examples/weather.py` for a complete example.
+reward from the `Grade`s the environment returns (`mtrl_jax.envs.reward`). See
+`mtrl_jax/tasks/weather.py` for a complete example; concrete tasks live in
+`mtrl_jax.tasks`, above this package.
 
-Submodules not imported here: `sandbox` (code execution), `feedback`,
-`tasks`, `examples`.
+Submodules not imported here: `sandbox` (code execution), and the
+compatibility aliases `tasks`, `feedback`, `examples` (old paths of
+`mtrl_jax.tasks`).
 """
 
 from mtrl_jax.envs.core import (ROLES, Environment, EnvironmentFactory, SharedResource, Thread,
                                 Turn)
+from mtrl_jax.envs.grades import Grade, as_grade, normalize_grades
+from mtrl_jax.envs.reward import (RewardBreakdown, RewardConfig, RewardDominanceWarning,
+                                  check_reward_dominance, compose_reward, mean_score)
 from mtrl_jax.envs.registry import (register_env_factory, registered_env_factories,
                                     resolve_factory)
 from mtrl_jax.envs.faults import (MODEL_CAUSED, EnvFault, Fault, FaultCounter, FaultKind,
@@ -20,18 +26,22 @@ from mtrl_jax.envs.faults import (MODEL_CAUSED, EnvFault, Fault, FaultCounter, F
                                   ModelFormatError, ToolError, call_with_timeout, classify)
 from mtrl_jax.envs.tools import (Tool, ToolCache, ToolCallRecord, ToolResults, ToolSet,
                                  canonical_arguments, tool)
-from mtrl_jax.envs.runner import (StepLimits, StepOutcome, fault_source, rollout_scripted,
-                                  step_environment)
+from mtrl_jax.envs.runner import (StepLimits, StepOutcome, fault_source, render_thread,
+                                  rollout_scripted, step_environment)
 from mtrl_jax.envs.user_sim import LLMUserSimulator, ScriptedUserSimulator, UserReply
 
 __all__ = [
     "ROLES", "Environment", "EnvironmentFactory", "SharedResource", "Thread", "Turn",
+    "Grade", "as_grade", "normalize_grades",
+    "RewardBreakdown", "RewardConfig", "RewardDominanceWarning", "check_reward_dominance",
+    "compose_reward", "mean_score",
     "register_env_factory", "registered_env_factories", "resolve_factory",
     "MODEL_CAUSED", "EnvFault", "Fault", "FaultCounter", "FaultKind", "FaultPolicy",
     "FaultTimeoutError", "InfrastructureError", "ModelFormatError", "ToolError",
     "call_with_timeout", "classify",
     "Tool", "ToolCache", "ToolCallRecord", "ToolResults", "ToolSet", "canonical_arguments",
     "tool",
-    "StepLimits", "StepOutcome", "fault_source", "rollout_scripted", "step_environment",
+    "StepLimits", "StepOutcome", "fault_source", "render_thread", "rollout_scripted",
+    "step_environment",
     "LLMUserSimulator", "ScriptedUserSimulator", "UserReply",
 ]

@@ -23,20 +23,9 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from mtrl_jax.envs.faults import Fault, FaultKind
+from mtrl_jax.resources import SharedResource  # re-exported: the env API names it
 
 ROLES = ("system", "user", "assistant", "tool")
-
-
-class SharedResource:
-  """Mixin: deep copies return the object itself.
-
-  For things an environment holds but must not duplicate when it is forked
-  at a tree branch point: model-backed judges and user simulators, caches,
-  connections. They must be safe to use from several forks at once.
-  """
-
-  def __deepcopy__(self, memo):
-    return self
 
 
 @dataclasses.dataclass(frozen=True)

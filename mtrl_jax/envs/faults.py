@@ -241,7 +241,7 @@ class _TimedWorkers:
 
   A thread started per call made a calculator environment step cost 0.35 ms
   against 0.24 ms with pooled workers on a quiet 2-core machine, and 1.2 ms
-  against 0.2-0.3 ms with both cores busy (experiments/bench_env.py; inline,
+  against 0.2-0.3 ms with both cores busy (benchmarks/bench_env.py; inline,
   without the guard, the step is 0.16 ms). A worker stuck past its timeout
   is simply not idle: the next call starts another worker, and the stuck one
   rejoins the idle list if its call ever returns.

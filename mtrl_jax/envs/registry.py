@@ -8,17 +8,17 @@
     resolve_factory("calculator", show_tools=True) # constructor arguments
 
 A user's own environment runs without editing the package: the config names it
-as `--config.env.factory=my_pkg.my_env:MyFactory`.
+as `--config.env.factory=my_pkg.my_env:MyFactory`. Registry names of the
+built-in tasks resolve once `mtrl_jax.tasks` is imported (the training entry
+points do it).
 """
 
 from __future__ import annotations
 
-import importlib
-import threading
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from mtrl_jax.envs.core import Environment, EnvironmentFactory
-from mtrl_jax.registry import import_object
+from mtrl_jax.registry import Registry
 
 
 class _FunctionFactory(EnvironmentFactory):
@@ -31,10 +31,12 @@ class _FunctionFactory(EnvironmentFactory):
     return self.fn(metadata)
 
 
-_REGISTRY: dict[str, Any] = {}
-_REGISTRY_LOCK = threading.Lock()
-# Imported on a registry miss so their factories register themselves.
-_BUILTIN_MODULES = ("mtrl_jax.envs.examples", "mtrl_jax.envs.tasks")
+# name -> an EnvironmentFactory subclass or instance, an Environment class, or a
+# callable `metadata -> Environment`. The built-in tasks (`mtrl_jax.tasks`, a
+# higher layer) register themselves when imported; the run's composition root
+# imports them.
+ENV_FACTORIES = Registry("environment factory", hint="the built-in tasks (calculator, coop, "
+                         "humaneval, weather) register when mtrl_jax.tasks is imported")
 
 
 def register_env_factory(name: str):
@@ -44,30 +46,11 @@ def register_env_factory(name: str):
   the keyword arguments given to `resolve_factory`), a factory instance, or a
   callable `metadata -> Environment`.
   """
-  if not isinstance(name, str) or not name or ":" in name:
-    raise ValueError(f"register_env_factory: name must be a non-empty string without ':', "
-                     f"got {name!r}")
-
-  def decorate(obj):
-    with _REGISTRY_LOCK:
-      if name in _REGISTRY and _REGISTRY[name] is not obj:
-        old = _REGISTRY[name]
-        same = getattr(old, "__qualname__", None) == getattr(obj, "__qualname__", 0) and (
-            getattr(old, "__module__", None) == getattr(obj, "__module__", 0))
-        if not same:  # re-importing a module re-registers the same name: fine
-          raise ValueError(f"environment factory {name!r} is already registered to {old!r}")
-      _REGISTRY[name] = obj
-    return obj
-
-  return decorate
+  return ENV_FACTORIES.register(name)
 
 
 def registered_env_factories() -> list[str]:
-  return sorted(_REGISTRY)
-
-
-def _import_path(spec: str):
-  return import_object(spec, "environment factory")
+  return ENV_FACTORIES.names()
 
 
 def resolve_factory(spec, **kwargs) -> EnvironmentFactory:
@@ -83,23 +66,7 @@ def resolve_factory(spec, **kwargs) -> EnvironmentFactory:
   Returns:
     An object with `create_environment(metadata)`.
   """
-  obj = spec
-  if isinstance(spec, str):
-    if ":" in spec:
-      obj = _import_path(spec)
-    else:
-      if spec not in _REGISTRY:
-        for module in _BUILTIN_MODULES:
-          try:
-            importlib.import_module(module)
-          except ModuleNotFoundError as e:
-            if e.name != module:  # a real import error inside the module
-              raise
-      if spec not in _REGISTRY:
-        raise ValueError(f"unknown environment factory {spec!r}; registered: "
-                         f"{registered_env_factories()}; or use an import path "
-                         "'package.module:Name'")
-      obj = _REGISTRY[spec]
+  obj = ENV_FACTORIES.resolve(spec) if isinstance(spec, str) else spec
   if isinstance(obj, EnvironmentFactory) or (
       not isinstance(obj, type) and hasattr(obj, "create_environment")):
     if kwargs:

@@ -50,18 +50,9 @@ from typing import Optional, Sequence
 from mtrl_jax.envs.core import Thread, Turn
 from mtrl_jax.envs.faults import (Fault, FaultKind, FaultPolicy, InfrastructureError,
                                   call_with_timeout, classify)
-from mtrl_jax.graders.reward import RewardBreakdown, RewardConfig, compose_reward, mean_score
-
-
-def normalize_grades(grades):
-  # Imported at call time: mtrl_jax.graders.base imports mtrl_jax.envs.core.
-  from mtrl_jax.graders.base import normalize_grades as normalize
-  return normalize(grades)
-
-# Traceback module prefixes -> fault source, most specific first.
-_SOURCES = (("mtrl_jax.graders.judges", "judge"), ("mtrl_jax.graders.local_llm", "judge"),
-            ("mtrl_jax.graders", "grader"), ("mtrl_jax.envs.user_sim", "user_sim"),
-            ("mtrl_jax.envs.tools", "tool"))
+from mtrl_jax.envs.grades import normalize_grades
+from mtrl_jax.envs.reward import RewardBreakdown, RewardConfig, compose_reward, mean_score
+from mtrl_jax.text.ledger import TokenLedger
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,16 +129,21 @@ class StepOutcome:
 
 
 def fault_source(exc: BaseException) -> str:
-  """Which part raised `exc`: an explicit `exc.source`, else from the traceback."""
+  """Which part raised `exc`.
+
+  An explicit `exc.source` wins. Otherwise the innermost frame of the
+  traceback that runs a method of an object whose class declares a
+  `fault_source` (graders: 'grader', judges and text generators: 'judge',
+  user simulators: 'user_sim', tools: 'tool') names it; else 'environment'.
+  """
   if getattr(exc, "source", None):
     return exc.source
   source, tb = "environment", exc.__traceback__
   while tb is not None:
-    module = tb.tb_frame.f_globals.get("__name__", "")
-    for prefix, name in _SOURCES:
-      if module.startswith(prefix):
-        source = name
-        break
+    owner = tb.tb_frame.f_locals.get("self")
+    declared = getattr(type(owner), "fault_source", None) if owner is not None else None
+    if isinstance(declared, str):
+      source = declared
     tb = tb.tb_next
   return source
 
@@ -179,18 +175,21 @@ def _validated(result, threads: Sequence[Thread], joint: bool):
   return nxt, grades
 
 
-def _render(threads: list, renderer) -> list:
-  """Renders each thread's unrendered turns into a copy of its ledger."""
-  from mtrl_jax.text import TokenLedger
-  out = []
-  for t in threads:
-    ledger = TokenLedger() if t.ledger is None else t.ledger.copy()
-    if ledger.open_turn is not None:
-      raise InfrastructureError("thread ledger has an open assistant turn without completion")
-    for turn in t.turns[ledger.num_turns:]:
-      renderer.render_turn(ledger, turn)
-    out.append(t.replace(ledger=ledger))
-  return out
+def render_thread(thread: Thread, renderer) -> Thread:
+  """The thread with its unrendered turns rendered into a copy of its ledger, once.
+
+  Args:
+    thread: a thread whose ledger (None: a new one) holds its first turns.
+    renderer: the policy's `ChatRenderer`.
+  Raises:
+    InfrastructureError when the ledger has an assistant turn left open.
+  """
+  ledger = TokenLedger() if thread.ledger is None else thread.ledger.copy()
+  if ledger.open_turn is not None:
+    raise InfrastructureError("thread ledger has an open assistant turn without completion")
+  for turn in thread.turns[ledger.num_turns:]:
+    renderer.render_turn(ledger, turn)
+  return thread.replace(ledger=ledger)
 
 
 def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
@@ -244,7 +243,7 @@ def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
       result = call_with_timeout(react, limits.react_timeout_s, "react_to")
       next_threads, grades = _validated(result, threads, joint)
       if next_threads is not None and renderer is not None:
-        next_threads = _render(next_threads, renderer)
+        next_threads = [render_thread(t, renderer) for t in next_threads]
       break
     except Exception as e:  # classified; the run goes on
       kind = classify(e)
@@ -302,7 +301,7 @@ def rollout_scripted(env, policy_texts: Sequence, limits: StepLimits = StepLimit
   """
   threads = env.initial_threads() if env.num_agents > 1 else [env.initial_thread()]
   if renderer is not None:
-    threads = _render(threads, renderer)
+    threads = [render_thread(t, renderer) for t in threads]
   outcomes, seen = [], []
   for i, texts in enumerate(policy_texts):
     texts = list(texts) if env.num_agents > 1 else [texts]

@@ -55,6 +55,8 @@ class Tool:
       infrastructure. `ToolError` always does.
   """
 
+  fault_source = "tool"  # faults raised inside are the tool's (`fault_source`)
+
   fn: Callable
   name: str
   description: str
@@ -116,6 +118,8 @@ class ToolCache(SharedResource):
   stay valid across branches. Pass one cache to every ToolSet of a factory to
   share it across trajectories.
   """
+
+  fault_source = "tool"
 
   def __init__(self):
     self._lock = threading.Lock()
@@ -194,6 +198,8 @@ class ToolSet:
       and a tool_error fault); None: unlimited.
     max_result_chars: longer results are cut (the token budget is finite).
   """
+
+  fault_source = "tool"
 
   def __init__(self, tools: Iterable = (), *, cache: Optional[ToolCache] = None,
                max_retries: int = 1, max_calls: Optional[int] = None,

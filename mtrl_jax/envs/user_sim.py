@@ -1,7 +1,7 @@
 """User simulators: where the next user message comes from.
 
 `ScriptedUserSimulator` replays fixed messages; `LLMUserSimulator` asks a
-local model (any `TextGenerator`, e.g. `mtrl_jax.graders.local_llm.LocalLLM`)
+local model (any `TextGenerator`, e.g. `mtrl_jax.sampling.generation.LocalLLM`)
 to play a user with a persona and a goal, and to write a done marker when the
 goal is met. The simulator is not trained: its messages become `user` turns,
 which the renderer never marks trainable, so they carry no loss.
@@ -44,6 +44,8 @@ class ScriptedUserSimulator:
   environment (each branch continues the script from where it was).
   """
 
+  fault_source = "user_sim"  # faults raised inside are the user simulator's (`fault_source`)
+
   def __init__(self, messages: Sequence[str]):
     self.messages = list(messages)
     self.position = 0
@@ -82,6 +84,8 @@ class LLMUserSimulator(SharedResource):
     sampling: passed to the generator (e.g. a `SamplingConfig`).
     max_chars: longer messages are cut (keeps the token budget bounded).
   """
+
+  fault_source = "user_sim"
 
   def __init__(self, generator, persona: str, goal: str, *, done_marker: str = "[DONE]",
                template: str = DEFAULT_PROMPT, sampling: Any = None,

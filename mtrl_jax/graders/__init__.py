@@ -1,28 +1,25 @@
-"""Graders: Grade, programmatic and LLM-judge graders, combination, reward composition.
+"""Graders: programmatic and LLM-judge graders and their combination, on the env API.
 
-`LocalLLM` (the judge / user-simulator model on our sampler) lives in
-`mtrl_jax.graders.local_llm` and is imported on first use, so that importing
-the environment API does not import JAX.
+Re-exported from lower layers, so the names users know keep working: `Grade`
+(and `as_grade`, `normalize_grades`) and reward composition from
+`mtrl_jax.envs`, the text generators judges call (`TextGenerator`,
+`ScriptedGenerator`, `LocalLLM`, `BatchingGenerator`) from
+`mtrl_jax.sampling.generation`.
 """
 
-from mtrl_jax.graders.base import (SCOPES, CombinedGrader, FunctionGrader, Grade, Grader,
-                                   ScriptedGenerator, TextGenerator, as_grade, normalize_grades,
+from mtrl_jax.envs.grades import Grade, as_grade, normalize_grades
+from mtrl_jax.envs.reward import (RewardBreakdown, RewardConfig, RewardDominanceWarning,
+                                  check_reward_dominance, compose_reward, mean_score)
+from mtrl_jax.graders.base import (GRADERS, SCOPES, CombinedGrader, FunctionGrader, Grader,
                                    register_grader, resolve_grader)
 from mtrl_jax.graders.judges import BinaryJudgeGrader, RangeJudgeGrader, render_transcript
-from mtrl_jax.graders.reward import (RewardBreakdown, RewardConfig, RewardDominanceWarning,
-                                     check_reward_dominance, compose_reward, mean_score)
+from mtrl_jax.sampling.generation import (BatchingGenerator, LocalLLM, ScriptedGenerator,
+                                          TextGenerator)
 
 __all__ = [
-    "SCOPES", "CombinedGrader", "FunctionGrader", "Grade", "Grader", "ScriptedGenerator",
-    "TextGenerator", "as_grade", "normalize_grades", "register_grader", "resolve_grader",
-    "BinaryJudgeGrader", "RangeJudgeGrader", "render_transcript",
+    "GRADERS", "SCOPES", "CombinedGrader", "FunctionGrader", "Grade", "Grader",
+    "ScriptedGenerator", "TextGenerator", "as_grade", "normalize_grades", "register_grader",
+    "resolve_grader", "BinaryJudgeGrader", "RangeJudgeGrader", "render_transcript",
     "RewardBreakdown", "RewardConfig", "RewardDominanceWarning", "check_reward_dominance",
-    "compose_reward", "mean_score", "LocalLLM",
+    "compose_reward", "mean_score", "LocalLLM", "BatchingGenerator",
 ]
-
-
-def __getattr__(name):
-  if name == "LocalLLM":
-    from mtrl_jax.graders.local_llm import LocalLLM
-    return LocalLLM
-  raise AttributeError(f"module 'mtrl_jax.graders' has no attribute {name!r}")

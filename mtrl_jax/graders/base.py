@@ -1,4 +1,4 @@
-"""Grades and graders: programmatic (`FunctionGrader`) and combined (`CombinedGrader`).
+"""Graders: programmatic (`FunctionGrader`) and combined (`CombinedGrader`), and their registry.
 
 A `Grader` scores a `Thread`. The same interface serves trajectory-level
 grading (called once, on the finished conversation) and per-turn grading
@@ -6,75 +6,27 @@ grading (called once, on the finished conversation) and per-turn grading
 `scope` records which, and LLM judges use it to choose what to show the
 judge. `grade_batch(threads)` grades many threads at once; judges override it
 to make one batched model call across trajectories.
+
+`Grade` (and `as_grade`, `normalize_grades`) belong to the environment API
+(`mtrl_jax.envs.grades`); they are re-exported here. The text generators
+judges call (`TextGenerator`, `ScriptedGenerator`) live in
+`mtrl_jax.sampling.generation` and are re-exported too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Callable, Mapping, Optional, Sequence, Union
 
-import numpy as np
+from mtrl_jax.envs.grades import Grade, as_grade, normalize_grades
+from mtrl_jax.registry import Registry
+from mtrl_jax.sampling.generation import ScriptedGenerator, TextGenerator
 
-from mtrl_jax.envs.core import SharedResource
+__all__ = ["SCOPES", "CombinedGrader", "FunctionGrader", "GRADERS", "Grade", "Grader",
+           "ScriptedGenerator", "TextGenerator", "as_grade", "normalize_grades",
+           "register_grader", "resolve_grader"]
 
 SCOPES = ("trajectory", "turn")
-
-
-@dataclasses.dataclass(frozen=True)
-class Grade:
-  """A score with its reason and named components.
-
-  Attributes:
-    score: the scalar used for reward (graders here produce [0, 1]).
-    reason: a short human-readable explanation, logged with the trajectory.
-    components: named sub-scores (e.g. each part of a CombinedGrader).
-  """
-
-  score: float
-  reason: str = ""
-  components: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-  def __post_init__(self):
-    try:
-      score = float(self.score)
-    except (TypeError, ValueError):
-      raise TypeError(f"Grade.score must be a number, got {self.score!r}") from None
-    if not math.isfinite(score):
-      raise ValueError(f"Grade.score must be finite, got {score}")
-    object.__setattr__(self, "score", score)
-    object.__setattr__(self, "components", {k: float(v) for k, v in self.components.items()})
-
-  def to_dict(self) -> dict:
-    return {"score": self.score, "reason": self.reason, "components": dict(self.components)}
-
-
-def as_grade(value: Any, what: str = "grader") -> Grade:
-  """Coerces a grader function's result: Grade, number, bool, or (score, reason)."""
-  if isinstance(value, Grade):
-    return value
-  if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
-    return Grade(float(value[0]), value[1])
-  if isinstance(value, (bool, int, float)) or hasattr(value, "__float__"):
-    return Grade(float(value))
-  raise TypeError(f"{what} returned {value!r}; expected a Grade, a number, a bool or "
-                  "(score, reason)")
-
-
-def normalize_grades(grades: Any) -> dict[str, Grade]:
-  """The grades an environment returned, as an ordered dict name -> Grade.
-
-  Accepts None, a Grade (named 'grade'), a sequence of Grades (named
-  'grade_0', ...), or a mapping name -> Grade (numbers are coerced).
-  """
-  if grades is None:
-    return {}
-  if isinstance(grades, Mapping):
-    return {str(k): as_grade(v, f"grade {k!r}") for k, v in grades.items()}
-  if isinstance(grades, (list, tuple)) and not (
-      len(grades) == 2 and isinstance(grades[1], str)):
-    return {f"grade_{i}": as_grade(g, f"grade #{i}") for i, g in enumerate(grades)}
-  return {"grade": as_grade(grades)}
 
 
 class Grader:
@@ -84,6 +36,9 @@ class Grader:
     name: used as the component name inside a `CombinedGrader` and in logs.
     scope: 'trajectory' (the whole conversation) or 'turn' (the last message).
   """
+
+  # What a fault raised while this grader runs is attributed to (`envs.fault_source`).
+  fault_source = "grader"
 
   def __init__(self, name: str, scope: str = "trajectory"):
     if scope not in SCOPES:
@@ -177,17 +132,13 @@ class CombinedGrader(Grader):
     return [self._combine([p[i] for p in per_part]) for i in range(len(threads))]
 
 
-_GRADERS: dict[str, Callable[..., Grader]] = {}
+# name -> a grader class or constructor function `(**kwargs) -> Grader`.
+GRADERS = Registry("grader")
 
 
 def register_grader(name: str):
   """Decorator registering a grader class (or constructor function) under `name`."""
-  def decorate(obj):
-    if name in _GRADERS and _GRADERS[name] is not obj:
-      raise ValueError(f"grader {name!r} is already registered to {_GRADERS[name]!r}")
-    _GRADERS[name] = obj
-    return obj
-  return decorate
+  return GRADERS.register(name)
 
 
 def resolve_grader(spec: str, **kwargs) -> Grader:
@@ -197,15 +148,7 @@ def resolve_grader(spec: str, **kwargs) -> Grader:
     spec: the name or import path.
     kwargs: constructor arguments (e.g. generator=..., criteria=...).
   """
-  if ":" in spec:
-    from mtrl_jax.registry import import_object
-    ctor = import_object(spec, "grader")
-  elif spec in _GRADERS:
-    ctor = _GRADERS[spec]
-  else:
-    raise ValueError(f"unknown grader {spec!r}; registered: {sorted(_GRADERS)}; or use an "
-                     "import path 'package.module:Name'")
-  grader = ctor(**kwargs)
+  grader = GRADERS.resolve(spec)(**kwargs)
   if not hasattr(grader, "grade"):
     raise TypeError(f"grader {spec!r} built {grader!r}, which has no grade(thread)")
   return grader
@@ -213,61 +156,3 @@ def resolve_grader(spec: str, **kwargs) -> Grader:
 
 register_grader("function")(FunctionGrader)
 register_grader("combined")(CombinedGrader)
-
-
-@runtime_checkable
-class TextGenerator(Protocol):
-  """What judges and LLM user simulators need from a language model.
-
-  `generate(prompts, sampling=None) -> list[str]`: one completion per prompt
-  (each prompt is the text of one user message; the generator applies its
-  chat format). `score_choices(prompts, choices) -> [P, C] array`: log-prob
-  of each choice string as the start of the assistant's reply to each prompt.
-  `mtrl_jax.graders.local_llm.LocalLLM` implements it on our sampler.
-  """
-
-  def generate(self, prompts: Sequence[str], sampling: Any = None) -> list[str]:
-    ...
-
-  def score_choices(self, prompts: Sequence[str], choices: Sequence[str]) -> Any:
-    ...
-
-
-class ScriptedGenerator(SharedResource):
-  """A deterministic `TextGenerator` for tests and debugging.
-
-  Args:
-    replies: a list of completions handed out in order (cycled), or a
-      function prompt -> completion.
-    scores: a function (prompt, choices) -> list of log-probs, one per choice.
-  """
-
-  def __init__(self, replies: Union[Sequence[str], Callable[[str], str], None] = None,
-               scores: Optional[Callable[[str, Sequence[str]], Sequence[float]]] = None):
-    self.replies = replies
-    self.scores = scores
-    self.prompts: list[str] = []  # every prompt seen, in order
-    self.calls = 0  # batched calls made
-    self._next = 0
-
-  def generate(self, prompts, sampling=None):
-    del sampling
-    self.calls += 1
-    out = []
-    for p in prompts:
-      self.prompts.append(p)
-      if callable(self.replies):
-        out.append(self.replies(p))
-      elif self.replies:
-        out.append(self.replies[self._next % len(self.replies)])
-        self._next += 1
-      else:
-        raise ValueError("ScriptedGenerator.generate: no replies configured")
-    return out
-
-  def score_choices(self, prompts, choices):
-    if self.scores is None:
-      raise ValueError("ScriptedGenerator.score_choices: no scores function configured")
-    self.calls += 1
-    self.prompts.extend(prompts)
-    return np.asarray([list(self.scores(p, choices)) for p in prompts], dtype=np.float64)

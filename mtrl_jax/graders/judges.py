@@ -8,7 +8,7 @@ of the answer tokens, which gives a smooth score and no format failures.
           score = (E - 1) / 4 in [0, 1].
 
 The judge model is any `TextGenerator` (`score_choices`); on our own models
-that is `mtrl_jax.graders.local_llm.LocalLLM`. `grade_batch(threads)` makes one
+that is `mtrl_jax.sampling.generation.LocalLLM`. `grade_batch(threads)` makes one
 model call for all threads.
 """
 
@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from mtrl_jax.envs.faults import InfrastructureError
-from mtrl_jax.graders.base import Grade, Grader, register_grader
+from mtrl_jax.envs.grades import Grade
+from mtrl_jax.graders.base import Grader, register_grader
 
 DEFAULT_TEMPLATE = (
     "You are grading an AI assistant.\n"
@@ -42,6 +43,7 @@ def render_transcript(thread, include_system: bool = False) -> str:
 class _JudgeGrader(Grader):
   """Shared prompt building and batching of the two judges."""
 
+  fault_source = "judge"
   choices: tuple = ()
   instruction: str = ""
 

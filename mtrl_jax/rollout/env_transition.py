@@ -26,12 +26,13 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from mtrl_jax.envs import StepLimits, StepOutcome, Thread, Turn, step_environment
+from mtrl_jax.envs import StepLimits, StepOutcome, Turn, step_environment
+from mtrl_jax.envs.runner import render_thread
 from mtrl_jax.envs.faults import Fault, FaultKind
-from mtrl_jax.graders.reward import RewardBreakdown, RewardConfig, compose_reward
+from mtrl_jax.envs.reward import RewardBreakdown, RewardConfig, compose_reward
 from mtrl_jax.rollout.engine import ActionOutcome
 from mtrl_jax.rollout.tree import Completion
-from mtrl_jax.text import ChatRenderer, TokenLedger
+from mtrl_jax.text import ChatRenderer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,16 +51,6 @@ class EnvState:
   steps: int = 0
 
 
-def _rendered(thread: Thread, renderer: ChatRenderer) -> Thread:
-  """The thread with every turn rendered into (a copy of) its ledger, once."""
-  ledger = TokenLedger() if thread.ledger is None else thread.ledger.copy()
-  if ledger.open_turn is not None:
-    raise ValueError("thread ledger has an open assistant turn without a completion")
-  for turn in thread.turns[ledger.num_turns:]:
-    renderer.render_turn(ledger, turn)
-  return thread.replace(ledger=ledger)
-
-
 class EnvTransition:
   """Adapts environments to the tree engine.
 
@@ -68,7 +59,7 @@ class EnvTransition:
       must be the sampler's stop ids.
     num_agents: N; every environment must have `num_agents == N`.
     limits: turn cap / token budget / timeout / fault policy of each step.
-    reward_cfg: reward composition weights (`mtrl_jax.graders.reward.RewardConfig`).
+    reward_cfg: reward composition weights (`mtrl_jax.envs.RewardConfig`).
   """
 
   def __init__(self, renderer: ChatRenderer, num_agents: int = 1, *,
@@ -89,7 +80,7 @@ class EnvTransition:
     if len(threads) != n:
       raise ValueError(f"{type(env).__name__}.initial_threads returned {len(threads)} "
                        f"threads for {n} agents")
-    return EnvState(env, tuple(_rendered(t, self.renderer) for t in threads), 0)
+    return EnvState(env, tuple(render_thread(t, self.renderer) for t in threads), 0)
 
   def root_states(self, factory, metadatas: Sequence[Mapping]) -> list[EnvState]:
     """One fresh environment per task from an `EnvironmentFactory`."""

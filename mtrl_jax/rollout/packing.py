@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from mtrl_jax.buckets import bucket, row_count
 from mtrl_jax.rollout.tree import Tree
 
 BATCH_KEYS = ("tokens_BxL", "loss_mask_BxL", "old_logp_BxL", "adv_B", "row_weight_B",
@@ -38,23 +39,6 @@ def batch_spec(num_rows: int, length: int) -> dict:
   import jax  # the packing itself is numpy only
   return {k: jax.ShapeDtypeStruct((num_rows, length) if k.endswith("BxL") else (num_rows,),
                                   _DTYPES[k]) for k in BATCH_KEYS}
-
-
-def bucket(n: int, buckets: Sequence[int], what: str) -> int:
-  """The smallest bucket >= n; a clear error when none is large enough."""
-  fits = [b for b in sorted(buckets) if b >= n]
-  if not fits:
-    raise ValueError(f"{what} {n} exceeds the largest bucket {max(buckets)} "
-                     f"(buckets {sorted(buckets)}); raise the bucket or shorten the rollout")
-  return fits[0]
-
-
-def default_row_count(n: int, multiple: int = 1) -> int:
-  """Next power of two >= n, rounded up to a multiple of `multiple` (the data axis)."""
-  p = 1
-  while p < max(n, 1):
-    p *= 2
-  return -(-p // multiple) * multiple
 
 
 def pack_tree(tree: Tree, *, length_buckets: Sequence[int],
@@ -103,7 +87,7 @@ def pack_tree(tree: Tree, *, length_buckets: Sequence[int],
     if num_rows % row_multiple:
       raise ValueError(f"row bucket {num_rows} is not a multiple of row_multiple={row_multiple}")
   else:
-    num_rows = default_row_count(len(rows), row_multiple)
+    num_rows = row_count(len(rows), row_multiple)
 
   tokens_BxL = np.full((num_rows, length), pad_id, np.int32)
   loss_mask_BxL = np.zeros((num_rows, length), bool)

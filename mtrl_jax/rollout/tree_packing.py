@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from mtrl_jax.buckets import bucket, row_count
 from mtrl_jax.rollout.tree import Tree
 
 TREE_BATCH_KEYS = ("tokens_BxL", "positions_BxL", "ends_BxL", "prev_BxK", "target_BxK",
@@ -176,14 +177,6 @@ def _items(trie: _Trie, max_len: int) -> list[tuple[tuple[int, ...], list[int]]]
   return items
 
 
-def bucket_at_least(n: int, buckets: Sequence[int], what: str) -> int:
-  fits = [b for b in sorted(buckets) if b >= n]
-  if not fits:
-    raise ValueError(f"{what} {n} exceeds the largest bucket {max(buckets)} "
-                     f"(buckets {sorted(buckets)}); raise the bucket or shorten the rollout")
-  return fits[0]
-
-
 def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
                  row_buckets: Optional[Sequence[int]] = None, row_multiple: int = 1,
                  pad_id: int = 0) -> tuple[dict[str, np.ndarray], dict[str, float]]:
@@ -232,16 +225,13 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
   bins = _first_fit_decreasing([len(it[4]) for it in items], length)
   num_rows = len(bins)
   if row_buckets is not None:
-    r = bucket_at_least(max(num_rows, 1), row_buckets, "packed row count")
+    r = bucket(max(num_rows, 1), row_buckets, "packed row count")
     if r % row_multiple:
       raise ValueError(f"row bucket {r} is not a multiple of row_multiple={row_multiple}")
   else:
-    r = 1
-    while r < max(num_rows, 1):
-      r *= 2
-    r = -(-r // row_multiple) * row_multiple
+    r = row_count(num_rows, row_multiple)
   most = max((sum(sum(items[i][5]) for i in b) for b in bins), default=1)
-  k = bucket_at_least(max(most, 1), logit_buckets(length), "trained tokens per row")
+  k = bucket(max(most, 1), logit_buckets(length), "trained tokens per row")
 
   tokens = np.full((r, length), pad_id, np.int32)
   positions = np.zeros((r, length), np.int32)

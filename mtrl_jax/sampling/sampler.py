@@ -53,6 +53,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from mtrl_jax.models.config import ModelConfig
 from mtrl_jax.models.transformer import KVCache, Transformer, init_cache, rope_inv_freq
 from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
+from mtrl_jax.buckets import bucket_or_pow2, next_pow2, round_up
 from mtrl_jax.sampling.filters import choose_tokens
 
 
@@ -109,21 +110,6 @@ class SampleResult:
   logprobs: np.ndarray
   lengths: np.ndarray
   finish_reason: list
-
-
-def _next_pow2(n: int, minimum: int = 1) -> int:
-  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
-
-
-def _bucket(n: int, buckets: Optional[Sequence[int]], name: str, minimum: int) -> int:
-  """Smallest configured bucket >= n, or the next power of two (>= minimum)."""
-  if buckets is None:
-    return _next_pow2(n, minimum)
-  for b in sorted(buckets):
-    if b >= n:
-      return int(b)
-  raise ValueError(f"Sampler.{name}={tuple(buckets)}: no bucket holds {n}; "
-                   f"add a bucket >= {n}")
 
 
 def _check_buckets(buckets, name):
@@ -257,19 +243,20 @@ class Sampler:
     """The jitted call's device arguments and static choices for these prompts."""
     n_prompts = len(prompts)
     max_new = sampling.max_new_tokens
-    p_rows = _bucket(n_prompts, self.batch_buckets, "batch_buckets", 1)
+    p_rows = bucket_or_pow2(n_prompts, self.batch_buckets, "prompts (Sampler.batch_buckets)")
     # Decode rows follow the prompt bucket, not the exact P * G, so the program
     # is a function of the prompt bucket alone (same sizes for power-of-two
     # buckets, fewer programs for custom ones), unless no bucket is that large.
     if self.batch_buckets is None or p_rows * g <= self.batch_buckets[-1]:
-      rows = _bucket(p_rows * g, self.batch_buckets, "batch_buckets", 1)
+      rows = bucket_or_pow2(p_rows * g, self.batch_buckets, "rows (Sampler.batch_buckets)")
     else:
-      rows = _bucket(n_prompts * g, self.batch_buckets, "batch_buckets", 1)
-    shards = self.num_batch_shards
-    rows = -(-rows // shards) * shards
-    lp = _bucket(max(p.size for p in prompts), self.prompt_buckets, "prompt_buckets", 16)
-    num_new = _bucket(max_new, self.decode_buckets, "decode_buckets", 16)
-    num_stop = _next_pow2(len(stop), 4)
+      rows = bucket_or_pow2(n_prompts * g, self.batch_buckets, "rows (Sampler.batch_buckets)")
+    rows = round_up(rows, self.num_batch_shards)
+    lp = bucket_or_pow2(max(p.size for p in prompts), self.prompt_buckets,
+                        "prompt length (Sampler.prompt_buckets)", minimum=16)
+    num_new = bucket_or_pow2(max_new, self.decode_buckets,
+                             "max_new_tokens (Sampler.decode_buckets)", minimum=16)
+    num_stop = next_pow2(len(stop), 4)
 
     prompt_PxL = np.full((p_rows, lp), pad_id, np.int32)
     valid_PxL = np.zeros((p_rows, lp), bool)

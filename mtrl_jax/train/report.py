@@ -126,7 +126,7 @@ def expand_sweep(config_spec: str, sweep_arg: str, parent: str) -> list:
 
 def train_command(config_spec: str, workdir: str, overrides: dict) -> str:
   flags = " ".join(f"--config.{k}={v}" for k, v in overrides.items())
-  return f"python experiments/train.py --config={config_spec} --workdir={workdir} {flags}"
+  return f"python -m experiments.train --config={config_spec} --workdir={workdir} {flags}"
 
 
 def _group_key(workdir: str) -> str:

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtrl_jax import sharding
-from mtrl_jax.rollout.packing import bucket
+from mtrl_jax.buckets import bucket, round_up
+from mtrl_jax.data import epoch_order
 from mtrl_jax.train import optim
 from mtrl_jax.train.step import StepConfig, TrainStep, train_mask
 
@@ -110,7 +111,7 @@ def pack_sft_rows(rows: Sequence, length_buckets: Sequence[int], *, pad_id: int 
   longest = max((ids.size for ids, _ in parsed), default=1)
   length = bucket(longest, length_buckets, "SFT row length")
   if num_rows is None:
-    num_rows = -(-max(len(parsed), 1) // row_multiple) * row_multiple
+    num_rows = round_up(max(len(parsed), 1), row_multiple)
   elif num_rows < len(parsed) or num_rows % row_multiple:
     raise ValueError(f"pack_sft_rows num_rows={num_rows}: must be >= len(rows)={len(parsed)} "
                      f"and a multiple of row_multiple={row_multiple}")
@@ -157,9 +158,7 @@ class SFTBatcher:
 
   def _order(self, epoch: int) -> np.ndarray:
     if self._cached_epoch != epoch:
-      n = len(self.source)
-      self._cached_order = (np.random.default_rng([self.seed, epoch]).permutation(n)
-                            if self.shuffle else np.arange(n))
+      self._cached_order = epoch_order(len(self.source), self.seed, epoch, self.shuffle)
       self._cached_epoch = epoch
     return self._cached_order
 

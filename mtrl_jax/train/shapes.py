@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from mtrl_jax.buckets import bucket, round_up
 from mtrl_jax.rollout import plan_tree
 from mtrl_jax.rollout.packing import batch_spec
 from mtrl_jax.rollout.tree_packing import logit_buckets, tree_batch_spec
@@ -61,7 +62,7 @@ class ShapePlan:
     out = []
     for call in self.calls:
       for p in self.sampler_rows:
-        if p <= _round_up_to(call.max_prompts, self.sampler_rows):
+        if p <= bucket(call.max_prompts, self.sampler_rows, "sampler prompt rows"):
           out.extend((call, p, lp) for lp in self.prompt_lens)
     return out
 
@@ -76,14 +77,6 @@ class ShapePlan:
     """The batch specs (`jax.ShapeDtypeStruct`s) of every train program."""
     spec = tree_batch_spec if self.packing == "tree" else batch_spec
     return [spec(*shape) for shape in self.train_shapes()]
-
-
-def _round_up_to(n: int, buckets) -> int:
-  return min(b for b in buckets if b >= n)
-
-
-def _multiple(n: int, k: int) -> int:
-  return -(-n // k) * k
 
 
 def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
@@ -115,10 +108,10 @@ def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
     sampled = dataclasses.replace(exp.sampling, greedy=False, temperature=1.0, top_p=1.0,
                                   top_k=0)
     calls.append(SamplerCall(sampled, 1, max(eval_sizes)))
-  prompt_rows = {_multiple(c, sampler_shards) for c in counts}
+  prompt_rows = {round_up(c, sampler_shards) for c in counts}
   # Decode rows are the bucket of (prompt-row bucket) x G.
-  decode_rows = {_multiple(p * c.num_generations, sampler_shards) for c in calls
-                 for p in prompt_rows if p <= _round_up_to(c.max_prompts, prompt_rows)}
+  decode_rows = {round_up(p * c.num_generations, sampler_shards) for c in calls
+                 for p in prompt_rows if p <= bucket(c.max_prompts, prompt_rows, "sampler prompt rows")}
   sampler_rows = tuple(sorted(prompt_rows | decode_rows))
   prompt_lens = run.prompt_buckets or run.length_buckets
   total = plan.rows
@@ -126,7 +119,7 @@ def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
     fractions, train_lens = (32, 16, 8, 4, 2, 1), (max(run.length_buckets),)
   else:
     fractions, train_lens = (4, 2, 1), tuple(run.length_buckets)
-  train_rows = tuple(sorted({_multiple(max(total // d, 1), row_multiple) for d in fractions}))
+  train_rows = tuple(sorted({round_up(max(total // d, 1), row_multiple) for d in fractions}))
   return ShapePlan(sampler_rows=sampler_rows, prompt_lens=tuple(prompt_lens),
                    train_rows=train_rows, train_lens=train_lens, calls=tuple(calls),
                    packing=run.packing)

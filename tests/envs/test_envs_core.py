@@ -8,8 +8,7 @@ import pytest
 
 from mtrl_jax.envs import (Environment, EnvironmentFactory, SharedResource, Thread, ToolSet, Turn,
                            register_env_factory, registered_env_factories, resolve_factory, tool)
-from mtrl_jax.envs.examples.weather import WeatherEnv, WeatherFactory
-from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
+from mtrl_jax.tasks.weather import WeatherEnv, WeatherFactory
 
 
 def test_turn_validation_and_immutability():
@@ -38,9 +37,7 @@ def test_thread_append_is_persistent():
     Thread(("user", "x"))
 
 
-def test_thread_fork_copies_ledger_only():
-  tok = ByteTokenizer()
-  renderer = ChatRenderer(tok, compact(tok))
+def test_thread_fork_copies_ledger_only(renderer):
   thread = Thread.from_messages([("user", "hi")])
   ledger = renderer.render_conversation(thread.turns)
   thread = thread.replace(ledger=ledger)

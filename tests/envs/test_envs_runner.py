@@ -12,14 +12,15 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.envs import (Environment, FaultCounter, FaultKind, FaultPolicy, InfrastructureError,
-                           ModelFormatError, StepLimits, Thread, ToolError, ToolSet, Turn,
-                           resolve_factory, rollout_scripted, step_environment, tool)
-from mtrl_jax.graders import Grade, RewardConfig
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.tree import Completion
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
+from mtrl_jax.envs import (Environment, FaultCounter, FaultKind, FaultPolicy, Grade,
+                           InfrastructureError, ModelFormatError, RewardConfig, StepLimits, Thread,
+                           ToolError, ToolSet, Turn, fault_source, resolve_factory,
+                           rollout_scripted, step_environment, tool)
+from mtrl_jax.tasks import weather  # noqa: F401  (registers "weather")
 
 REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.01, tool_penalty=-0.1,
                       shaping_weight=0.05)
@@ -27,12 +28,6 @@ REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.01, tool_penalty=-0.1,
 
 def call(name, **arguments):
   return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
-@pytest.fixture(scope="module")
-def renderer():
-  tok = ByteTokenizer()
-  return ChatRenderer(tok, compact(tok))
 
 
 def test_weather_example_end_to_end(renderer):
@@ -316,6 +311,39 @@ def test_environment_misuse_is_infrastructure():
                            StepLimits(faults=FaultPolicy(max_retries=0)))
     assert out.masked and out.done and needle in out.faults[0].message
     assert out.faults[0].kind == FaultKind.INFRASTRUCTURE
+
+
+def test_fault_source_is_the_innermost_object_declaring_one():
+  """Sources come from a class attribute on the traceback, not from module names."""
+
+  class Service:
+    fault_source = "my_service"
+
+    def call(self, inner=None):
+      if inner is not None:
+        return inner.call()
+      raise RuntimeError("down")
+
+  class Inner:
+    fault_source = "inner_service"
+
+    def call(self):
+      raise RuntimeError("inner down")
+
+  for service, inner, want in [(Service(), None, "my_service"),
+                               (Service(), Inner(), "inner_service")]:
+    class Calls(Environment):
+      def react_to(self, thread):
+        return None, {"g": service.call(inner)}
+
+    env = Calls({"prompt": "x"})
+    out = step_environment(env, env.initial_thread().append(Turn("assistant", "a")),
+                           StepLimits(faults=FaultPolicy(max_retries=0)))
+    assert out.masked and out.faults[0].source == want
+  explicit = InfrastructureError("tagged")
+  explicit.source = "explicit"
+  assert fault_source(explicit) == "explicit"
+  assert fault_source(RuntimeError("no traceback")) == "environment"
 
 
 def test_grader_fault_source_is_traced():

@@ -5,7 +5,6 @@ import pytest
 from mtrl_jax.envs import (Environment, FaultKind, InfrastructureError, LLMUserSimulator,
                            ScriptedUserSimulator, Thread, Turn, rollout_scripted)
 from mtrl_jax.graders import ScriptedGenerator
-from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 
 
 class _Chat(Environment):
@@ -29,11 +28,9 @@ def test_scripted_user_simulator_conversation():
   assert outs[-1].grades["turns"].score == pytest.approx(1 / 3)
 
 
-def test_llm_user_simulator_prompt_done_marker_and_masking():
+def test_llm_user_simulator_prompt_done_marker_and_masking(renderer):
   gen = ScriptedGenerator(replies=["  Which city?  ", "Thanks! [DONE] extra"])
   sim = LLMUserSimulator(gen, persona="a tourist", goal="know the weather in Oslo")
-  tok = ByteTokenizer()
-  renderer = ChatRenderer(tok, compact(tok))
   outs, seen = rollout_scripted(_Chat(sim), ["Hi!", "Oslo is 4C."], renderer=renderer)
   assert outs[-1].done and len(outs) == 2
   user_turn = outs[0].next_thread.turns[-1]
@@ -47,7 +44,7 @@ def test_llm_user_simulator_prompt_done_marker_and_masking():
   user_pos = [i for i, r in enumerate(ledger.roles) if r == "user"]
   assert len(user_pos) > len("hello") + len("Which city?")
   assert not any(ledger.trainable[i] for i in user_pos)
-  assert tok.decode([ledger.ids[i] for i in user_pos]).count("Which city?") == 1
+  assert renderer.tokenizer.decode([ledger.ids[i] for i in user_pos]).count("Which city?") == 1
 
 
 def test_llm_user_simulator_batch_and_failures():

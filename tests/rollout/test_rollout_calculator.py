@@ -6,14 +6,14 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.envs import StepLimits, resolve_factory
-from mtrl_jax.envs.tasks import calculator
-from mtrl_jax.graders.reward import RewardConfig
+from mtrl_jax.envs import RewardConfig, StepLimits, resolve_factory
+from mtrl_jax.tasks import calculator
 from mtrl_jax.rollout import Completion, TreeConfig, expand_tree, pack_tree, write_rollout_dump
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
+from mtrl_jax.testing import byte_renderer, byte_tokenizer
+from mtrl_jax.text import compact
 
-TOK = ByteTokenizer(extra_specials=calculator.EXTRA_SPECIALS)
+TOK = byte_tokenizer(calculator.EXTRA_SPECIALS)
 FMT = compact(TOK)
 END = "<|end|>"
 REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.05, tool_penalty=-0.2)
@@ -56,7 +56,7 @@ def tool_results(task):
 
 
 def _tree(policy, tasks):
-  transition = EnvTransition(ChatRenderer(TOK, FMT), reward_cfg=REWARD,
+  transition = EnvTransition(byte_renderer(calculator.EXTRA_SPECIALS), reward_cfg=REWARD,
                              limits=StepLimits(max_turns=8))
   roots = transition.root_states(resolve_factory("calculator"), tasks)
   cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn", discount=0.9)

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.rollout import FakePolicySampler, TreeConfig, expand_tree, pack_tree, plan_tree
+from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree, plan_tree
 from mtrl_jax.rollout.dump import node_records
-from rollout_scripted import FEEDBACK, ScriptedTransition
+from mtrl_jax.testing import FEEDBACK, FakePolicySampler, ScriptedTransition
 
 KEY = jax.random.key(0)
 

@@ -4,19 +4,19 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.envs import StepLimits
-from mtrl_jax.graders.reward import RewardConfig
-from mtrl_jax.rollout import FakePolicySampler, TreeConfig, expand_tree, pack_tree
+from mtrl_jax.envs import RewardConfig, StepLimits
+from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
-from rollout_envs import CLOSED, DuoEnv, SoloEnv, ToolThenUserEnv
+from mtrl_jax.testing import (CLOSED, DuoEnv, FakePolicySampler, SoloEnv, ToolThenUserEnv,
+                              byte_renderer, byte_tokenizer)
+from mtrl_jax.text import compact
 
-TOK = ByteTokenizer()
+TOK = byte_tokenizer()
 FMT = compact(TOK)
 
 
 def _setup(n, **env_kw):
-  renderer = ChatRenderer(TOK, FMT)
+  renderer = byte_renderer()
   # CoMLRL scores every joint action, continuing ones included: per-turn grades
   # (shaping) weigh as much as final ones.
   transition = EnvTransition(renderer, num_agents=n, reward_cfg=RewardConfig(shaping_weight=1.0))
@@ -88,7 +88,7 @@ def test_stop_and_infrastructure_faults():
 
 def test_single_agent_and_limits():
   cfg = TreeConfig(num_turns=3, num_generations=2)
-  renderer = ChatRenderer(TOK, FMT)
+  renderer = byte_renderer()
   transition = EnvTransition(renderer, limits=StepLimits(max_turns=2))
   sampler = FakePolicySampler(vocab=128, low=32, max_new_tokens=4, stop_id=FMT.stop_ids[0])
   tree = expand_tree(cfg, sampler, transition,
@@ -104,7 +104,7 @@ def test_ids_past_the_tokenizer_are_a_penalised_format_fault():
   # A model vocabulary larger than the tokenizer's: every sampled id is in
   # [268, 300), past ByteTokenizer()'s 268 ids, so no message can be decoded.
   reward_cfg = RewardConfig(step_penalty=-0.05, tool_penalty=-0.2)
-  transition = EnvTransition(ChatRenderer(TOK, FMT), reward_cfg=reward_cfg)
+  transition = EnvTransition(byte_renderer(), reward_cfg=reward_cfg)
   sampler = FakePolicySampler(vocab=300, low=TOK.vocab_size, max_new_tokens=3)
   cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
   tree = expand_tree(cfg, sampler, transition, [transition.root_state(SoloEnv({"prompt": "go"}))],
@@ -118,7 +118,7 @@ def test_ids_past_the_tokenizer_are_a_penalised_format_fault():
 
 
 def test_user_turn_substeps_close_every_state_once():
-  transition = EnvTransition(ChatRenderer(TOK, FMT), limits=StepLimits(max_turns=8))
+  transition = EnvTransition(byte_renderer(), limits=StepLimits(max_turns=8))
   sampler = FakePolicySampler(vocab=128, low=32, max_new_tokens=4, stop_id=FMT.stop_ids[0])
   cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
   CLOSED.clear()
@@ -134,7 +134,7 @@ def test_user_turn_substeps_close_every_state_once():
       assert [s["continues_turn"] for s in steps] == [True, False]
   # Sub-steps count as policy turns for the turn cap: with max_turns=3 the
   # child's first step is the 3rd policy message and truncates.
-  capped = EnvTransition(ChatRenderer(TOK, FMT), limits=StepLimits(max_turns=3))
+  capped = EnvTransition(byte_renderer(), limits=StepLimits(max_turns=3))
   tree = expand_tree(cfg, sampler, capped,
                      [capped.root_state(ToolThenUserEnv({"prompt": "go"}))], jax.random.key(4))
   for kid in tree.nodes[1:]:

@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.rollout import (BATCH_KEYS, Completion, FakePolicySampler, Tree, TreeConfig,
-                              expand_tree, pack_tree, write_rollout_dump)
+from mtrl_jax.rollout import (BATCH_KEYS, Completion, Tree, TreeConfig, expand_tree, pack_tree,
+                              write_rollout_dump)
 from mtrl_jax.rollout.dump import dump_path
-from rollout_scripted import ScriptedTransition
+from mtrl_jax.testing import FakePolicySampler, ScriptedTransition
 
 
 def _comp(ids, lps):

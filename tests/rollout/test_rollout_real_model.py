@@ -4,27 +4,25 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mtrl_jax.graders.reward import RewardConfig
-from mtrl_jax.models import create_model, get_preset
+from mtrl_jax.envs import RewardConfig
+from mtrl_jax.models import create_model
 from mtrl_jax.rollout import SamplerPolicy, TreeConfig, expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.sampling import Sampler, SamplingConfig
-from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
-from mtrl_jax.envs.tasks import calculator
-from rollout_envs import DuoEnv, ToolThenUserEnv
+from mtrl_jax.tasks import calculator
+from mtrl_jax.testing import DuoEnv, ToolThenUserEnv, byte_renderer
 
 
-def test_tiny_model_tree_shared_and_separate_policies():
-  cfg = get_preset("tiny")
-  tok = ByteTokenizer()
-  fmt = compact(tok)
-  _, state0 = nnx.split(create_model(cfg, seed=0))
+def test_tiny_model_tree_shared_and_separate_policies(tiny_model, renderer):
+  cfg = tiny_model.cfg
+  tok, fmt = renderer.tokenizer, renderer.fmt
+  _, state0 = nnx.split(tiny_model)
   _, state1 = nnx.split(create_model(cfg, seed=1))
   # Fixed buckets: every level of both runs fits one compiled program.
   sampler = Sampler(cfg, batch_buckets=(16,), prompt_buckets=(64,), decode_buckets=(16,))
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
   tree_cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2)
-  transition = EnvTransition(ChatRenderer(tok, fmt), num_agents=2,
+  transition = EnvTransition(renderer, num_agents=2,
                              reward_cfg=RewardConfig(shaping_weight=1.0))
 
   def run(states):
@@ -55,17 +53,17 @@ def test_tiny_model_tree_shared_and_separate_policies():
   assert root_ids(shared, 1) != root_ids(separate, 1)
 
 
-def test_tiny_model_user_turn_tree_with_tool_substeps():
+def test_tiny_model_user_turn_tree_with_tool_substeps(tiny_model):
   # The calculator tokenizer (270 ids) under a 300-id model: ids past the
   # tokenizer end the episode as a model format fault instead of crashing.
-  cfg = get_preset("tiny")
-  tok = ByteTokenizer(extra_specials=calculator.EXTRA_SPECIALS)
-  fmt = compact(tok)
-  _, state = nnx.split(create_model(cfg, seed=0))
+  cfg = tiny_model.cfg
+  renderer = byte_renderer(calculator.EXTRA_SPECIALS)
+  tok, fmt = renderer.tokenizer, renderer.fmt
+  _, state = nnx.split(tiny_model)
   sampler = Sampler(cfg, batch_buckets=(16,), prompt_buckets=(64,), decode_buckets=(16,))
   policy = SamplerPolicy(sampler, state, SamplingConfig(temperature=1.0, max_new_tokens=6),
                          stop_ids=fmt.stop_ids, pad_id=tok.pad_id)
-  transition = EnvTransition(ChatRenderer(tok, fmt), reward_cfg=RewardConfig(shaping_weight=1.0))
+  transition = EnvTransition(renderer, reward_cfg=RewardConfig(shaping_weight=1.0))
   roots = [transition.root_state(ToolThenUserEnv({"prompt": p})) for p in ("12+3=", "7*8=")]
   tree_cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
   tree = expand_tree(tree_cfg, policy, transition, roots, jax.random.key(0))

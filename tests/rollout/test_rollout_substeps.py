@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.rollout import (ActionOutcome, Completion, FakePolicySampler, Tree, TreeConfig,
-                              expand_tree, pack_tree, plan_tree, write_rollout_dump)
-from rollout_scripted import FEEDBACK, TOOL, ScriptedTransition
+from mtrl_jax.rollout import (ActionOutcome, Completion, Tree, TreeConfig, expand_tree, pack_tree,
+                              plan_tree, write_rollout_dump)
+from mtrl_jax.testing import FEEDBACK, TOOL, FakePolicySampler, ScriptedTransition
 
 KEY = jax.random.key(0)
 

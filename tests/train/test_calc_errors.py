@@ -1,14 +1,8 @@
 """experiments/calc_errors.py: the failure classes of calculator completions."""
 
-import importlib.util
 import json
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "calc_errors", os.path.join(ROOT, "experiments", "calc_errors.py"))
-calc_errors = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(calc_errors)
+from experiments import calc_errors
 
 CALL = '<tool_call>{"name":"calculate","arguments":{"expression":"%s"}}</tool_call><|end|>'
 

@@ -92,7 +92,7 @@ def test_killed_run_resumes_exactly(tmp_path):
   full = str(tmp_path / "full")
   rl.run(smoke_config(), full, progress=False)
   killed = str(tmp_path / "killed")
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
+  cmd = [sys.executable, "-m", "experiments.train",
          "--config=" + os.path.join(ROOT, "configs", "calculator.py") + ":smoke=True",
          "--config.rl.steps=4", f"--workdir={killed}", "--progress=false"]
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

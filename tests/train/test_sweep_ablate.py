@@ -60,12 +60,12 @@ def test_sweep_skips_finished_runs(tmp_path):
   for workdir, _, _ in runs:  # every run finished: nothing is started
     os.makedirs(workdir)
     open(os.path.join(workdir, "summary.json"), "w").close()
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "sweep.py"),
+  out = subprocess.run([sys.executable, "-m", "experiments.sweep",
                         f"--config={CALC}", "--sweep=generations", f"--workdir={tmp_path}",
                         "--parallel=2"], capture_output=True, text=True, check=True,
                        cwd=ROOT).stdout
   assert out.count("skipped (finished") == 9 and "started" not in out
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "sweep.py"),
+  out = subprocess.run([sys.executable, "-m", "experiments.sweep",
                         f"--config={CALC}", "--sweep=generations", f"--workdir={tmp_path}",
                         "--only=generations=8,generations=2", "--print_only"],
                        capture_output=True, text=True, check=True, cwd=ROOT).stdout

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from mtrl_jax import losses, models, sharding
+from mtrl_jax import losses, models, sharding, testing
 from mtrl_jax.train import (NonFiniteError, OptimConfig, StepConfig, TrainStep,
                             make_optimizer)
 
@@ -26,16 +26,10 @@ FAST = (("xla_backend_optimization_level", 0),)
 
 
 @functools.cache
-def _model():
-  """The seed-0 policy, built once; each mesh's TrainStep re-shards its weights."""
-  return models.create_model(CFG, seed=0)
-
-
-@functools.cache
 def _sampler_logp(seed):
   """Logprobs of the seed-0 policy on the batch's tokens (what a sampler reports)."""
   tokens = np.random.RandomState(seed).randint(0, CFG.vocab_size, (B, L)).astype(np.int32)
-  graphdef, params = nnx.split(_model(), nnx.Param)
+  graphdef, params = nnx.split(testing.tiny_model(), nnx.Param)
   fwd = jax.jit(lambda p, t: losses.token_logprobs(nnx.merge(graphdef, p)(t), t),
                 compiler_options=dict(FAST))
   return tokens, np.asarray(fwd(params, tokens))
@@ -65,7 +59,7 @@ def _mesh(shape):
 
 @functools.cache
 def _trainer(shape, num_microbatches):
-  model = _model()
+  model = testing.tiny_model()
   step_cfg = StepConfig(num_microbatches=num_microbatches, compiler_options=FAST)
   return model, TrainStep(model, LOSS, OPT, _mesh(shape), step_cfg)
 
@@ -88,7 +82,7 @@ def _run(shape, num_microbatches):
 
 def _reference_step():
   """Independent single-device reference: policy_loss + jax.grad + optax."""
-  graphdef, params = nnx.split(_model(), nnx.Param)
+  graphdef, params = nnx.split(testing.tiny_model(), nnx.Param)
   b = {k: jnp.asarray(v) for k, v in make_batch().items()}
   mask = b["loss_mask_BxL"] & (b["row_weight_B"] > 0)[:, None]
   tx = make_optimizer(OPT)
@@ -266,7 +260,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_precompiled_shapes_run_without_compiling(shape):
   from mtrl_jax.metrics import CompileCensus
   from mtrl_jax.rollout.packing import batch_spec
-  model = _model()
+  model = testing.tiny_model()
   ts = TrainStep(model, LOSS, OPT, _mesh(shape), StepConfig(compiler_options=FAST))
   ts.precompile(batch_spec(B, L))
   assert ts.num_compiles == 1
@@ -306,7 +300,7 @@ def test_policy_objective_at_the_sampler_temperature_is_on_policy():
   from mtrl_jax.sampling import Sampler, SamplingConfig
   from mtrl_jax.train import PolicyObjective
   tau, g, n_new = 1.7, 2, L - 4
-  model = _model()
+  model = testing.tiny_model()
   prompts = np.random.RandomState(3).randint(1, CFG.vocab_size, (B // g, 4)).tolist()
   res = Sampler(CFG).generate(nnx.state(model), prompts, g,
                               SamplingConfig(temperature=tau, max_new_tokens=n_new),

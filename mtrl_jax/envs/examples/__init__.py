@@ -1,3 +1,10 @@
-"""Example environments written against the public API only (registered on import)."""
+"""Compatibility alias: the example environment moved to `mtrl_jax.tasks.weather`.
 
-from mtrl_jax.envs.examples import weather  # noqa: F401  (registers "weather")
+`mtrl_jax.envs.examples` is the `mtrl_jax.tasks` package, so
+`mtrl_jax.envs.examples.weather:WeatherFactory` keeps working. Nothing in the
+package imports this alias (tests/test_layering.py checks it).
+"""
+
+from mtrl_jax.registry import alias_module
+
+alias_module(__name__, "mtrl_jax.tasks")

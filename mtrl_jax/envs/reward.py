@@ -1,0 +1,167 @@
+"""Reward composition: outcome + step penalty + tool-validity penalty + shaping.
+
+    r = outcome_weight * outcome
+        + step_penalty * steps
+        + tool_penalty * invalid_calls
+        + shaping_weight * shaping
+
+Every component is logged separately (`RewardBreakdown.metrics`). The outcome
+must dominate (a policy that finishes the task should always beat one that
+farms shaping or avoids penalties by quitting early); `check_reward_dominance`
+warns at start-up when it may not.
+
+In `step_environment`, `outcome` is the mean score of the final grades
+(returned with `(None, grades)`), `shaping` the mean score of per-turn grades
+(returned with `(next_thread, grades)`), `steps` is 1 per environment step,
+and `invalid_calls` counts the step's penalisable faults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import warnings
+from typing import Mapping, Optional
+
+logger = logging.getLogger(__name__)
+
+
+class RewardDominanceWarning(UserWarning):
+  """Shaping or penalties can outweigh the outcome term."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  """Weights of the reward components.
+
+  Attributes:
+    outcome_weight: multiplies the outcome score (in [0, 1]); > 0.
+    step_penalty: added per environment step; <= 0 (e.g. -0.01).
+    tool_penalty: added per invalid tool call / format error; <= 0 (e.g. -0.1).
+    shaping_weight: multiplies per-turn grades; >= 0.
+  """
+
+  outcome_weight: float = 1.0
+  step_penalty: float = 0.0
+  tool_penalty: float = 0.0
+  shaping_weight: float = 0.0
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"RewardConfig.{f.name}={v!r}; must be a finite number")
+    if self.outcome_weight <= 0:
+      raise ValueError(f"RewardConfig.outcome_weight={self.outcome_weight}; must be > 0")
+    if self.step_penalty > 0:
+      raise ValueError(f"RewardConfig.step_penalty={self.step_penalty}; must be <= 0 "
+                       "(it is added per step)")
+    if self.tool_penalty > 0:
+      raise ValueError(f"RewardConfig.tool_penalty={self.tool_penalty}; must be <= 0 "
+                       "(it is added per invalid call)")
+    if self.shaping_weight < 0:
+      raise ValueError(f"RewardConfig.shaping_weight={self.shaping_weight}; must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardBreakdown:
+  """The weighted components of one reward and their sum."""
+
+  outcome: float
+  step: float
+  tool: float
+  shaping: float
+
+  @property
+  def total(self) -> float:
+    return self.outcome + self.step + self.tool + self.shaping
+
+  def metrics(self, prefix: str = "reward/") -> dict[str, float]:
+    return {f"{prefix}outcome": self.outcome, f"{prefix}step_penalty": self.step,
+            f"{prefix}tool_penalty": self.tool, f"{prefix}shaping": self.shaping,
+            f"{prefix}total": self.total}
+
+  @classmethod
+  def zero(cls) -> "RewardBreakdown":
+    return cls(0.0, 0.0, 0.0, 0.0)
+
+
+def compose_reward(cfg: RewardConfig, *, outcome: float = 0.0, steps: int = 0,
+                   invalid_calls: int = 0, shaping: float = 0.0) -> RewardBreakdown:
+  """The reward `outcome_weight*outcome + step_penalty*steps + tool_penalty*invalid_calls
+  + shaping_weight*shaping`, component by component.
+
+  Args:
+    cfg: the weights.
+    outcome: outcome score (typically in [0, 1]; 0 when not finished).
+    steps: environment steps taken.
+    invalid_calls: penalisable faults (malformed / invalid tool calls).
+    shaping: shaping score (per-turn grades).
+  """
+  if steps < 0 or invalid_calls < 0:
+    raise ValueError(f"compose_reward: steps={steps}, invalid_calls={invalid_calls}; "
+                     "must be >= 0")
+  return RewardBreakdown(outcome=cfg.outcome_weight * float(outcome),
+                         step=cfg.step_penalty * steps,
+                         tool=cfg.tool_penalty * invalid_calls,
+                         shaping=cfg.shaping_weight * float(shaping))
+
+
+def mean_score(grades: Mapping) -> Optional[float]:
+  """Mean score of a name -> Grade mapping; None when empty."""
+  if not grades:
+    return None
+  return sum(g.score for g in grades.values()) / len(grades)
+
+
+def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
+                           outcome_range: tuple[float, float] = (0.0, 1.0),
+                           max_shaping: float = 1.0) -> list[str]:
+  """Warns when shaping or penalties can outweigh the outcome term.
+
+  What matters is the gap the outcome opens between a success and a failure,
+  outcome_weight * (hi - lo) for outcome scores in outcome_range = (lo, hi)
+  (a shift of the scores changes nothing), against the worst cases over one
+  trajectory of at most max_steps steps:
+    shaping: a policy that never succeeds but collects per-turn grades of
+      max_shaping every step earns shaping_weight * max_shaping * max_steps
+      more than one that succeeds without any; that must stay below the gap.
+    penalties: a success that takes max_steps steps with max_invalid invalid
+      calls pays |step_penalty| * (max_steps - 1) + |tool_penalty| * max_invalid
+      more than a failure after one clean step; if that reaches the gap,
+      failing fast beats succeeding slowly.
+
+  Args:
+    cfg: the reward weights.
+    max_steps: the turn cap.
+    max_invalid: the most invalid calls a trajectory can make.
+    outcome_range: (lowest, highest) final-grade score, as the environment
+      factory declares it (`EnvironmentFactory.outcome_range`).
+    max_shaping: the largest per-turn grade.
+
+  Returns:
+    The warning messages (also issued as `RewardDominanceWarning`).
+  """
+  lo, hi = (float(x) for x in outcome_range)
+  if not hi > lo:
+    raise ValueError(f"check_reward_dominance: outcome_range={outcome_range!r}; "
+                     "must be (lowest, highest) with lowest < highest")
+  gap = cfg.outcome_weight * (hi - lo)
+  shaping = cfg.shaping_weight * max_shaping * max_steps
+  penalty = abs(cfg.step_penalty) * max(max_steps - 1, 0) + abs(cfg.tool_penalty) * max_invalid
+  messages = []
+  if shaping >= gap:
+    messages.append(
+        f"shaping can outweigh the outcome: shaping_weight * max_shaping * max_steps = "
+        f"{shaping:.4g} >= outcome_weight * (max - min outcome) = {gap:.4g}; a policy can "
+        "earn more by farming per-turn grades than by finishing the task")
+  if penalty >= gap:
+    messages.append(
+        f"penalties can outweigh the outcome: |step_penalty| * (max_steps - 1) + "
+        f"|tool_penalty| * max_invalid = {penalty:.4g} >= outcome_weight * (max - min outcome)"
+        f" = {gap:.4g}; failing early can beat succeeding")
+  for m in messages:
+    logger.warning("reward dominance: %s", m)
+    warnings.warn(m, RewardDominanceWarning, stacklevel=2)
+  return messages

@@ -1,0 +1,17 @@
+"""Concrete task suites built on the environment API; importing this package registers them.
+
+  calculator  the multi-turn calculator tool task (the CPU demo)
+  coop        the two-agent cooperative arithmetic task
+  code        HumanEval code generation: prompts, rewards, feedback modes, data
+  weather     the example environment of the API docs (a tool, per-turn and final graders)
+
+Each module registers its environment factory (`mtrl_jax.envs.register_env_factory`)
+and task source (`mtrl_jax.data.register_task_source`) when imported. The run's
+composition root imports this package, so configs can name the tasks by
+registry name (`env.factory=calculator`).
+"""
+
+from mtrl_jax.tasks import calculator  # noqa: F401
+from mtrl_jax.tasks.code import env as code_env  # noqa: F401
+from mtrl_jax.tasks import coop  # noqa: F401
+from mtrl_jax.tasks import weather  # noqa: F401

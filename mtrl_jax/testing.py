@@ -1,0 +1,228 @@
+"""Fakes shared by tests and benchmarks: scripted environments, transitions and builders.
+
+The top layer of the package (it may import anything; nothing in the package
+imports it). `tests/conftest.py` hands the builders to tests as fixtures.
+
+  TokenTransition     token-level environment for benchmarks: no text, no tools,
+                      fixed shapes (the workload of benchmarks/bench_rollout.py and
+                      benchmarks/bench_rl.py)
+  ScriptedTransition  text-free transition on token lists for the engine tests
+  DuoEnv, SoloEnv, ToolThenUserEnv
+                      small text environments with scripted rules
+  FakePolicySampler   deterministic policy sampler (from `mtrl_jax.rollout.policy`)
+  byte_tokenizer(), byte_renderer(), tiny_model()
+                      the byte tokenizer with the compact chat format, and the
+                      seed-0 `tiny` model, built once per process
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from mtrl_jax import models
+from mtrl_jax.envs import Environment, Grade, InfrastructureError, Thread, Turn
+from mtrl_jax.rollout.engine import ActionOutcome
+from mtrl_jax.rollout.policy import FakePolicySampler
+from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
+
+__all__ = ["TokenState", "TokenTransition", "FEEDBACK", "TOOL", "TokState", "ScriptedTransition",
+           "total_ids", "CLOSED", "DuoEnv", "SoloEnv", "ToolThenUserEnv", "FakePolicySampler",
+           "byte_tokenizer", "byte_renderer", "tiny_model"]
+
+
+@functools.cache
+def byte_tokenizer(extra_specials: Sequence[str] = ()) -> ByteTokenizer:
+  """The byte tokenizer (with `extra_specials`), built once per process."""
+  return ByteTokenizer(extra_specials=tuple(extra_specials))
+
+
+def byte_renderer(extra_specials: Sequence[str] = ()) -> ChatRenderer:
+  """A fresh renderer (its mismatch counters start at 0) in the compact chat format."""
+  tok = byte_tokenizer(tuple(extra_specials))
+  return ChatRenderer(tok, compact(tok))
+
+
+@functools.cache
+def tiny_model():
+  """The seed-0 model of the `tiny` preset, built once per process (do not mutate it)."""
+  return models.create_model(models.get_preset("tiny"), seed=0)
+
+
+# ---------------------------------------------------------------- token-level (benchmarks)
+@dataclasses.dataclass(frozen=True)
+class TokenState:
+  histories: tuple  # one tuple of token ids per agent
+
+
+class TokenTransition:
+  """Scripted environment on token ids (see the module docstring)."""
+
+  def __init__(self, vocab: int, obs_len: int = 8, low: int = 12):
+    self.observation = tuple(range(3, 3 + obs_len))
+    self.vocab, self.low = vocab, low
+
+  def roots(self, num_roots: int, num_agents: int, prompt_len: int, seed: int = 0,
+            system_len: int = 0):
+    """Random prompts of `prompt_len` ids after a `system_len`-token system prompt
+    that every root shares (the same ids whatever the seed, like a tool schema)."""
+    system = tuple(np.random.default_rng(12345).integers(self.low, self.vocab,
+                                                         system_len).tolist())
+    rng = np.random.default_rng(seed)
+    return [TokenState(tuple(system + tuple(rng.integers(self.low, self.vocab,
+                                                         prompt_len).tolist())
+                             for _ in range(num_agents))) for _ in range(num_roots)]
+
+  def prompts(self, state: TokenState):
+    return [list(h) for h in state.histories]
+
+  def step(self, state: TokenState, actions):
+    reward = float(np.mean([int(c.ids[0]) % 2 if len(c.ids) else 0 for c in actions]))
+    hist = tuple(h + tuple(c.ids.tolist()) + self.observation
+                 for h, c in zip(state.histories, actions))
+    return ActionOutcome(TokenState(hist), reward)
+
+
+# ---------------------------------------------------------------- engine tests (no text)
+FEEDBACK = 7  # token the scripted environment appends after each completion
+TOOL = 6  # token it appends when it asks the policy to continue (a tool result)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokState:
+  """Per-agent full histories (prompt ids), the root index, turn and sub-step."""
+
+  root: int
+  turn: int
+  histories: tuple
+  sub: int = 0  # tool continuations so far within this turn
+
+
+class ScriptedTransition:
+  """Appends each agent's completion and a feedback token to its own history.
+
+  reward(state, actions) -> float decides r; stop(state, actions) -> bool ends
+  the episode on that action; fault(state, actions) -> bool marks an
+  infrastructure fault; continues(state, actions) -> bool answers with a
+  tool token and waits for the policy (`continues_turn`); sleep_s simulates a
+  slow tool.
+  """
+
+  def __init__(self, reward: Optional[Callable] = None, stop: Optional[Callable] = None,
+               fault: Optional[Callable] = None, sleep_s: float = 0.0,
+               continues: Optional[Callable] = None):
+    self.reward = reward or (lambda s, a: float(sum(int(c.ids.sum()) for c in a) % 5) / 4)
+    self.stop = stop or (lambda s, a: False)
+    self.fault = fault or (lambda s, a: False)
+    self.continues = continues or (lambda s, a: False)
+    self.sleep_s = sleep_s
+
+  @staticmethod
+  def roots(num_roots: int, num_agents: int) -> list:
+    return [TokState(r, 0, tuple((3, 10 + r, 20 + i) for i in range(num_agents)))
+            for r in range(num_roots)]
+
+  def prompts(self, state):
+    return [list(h) for h in state.histories]
+
+  def step(self, state, actions):
+    if self.sleep_s:
+      time.sleep(self.sleep_s)
+    r = self.reward(state, actions)
+    if self.fault(state, actions):
+      return ActionOutcome(None, 0.0, valid=False, info={"fault": "infrastructure"})
+    if self.stop(state, actions):
+      return ActionOutcome(None, r, info={"stopped": True})
+    if self.continues(state, actions):
+      hist = tuple(h + tuple(int(t) for t in c.ids) + (TOOL,)
+                   for h, c in zip(state.histories, actions))
+      return ActionOutcome(TokState(state.root, state.turn, hist, state.sub + 1), r,
+                           info={"r": r, "tool": True}, continues_turn=True)
+    hist = tuple(h + tuple(int(t) for t in c.ids) + (FEEDBACK,)
+                 for h, c in zip(state.histories, actions))
+    return ActionOutcome(TokState(state.root, state.turn + 1, hist), r, info={"r": r})
+
+
+def total_ids(actions) -> int:
+  return int(np.sum([c.ids.sum() for c in actions]))
+
+
+# ---------------------------------------------------------------- text environments
+CLOSED = []  # ids of closed environments (fork count checks)
+_CLOSED_LOCK = threading.Lock()
+
+
+class DuoEnv(Environment):
+  """Two agents: r = fraction of agents whose message has an even length.
+
+  Keeps a step counter in an attribute (per-branch state, forked at every
+  step), replies with one feedback user turn per agent, stops when both
+  messages are shorter than `stop_below` characters, and raises an
+  infrastructure error when agent 0's message has length `broken_len`.
+  """
+
+  num_agents = 2
+
+  def __init__(self, metadata=None, stop_below=0, broken_len=-1):
+    super().__init__(metadata)
+    self.steps = 0
+    self.stop_below = stop_below
+    self.broken_len = broken_len
+
+  def initial_threads(self):
+    task = self.metadata["prompt"]
+    return [self._thread(f"You are agent {i}. Task: {task}") for i in range(2)]
+
+  def _thread(self, text):
+    return Thread((Turn("user", text),), dict(self.metadata))
+
+  def react_to_joint(self, threads):
+    texts = [t.last_assistant for t in threads]
+    if len(texts[0]) == self.broken_len:
+      raise InfrastructureError("scripted outage")
+    self.steps += 1
+    score = sum(len(t) % 2 == 0 for t in texts) / 2
+    grade = Grade(score, "even lengths", {"steps": self.steps})
+    if all(len(t) < self.stop_below for t in texts):
+      return None, grade
+    replies = [t.append(Turn("user", f"step {self.steps}: agent {i} wrote {len(texts[i])}"))
+               for i, t in enumerate(threads)]
+    return replies, {"even": grade}
+
+  def close(self):
+    with _CLOSED_LOCK:
+      CLOSED.append(id(self))
+
+
+class SoloEnv(Environment):
+  """One agent: r = 1 when the message has an even length; always continues."""
+
+  def react_to(self, thread):
+    score = float(len(thread.last_assistant) % 2 == 0)
+    return thread.append(Turn("user", "again")), Grade(score)
+
+
+class ToolThenUserEnv(Environment):
+  """One agent: a message right after a user turn gets a tool turn (its length),
+  the message after the tool result gets the user's next question; never stops.
+
+  r = 1 when the message after the tool result repeats the tool's text.
+  """
+
+  def initial_thread(self):
+    return Thread((Turn("user", self.metadata["prompt"]),), dict(self.metadata))
+
+  def react_to(self, thread):
+    text = thread.last_assistant
+    if thread.turns[-2].role == "user":
+      return thread.append(Turn("tool", str(len(text)))), None
+    return thread.append(Turn("user", "next")), Grade(float(thread.turns[-2].content in text))
+
+  def close(self):
+    with _CLOSED_LOCK:
+      CLOSED.append(id(self))

@@ -1,0 +1,108 @@
+"""The calculator demo task: generation, tool, scripted episodes and rewards."""
+
+import numpy as np
+import pytest
+
+from mtrl_jax.envs import FaultKind, RewardConfig, StepLimits, resolve_factory, rollout_scripted
+from mtrl_jax.tasks import calculator
+from mtrl_jax.testing import byte_renderer
+
+REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.05, tool_penalty=-0.2)
+
+
+@pytest.fixture
+def renderer():
+  """The shared renderer fixture with the calculator's extra specials."""
+  return byte_renderer(calculator.EXTRA_SPECIALS)
+
+
+def test_evaluate_matches_python_on_random_expressions():
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    n = rng.integers(2, 5)
+    expr = "".join(f"{rng.integers(0, 1000)}{rng.choice(['+', '-', '*'])}" for _ in range(n - 1))
+    expr += str(rng.integers(0, 1000))
+    assert calculator.evaluate(expr) == eval(expr)  # reference: Python itself
+  for bad in ("2**10", "__import__('os')", "1/2", "3+", "x+1"):
+    with pytest.raises(ValueError):
+      calculator.evaluate(bad)
+
+
+def test_tasks_are_deterministic_and_splits_differ():
+  a = [calculator.make_task("train", i) for i in range(20)]
+  assert a == [calculator.make_task("train", i) for i in range(20)]
+  assert a != [calculator.make_task("eval", i) for i in range(20)]
+  for t in a:
+    assert 2 <= t["difficulty"] <= 3
+    assert t["answers"][0] == calculator.evaluate(t["expression"])
+  with pytest.raises(ValueError, match="allowed"):
+    calculator.make_task("validation", 0)
+
+
+def _env(task):
+  return resolve_factory("calculator").create_environment(task)
+
+
+def test_outcome_range_covers_every_grade():
+  # Grades are -1 (wrong, truncated, too many calls, no answer) or +1.
+  assert resolve_factory("calculator").outcome_range == (-1.0, 1.0)
+
+
+def test_golden_episode_succeeds_with_two_user_turns_and_two_tool_calls(renderer):
+  task = calculator.make_task("eval", 3)
+  convo = calculator.golden_conversation(task)
+  assert [r for r, _ in convo].count("user") == 2 and [r for r, _ in convo].count("tool") == 2
+  texts = [c for r, c in convo if r == "assistant"]
+  outs, seen = rollout_scripted(_env(task), texts, StepLimits(max_turns=8), reward_cfg=REWARD,
+                                renderer=renderer)
+  assert [o.done for o in outs] == [False, False, False, True]
+  assert outs[-1].reward.outcome == 1.0
+  # total = +1 outcome, -0.05 per step; intermediate steps only pay the step penalty
+  assert [round(o.reward.total, 6) for o in outs] == [-0.05, -0.05, -0.05, 0.95]
+  ledger = seen[-1].ledger
+  trainable_text = renderer.tokenizer.decode(
+      [i for i, t in zip(ledger.ids, ledger.trainable) if t])
+  assert str(task["answers"][0]) in trainable_text  # the policy's own answer is trained on
+  assert task["question"] not in trainable_text  # the user's text never is
+
+
+def test_wrong_answer_ends_the_episode_with_minus_one(renderer):
+  task = calculator.make_task("eval", 4)
+  texts = [c for r, c in calculator.golden_conversation(task) if r == "assistant"]
+  texts[1] = "<answer>-12345</answer>"
+  outs, _ = rollout_scripted(_env(task), texts, reward_cfg=REWARD, renderer=renderer)
+  assert len(outs) == 2 and outs[-1].done and outs[-1].reward.outcome == -1.0
+
+
+def test_invalid_expression_is_a_penalised_tool_error_and_the_episode_recovers(renderer):
+  task = calculator.make_task("eval", 5)
+  golden = [c for r, c in calculator.golden_conversation(task) if r == "assistant"]
+  bad_call = golden[0].replace(task["expression"], task["expression"] + "+")
+  outs, seen = rollout_scripted(_env(task), [bad_call] + golden, reward_cfg=REWARD,
+                                renderer=renderer)
+  assert outs[0].invalid_calls == 1 and not outs[0].masked
+  assert [f.kind for f in outs[0].faults] == [FaultKind.TOOL_ERROR]
+  assert outs[0].reward.tool == pytest.approx(-0.2)
+  assert seen[1].turns[-2].content.startswith("error:")  # the policy sees the error
+  assert outs[-1].reward.outcome == 1.0
+
+
+def test_message_without_call_or_answer_is_a_model_format_fault(renderer):
+  outs, _ = rollout_scripted(_env(calculator.make_task("eval", 6)), ["hello"], reward_cfg=REWARD,
+                             renderer=renderer)
+  assert outs[0].done and outs[0].reward.outcome == -1.0
+  assert [f.kind for f in outs[0].faults] == [FaultKind.MODEL_FORMAT]
+
+
+def test_episode_is_short_in_tokens(renderer):
+  lengths = [len(renderer.render_conversation(calculator.golden_conversation(
+      calculator.make_task("train", i)))) for i in range(50)]
+  assert max(lengths) <= 96  # keeps SFT/RL steps fast on CPU (DESIGN.md section 3)
+
+
+def test_truncation_is_a_failure_not_a_free_zero(renderer):
+  """Rambling into the turn cap must not beat a wrong answer (-1)."""
+  task = calculator.make_task("eval", 7)
+  outs, _ = rollout_scripted(_env(task), ["<tool_call>"] * 3, StepLimits(max_turns=2),
+                             reward_cfg=REWARD, renderer=renderer)
+  assert outs[-1].truncated and outs[-1].reward.outcome == -1.0

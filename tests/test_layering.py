@@ -1,0 +1,209 @@
+"""The package's layers (DESIGN.md section 2): nothing imports upward, no package cycles.
+
+Walks every module of `mtrl_jax` with `ast`, collects every import it makes
+(module level and inside functions, plus `importlib.import_module("...")`
+with a literal name), maps each module to its package and layer, and fails on
+an import from a lower layer into a higher one or a cycle between packages.
+
+Layers, bottom to top (a package may import its own layer and the ones below):
+
+  infrastructure: sharding, checkpoint, metrics, registry, data, buckets, resources
+  text, models, losses
+  sampling
+  envs
+  graders
+  tasks
+  rollout
+  train
+  testing (fakes for tests and benchmarks; may import anything)
+
+Compatibility shims (old import paths kept for users) may point upward, but
+only when nothing inside the package imports them: they load only when a user
+names the old path, never as a side effect of importing a lower layer.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mtrl_jax")
+
+LAYERS = (
+    ("sharding", "checkpoint", "metrics", "registry", "data", "buckets", "resources"),
+    ("text", "models", "losses"),
+    ("sampling",),
+    ("envs",),
+    ("graders",),
+    ("tasks",),
+    ("rollout",),
+    ("train",),
+    ("testing",),
+)
+LAYER = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}
+# Old import paths kept as aliases of moved modules (module -> why).
+SHIMS = {
+    "mtrl_jax.envs.tasks": "compatibility alias of mtrl_jax.tasks",
+    "mtrl_jax.envs.feedback": "compatibility alias of mtrl_jax.tasks.code.feedback",
+    "mtrl_jax.envs.examples": "compatibility alias of mtrl_jax.tasks (weather)",
+}
+
+
+def module_files(root: str = ROOT) -> dict[str, str]:
+  """Module name -> file path, for every .py file under `root` (the package dir)."""
+  base = os.path.dirname(root)
+  out = {}
+  for dirpath, _, files in os.walk(root):
+    for f in files:
+      if not f.endswith(".py"):
+        continue
+      path = os.path.join(dirpath, f)
+      parts = os.path.relpath(path, base)[:-3].split(os.sep)
+      if parts[-1] == "__init__":
+        parts = parts[:-1]
+      out[".".join(parts)] = path
+  return out
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+  if not node.level:
+    return node.module or ""
+  parts = module.split(".")
+  if not is_package:
+    parts = parts[:-1]
+  parts = parts[:len(parts) - (node.level - 1)]
+  return ".".join(parts + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: str) -> set[str]:
+  """Every mtrl_jax module `module` imports, anywhere in its body."""
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  is_package = os.path.basename(path) == "__init__.py"
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      target = _absolute(module, is_package, node)
+      out.add(target)
+      # `from pkg import sub` may name a submodule.
+      out.update(f"{target}.{a.name}" for a in node.names if a.name != "*")
+    elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+          and isinstance(node.args[0].value, str)
+          and ast.unparse(node.func) in ("importlib.import_module", "import_module")):
+      out.add(node.args[0].value)
+    elif isinstance(node, (ast.Tuple, ast.List)):
+      # Module names listed as data for a later import_module (e.g. built-in
+      # modules a registry loads on a miss) count as imports too.
+      out.update(e.value for e in node.elts if isinstance(e, ast.Constant)
+                 and isinstance(e.value, str) and e.value.startswith("mtrl_jax."))
+  return {m for m in out if m == "mtrl_jax" or m.startswith("mtrl_jax.")}
+
+
+def package_of(module: str) -> str:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else ""
+
+
+def _is_shim(module: str) -> bool:
+  return any(module == s or module.startswith(s + ".") for s in SHIMS)
+
+
+def import_graph(root: str = ROOT) -> dict[str, set[str]]:
+  """Module -> the mtrl_jax modules (existing ones, or their nearest parent) it imports."""
+  files = module_files(root)
+  graph = {}
+  for module, path in files.items():
+    targets = set()
+    for t in imports_of(module, path):
+      while t not in files and "." in t:  # `from pkg import name`: name is not a module
+        t = t.rsplit(".", 1)[0]
+      if t in files and t != module:
+        targets.add(t)
+    graph[module] = targets
+  return graph
+
+
+def violations(root: str = ROOT) -> list[str]:
+  """Every upward import, unknown package, shim imported from inside, and package cycle."""
+  graph = import_graph(root)
+  problems = []
+  pkg_edges: dict[str, set[str]] = {}
+  for module, targets in sorted(graph.items()):
+    src = package_of(module)
+    if src and src not in LAYER:
+      problems.append(f"{module}: package {src!r} has no layer (add it to LAYERS)")
+      continue
+    for t in sorted(targets):
+      dst = package_of(t)
+      if _is_shim(t) and not _is_shim(module):
+        problems.append(f"{module} imports the compatibility shim {t} "
+                        f"({SHIMS[next(s for s in SHIMS if t.startswith(s))]})")
+        continue
+      if not src or not dst or src == dst or _is_shim(module):
+        continue
+      if dst not in LAYER:
+        continue  # reported once, as the source of its own imports
+      if LAYER[dst] > LAYER[src]:
+        problems.append(f"{module} ({src}, layer {LAYER[src]}) imports {t} "
+                        f"({dst}, layer {LAYER[dst]}): upward")
+      pkg_edges.setdefault(src, set()).add(dst)
+  problems += [f"package cycle: {' -> '.join(c)}" for c in _cycles(pkg_edges)]
+  return problems
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+  """One cycle per strongly connected component with more than one package."""
+  index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+  def visit(v):
+    index[v] = low[v] = counter[0]
+    counter[0] += 1
+    stack.append(v)
+    on.add(v)
+    for w in sorted(edges.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        comp.append(w)
+        if w == v:
+          break
+      if len(comp) > 1:
+        out.append(sorted(comp) + [sorted(comp)[0]])
+
+  for v in sorted(edges):
+    if v not in index:
+      visit(v)
+  return out
+
+
+def test_no_upward_imports_and_no_package_cycles():
+  problems = violations()
+  assert not problems, "layering violations:\n" + "\n".join(problems)
+
+
+def test_graph_sees_function_level_and_importlib_imports(tmp_path):
+  """The walker finds imports inside functions and import_module calls, and cycles."""
+  pkg = tmp_path / "mtrl_jax"
+  for sub in ("envs", "graders", "sampling"):
+    (pkg / sub).mkdir(parents=True)
+    (pkg / sub / "__init__.py").write_text("")
+  (pkg / "__init__.py").write_text("")
+  (pkg / "envs" / "runner.py").write_text(
+      "def f():\n  from mtrl_jax.graders import base\n  return base\n")
+  (pkg / "graders" / "base.py").write_text("from mtrl_jax.envs import runner\n")
+  (pkg / "sampling" / "x.py").write_text(
+      "import importlib\nimportlib.import_module('mtrl_jax.envs.runner')\n")
+  problems = violations(str(pkg))
+  assert any("mtrl_jax.envs.runner" in p and "upward" in p and "graders" in p
+             for p in problems), problems
+  assert any("mtrl_jax.sampling.x" in p and "upward" in p for p in problems), problems
+  assert "package cycle: envs -> graders -> envs" in problems, problems

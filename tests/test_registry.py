@@ -1,0 +1,82 @@
+"""mtrl_jax.registry: the one Registry class, its re-registration rule, and old-path aliases."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mtrl_jax import data, registry
+from mtrl_jax.envs.registry import ENV_FACTORIES
+from mtrl_jax.graders.base import GRADERS
+
+
+def test_registry_names_import_paths_and_errors():
+  reg = registry.Registry("widget", hint="widgets register on import")
+
+  @reg.register("one")
+  def one():
+    return 1
+
+  assert reg.get("one") is one and reg.resolve("one") is one and "one" in reg
+  assert reg.resolve("mtrl_jax.registry:Registry") is registry.Registry
+  assert reg.names() == ["one"]
+  with pytest.raises(ValueError, match=r"unknown widget 'two'; registered: \['one'\]; or use "
+                                       r"an import path 'package.module:Name'; widgets "
+                                       r"register on import"):
+    reg.get("two")
+  with pytest.raises(ValueError, match="widget 'nope:x': cannot import 'nope'"):
+    reg.resolve("nope:x")
+  with pytest.raises(ValueError, match="without ':'"):
+    reg.register("a:b")
+
+
+def test_one_reregistration_rule():
+  """Same object or a re-import of the same definition: replaced; anything else: error."""
+  reg = registry.Registry("widget")
+
+  def make():
+    def f():
+      return "first"
+    return f
+
+  first, reimported = make(), make()  # same module and qualified name, new objects
+  reg.register("f")(first)
+  reg.register("f")(first)
+  reg.register("f")(reimported)
+  assert reg.get("f") is reimported
+  with pytest.raises(ValueError, match="widget 'f' is already registered"):
+    reg.register("f")(len)
+
+
+def test_the_three_registries_are_registries():
+  assert all(isinstance(r, registry.Registry)
+             for r in (data.TASK_SOURCES, ENV_FACTORIES, GRADERS))
+
+
+def test_old_task_paths_are_the_moved_modules():
+  import mtrl_jax.tasks.calculator
+  import mtrl_jax.tasks.code.feedback
+  from mtrl_jax.envs import feedback
+  from mtrl_jax.envs.tasks import calculator
+  import mtrl_jax.envs.tasks.code.prompts
+  assert calculator is mtrl_jax.tasks.calculator
+  assert feedback is mtrl_jax.tasks.code.feedback
+  assert mtrl_jax.envs.tasks.code.prompts is sys.modules["mtrl_jax.tasks.code.prompts"]
+  assert calculator.__spec__.name == "mtrl_jax.tasks.calculator"
+  old = registry.import_object("mtrl_jax.envs.tasks.calculator:EXTRA_SPECIALS")
+  assert old is mtrl_jax.tasks.calculator.EXTRA_SPECIALS
+  weather = registry.import_object("mtrl_jax.envs.examples.weather:WeatherFactory")
+  assert weather is sys.modules["mtrl_jax.tasks.weather"].WeatherFactory
+
+
+def test_importing_the_env_api_imports_no_task():
+  code = ("import sys, mtrl_jax.envs, mtrl_jax.graders, mtrl_jax.data\n"
+          "assert not [m for m in sys.modules if m.startswith('mtrl_jax.tasks')], "
+          "sorted(m for m in sys.modules if m.startswith('mtrl_jax.tasks'))\n"
+          "import mtrl_jax.tasks\n"
+          "from mtrl_jax.envs import registered_env_factories\n"
+          "from mtrl_jax.data import registered_task_sources\n"
+          "print(registered_env_factories(), registered_task_sources())\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == ("['calculator', 'coop', 'humaneval', 'weather'] "
+                                "['calculator', 'coop', 'humaneval']")
