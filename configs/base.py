@@ -1,6 +1,6 @@
 """Base config of an ENVGRPO / ENVGSPO run; task configs start from it.
 
-Every field is documented here; task configs (e.g. `configs/calculator.py`)
+Every field is documented in `mtrl_jax/train/defaults.py`; task configs (e.g. `configs/calculator.py`)
 override what they need. Usage:
 
   python -m experiments.train --config=configs/base.py --workdir=/tmp/run \
@@ -10,123 +10,9 @@ A mistyped key fails at start (the config is locked), and `mtrl_jax.train.
 experiment.build` rejects unsafe combinations before any compute.
 """
 
-import ml_collections
-from ml_collections import config_dict
+from mtrl_jax.train.defaults import base_config
 
 
 def get_config(arg=None):
   del arg
-  c = ml_collections.ConfigDict()
-  c.seed = 0  # parameter init, sampling and data order all derive from it
-
-  c.model = dict(
-      preset="small",  # a mtrl_jax.models.config.PRESETS name (ignored when path is set)
-      path="",  # local HF-format checkpoint directory (config.json + safetensors)
-      dtype="",  # '' keeps the preset's / checkpoint's dtype; 'float32' | 'bfloat16'
-      remat=False,  # rematerialise blocks in the backward pass
-  )
-  c.tokenizer = dict(
-      kind="byte",  # 'byte' (tiny from-scratch models) | 'hf' (tokenizer.json of model.path)
-      extra_specials="",  # import path to a tuple of extra byte-tokenizer specials
-      chat_format="compact",  # 'compact' (byte models) | 'chatml' (Qwen-style)
-  )
-  c.mesh = dict(data=-1, fsdp=1, tensor=1)  # device mesh; -1 takes the remaining devices
-
-  c.env = dict(
-      factory="calculator",  # registry name or 'pkg.module:Factory'
-      kwargs={},  # keyword arguments of the factory
-      max_turns=8,  # policy messages per trajectory (framework cap -> truncation)
-      max_tokens=256,  # ledger tokens per trajectory (framework cap -> truncation)
-      react_timeout_s=30.0,  # wall-clock limit of one react_to call
-      max_retries=2,  # retries of infrastructure faults before masking
-      tool_timeout="mask",  # timed-out tool call: 'mask' the step | 'tell' the policy, go on
-  )
-  c.tasks = dict(
-      source="calculator",  # task source: registry name or 'pkg.module:fn(split, **kw)'
-      train_split="train",
-      eval_split="eval",
-      kwargs={},  # keyword arguments of the task source
-  )
-  c.tree = dict(
-      num_turns=2,  # T: tree depth (user turns with branch_on='user_turn')
-      num_generations=4,  # G: samples per agent per node
-      num_agents=1,  # N
-      joint_mode="align",  # 'align' (G joint actions per node) | 'cross' (G^N)
-      termination_threshold=config_dict.placeholder(float),  # tau; None: never
-      discount=0.9,  # gamma of R = r + gamma * mean(child returns)
-      advantage_mode="mean",  # 'mean' | 'raw' | 'max' | 'rloo'
-      advantage_std_norm=False,  # divide sibling advantages by their std
-      cross_return="sum",  # cross mode per-agent return: 'sum' (CoMLRL) | 'mean'
-      branch_on="user_turn",  # 'every_turn' (CoMLRL) | 'user_turn' (tool calls don't branch)
-      max_substeps=4,  # tool round trips inside one turn
-  )
-  c.sampling = dict(
-      temperature=1.0,
-      top_p=1.0,
-      top_k=0,  # 0 disables
-      max_new_tokens=48,  # per policy message
-  )
-  c.reward = dict(
-      outcome_weight=1.0,  # multiplies final grades (the outcome must dominate)
-      step_penalty=-0.05,  # per environment step (<= 0)
-      tool_penalty=-0.2,  # per invalid tool call / format error (<= 0)
-      shaping_weight=0.0,  # multiplies per-turn grades (>= 0)
-  )
-  c.loss = dict(
-      algorithm="grpo",  # 'grpo' | 'gspo' | 'reinforce'
-      clip_eps_low=0.2,
-      clip_eps_high=0.28,
-      kl_coef=0.0,  # KL to the frozen reference; > 0 adds a reference forward
-      kl_estimator="k3",  # 'k1' | 'k2' | 'k3'
-      aggregation="token-mean",  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-      max_len=0,  # the fixed length of seq-mean-token-sum-norm (0: the largest length bucket)
-  )
-  c.optim = dict(
-      learning_rate=1e-4,
-      warmup_steps=0,
-      schedule="constant",  # 'constant' | 'cosine' (over rl.steps)
-      weight_decay=0.0,
-      grad_clip_norm=1.0,
-  )
-  c.step = dict(
-      num_microbatches=1,  # exact gradient accumulation
-      nonfinite="skip",  # 'skip' | 'halt' on a non-finite loss / gradient
-  )
-  c.sft = dict(
-      steps=0,  # SFT warm-up updates before RL (0: none)
-      batch_size=32,
-      num_examples=2000,  # golden conversations rendered from train tasks
-      conversations="",  # 'pkg.module:fn(task) -> [(role, content), ...]'
-      learning_rate=3e-3,
-      # Stop SFT early once greedy success on `check_tasks` train tasks held out
-      # from the SFT data reaches this (0: run all steps). Keeps RL's starting
-      # point in a band instead of at a seed-dependent spot on a steep curve.
-      until_success=0.0,
-      check_every=25,  # SFT steps between those checks
-      check_tasks=100,
-  )
-  c.rl = dict(
-      steps=100,  # RL updates
-      roots_per_step=8,  # tasks (tree roots) per RL step
-      updates_per_step=1,  # optimizer steps on each rollout batch (>1: off-policy ratios)
-      zero_variance_filter=True,  # drop sibling groups whose advantages are all 0 (KL off)
-      packing="tree",  # 'tree' (every token once, ancestor-only attention) | 'rows' (row per action)
-      ref_reset_every=0,  # copy the policy into the reference every k steps (0: never)
-      length_buckets=(64, 128, 256, 512),  # packed row lengths
-      prompt_buckets=(),  # sampler prompt lengths (empty: length_buckets)
-      precompile=True,  # compile every shape bucket before step 1 (none after)
-      max_generations=200_000,  # planning budget: generations per step
-      dump_every=10,  # rollout dump every k steps (0: never)
-  )
-  c.eval = dict(
-      every=10,  # held-out evaluation every k RL steps (and at 0 and the end)
-      num_tasks=100,
-      greedy=True,  # greedy single-path evaluation
-      sampled=False,  # also a sampled (temperature 1) evaluation
-      success_threshold=0.0,  # a trajectory succeeds when its outcome is above this
-  )
-  c.checkpoint = dict(
-      every=10,  # save every k RL steps (and at the end)
-      keep=3,  # latest checkpoints kept (besides workdir/best)
-  )
-  return c
+  return base_config()

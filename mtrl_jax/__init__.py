@@ -19,3 +19,11 @@ so `logp_BxL` is a [B, L] array of per-token log-probabilities and
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  # The recipes import the whole stack; `import mtrl_jax` stays light.
+  if name in ("ENVGRPO", "ENVGSPO"):
+    from mtrl_jax.train import recipes
+    return getattr(recipes, name)
+  raise AttributeError(f"module 'mtrl_jax' has no attribute {name!r}")

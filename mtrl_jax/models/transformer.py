@@ -304,7 +304,7 @@ class Transformer(nnx.Module):
     return self.project(self.hidden(tokens_BxL, positions_BxL, mask_BxL))
 
   def forward_cached(self, tokens_BxL, positions_BxL, attn_mask_BxLxS, cache: KVCache,
-                     cache_index):
+                     cache_index, *, last_only: bool = False):
     """Forward of L new tokens against a KV cache (prefill or one decode step).
 
     Args:
@@ -314,8 +314,12 @@ class Transformer(nnx.Module):
         caller includes the new tokens' own slots, causally).
       cache: KV cache with S slots.
       cache_index: scalar int, the slot of the first new token.
+      last_only: compute the LM head at the last position only (a prefill
+        samples from the last prompt token; the head over every prompt
+        position would cost L x D x V per prompt).
     Returns:
-      (logits_BxLxV float32, updated cache).
+      (logits_BxLxV float32, or logits_BxV of the last position with
+      last_only, updated cache).
     """
     inv_freq = rope_inv_freq(self.cfg)
     x = self.embed_tokens(tokens_BxL)
@@ -325,4 +329,7 @@ class Transformer(nnx.Module):
                         kv=(cache.k[i], cache.v[i]), cache_index=cache_index)
       new_k.append(k)
       new_v.append(v)
-    return self.head(x), KVCache(k=tuple(new_k), v=tuple(new_v))
+    cache = KVCache(k=tuple(new_k), v=tuple(new_v))
+    if last_only:
+      return self.head(x[:, -1:, :])[:, 0, :], cache
+    return self.head(x), cache

@@ -51,7 +51,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 # models before sharding: `import mtrl_jax.sharding` first is a circular import.
 from mtrl_jax.models.config import ModelConfig
-from mtrl_jax.models.transformer import KVCache, Transformer, init_cache, rope_inv_freq
+from mtrl_jax.models.transformer import KVCache, Transformer, init_cache
 from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
 from mtrl_jax.buckets import bucket_or_pow2, next_pow2, round_up
 from mtrl_jax.sampling.filters import choose_tokens
@@ -342,7 +342,8 @@ class Sampler:
     causal_LxS = slots_S[None, :] <= jnp.arange(lp, dtype=jnp.int32)[:, None]
     mask_PxLxS = valid_PxS[:, None, :] & causal_LxS[None]
     cache = self._constrain_cache(init_cache(self.model_cfg, n_p, s))
-    last_PxV, cache = _prefill(model, prompt_PxL, positions_PxL, mask_PxLxS, cache)
+    last_PxV, cache = model.forward_cached(prompt_PxL, positions_PxL, mask_PxLxS, cache, 0,
+                                           last_only=True)
 
     # Branch: row r continues prompt src_B[r].
     cache = self._constrain_cache(jax.tree.map(lambda x: x[src_B], cache))
@@ -406,21 +407,3 @@ class Sampler:
     _, _, _, out = jax.lax.while_loop(cond, body, (jnp.int32(1), tok_B, cache, out0))
     tokens_BxN, logp_BxN, _, stopped_B, length_B = out
     return tokens_BxN, logp_BxN, length_B, stopped_B
-
-
-def _prefill(model: Transformer, tokens_PxL, positions_PxL, mask_PxLxS, cache: KVCache):
-  """`model.forward_cached(..., cache_index=0)` with the LM head on the last slot only.
-
-  The head over all Lp prompt positions would cost Lp x D x V per prompt (more
-  than the whole prefill for small models); only the last position is sampled.
-  Returns (logits_PxV of the last slot, filled cache).
-  """
-  inv_freq = rope_inv_freq(model.cfg)
-  x = model.embed_tokens(tokens_PxL)
-  new_k, new_v = [], []
-  for i, block in enumerate(model.blocks):
-    x, (k, v) = block(x, positions_PxL, mask_PxLxS, inv_freq, kv=(cache.k[i], cache.v[i]),
-                      cache_index=0)
-    new_k.append(k)
-    new_v.append(v)
-  return model.head(x[:, -1:, :])[:, 0, :], KVCache(k=tuple(new_k), v=tuple(new_v))
