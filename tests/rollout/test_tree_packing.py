@@ -199,7 +199,7 @@ def test_tree_packing_equals_rows_every_loss(case):
   row_layout, tree_layout = _Layout(rows, ref), _Layout(packed, ref)
   # Every algorithm x aggregation x KL estimator on one case; a rotating
   # slice of them on the others keeps the suite's time in bounds.
-  chosen = LOSSES if case == 0 else LOSSES[case::len(CASES) - 1]
+  chosen = LOSSES if case == 0 else LOSSES[case::10]
   for cfg in chosen:
     _assert_same(tree_layout.loss_metrics_grads(cfg), row_layout.loss_metrics_grads(cfg), cfg)
 
