@@ -20,6 +20,7 @@ def base_config() -> ml_collections.ConfigDict:
       path="",  # local HF-format checkpoint directory (config.json + safetensors)
       dtype="",  # '' keeps the preset's / checkpoint's dtype; 'float32' | 'bfloat16'
       remat=False,  # rematerialise blocks in the backward pass
+      attention="xla",  # training attention: 'xla' (any device) | 'cudnn' (GPU fused flash, bf16)
   )
   c.tokenizer = dict(
       kind="byte",  # 'byte' (tiny from-scratch models) | 'hf' (tokenizer.json of model.path)

@@ -129,7 +129,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     model = ModelConfig.from_hf_json(c.model.path)
   else:
     model = get_preset(c.model.preset)
-  overrides = {"remat": bool(c.model.remat)}
+  overrides = {"remat": bool(c.model.remat), "attention": c.model.attention}
   if c.model.dtype:
     overrides.update(dtype=c.model.dtype, param_dtype=c.model.dtype)
   model = model.replace(**overrides)
