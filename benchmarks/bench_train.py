@@ -80,13 +80,12 @@ def batch(cfg, rows: int) -> dict:
           "row_weight_B": np.ones(rows, np.float32)}
 
 
-def time_case(preset: str, kl_coef: float, rows: int, repeats: int):
-  cfg = get_preset(preset, dtype=_DTYPE.value, attention=_ATTENTION.value, remat=_REMAT.value)
+def _median_step(cfg, kl_coef: float, b: dict, repeats: int):
+  """Median seconds of a train step on batch `b` after one warm-up step, and compiles."""
   model = create_model(cfg)
   step = TrainStep(model, LossConfig(kl_coef=kl_coef), OptimConfig(learning_rate=1e-5))
   state = step.init_state(model)
   ref = step.copy_params(state.params) if kl_coef > 0 else None
-  b = batch(cfg, rows)
   state, m = step(state, ref, b)
   jax.block_until_ready(m)
   times = []
@@ -96,10 +95,16 @@ def time_case(preset: str, kl_coef: float, rows: int, repeats: int):
     jax.block_until_ready(m)
     times.append(time.perf_counter() - t0)
   seconds = statistics.median(times)
+  return seconds, step.num_compiles
+
+
+def time_case(preset: str, kl_coef: float, rows: int, repeats: int):
+  cfg = get_preset(preset, dtype=_DTYPE.value, attention=_ATTENTION.value, remat=_REMAT.value)
+  seconds, compiles = _median_step(cfg, kl_coef, batch(cfg, rows), repeats)
   tokens = rows * (PROMPT + NEW)
   fwd = cfg.flops_per_token(PROMPT + NEW) * tokens
   flops = (3 + (1 if kl_coef > 0 else 0)) * fwd
-  return seconds, tokens / seconds, flops / seconds, step.num_compiles
+  return seconds, tokens / seconds, flops / seconds, compiles
 
 
 def tree_batches(cfg, roots: int, system: int, length: int) -> dict:
@@ -142,22 +147,9 @@ def tree_batches(cfg, roots: int, system: int, length: int) -> dict:
 
 def time_tree_case(preset: str, packing: str, kl_coef: float, work: dict, repeats: int):
   cfg = get_preset(preset, dtype=_DTYPE.value, attention=_ATTENTION.value, remat=_REMAT.value)
-  model = create_model(cfg)
-  step = TrainStep(model, LossConfig(kl_coef=kl_coef), OptimConfig(learning_rate=1e-5))
-  state = step.init_state(model)
-  ref = step.copy_params(state.params) if kl_coef > 0 else None
-  b = work[packing]
-  state, m = step(state, ref, b)
-  jax.block_until_ready(m)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    state, m = step(state, ref, b)
-    jax.block_until_ready(m)
-    times.append(time.perf_counter() - t0)
-  seconds = statistics.median(times)
+  seconds, compiles = _median_step(cfg, kl_coef, work[packing], repeats)
   flops = (3 + (1 if kl_coef > 0 else 0)) * work["useful_fwd_flops"]
-  return seconds, flops / seconds, step.num_compiles
+  return seconds, flops / seconds, compiles
 
 
 def main(argv):
