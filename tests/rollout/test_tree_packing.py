@@ -109,13 +109,13 @@ def _with_policy_logprobs(tree, noise_seed=0):
   return tree
 
 
+# Between them: T 1-3, G 2-4, N 1-2, align and cross, early termination (tau),
+# fault-masked actions (every case), sub-steps, rewritten histories.
 CASES = [
     dict(turns=1, gens=4, agents=1),
-    dict(turns=2, gens=2, agents=1, substeps=True),
-    dict(turns=3, gens=2, agents=1, tau=1.5, rewrite=True),
+    dict(turns=3, gens=2, agents=1, tau=1.5, rewrite=True, substeps=True),
     dict(turns=2, gens=3, agents=2, mode="align"),
-    dict(turns=2, gens=2, agents=2, mode="cross", substeps=True),
-    dict(turns=3, gens=2, agents=2, mode="cross", tau=1.2),
+    dict(turns=3, gens=2, agents=2, mode="cross", tau=1.2, substeps=True),
 ]
 
 
@@ -199,7 +199,7 @@ def test_tree_packing_equals_rows_every_loss(case):
   row_layout, tree_layout = _Layout(rows, ref), _Layout(packed, ref)
   # Every algorithm x aggregation x KL estimator on one case; a rotating
   # slice of them on the others keeps the suite's time in bounds.
-  chosen = LOSSES if case == 0 else LOSSES[case::10]
+  chosen = LOSSES if case == 0 else LOSSES[case::6]
   for cfg in chosen:
     _assert_same(tree_layout.loss_metrics_grads(cfg), row_layout.loss_metrics_grads(cfg), cfg)
 
