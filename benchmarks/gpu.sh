@@ -10,27 +10,7 @@
 # output is written to OUTDIR (default: /tmp/gpu_bench) and echoed.
 set -u
 OUT_DIR=${1:-/tmp/gpu_bench}
-mkdir -p "$OUT_DIR"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  rm -rf /tmp/site
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
-export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee -a "$OUT_DIR/benchmarks.txt"
-python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
-  | tee -a "$OUT_DIR/benchmarks.txt"
-
-run() {  # run NAME CMD...: time a benchmark, keep its output
-  local name=$1; shift
-  echo "=== $name: $*"
-  local t0=$SECONDS
-  "$@" 2>&1 | grep -v -E "^(W|I)[0-9]{4} |UserWarning|warnings.warn" | tee -a "$OUT_DIR/benchmarks.txt"
-  echo "=== $name took $((SECONDS - t0)) s"
-}
+source "$(dirname "$0")/gpu_setup.sh"
 
 run train_f32 python3 -m benchmarks.bench_train --presets=bench,small --peak_n=8192 --repeats=10
 run train_bf16 python3 -m benchmarks.bench_train --presets=qwen2-0.5b --dtype=bfloat16 \

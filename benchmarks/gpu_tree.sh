@@ -11,28 +11,7 @@
 set -u
 PART=${1:-1}
 OUT_DIR=${2:-/tmp/gpu_bench}
-mkdir -p "$OUT_DIR"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  rm -rf /tmp/site
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
-export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee -a "$OUT_DIR/benchmarks.txt"
-python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
-  | tee -a "$OUT_DIR/benchmarks.txt"
-
-run() {  # run NAME SECONDS CMD...: a benchmark under a time limit, output kept
-  local name=$1 limit=$2; shift 2
-  echo "=== $name: $*"
-  local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | grep -v -E "^(W|I)[0-9]{4} |UserWarning|warnings.warn" \
-    | tee -a "$OUT_DIR/benchmarks.txt"
-  echo "=== $name took $((SECONDS - t0)) s (exit ${PIPESTATUS[0]})"
-}
+source "$(dirname "$0")/gpu_setup.sh"
 
 Q="--dtype=bfloat16"
 if [ "$PART" = 1 ]; then
