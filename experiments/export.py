@@ -44,9 +44,10 @@ def main(argv):
   except experiment.ConfigError as e:
     raise app.UsageError(str(e)) from None
   info = saved.export_policy(policy, out)
-  print(f"exported {policy.label} of {policy.workdir} to {info['out']}: "
-        f"{', '.join(['config.json'] + info['weights'] + info['tokenizer'])}")
-  print(info["note"])
+  for one in info.get("agents", [info]):
+    print(f"exported {policy.label} of {policy.workdir} to {one['out']}: "
+          f"{', '.join(['config.json'] + one['weights'] + one['tokenizer'])}")
+  print(info.get("agents", [info])[0]["note"])
   print(json.dumps({"out": info["out"], "step": policy.step}))
 
 

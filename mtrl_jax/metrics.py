@@ -192,7 +192,10 @@ class StepTimer:
 
 
 class _BackendCompileCounter:
-  """Process-wide count of XLA backend compilations (jax.monitoring events)."""
+  """Process-wide count of XLA executables made: backend compilations plus loads
+  from JAX's persistent compilation cache (jax.monitoring events). A cache hit
+  is still a program the process had not run before, so it counts.
+  """
 
   def __init__(self):
     self.count = 0
@@ -211,10 +214,17 @@ class _BackendCompileCounter:
         if event == dispatch.BACKEND_COMPILE_EVENT:
           self.count += 1
 
+      def hit_listener(event, **kw):
+        del kw
+        if event == _CACHE_HIT_EVENT:
+          self.count += 1
+
       jax.monitoring.register_event_duration_secs_listener(listener)
+      jax.monitoring.register_event_listener(hit_listener)
       self._installed = True
 
 
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _BACKEND = _BackendCompileCounter()
 
 

@@ -2,7 +2,8 @@
 
 The backend optimisation level only changes how hard LLVM optimises the CPU
 code (the XLA program is the same); level 0 halves compile time, which
-dominates this suite.
+dominates this suite. A session-wide persistent compilation cache (below)
+turns repeated compiles of the same program into loads.
 
 Fixtures (built by `mtrl_jax.testing`, which also holds the scripted fakes):
 `byte_tokenizer`, `renderer` (compact chat format on it, fresh per test) and
@@ -15,6 +16,20 @@ os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", "")] +
     [f for f in _FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent compilation cache per test session, shared by the xdist
+# workers and the entry-point subprocesses tests start (they inherit the
+# environment): many tests compile the same tiny-model programs, and a cache
+# hit replaces a compile. The first process creates it and removes it at exit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  _cache = tempfile.mkdtemp(prefix="mtrl_jax_test_jit_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pytest  # noqa: E402  (after the XLA flags above)
 

@@ -76,13 +76,11 @@ def trained_samples(tree: Tree, zero_variance_filter: bool = True,
   return out, dropped
 
 
-def make_train_batch(tree: Tree, cfg: BatchConfig) -> tuple[Optional[dict], dict]:
-  """The train batch of a finalized tree (None when no sample trains) and its metrics."""
-  trained, dropped = trained_samples(tree, cfg.zero_variance_filter, cfg.keep_kl)
-  metrics = {"batch/zero_variance_groups": float(dropped),
-             "batch/actions": float(sum(int(t.sum()) for t in trained))}
-  if not metrics["batch/actions"]:
-    return None, metrics
+def _pack(tree: Tree, cfg: BatchConfig, trained: list) -> tuple[Optional[dict], dict]:
+  """The batch of the `trained` samples (None when there are none) and its packing stats."""
+  actions = float(sum(int(t.sum()) for t in trained))
+  if not actions:
+    return None, {"actions": 0.0, "tokens_trained": 0.0, "tokens_rows_equivalent": 0.0}
   if cfg.packing == "tree":
     batch, stats = pack_actions(tree_actions(tree, trained), length=max(cfg.length_buckets),
                                 row_buckets=cfg.row_buckets, row_multiple=cfg.row_multiple,
@@ -94,9 +92,84 @@ def make_train_batch(tree: Tree, cfg: BatchConfig) -> tuple[Optional[dict], dict
     tokens_trained = equivalent = float(sum(
         len(node.prompts[i]) + len(node.completions[i][g].ids)
         for k, node in enumerate(tree.nodes) for i, g in zip(*np.nonzero(trained[k]))))
-  rows, length = batch["tokens_BxL"].shape
-  metrics.update({"batch/rows": float(rows), "batch/length": float(length),
-                  "batch/tokens_trained": tokens_trained,
-                  "batch/tokens_rows_equivalent": equivalent,
-                  "batch/padding_fraction": 1.0 - tokens_trained / float(rows * length)})
+  return batch, {"actions": actions, "tokens_trained": tokens_trained,
+                 "tokens_rows_equivalent": equivalent}
+
+
+def _batch_metrics(stats: dict, rows: int, length: int, copies: int = 1) -> dict:
+  return {"batch/rows": float(rows), "batch/length": float(length),
+          "batch/tokens_trained": stats["tokens_trained"],
+          "batch/tokens_rows_equivalent": stats["tokens_rows_equivalent"],
+          "batch/padding_fraction": 1.0 - stats["tokens_trained"] / float(copies * rows * length)}
+
+
+def make_train_batch(tree: Tree, cfg: BatchConfig) -> tuple[Optional[dict], dict]:
+  """The train batch of a finalized tree (None when no sample trains) and its metrics."""
+  trained, dropped = trained_samples(tree, cfg.zero_variance_filter, cfg.keep_kl)
+  batch, stats = _pack(tree, cfg, trained)
+  metrics = {"batch/zero_variance_groups": float(dropped), "batch/actions": stats["actions"]}
+  if batch is not None:
+    metrics.update(_batch_metrics(stats, *batch["tokens_BxL"].shape))
   return batch, metrics
+
+
+# Fill of each batch field where padding adds rows, positions or trained-token slots.
+_FILL = {"positions_BxL": 0, "prev_BxK": 0, "action_BxK": 0, "loss_mask_BxK": False,
+         "old_logp_BxK": 0.0, "adv_BxK": 0.0, "row_weight_B": 0.0, "loss_mask_BxL": False,
+         "old_logp_BxL": 0.0, "adv_B": 0.0, "adv_BxL": 0.0, "turn_B": -1, "agent_B": -1,
+         "node_B": -1}
+
+
+def pad_batch(batch: dict, rows: int, length: int, k: Optional[int], pad_id: int) -> dict:
+  """A row or tree-packed batch padded to `rows` x `length` (x `k` trained-token slots).
+
+  Padding rows have row_weight 0 and no trained token; a padding position of a
+  tree-packed row attends to itself only; padding never changes the loss.
+  """
+  out = {}
+  for key, x in batch.items():
+    shape = [rows] + [length if d == "L" else k for d in key.split("_")[-1][2:]]
+    if key == "ends_BxL":  # each padding position its own subtree
+      y = np.tile(np.arange(1, length + 1, dtype=x.dtype), (rows, 1))
+    else:
+      y = np.full(shape, pad_id if key.startswith(("tokens", "target")) else _FILL[key], x.dtype)
+    y[tuple(slice(0, n) for n in x.shape)] = x
+    out[key] = y
+  return out
+
+
+def make_agent_batches(tree: Tree, cfg: BatchConfig) -> tuple[Optional[dict], dict]:
+  """One batch per agent, stacked on a leading agent axis: {key: [A, B, ...]}.
+
+  Agent a's batch holds only its own trained samples (separate policies never
+  train on each other's tokens); all agents are padded to the largest row
+  count, length and trained-token bucket among them, so one program updates
+  every agent (`train.stacked`). An agent with nothing to train gets an
+  all-padding batch (its update is skipped). Returns (None, metrics) when no
+  agent trains. Metrics: the overall `batch/*` ones plus `agent_<a>/batch/actions`
+  and `agent_<a>/batch/tokens_trained`.
+  """
+  trained, dropped = trained_samples(tree, cfg.zero_variance_filter, cfg.keep_kl)
+  n = tree.cfg.num_agents
+  per = []
+  for a in range(n):
+    only_a = [t & (np.arange(t.shape[0]) == a)[:, None] for t in trained]
+    per.append(_pack(tree, cfg, only_a))
+  metrics = {"batch/zero_variance_groups": float(dropped),
+             "batch/actions": float(sum(st["actions"] for _, st in per))}
+  for a, (_, st) in enumerate(per):
+    metrics[f"agent_{a}/batch/actions"] = st["actions"]
+    metrics[f"agent_{a}/batch/tokens_trained"] = st["tokens_trained"]
+  present = [b for b, _ in per if b is not None]
+  if not present:
+    return None, metrics
+  rows = max(b["tokens_BxL"].shape[0] for b in present)
+  length = max(b["tokens_BxL"].shape[1] for b in present)
+  k = max(b["prev_BxK"].shape[1] for b in present) if "prev_BxK" in present[0] else None
+  empty = {key: x[:0] for key, x in present[0].items()}
+  batches = [pad_batch(b if b is not None else empty, rows, length, k, cfg.pad_id)
+             for b, _ in per]
+  stacked = {key: np.stack([b[key] for b in batches]) for key in batches[0]}
+  total = {f: sum(st[f] for _, st in per) for f in ("tokens_trained", "tokens_rows_equivalent")}
+  metrics.update(_batch_metrics(total, rows, length, copies=n))
+  return stacked, metrics

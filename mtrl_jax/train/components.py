@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from mtrl_jax import metrics as metrics_lib, sharding
-from mtrl_jax.rollout.batching import BatchConfig
+from mtrl_jax.rollout.batching import BatchConfig, make_agent_batches, make_train_batch
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.policy import TimedPolicy
 from mtrl_jax.sampling import Sampler
@@ -27,6 +27,7 @@ from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train import shapes as shapes_lib
 from mtrl_jax.train.evaluate import Evaluator
 from mtrl_jax.train.objectives import PolicyObjective
+from mtrl_jax.train.stacked import StackedTrainStep, agent_slice
 from mtrl_jax.train.step import TrainStep
 
 
@@ -39,10 +40,11 @@ class Components:
   tokenizer: Any
   renderer: Any
   model: Any
+  models: list  # one per policy: [model] when shared, one per agent when separate
   factory: Any
   train_tasks: Any
   eval_tasks: Any
-  train_step: TrainStep
+  train_step: Any  # TrainStep (shared policy) or StackedTrainStep (one policy per agent)
   shapes: shapes_lib.ShapePlan
   batch_cfg: BatchConfig
   sampler: Sampler
@@ -57,12 +59,84 @@ class Components:
     """Rows of every batch divide evenly over the data-parallel devices."""
     return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
+  @property
+  def separate(self) -> bool:
+    """One policy per agent (stacked state) rather than one shared policy."""
+    return not self.exp.agents.share_policy
+
+  def init_state(self, params=None):
+    """A fresh train state from `params` (every agent's start) or the built models."""
+    seed = self.exp.seed
+    if not self.separate:
+      return self.train_step.init_state(self.model if params is None else params, seed=seed)
+    starts = self.models if params is None else [params] * len(self.models)
+    return self.train_step.init_state(starts, seed=seed)
+
+  def policy_states(self, params):
+    """What the sampler acts with: the shared params, or one slice per agent."""
+    if not self.separate:
+      return params
+    return [agent_slice(params, a) for a in range(len(self.models))]
+
+  def make_batch(self, tree):
+    """The train batch of a tree: one batch, or one per agent stacked on axis 0."""
+    return (make_agent_batches if self.separate else make_train_batch)(tree, self.batch_cfg)
+
+  def train_metrics(self, device_metrics) -> dict:
+    """`train/<name>`; with separate policies also `agent_<a>/train/<name>`, and
+    `train/<name>` is the mean over agents."""
+    m = self.train_step.fetch_metrics(device_metrics)
+    if not self.separate:
+      return {f"train/{k}": v for k, v in m.items()}
+    out = {f"train/{k}": float(sum(r[k] for r in m) / len(m)) for k in m[0]}
+    for a, row in enumerate(m):
+      out.update({f"agent_{a}/train/{k}": v for k, v in row.items()})
+    return out
+
+  # ------------------------------------------------------------ checkpoints
+  # Separate policies save one subtree per agent ({"agent_0": ..., "agent_1": ...}).
+  def to_saved(self, state):
+    if not self.separate:
+      return state
+    return {f"agent_{a}": agent_slice(state, a) for a in range(len(self.models))}
+
+  def from_saved(self, saved):
+    if not self.separate:
+      return saved
+    return self.train_step.stack([saved[f"agent_{a}"] for a in range(len(self.models))])
+
+  def state_target(self):
+    """Abstract tree of a saved train state (the best checkpoint holds one)."""
+    if not self.separate:
+      return self.train_step.abstract_state()
+    one = self.train_step.inner.abstract_state()
+    return {f"agent_{a}": one for a in range(len(self.models))}
+
   def checkpoint_target(self) -> dict:
     """Abstract tree of a latest-N checkpoint: {"train": state[, "ref": params]}."""
-    target = {"train": self.train_step.abstract_state()}
+    target = {"train": self.state_target()}
     if self.exp.loss.kl_coef > 0:
-      target["ref"] = self.train_step.abstract_state().params
+      target["ref"] = jax.tree.map(lambda s: s.params, self.state_target(),
+                                   is_leaf=lambda x: hasattr(x, "opt_state"))
     return target
+
+  def checkpoint_tree(self, state, ref) -> dict:
+    tree = {"train": self.to_saved(state)}
+    if self.exp.loss.kl_coef > 0:
+      saved_ref = ref if not self.separate else {
+          f"agent_{a}": agent_slice(ref, a) for a in range(len(self.models))}
+      tree["ref"] = saved_ref
+    return tree
+
+  def from_checkpoint(self, restored) -> tuple[Any, Any]:
+    """(train state, reference params or None) of a restored latest-N checkpoint."""
+    state = self.from_saved(restored["train"])
+    ref = restored.get("ref")
+    if ref is not None and self.separate:
+      ref = self.train_step.copy_params(
+          jax.tree.map(lambda *x: jax.numpy.stack(x),
+                       *[ref[f"agent_{a}"] for a in range(len(self.models))]))
+    return state, ref
 
 
 def build(exp: exp_lib.Experiment) -> Components:
@@ -74,7 +148,16 @@ def build(exp: exp_lib.Experiment) -> Components:
   model = exp_lib.make_model(exp, mesh)
   factory = exp_lib.make_factory(exp)
   objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature)
-  train_step = TrainStep(model, objective, exp.optim, mesh=mesh, step_cfg=exp.step)
+  if exp.agents.share_policy:
+    models = [model]
+    train_step = TrainStep(model, objective, exp.optim, mesh=mesh, step_cfg=exp.step)
+  else:
+    n = exp.tree.num_agents
+    paths = exp.agents.paths or ("",) * n
+    models = [exp_lib.make_model(exp, mesh, path=p) if p else model for p in paths]
+    rates = exp.agents.learning_rates or (exp.optim.learning_rate,) * n
+    train_step = StackedTrainStep(model, objective, exp.optim, rates, mesh=mesh,
+                                  step_cfg=exp.step)
   shapes = shapes_lib.plan_shapes(exp, rows, rows)
   batch_cfg = BatchConfig(
       packing=exp.rl.packing, length_buckets=exp.rl.length_buckets,
@@ -92,7 +175,7 @@ def build(exp: exp_lib.Experiment) -> Components:
   census.register("sampler", sampler)
   census.register("train_step", train_step)
   return Components(
-      exp=exp, mesh=mesh, tokenizer=tokenizer, renderer=renderer, model=model,
+      exp=exp, mesh=mesh, tokenizer=tokenizer, renderer=renderer, model=model, models=models,
       factory=factory, train_tasks=exp_lib.make_task_source(exp, exp.train_split),
       eval_tasks=exp_lib.make_task_source(exp, exp.eval_split), train_step=train_step,
       shapes=shapes, batch_cfg=batch_cfg, sampler=sampler, policy=policy,

@@ -1,4 +1,4 @@
-"""The run's own config groups as frozen, validated dataclasses: rl, sft, eval, checkpoint.
+"""The run's own config groups as frozen, validated dataclasses: rl, sft, eval, checkpoint, agents.
 
 Each dataclass mirrors one group of the ConfigDict (`train/defaults.py`),
 field for field and under the same names, so `config.sft.check_every` is
@@ -114,3 +114,43 @@ class CheckpointConfig:
 
   def __post_init__(self):
     _int_at_least("checkpoint", self, ("every", "keep"), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentsConfig:
+  """Shared or separate policies (`config.agents`).
+
+  Attributes:
+    share_policy: True: one policy acts for every agent (role prompts tell
+      them apart); False: one policy per agent, stacked on an agent axis and
+      updated by one program (`train.stacked`).
+    learning_rates: per-agent RL learning rates on `optim`'s schedule (empty:
+      `optim.learning_rate` for every agent).
+    paths: per-agent local HF checkpoint directories ('' or empty: the
+      top-level `model`); every agent must have the top-level architecture.
+  """
+
+  share_policy: bool = True
+  learning_rates: tuple = ()
+  paths: tuple = ()
+
+  def __post_init__(self):
+    object.__setattr__(self, "learning_rates", tuple(self.learning_rates))
+    object.__setattr__(self, "paths", tuple(self.paths))
+    if any(isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0
+           for r in self.learning_rates):
+      raise ValueError(f"config agents.learning_rates={self.learning_rates!r}; allowed: "
+                       "positive numbers, one per agent (or empty)")
+    if not all(isinstance(p, str) for p in self.paths):
+      raise ValueError(f"config agents.paths={self.paths!r}; allowed: directory strings, one "
+                       "per agent (or empty)")
+    if self.share_policy and (self.learning_rates or any(self.paths)):
+      raise ValueError("config agents.learning_rates / agents.paths need "
+                       "agents.share_policy=False; allowed: empty with a shared policy")
+
+  def check(self, num_agents: int):
+    for name in ("learning_rates", "paths"):
+      v = getattr(self, name)
+      if v and len(v) != num_agents:
+        raise ValueError(f"config agents.{name}={v!r} has {len(v)} entries; allowed: "
+                         f"{num_agents} (tree.num_agents) or none")

@@ -122,6 +122,11 @@ def base_config() -> ml_collections.ConfigDict:
       sampled=False,  # also a sampled (temperature 1) evaluation
       success_threshold=0.0,  # a trajectory succeeds when its outcome is above this
   )
+  c.agents = dict(
+      share_policy=True,  # True: one policy for every agent; False: one policy per agent
+      learning_rates=(),  # per-agent RL learning rates (empty: optim.learning_rate for all)
+      paths=(),  # per-agent local HF checkpoints, same architecture ('' / empty: model)
+  )
   c.checkpoint = dict(
       every=10,  # save every k RL steps (and at the end)
       keep=3,  # latest checkpoints kept (besides workdir/best)

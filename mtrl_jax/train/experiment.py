@@ -25,7 +25,8 @@ from mtrl_jax.losses import LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train.config import CheckpointConfig, EvalConfig, RLConfig, SFTConfig
+from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EvalConfig, RLConfig,
+                                   SFTConfig)
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import StepConfig
 
@@ -59,6 +60,7 @@ class Experiment:
   sft: SFTConfig
   eval: EvalConfig
   checkpoint: CheckpointConfig
+  agents: AgentsConfig
 
 
 def _fields(cd, cls, **extra):
@@ -121,7 +123,9 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       eval_split=c.tasks.eval_split, task_kwargs=tuple(sorted(dict(c.tasks.kwargs).items())),
       tree=tree, sampling=sampling, reward=reward, loss=loss, optim=optim, sft_optim=sft_optim,
       step=_fields(c.step, StepConfig), seed=c.seed, rl=rl, sft=sft,
-      eval=_fields(c.eval, EvalConfig), checkpoint=_fields(c.checkpoint, CheckpointConfig))
+      eval=_fields(c.eval, EvalConfig), checkpoint=_fields(c.checkpoint, CheckpointConfig),
+      agents=_fields(c.agents, AgentsConfig))
+  check_agents(exp)
   # Size the tree before launch: a config that cannot fit fails here.
   plan_tree(tree, rl.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
             max_new_tokens=sampling.max_new_tokens, max_generations=rl.max_generations)
@@ -189,6 +193,24 @@ class _Resolving:
     if "allowed" not in msg and "registered" not in msg:
       msg += f"; allowed: {self.allowed}"
     raise ValueError(f"config {self.what}: {msg}") from err
+
+
+def check_agents(exp: Experiment):
+  """Separate policies: one entry per agent, every agent of the top-level architecture."""
+  exp.agents.check(exp.tree.num_agents)
+  for a, path in enumerate(exp.agents.paths):
+    if not path:
+      continue
+    if not os.path.isfile(os.path.join(path, "config.json")):
+      raise ValueError(f"config agents.paths[{a}]={path!r} has no config.json; allowed: a local "
+                       "HF-format checkpoint directory, or '' for the top-level model")
+    m = exp.model
+    cfg = ModelConfig.from_hf_json(path).replace(remat=m.remat, attention=m.attention,
+                                                 dtype=m.dtype, param_dtype=m.param_dtype)
+    if cfg != exp.model:
+      raise ValueError(f"config agents.paths[{a}]={path!r}: its architecture differs from the "
+                       "top-level model's; allowed: the same architecture for every agent (one "
+                       "stacked program; different architectures are not supported yet)")
 
 
 def check_imports(exp: Experiment):
@@ -278,11 +300,12 @@ def fit_vocab(exp: Experiment, tokenizer) -> Experiment:
   return dataclasses.replace(exp, model=exp.model.replace(vocab_size=tokenizer.vocab_size))
 
 
-def make_model(exp: Experiment, mesh):
+def make_model(exp: Experiment, mesh, path: str = ""):
+  """The policy model: from `path` (an agent's checkpoint), `model.path`, or the preset."""
   from mtrl_jax import models
-  if exp.model_path:
+  if path or exp.model_path:
     from mtrl_jax.models import loading
-    return loading.from_pretrained(exp.model_path, mesh=mesh)
+    return loading.from_pretrained(path or exp.model_path, mesh=mesh)
   return models.create_model(exp.model, seed=exp.seed, mesh=mesh)
 
 

@@ -31,7 +31,6 @@ import ml_collections
 from mtrl_jax import checkpoint, data, metrics as metrics_lib
 from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout import expand_tree
-from mtrl_jax.rollout.batching import make_train_batch
 from mtrl_jax.train import components as components_lib
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
@@ -59,7 +58,8 @@ class _TextCounters:
 
 
 def held_out(parts: components_lib.Components, params, step: int) -> dict:
-  """`eval/<mode>/<metric>` of the first `eval.num_tasks` held-out tasks."""
+  """`eval/<mode>/<metric>` of the first `eval.num_tasks` held-out tasks (`params`: the
+  policy's, or a list with one per agent)."""
   tasks = eval_lib.indexed(parts.eval_tasks, parts.exp.eval.num_tasks)
   key = jax.random.fold_in(parts.key, 10_000_000 + step)
   out = {}
@@ -86,7 +86,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   resumed = start is not None
   if resumed:
     restored, meta = ckpt.restore(parts.checkpoint_target())
-    state, ref = restored["train"], restored.get("ref")
+    state, ref = parts.from_checkpoint(restored)
     stream.restore(meta["stream"])
     summary.update(meta.get("summary", {}))
     print(f"resumed from {workdir}/ckpt at step {start}", flush=True)
@@ -99,24 +99,26 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
                      sft_steps_run=history[-1]["sft_step"] if history else 0,
                      sft_seconds=round(time.time() - t0, 1))
     else:
-      state = parts.train_step.init_state(parts.model, seed=exp.seed)
+      state = parts.init_state()
     ref = parts.train_step.copy_params(state.params) if keep_ref else None
 
   def save(step, state, ref):
-    tree = {"train": state, **({"ref": ref} if keep_ref else {})}
-    ckpt.save(step, tree, meta={"stream": stream.state(), "summary": summary})
+    ckpt.save(step, parts.checkpoint_tree(state, ref),
+              meta={"stream": stream.state(), "summary": summary})
 
   def evaluate(step, state) -> dict:
-    m = held_out(parts, state.params, step)
+    m = held_out(parts, parts.policy_states(state.params), step)
     score = m.get("eval/greedy/success", m.get("eval/sampled/success"))
     if score is not None:
-      ckpt.maybe_save_best(step, score, state, meta={"eval": m})
+      ckpt.maybe_save_best(step, score, parts.to_saved(state), meta={"eval": m})
       summary.setdefault("eval_history", []).append({"step": step, **m})
     return m
 
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start if resumed else None)
   if exp.rl.precompile:
-    info = shapes_lib.precompile(parts.shapes, parts.sampler, state.params, parts.train_step,
+    one_policy = parts.policy_states(state.params)
+    one_policy = one_policy[0] if parts.separate else one_policy
+    info = shapes_lib.precompile(parts.shapes, parts.sampler, one_policy, parts.train_step,
                                  len(parts.renderer.fmt.stop_ids))
     print(f"precompiled {info['sampler_programs']} sampler programs in "
           f"{info['sampler_seconds']} s and {info['train_programs']} train-step programs in "
@@ -140,17 +142,17 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   for step in range(start + 1, exp.rl.steps + 1):
     timer = metrics_lib.StepTimer()
     key = jax.random.fold_in(parts.key, step)
-    parts.policy.set_states(state.params)
+    parts.policy.set_states(parts.policy_states(state.params))
     with timer.section("rollout"):
       roots = parts.transition.root_states(parts.factory, stream.next(exp.rl.roots_per_step))
       tree = expand_tree(exp.tree, parts.policy, parts.transition, roots, key)
-    batch, batch_m = make_train_batch(tree, parts.batch_cfg)
+    batch, batch_m = parts.make_batch(tree)
     train_m = {}
     with timer.section("train"):
       if batch is not None:
         for _ in range(exp.rl.updates_per_step):
           state, dm = parts.train_step(state, ref, batch)
-        train_m = {f"train/{k}": v for k, v in parts.train_step.fetch_metrics(dm).items()}
+        train_m = parts.train_metrics(dm)
     if exp.rl.ref_reset_every and step % exp.rl.ref_reset_every == 0:
       ref = parts.train_step.copy_params(state.params)
     m = {**tree.metrics(), **eval_lib.rollout_metrics(tree, exp.eval.success_threshold),

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Union
+from typing import Any, Union
 
 import jax
 import ml_collections
@@ -60,22 +60,40 @@ def parse_checkpoint(value: Union[str, int]) -> Union[str, int]:
 
 @dataclasses.dataclass
 class SavedPolicy:
-  """A run's policy at one checkpoint: the run's parts (`train.components`), the
-  model's parameters replaced by the checkpoint's."""
+  """A run's policy at one checkpoint: the run's parts (`train.components`) and the
+  checkpoint's parameters (stacked on an agent axis when each agent has its own)."""
 
   workdir: str
   parts: Components
   step: int
   checkpoint: str  # 'best' | 'latest' | 'step'
+  saved_params: Any = None  # None: the parts' model as built
 
   exp = property(lambda self: self.parts.exp)
   tokenizer = property(lambda self: self.parts.tokenizer)
   renderer = property(lambda self: self.parts.renderer)
-  model = property(lambda self: self.parts.model)
 
   @property
   def params(self):
-    return nnx.state(self.model, nnx.Param)
+    """What the sampler acts with: the policy's params, or a list with one per agent."""
+    if self.saved_params is None:
+      return nnx.state(self.parts.model, nnx.Param)
+    return self.parts.policy_states(self.saved_params)
+
+  def models(self) -> list:
+    """One model per policy (the shared one, or one per agent) with the saved weights."""
+    params = self.params
+    if not isinstance(params, list):
+      params = [params]
+    graphdef = nnx.graphdef(self.parts.model)
+    return [nnx.merge(graphdef, p) for p in params]
+
+  @property
+  def model(self):
+    """The shared policy's model (separate policies: `models()`)."""
+    if self.parts.separate:
+      raise ValueError("this run trained one policy per agent; use SavedPolicy.models()")
+    return self.models()[0]
 
   @property
   def label(self) -> str:
@@ -110,17 +128,17 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
                                 f"allowed: 'best', 'latest' or a saved step {steps}")
     parts = components.build(exp)
     if which == "best":
-      state, _ = ckpt.restore_best(parts.train_step.abstract_state())
+      saved, _ = ckpt.restore_best(parts.state_target())
+      state = parts.from_saved(saved)
       step = best["step"]
     else:
       step = steps[-1] if which == "latest" else which
       restored, _ = ckpt.restore(parts.checkpoint_target(), step=step)
-      state = restored["train"]
+      state, _ = parts.from_checkpoint(restored)
   finally:
     ckpt.close()
-  nnx.update(parts.model, state.params)
   kind = "step" if isinstance(which, int) else which
-  return SavedPolicy(os.path.abspath(workdir), parts, int(step), kind)
+  return SavedPolicy(os.path.abspath(workdir), parts, int(step), kind, state.params)
 
 
 def evaluate_policy(policy: SavedPolicy, *, num_tasks: int = 0, samples: int = 1,
@@ -171,7 +189,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def export_policy(policy: SavedPolicy, out_dir: str) -> dict:
-  """Writes the policy as a Hugging Face directory `transformers` can load.
+  """Writes the policy as a Hugging Face directory `transformers` can load; a run
+  with one policy per agent writes one directory per agent, `out_dir/agent_<a>`.
 
   config.json + model.safetensors (sharded above 4 GiB) from
   `models.loading.save_pretrained`; for an HF-tokenizer run its tokenizer
@@ -180,10 +199,19 @@ def export_policy(policy: SavedPolicy, out_dir: str) -> dict:
   with `mtrl_jax.text.ByteTokenizer(specials=...)`).
 
   Returns:
-    {'out': dir, 'weights': [files], 'tokenizer': [files], 'note': str}.
+    {'out': dir, 'weights': [files], 'tokenizer': [files], 'note': str}; separate
+    policies: {'out': dir, 'agents': [that dict per agent]}.
   """
+  if policy.parts.separate:
+    agents = [_export_one(policy, model, os.path.join(out_dir, f"agent_{a}"))
+              for a, model in enumerate(policy.models())]
+    return {"out": os.path.abspath(out_dir), "agents": agents}
+  return _export_one(policy, policy.model, out_dir)
+
+
+def _export_one(policy: SavedPolicy, model, out_dir: str) -> dict:
   from mtrl_jax.models import loading
-  weights = loading.save_pretrained(policy.model, out_dir)  # every process gathers
+  weights = loading.save_pretrained(model, out_dir)  # every process gathers
   exp, tok = policy.exp, policy.tokenizer
   if jax.process_index() != 0:
     return {"out": os.path.abspath(out_dir), "weights": weights, "tokenizer": [], "note": ""}

@@ -229,7 +229,7 @@ def warm_up(parts) -> tuple[Any, list[dict]]:
     history.append(row)
     if row.get("check_success", 0.0) >= cfg.until_success > 0:
       break
-  return parts.train_step.init_state(state.params, seed=exp.seed), history
+  return parts.init_state(state.params), history
 
 
 @functools.cache

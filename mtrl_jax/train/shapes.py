@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
+
 from mtrl_jax.buckets import bucket, round_up
 from mtrl_jax.rollout import plan_tree
 from mtrl_jax.rollout.packing import batch_spec
@@ -133,7 +135,10 @@ def precompile(shapes: ShapePlan, sampler, sampler_state, train_step, num_stop_i
     sampler.precompile(sampler_state, p, lp, call.num_generations, call.sampling,
                        num_stop_ids=num_stop_ids)
   t1 = time.perf_counter()
+  agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
   for spec in shapes.train_specs():
+    if agents is not None:
+      spec = {k: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype) for k, v in spec.items()}
     train_step.precompile(spec)
   t2 = time.perf_counter()
   return {"sampler_programs": len(programs), "sampler_seconds": round(t1 - t0, 1),

@@ -330,7 +330,10 @@ class TrainStep:
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
       fn.lower(state, None if no_ref else state.params, abstract).compile()
 
-  def _step(self, state: TrainState, ref_params, batch):
+  def _step(self, state: TrainState, ref_params, batch, update_scale=None):
+    """One update; `update_scale` (a scalar, default 1) multiplies the optimizer's
+    updates: AdamW's update is linear in the learning rate, so it sets another
+    base learning rate on the same schedule (`train.stacked`)."""
     self._num_traces += 1  # runs once per trace, i.e. per compilation
     obj, cfg = self.objective, self.step_cfg
     want_entropy = cfg.report_entropy and cfg.logprob_chunk_size is None
@@ -381,6 +384,10 @@ class TrainStep:
     apply = finite & (den > 0)  # an empty batch (no trained token) changes nothing
 
     updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
+    lr = _learning_rate(state.opt_state, self.schedule)
+    if update_scale is not None:
+      updates = jax.tree.map(lambda u: (u * update_scale).astype(u.dtype), updates)
+      lr = lr * update_scale
     new_params = optax.apply_updates(state.params, updates)
     pick = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
     new_state = TrainState(
@@ -390,7 +397,7 @@ class TrainStep:
 
     metrics = dict(obj.finalize(sums))
     metrics.update(loss=loss, grad_norm=grad_norm,
-                   learning_rate=_learning_rate(state.opt_state, self.schedule),
+                   learning_rate=lr,
                    skipped=(~finite).astype(jnp.float32), empty_batch=(den <= 0).astype(
                        jnp.float32), num_skipped=new_state.num_skipped, step=state.step)
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}

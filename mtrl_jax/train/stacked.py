@@ -1,0 +1,182 @@
+"""Separate policies of one architecture, updated by one program.
+
+CoMLRL's multi-agent setting trains one LLM per agent. When the agents share
+an architecture, their `TrainState`s (parameters, AdamW moments, step
+counters) are stacked along a leading agent axis A and one jitted program
+maps the ordinary train step over it (`jax.vmap` of `TrainStep._step`):
+
+  state_A, ref_A, batch_A  ->  A independent updates  ->  new state_A, metrics_A
+
+Each agent sees only its own rows (`rollout.batching.make_agent_batches`
+stacks one batch per agent, padded to a common shape), its own reference
+and its own optimizer state, so agent i's update never depends on agent j's
+tokens, advantages or parameters. Per-agent learning rates share the
+schedule's shape: AdamW's update is linear in the learning rate, so agent a's
+update is the base update times lr_a / lr_base (`update_scale`).
+
+The stacked axis is replicated over the mesh: every device holds every
+agent's shard of the usual parameter layout (fsdp / tensor splits apply
+within an agent).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mtrl_jax import sharding
+from mtrl_jax.train.step import StepConfig, TrainState, TrainStep
+
+
+def _stack_sharding(s: NamedSharding) -> NamedSharding:
+  return NamedSharding(s.mesh, P(None, *s.spec))
+
+
+def stack_trees(trees: Sequence[Any]):
+  """[tree_0, tree_1, ...] -> one tree with a leading agent axis on every leaf."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def agent_slice(tree, a: int):
+  """Agent `a`'s tree of a stacked tree."""
+  return jax.tree.map(lambda x: x[a], tree)
+
+
+class StackedTrainStep:
+  """A jitted, sharded update of A stacked agents' `TrainState`s by one objective.
+
+  Args:
+    model: one agent's model (the shared architecture; weights are taken by
+      `init_state`).
+    objective: as for `TrainStep`.
+    optim_cfg: the optimizer (its learning rate is the base rate).
+    learning_rates: one base learning rate per agent (same schedule shape).
+    mesh, step_cfg, rules: as for `TrainStep`.
+  """
+
+  def __init__(self, model, objective, optim_cfg, learning_rates: Sequence[float], mesh=None,
+               step_cfg: StepConfig = StepConfig(), rules=sharding.TRAIN_RULES):
+    if len(learning_rates) < 1:
+      raise ValueError("StackedTrainStep: learning_rates is empty; allowed: one rate per agent")
+    if optim_cfg.learning_rate <= 0 or any(lr <= 0 for lr in learning_rates):
+      raise ValueError(f"StackedTrainStep learning_rates={list(learning_rates)} (base "
+                       f"{optim_cfg.learning_rate}); allowed: positive rates")
+    self.inner = TrainStep(model, objective, optim_cfg, mesh=mesh, step_cfg=step_cfg,
+                           rules=rules)
+    self.num_agents = len(learning_rates)
+    self.scales = np.asarray([lr / optim_cfg.learning_rate for lr in learning_rates],
+                             np.float32)
+    self.mesh, self.step_cfg, self.objective = self.inner.mesh, step_cfg, self.inner.objective
+    self.state_shardings = jax.tree.map(_stack_sharding, self.inner.state_shardings)
+    self.param_shardings = jax.tree.map(_stack_sharding, self.inner.param_shardings)
+    self._jitted: dict[Any, Any] = {}
+    self._stack_fn = self._copy_fn = None
+
+  @property
+  def num_compiles(self) -> int:
+    return self.inner.num_compiles
+
+  # ------------------------------------------------------------ state
+  def init_state(self, models_or_params: Sequence[Any], seed: int = 0) -> TrainState:
+    """Stacked fresh states, one per agent's model (or parameter state)."""
+    if len(models_or_params) != self.num_agents:
+      raise ValueError(f"init_state: {len(models_or_params)} models for "
+                       f"{self.num_agents} agents")
+    states = [self.inner.init_state(m, seed=seed) for m in models_or_params]
+    return self.stack(states)
+
+  def stack(self, states: Sequence[TrainState]) -> TrainState:
+    """Per-agent states -> one stacked state, born with the stacked shardings."""
+    if self._stack_fn is None:
+      self._stack_fn = jax.jit(lambda *s: stack_trees(s), out_shardings=self.state_shardings)
+    return self._stack_fn(*states)
+
+  def abstract_state(self) -> TrainState:
+    """Stacked ShapeDtypeStructs with shardings (a checkpoint restore target)."""
+    a = self.num_agents
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct((a,) + x.shape, x.dtype, sharding=s),
+                        self.inner.abstract_state(), self.state_shardings)
+
+  def copy_params(self, params):
+    """A separate copy of stacked parameters (the frozen references)."""
+    if self._copy_fn is None:
+      self._copy_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                              out_shardings=self.param_shardings)
+    return self._copy_fn(params)
+
+  # ------------------------------------------------------------ step
+  def _select(self, batch_A: Mapping[str, Any]) -> dict:
+    keys_for = getattr(self.objective, "keys_for", None)
+    keys = list(keys_for(batch_A) if keys_for else self.objective.batch_keys)
+    missing = [k for k in keys if k not in batch_A]
+    if missing:
+      raise KeyError(f"stacked train batch lacks {missing}; has {sorted(batch_A)}")
+    out = {k: batch_A[k] for k in keys}
+    for k, v in out.items():
+      if np.shape(v)[0] != self.num_agents:
+        raise ValueError(f"stacked batch {k} has leading size {np.shape(v)[0]}; expected "
+                         f"{self.num_agents} agents")
+    tokens, vocab = out["tokens_BxL"], self.inner.model_cfg.vocab_size
+    if isinstance(tokens, np.ndarray) and tokens.size and (tokens.min() < 0
+                                                           or tokens.max() >= vocab):
+      raise ValueError(f"tokens_BxL ids span [{tokens.min()}, {tokens.max()}]; allowed: "
+                       f"[0, vocab_size={vocab})")
+    b, m = np.shape(tokens)[1], self.step_cfg.num_microbatches
+    if b % m:
+      raise ValueError(f"batch rows B={b} not divisible by StepConfig.num_microbatches={m}")
+    return out
+
+  def __call__(self, state: TrainState, ref_params, batch: Mapping[str, Any]):
+    """One update of every agent: `state` (donated), `ref_params` [A, ...] or None,
+    `batch` {key: [A, B, ...]}. Returns (new state, metrics {name: [A]})."""
+    batch = self._select(batch)
+    if not self.objective.needs_ref:
+      ref_params = None
+    elif ref_params is None:
+      raise ValueError("the objective needs reference logprobs (kl_coef > 0) but "
+                       "ref_params is None")
+    fn = self._fn_for(batch, ref_params is None)
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
+      return fn(state, ref_params, batch, self.scales)
+
+  def _fn_for(self, batch, no_ref: bool):
+    key = (no_ref,) + tuple(sorted((k, len(v.shape), v.shape[1]) for k, v in batch.items()))
+    fn = self._jitted.get(key)
+    if fn is None:
+      batch_sh = {k: _stack_sharding(sharding.batch_sharding(self.mesh, len(v.shape) - 1,
+                                                             v.shape[1]))
+                  for k, v in batch.items()}
+      rep = sharding.replicated(self.mesh)
+      fn = jax.jit(self._stacked_step,
+                   in_shardings=(self.state_shardings, None if no_ref else self.param_shardings,
+                                 batch_sh, rep),
+                   out_shardings=(self.state_shardings, rep), donate_argnums=(0,),
+                   compiler_options=dict(self.step_cfg.compiler_options) or None)
+      self._jitted[key] = fn
+    return fn
+
+  def _stacked_step(self, state, ref_params, batch, scales):
+    one = lambda s, r, b, c: self.inner._step(s, r, b, update_scale=c)
+    ref_axis = None if ref_params is None else 0
+    return jax.vmap(one, in_axes=(0, ref_axis, 0, 0))(state, ref_params, batch, scales)
+
+  def precompile(self, batch: Mapping[str, Any], with_ref=None) -> None:
+    """Compiles the step for this stacked batch's shapes (arrays or ShapeDtypeStructs)."""
+    batch = self._select(batch)
+    no_ref = not (self.objective.needs_ref if with_ref is None else with_ref)
+    fn = self._fn_for(batch, no_ref)
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+    state = self.abstract_state()
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
+      fn.lower(state, None if no_ref else state.params, abstract, self.scales).compile()
+
+  def fetch_metrics(self, metrics: Mapping[str, Any]) -> list[dict[str, float]]:
+    """Host floats per agent (raises NonFiniteError under 'halt' for any agent)."""
+    host = jax.device_get(dict(metrics))
+    return [self.inner.fetch_metrics({k: v[a] for k, v in host.items()})
+            for a in range(self.num_agents)]

@@ -1,0 +1,98 @@
+"""Separate policies stacked on an agent axis: one program equals N single-agent updates."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from mtrl_jax import losses, models
+from mtrl_jax.rollout.batching import pad_batch
+from mtrl_jax.train import OptimConfig, StepConfig, TrainStep
+from mtrl_jax.train.stacked import StackedTrainStep, agent_slice
+
+CFG = models.get_preset("tiny")
+LOSS = losses.LossConfig(algorithm="grpo", kl_coef=0.05, aggregation="seq-mean-token-mean")
+# eps 1e-4: see tests/train/test_train_step.py (keeps Adam from amplifying rounding).
+OPT = OptimConfig(learning_rate=1e-3, eps=1e-4, weight_decay=0.01, grad_clip_norm=1.0)
+RATES = (1e-3, 3e-3)
+FAST = (("xla_backend_optimization_level", 0),)
+L = 16
+
+
+def _batch(seed, rows):
+  r = np.random.RandomState(seed)
+  mask = np.zeros((rows, L), bool)
+  for b in range(rows):
+    mask[b, 3 + b % 3:L - b % 2] = True
+  return {"tokens_BxL": r.randint(0, CFG.vocab_size, (rows, L)).astype(np.int32),
+          "loss_mask_BxL": mask,
+          "old_logp_BxL": (-2.0 + 0.3 * r.randn(rows, L)).astype(np.float32),
+          "adv_B": r.randn(rows).astype(np.float32), "row_weight_B": np.ones(rows, np.float32)}
+
+
+def _models():
+  return [models.create_model(CFG, seed=s) for s in (0, 1)]
+
+
+def _stacked(batches):
+  rows = max(b["tokens_BxL"].shape[0] for b in batches)
+  padded = [pad_batch(b, rows, L, None, pad_id=0) for b in batches]
+  return {k: np.stack([p[k] for p in padded]) for k in padded[0]}
+
+
+def _run_stacked(batches, steps=2):
+  ms = _models()
+  st = StackedTrainStep(ms[0], LOSS, OPT, RATES, step_cfg=StepConfig(compiler_options=FAST))
+  state = st.init_state(ms, seed=0)
+  ref = st.copy_params(state.params)
+  stacked = _stacked(batches)
+  for _ in range(steps):
+    state, m = st(state, ref, stacked)
+  return state, st.fetch_metrics(m), st
+
+
+def test_stacked_update_equals_independent_single_agent_updates():
+  # Agent 1 has fewer rows: its batch is padded to agent 0's, which must not matter.
+  batches = [_batch(0, 8), _batch(1, 6)]
+  state, metrics, st = _run_stacked(batches)
+  assert st.num_compiles == 1
+  for a, model in enumerate(_models()):
+    single = TrainStep(model, LOSS, dataclasses.replace(OPT, learning_rate=RATES[a]),
+                       step_cfg=StepConfig(compiler_options=FAST))
+    s = single.init_state(model, seed=0)
+    ref = single.copy_params(s.params)
+    for _ in range(2):
+      s, m = single(s, ref, batches[a])
+    m = single.fetch_metrics(m)
+    ours = jax.tree.leaves(agent_slice(state.params, a))
+    theirs = jax.tree.leaves(s.params)
+    for x, y in zip(ours, theirs):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+    for k in ("loss", "kl", "grad_norm", "learning_rate"):
+      assert metrics[a][k] == pytest.approx(m[k], rel=1e-5, abs=1e-6), (a, k)
+    assert metrics[a]["learning_rate"] == pytest.approx(RATES[a], rel=1e-6)
+
+
+def test_one_agents_tokens_never_change_the_others_update():
+  base = [_batch(0, 8), _batch(1, 8)]
+  changed = [base[0], {**_batch(7, 8), "adv_B": -base[1]["adv_B"]}]
+  s1, _, _ = _run_stacked(base, steps=1)
+  s2, _, _ = _run_stacked(changed, steps=1)
+  for x, y in zip(jax.tree.leaves(agent_slice(s1.params, 0)),
+                  jax.tree.leaves(agent_slice(s2.params, 0))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bit-identical
+  assert any(not np.array_equal(np.asarray(x), np.asarray(y))
+             for x, y in zip(jax.tree.leaves(agent_slice(s1.params, 1)),
+                             jax.tree.leaves(agent_slice(s2.params, 1))))
+
+
+def test_stacked_step_refuses_bad_inputs():
+  ms = _models()
+  with pytest.raises(ValueError, match="learning_rates"):
+    StackedTrainStep(ms[0], LOSS, OPT, (1e-3, -1.0))
+  st = StackedTrainStep(ms[0], LOSS, OPT, RATES, step_cfg=StepConfig(compiler_options=FAST))
+  state = st.init_state(ms)
+  one_agent = {k: v[:1] for k, v in _stacked([_batch(0, 8), _batch(1, 8)]).items()}
+  with pytest.raises(ValueError, match="2 agents"):
+    st(state, st.copy_params(state.params), one_agent)
