@@ -8,6 +8,7 @@ thread pool's size and order change nothing, and the RL loop resumes exactly.
 import concurrent.futures
 import json
 import os
+import shutil
 
 import jax
 import pytest
@@ -88,25 +89,55 @@ def _rows(workdir):
             for line in f]
 
 
-def test_rl_steps_with_llm_user_and_judge_resume_exactly(tmp_path):
-  """Two RL steps with the judge's grades as rewards; stopped after step 1 and resumed,
-  the run's metrics equal an uninterrupted run's."""
+@pytest.fixture
+def compile_cache(tmp_path):
+  """A persistent compilation cache for one test, as a resumed job on a machine with
+  one has: the resumed run loads the programs the first run compiled (seconds, not a
+  minute). Programs and results are the same; the process's settings are restored."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  old = {n: getattr(jax.config, n) for n in names}
+  cc.reset_cache()
+  jax.config.update(names[0], str(tmp_path / "jax_cache"))
+  jax.config.update(names[1], 0.0)
+  jax.config.update(names[2], 0)
+  yield
+  cc.reset_cache()
+  for n, v in old.items():
+    jax.config.update(n, v)
+
+
+def _dump(workdir, step):
+  with open(os.path.join(workdir, "rollouts", f"step_{step:06d}.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_rl_steps_with_llm_user_and_judge_resume_exactly(tmp_path, compile_cache):
+  """Two RL steps in the real loop with the judge's grades as rewards; killed after
+  step 2's metrics but before its checkpoint and resumed, the run's metrics and the
+  simulated users' messages equal the uninterrupted run's."""
   full = str(tmp_path / "full")
   rl.run(_config(2), full, progress=False)
-  with open(os.path.join(full, "rollouts", "step_000001.jsonl")) as f:
-    nodes = [json.loads(line) for line in f]
   judged = 0
-  for node in nodes:
+  for node in _dump(full, 1):
     for reward, info in zip(node["rewards"], node["infos"]):
       steps = info.get("substeps", [info])
       scores = [s["grades"]["judge"]["score"] for s in steps if "judge" in s.get("grades", {})]
       if scores:
         judged += 1
         assert reward == pytest.approx(sum(scores), abs=1e-6)
+        assert 0.0 < reward < 1.0
   assert judged >= 2
   rows = _rows(full)
   assert [r["step"] for r in rows] == [0, 1, 2] and "train/loss" in rows[1]
-  stopped = str(tmp_path / "stopped")
-  rl.run(_config(1), stopped, progress=False)  # "killed" after step 1's checkpoint
-  rl.run(_config(2), stopped, progress=False)
-  assert _rows(stopped) == rows
+  assert rows[1]["reward/outcome"] > 0  # the judge's P(PASS) reached the rewards
+
+  # The state a SIGKILL between step 2's metrics row and its checkpoint leaves.
+  killed = str(tmp_path / "killed")
+  shutil.copytree(full, killed)
+  shutil.rmtree(os.path.join(killed, "ckpt", "2"))
+  os.remove(os.path.join(killed, "rollouts", "step_000002.jsonl"))
+  rl.run(_config(2), killed, progress=False)
+  assert _rows(killed) == rows
+  assert _dump(killed, 2) == _dump(full, 2)  # the user simulator said the same
