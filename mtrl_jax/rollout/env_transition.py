@@ -10,6 +10,11 @@ and renders the environment's new turns into the child's ledgers once.
 
 A step whose new turns end with a `tool` turn (for every agent) reports
 `continues_turn=True`: the environment waits for the policy, not the user.
+A step whose next thread does not extend the previous tokens (a history
+rewrite: the environment changed earlier turns, or a Qwen3-style template
+strips earlier thinking) never continues the action: its context is rendered
+anew and the child node is a new training segment, while the action keeps
+its own tokens and advantage.
 The engine turns that into a sub-step under `branch_on='user_turn'` and
 ignores it under 'every_turn'. Every step, sub-steps included, counts as one
 policy turn for `StepLimits.max_turns`.
@@ -130,7 +135,8 @@ class EnvTransition:
     new_turns = [nxt.turns[len(old.turns):] for old, nxt in zip(acted, out.next_threads)]
     info["env_turns"] = [[t.content for t in turns] for turns in new_turns]
     info["env_roles"] = [[t.role for t in turns] for turns in new_turns]
-    waits = all(turns and turns[-1].role == "tool" for turns in new_turns)
+    waits = (not out.history_rewrites
+             and all(turns and turns[-1].role == "tool" for turns in new_turns))
     return ActionOutcome(EnvState(env, tuple(out.next_threads), state.steps + 1),
                          out.reward.total, valid=not out.masked, info=info,
                          continues_turn=waits)

@@ -26,6 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
       kind="byte",  # 'byte' (tiny from-scratch models) | 'hf' (tokenizer.json of model.path)
       extra_specials="",  # import path to a tuple of extra byte-tokenizer specials
       chat_format="compact",  # 'compact' (byte models) | 'chatml' (Qwen-style)
+      strip_thinking=False,  # Qwen3-style: earlier assistant turns lose their <think> blocks
   )
   c.mesh = dict(data=-1, fsdp=1, tensor=1)  # device mesh; -1 takes the remaining devices
 

@@ -109,6 +109,7 @@ class Experiment:
   sft_optim: OptimConfig
   step: StepConfig
   run: RunConfig
+  strip_thinking: bool = False
 
 
 def _fields(cd, cls, **extra):
@@ -140,6 +141,9 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   if c.tokenizer.chat_format not in ("compact", "chatml"):
     raise ValueError(f"config tokenizer.chat_format={c.tokenizer.chat_format!r}; "
                      "allowed: ['compact', 'chatml']")
+  if not isinstance(c.tokenizer.strip_thinking, bool):
+    raise ValueError(f"config tokenizer.strip_thinking={c.tokenizer.strip_thinking!r}; "
+                     "allowed: True or False")
   tree = _fields(c.tree, TreeConfig)
   sampling = _fields(c.sampling, SamplingConfig)
   buckets = tuple(int(b) for b in c.rl.length_buckets)
@@ -181,7 +185,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       task_source=c.tasks.source, train_split=c.tasks.train_split,
       eval_split=c.tasks.eval_split, task_kwargs=tuple(sorted(dict(c.tasks.kwargs).items())),
       tree=tree, sampling=sampling, reward=reward, loss=loss, optim=optim, sft_optim=sft_optim,
-      step=_fields(c.step, StepConfig), run=run)
+      step=_fields(c.step, StepConfig), run=run, strip_thinking=c.tokenizer.strip_thinking)
   # Size the tree before launch: a config that cannot fit fails here.
   plan_tree(tree, run.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
             max_new_tokens=sampling.max_new_tokens, max_generations=c.rl.max_generations)
@@ -324,7 +328,7 @@ def make_tokenizer(exp: Experiment):
     raise ValueError(f"tokenizer vocab_size={tok.vocab_size} exceeds the model's "
                      f"vocab_size={exp.model.vocab_size}")
   fmt = text.chatml(tok) if exp.chat_format == "chatml" else text.compact(tok)
-  return tok, text.ChatRenderer(tok, fmt)
+  return tok, text.ChatRenderer(tok, fmt, strip_thinking=exp.strip_thinking)
 
 
 def fit_vocab(exp: Experiment, tokenizer) -> Experiment:
