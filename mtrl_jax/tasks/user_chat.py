@@ -32,6 +32,20 @@ PERSONA = "a curious person who writes short messages"
 CRITERIA = "The assistant answered the user's question helpfully and politely."
 
 
+# Policy-tokenizer specials of a thinking model (`tokenizer.extra_specials`).
+THINK_SPECIALS = ("<think>", "</think>")
+
+
+def thinking_conversation(task) -> list[tuple[str, str]]:
+  """A golden conversation in a thinking model's format (`sft.conversations`): every
+  assistant turn opens with a `<think>` block, which a Qwen3-style template
+  (`tokenizer.strip_thinking`) hides once the next user turn arrives."""
+  return [("user", task["prompt"]),
+          ("assistant", "<think>ok</think>Sure."),
+          ("user", "Thanks, and more?"),
+          ("assistant", "<think>hm</think>More.")]
+
+
 def make_task(split: str, index: int) -> dict:
   """Task `index` of `split`: a topic the user asks about (a pure function of both)."""
   if split not in ("train", "eval", "test"):

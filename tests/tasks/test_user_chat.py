@@ -11,6 +11,7 @@ import os
 import shutil
 
 import jax
+import numpy as np
 import pytest
 
 from configs import calculator as calc_config
@@ -89,17 +90,17 @@ def _rows(workdir):
             for line in f]
 
 
-@pytest.fixture
-def compile_cache(tmp_path):
-  """A persistent compilation cache for one test, as a resumed job on a machine with
-  one has: the resumed run loads the programs the first run compiled (seconds, not a
-  minute). Programs and results are the same; the process's settings are restored."""
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+  """A persistent compilation cache for this module's runs, as a resumed job on a
+  machine with one has: later runs load the programs earlier ones compiled (seconds,
+  not a minute). Programs and results are the same; the settings are restored."""
   from jax.experimental.compilation_cache import compilation_cache as cc
   names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
            "jax_persistent_cache_min_entry_size_bytes")
   old = {n: getattr(jax.config, n) for n in names}
   cc.reset_cache()
-  jax.config.update(names[0], str(tmp_path / "jax_cache"))
+  jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
   jax.config.update(names[1], 0.0)
   jax.config.update(names[2], 0)
   yield
@@ -141,3 +142,24 @@ def test_rl_steps_with_llm_user_and_judge_resume_exactly(tmp_path, compile_cache
   rl.run(_config(2), killed, progress=False)
   assert _rows(killed) == rows
   assert _dump(killed, 2) == _dump(full, 2)  # the user simulator said the same
+
+
+def test_rl_steps_with_qwen3_style_thinking_rewrites(tmp_path, compile_cache):
+  """A short SFT teaches the <think> format; with strip_thinking the second user turn
+  rewrites the history, and two RL steps train on the rewritten contexts."""
+  c = _config(2)
+  c.tokenizer.extra_specials = "mtrl_jax.tasks.user_chat:THINK_SPECIALS"
+  c.tokenizer.strip_thinking = True
+  c.sft.steps = 20
+  c.sft.conversations = "mtrl_jax.tasks.user_chat:thinking_conversation"
+  c.sft.until_success = 0.0
+  workdir = str(tmp_path / "run")
+  rl.run(c, workdir, progress=False)
+  rows = _rows(workdir)
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  assert sum(r["text/history_rewrites"] for r in rows[1:]) > 0
+  rewritten = [info for node in _dump(workdir, 1) + _dump(workdir, 2)
+               for info in node["infos"] if info.get("history_rewrites")]
+  assert rewritten and not any(info["masked"] for info in rewritten)
+  for r in rows[1:]:
+    assert np.isfinite(r["train/loss"]) and r["batch/actions"] > 0
