@@ -41,7 +41,8 @@ from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train import shapes as shapes_lib
 from mtrl_jax.train.sft import SFTBatcher, make_sft_step
-from mtrl_jax.train.step import PolicyObjective, TrainStep
+from mtrl_jax.train.objectives import PolicyObjective
+from mtrl_jax.train.step import TrainStep
 
 
 PLOT_KEYS = ("eval/*/success", "rollout/success", "rollout/return", "turn_*/mean_reward",

@@ -29,7 +29,8 @@ from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.sampling import Sampler
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
-from mtrl_jax.train.step import PolicyObjective, TrainStep
+from mtrl_jax.train.objectives import PolicyObjective
+from mtrl_jax.train.step import TrainStep
 
 # Files of an HF tokenizer copied next to the exported weights when the run has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -26,7 +26,8 @@ from mtrl_jax import sharding
 from mtrl_jax.buckets import bucket, round_up
 from mtrl_jax.data import epoch_order
 from mtrl_jax.train import optim
-from mtrl_jax.train.step import StepConfig, TrainStep, train_mask
+from mtrl_jax.train.objectives import train_mask
+from mtrl_jax.train.step import StepConfig, TrainStep
 
 SFT_BATCH_KEYS = ("tokens_BxL", "loss_mask_BxL", "row_weight_B")
 
