@@ -21,7 +21,7 @@ from mtrl_jax.registry import import_object
 from mtrl_jax.envs import FaultPolicy, StepLimits, resolve_factory
 import mtrl_jax.tasks  # noqa: F401  (registers the built-in tasks: config names resolve)
 from mtrl_jax.graders.reward import RewardConfig, check_reward_dominance
-from mtrl_jax.losses import LossConfig
+from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.rollout.batching import PACKINGS
@@ -226,6 +226,13 @@ def check_fields(c: ml_collections.ConfigDict):
   if c.model.path and not os.path.isfile(os.path.join(c.model.path, "config.json")):
     raise ValueError(f"config model.path={c.model.path!r} has no config.json; allowed: a local "
                      "HF-format checkpoint directory, or '' for model.preset")
+  if c.loss.is_correction not in CORRECTIONS:
+    raise ValueError(f"config loss.is_correction={c.loss.is_correction!r}; allowed: "
+                     f"{list(CORRECTIONS)}")
+  cap = c.loss.is_cap
+  if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 1 < cap < float("inf"):
+    raise ValueError(f"config loss.is_cap={cap!r}; allowed: a finite number > 1 (ratios are "
+                     "kept in [1/is_cap, is_cap])")
   if c.tree.num_generations == 1 and c.tree.advantage_mode in _SIBLING_BASELINES:
     raise ValueError(f"config tree.num_generations=1 with tree.advantage_mode="
                      f"{c.tree.advantage_mode!r}: a sibling baseline of one sample makes every "
