@@ -360,14 +360,18 @@ class TrainStep:
       # Several updates per batch: the batch also carries the trainer's old
       # logprobs (shaped like old_logp), computed by a forward of its own.
       like = batch["old_logp_BxK" if is_tree_batch(batch) else "old_logp_BxL"]
-      batch = {trainer_old_key(batch): sds(like), **batch}
+      # Sharded as `old_logprobs` returns it, so the step's cache entry matches.
+      old_sds = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding.batch_sharding(
+          self.mesh, 2, like.shape[0]))
+      batch = {trainer_old_key(batch): old_sds, **batch}
       fwd = {k: sds(batch[k]) for k in _forward_keys(batch)}
       with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
         self._old_fn_for(fwd).lower(self.abstract_state().params, fwd).compile()
     batch = self._select(batch)
     no_ref = not (self.objective.needs_ref if with_ref is None else with_ref)
     fn = self._fn_for(batch, no_ref)
-    abstract = {k: sds(v) for k, v in batch.items()}
+    abstract = {k: v if isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None
+                else sds(v) for k, v in batch.items()}
     state = self.abstract_state()
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
       fn.lower(state, None if no_ref else state.params, abstract).compile()

@@ -84,3 +84,20 @@ def test_one_update_with_masked_is_takes_the_current_policy_as_old():
   np.testing.assert_allclose(m["loss"], want, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(m["is_masked_frac"], float(direct["is_masked_frac"]), atol=1e-6)
   assert 0 < m["is_masked_frac"] < 1 and m["clip_frac"] == 0
+
+
+def test_precompile_covers_the_old_logprobs_forward_and_the_step_that_reads_them():
+  cfg = losses.LossConfig("grpo", 0.2, 0.28, is_correction="mis_action", is_cap=2.0)
+  model = testing.tiny_model()
+  ts = TrainStep(model, PolicyObjective(cfg, recompute_old=True), OPT,
+                 step_cfg=StepConfig(compiler_options=FAST))
+  batch, _ = _batch()
+  ts.precompile({k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype)
+                 for k, v in batch.items()})
+  compiled = ts.num_compiles
+  assert compiled == 2  # the forward and the update
+  state = ts.init_state(model)
+  batch.update(ts.old_logprobs(state.params, batch))
+  state, m = ts(state, None, batch)
+  assert ts.num_compiles == compiled
+  assert np.isfinite(ts.fetch_metrics(m)["loss"])
