@@ -91,9 +91,9 @@ class _SharedModel(SharedResource):
       tokenizer = text.HFTokenizer.from_dir(model_path)
     else:
       tokenizer = text.ByteTokenizer()
-      cfg = models.get_preset(preset)
-      model = models.create_model(cfg.replace(vocab_size=max(cfg.vocab_size,
-                                                             tokenizer.vocab_size)), seed=seed)
+      # Exactly the tokenizer's vocabulary: every sampled id decodes.
+      cfg = models.get_preset(preset).replace(vocab_size=tokenizer.vocab_size)
+      model = models.create_model(cfg, seed=seed)
     # fixed_rows: a reply or score never depends on what shares its batch.
     self.llm = LocalLLM(model, tokenizer, seed=seed, fixed_rows=4,
                         sampling=SamplingConfig(temperature=temperature,
