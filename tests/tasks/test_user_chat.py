@@ -146,8 +146,12 @@ def test_rl_steps_with_llm_user_and_judge_resume_exactly(tmp_path, compile_cache
 
 def test_rl_steps_with_qwen3_style_thinking_rewrites(tmp_path, compile_cache):
   """A short SFT teaches the <think> format; with strip_thinking the second user turn
-  rewrites the history, and two RL steps train on the rewritten contexts."""
+  rewrites the history, and two RL steps train on the rewritten contexts. The steps
+  make two updates per batch with truncated IS: the loop computes the trainer's own
+  old logprobs, and the correction's metrics reach the log."""
   c = _config(2)
+  c.rl.updates_per_step = 2
+  c.loss.is_correction = "tis"
   c.tokenizer.extra_specials = "mtrl_jax.tasks.user_chat:THINK_SPECIALS"
   c.tokenizer.strip_thinking = True
   c.sft.steps = 20
@@ -163,3 +167,7 @@ def test_rl_steps_with_qwen3_style_thinking_rewrites(tmp_path, compile_cache):
   assert rewritten and not any(info["masked"] for info in rewritten)
   for r in rows[1:]:
     assert np.isfinite(r["train/loss"]) and r["batch/actions"] > 0
+    assert 0 < r["train/is_weight_mean"] <= 2.0 and r["train/sampler_gap"] < 1e-3
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    raw = [json.loads(line) for line in f]
+  assert raw[2]["compiles/train_step"] == 2  # the update and the old-logprob forward
