@@ -68,7 +68,8 @@ class TextGenerator(Protocol):
   `generate(prompts, sampling=None, seeds=None) -> list[str]`: one
   completion per prompt (each prompt is the text of one user message; the
   generator applies its chat format); `seeds` (one int per prompt) make each
-  completion a function of its seed and prompt alone. `score_choices(prompts, choices) -> [P, C] array`: log-prob
+  completion a function of its seed and prompt alone.
+  `score_choices(prompts, choices) -> [P, C] array`: log-prob
   of each choice string as the start of the assistant's reply to each prompt.
   `LocalLLM` below implements it on our sampler. Prompts are plain text and
   replies plain strings: nothing here depends on the environment API.
@@ -226,8 +227,9 @@ class LocalLLM(SharedResource):
     ids = [self.prompt_ids(p) for p in prompts]
     prompt_keys = None
     if seeds is not None:
-      halves = np.asarray([[s >> 32, s & 0xFFFFFFFF] for s in seeds], np.uint32)
-      prompt_keys = _seed_keys(self._base_key, halves)
+      halves = np.zeros((next_pow2(len(seeds), 1), 2), np.uint32)  # one program per bucket
+      halves[:len(seeds)] = [[s >> 32, s & 0xFFFFFFFF] for s in seeds]
+      prompt_keys = _seed_keys(self._base_key, halves)[:len(seeds)]
     out = [""] * len(prompts)
     with self._lock:
       key = self._base_key  # not used when every prompt has its own key
