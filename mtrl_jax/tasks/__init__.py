@@ -3,6 +3,7 @@
   calculator  the multi-turn calculator tool task (the CPU demo)
   coop        the two-agent cooperative arithmetic task
   code        HumanEval code generation: prompts, rewards, feedback modes, data
+  user_chat   a simulated user (LLM) and an LLM judge on one local model
   weather     the example environment of the API docs (a tool, per-turn and final graders)
 
 Each module registers its environment factory (`mtrl_jax.envs.register_env_factory`)
@@ -14,4 +15,5 @@ registry name (`env.factory=calculator`).
 from mtrl_jax.tasks import calculator  # noqa: F401
 from mtrl_jax.tasks.code import env as code_env  # noqa: F401
 from mtrl_jax.tasks import coop  # noqa: F401
+from mtrl_jax.tasks import user_chat  # noqa: F401
 from mtrl_jax.tasks import weather  # noqa: F401

@@ -26,6 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
       kind="byte",  # 'byte' (tiny from-scratch models) | 'hf' (tokenizer.json of model.path)
       extra_specials="",  # import path to a tuple of extra byte-tokenizer specials
       chat_format="compact",  # 'compact' (byte models) | 'chatml' (Qwen-style)
+      strip_thinking=False,  # Qwen3-style: earlier assistant turns lose their <think> blocks
   )
   c.mesh = dict(data=-1, fsdp=1, tensor=1)  # device mesh; -1 takes the remaining devices
 
@@ -77,6 +78,10 @@ def base_config() -> ml_collections.ConfigDict:
       kl_estimator="k3",  # 'k1' | 'k2' | 'k3'
       aggregation="token-mean",  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
       max_len=0,  # the fixed length of seq-mean-token-sum-norm (0: the largest length bucket)
+      # Sampler/trainer gap (docs/internals.md "Off-policy corrections"): 'none' | 'tis'
+      # (truncated IS) | 'mis_token' | 'mis_action' (masked IS, per token / per action)
+      is_correction="none",
+      is_cap=2.0,  # C > 1: TIS weights min(ratio, C); MIS keeps ratios in [1/C, C]
   )
   c.optim = dict(
       learning_rate=1e-4,

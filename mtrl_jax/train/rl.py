@@ -150,6 +150,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     train_m = {}
     with timer.section("train"):
       if batch is not None:
+        if parts.train_step.objective.recompute_old:  # pi_old before the first update
+          batch = {**batch, **parts.train_step.old_logprobs(state.params, batch)}
         for _ in range(exp.rl.updates_per_step):
           state, dm = parts.train_step(state, ref, batch)
         train_m = parts.train_metrics(dm)

@@ -44,6 +44,9 @@ BAD = {
               ["model.dtype='float16'", "'bfloat16'"]),
     "model_path": ("calculator", {"model.path": "/no/such/checkpoint"},
                    ["model.path='/no/such/checkpoint'", "config.json"]),
+    "is_correction": ("calculator", {"loss.is_correction": "clip"},
+                      ["is_correction='clip'", "'tis'", "'mis_action'"]),
+    "is_cap": ("calculator", {"loss.is_cap": 0.5}, ["is_cap=0.5", "> 1"]),
 }
 
 
