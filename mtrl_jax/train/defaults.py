@@ -56,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
       cross_return="sum",  # cross mode per-agent return: 'sum' (CoMLRL) | 'mean'
       branch_on="user_turn",  # 'every_turn' (CoMLRL) | 'user_turn' (tool calls don't branch)
       max_substeps=4,  # tool round trips inside one turn
+      # 'tree' | 'chain' (G independent trajectories per root, branching only at the root;
+      # equal sampled segments per root: G_chain = (G + ... + G^T) / T, see TreeConfig)
+      shape="tree",
   )
   c.sampling = dict(
       temperature=1.0,
