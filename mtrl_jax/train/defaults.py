@@ -125,6 +125,17 @@ def base_config() -> ml_collections.ConfigDict:
       sampled=False,  # also a sampled (temperature 1) evaluation
       success_threshold=0.0,  # a trajectory succeeds when its outcome is above this
   )
+  c.curriculum = dict(
+      # Move tasks.kwargs[level_key] by rolling rollout success (mtrl_jax.data.CurriculumStream);
+      # held-out evaluation keeps tasks.kwargs as they are. Logged as curriculum/level.
+      enabled=False,
+      level_key="level",  # the task source keyword that selects a level (calculator: 'level')
+      num_levels=5,  # levels 0 .. num_levels - 1 (the calculator has 5)
+      start_level=0,  # level of the first RL step
+      window=10,  # k: RL steps whose rollout success is averaged
+      raise_above=0.8,  # one level up when the mean over a full window is above this
+      lower_below=0.3,  # one level down when it is below this
+  )
   c.checkpoint = dict(
       every=10,  # save every k RL steps (and at the end)
       keep=3,  # latest checkpoints kept (besides workdir/best)
