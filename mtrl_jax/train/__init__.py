@@ -3,8 +3,8 @@
 from mtrl_jax.train.optim import OptimConfig, make_optimizer, make_schedule
 from mtrl_jax.train.sft import (SFTBatcher, SFTObjective, make_sft_builder, make_sft_step,
                                 pack_sft_rows)
-from mtrl_jax.train.step import (NonFiniteError, Objective, PolicyObjective, StepConfig,
-                                 TrainState, TrainStep, train_mask)
+from mtrl_jax.train.objectives import Objective, PolicyObjective, train_mask
+from mtrl_jax.train.step import NonFiniteError, StepConfig, TrainState, TrainStep
 
 __all__ = [
     "NonFiniteError", "Objective", "OptimConfig", "PolicyObjective", "SFTBatcher",

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from mtrl_jax.rollout import expand_tree
+from mtrl_jax.rollout import TreeConfig
 from mtrl_jax.rollout.policy import SamplerPolicy
+from mtrl_jax.sampling import SamplingConfig
 
 
 def _step_infos(info):
@@ -104,34 +106,56 @@ def path_results(tree) -> list[dict]:
   return out
 
 
-def evaluate(sampler, params, renderer, transition, factory, tasks: Sequence[dict], exp, *,
-             greedy: bool, key, samples: int = 1) -> dict[str, float]:
-  """Single-path rollouts of `tasks`; mean success, outcome, return and turns.
+@dataclasses.dataclass
+class Evaluator:
+  """Single-path rollouts of tasks with one policy: the SFT stop check and held-out eval.
 
-  `samples` > 1 rolls each task that many times (independent attempts; use
-  greedy=False) and adds `pass@{samples}`: the fraction of tasks that any of
-  their attempts solved. The means are over all attempts.
+  Built once per run (`train.components`) from the run's sampler, renderer,
+  transition and factory; the tree, sampling and success settings are the
+  run's, with one generation per node and no early termination.
   """
-  if samples < 1:
-    raise ValueError(f"evaluate samples={samples}; allowed: an int >= 1")
-  tree_cfg = dataclasses.replace(exp.tree, num_generations=1, termination_threshold=None,
-                                 advantage_mode="mean", advantage_std_norm=False)
-  sampling = dataclasses.replace(exp.sampling, greedy=greedy)
-  if not greedy:
-    sampling = dataclasses.replace(sampling, temperature=1.0, top_p=1.0, top_k=0)
-  policy = SamplerPolicy(sampler, params, sampling, stop_ids=renderer.fmt.stop_ids,
-                         pad_id=renderer.tokenizer.pad_id)
-  roots = transition.root_states(factory, [t for t in tasks for _ in range(samples)])
-  tree = expand_tree(tree_cfg, policy, transition, roots, key)
-  res = path_results(tree)
-  thr = exp.run.success_threshold
-  solved = [r["ended"] and r["outcome"] > thr for r in res]
-  out = {"success": float(np.mean(solved)),
-         "outcome": float(np.mean([r["outcome"] for r in res])),
-         "return": float(np.mean([r["return"] for r in res])),
-         "turns": float(np.mean([r["turns"] for r in res])),
-         "masked": float(np.mean([r["masked"] for r in res]))}
-  if samples > 1:
-    out[f"pass@{samples}"] = float(np.mean([any(solved[i:i + samples])
-                                            for i in range(0, len(solved), samples)]))
-  return out
+
+  sampler: Any
+  renderer: Any
+  transition: Any
+  factory: Any
+  tree: TreeConfig
+  sampling: SamplingConfig
+  success_threshold: float = 0.0
+
+  def __call__(self, params, tasks: Sequence[dict], *, greedy: bool, key,
+               samples: int = 1) -> dict[str, float]:
+    """Mean success, outcome, return, turns and masked fraction over `tasks`.
+
+    `samples` > 1 rolls each task that many times (independent attempts; use
+    greedy=False) and adds `pass@{samples}`: the fraction of tasks that any of
+    their attempts solved. The means are over all attempts.
+    """
+    if samples < 1:
+      raise ValueError(f"evaluate samples={samples}; allowed: an int >= 1")
+    tree_cfg = dataclasses.replace(self.tree, num_generations=1, termination_threshold=None,
+                                   advantage_mode="mean", advantage_std_norm=False)
+    sampling = dataclasses.replace(self.sampling, greedy=greedy)
+    if not greedy:
+      sampling = dataclasses.replace(sampling, temperature=1.0, top_p=1.0, top_k=0)
+    policy = SamplerPolicy(self.sampler, params, sampling, stop_ids=self.renderer.fmt.stop_ids,
+                           pad_id=self.renderer.tokenizer.pad_id)
+    roots = self.transition.root_states(self.factory, [t for t in tasks for _ in range(samples)])
+    tree = expand_tree(tree_cfg, policy, self.transition, roots, key)
+    res = path_results(tree)
+    solved = [r["ended"] and r["outcome"] > self.success_threshold for r in res]
+    out = {"success": float(np.mean(solved)),
+           "outcome": float(np.mean([r["outcome"] for r in res])),
+           "return": float(np.mean([r["return"] for r in res])),
+           "turns": float(np.mean([r["turns"] for r in res])),
+           "masked": float(np.mean([r["masked"] for r in res]))}
+    if samples > 1:
+      out[f"pass@{samples}"] = float(np.mean([any(solved[i:i + samples])
+                                              for i in range(0, len(solved), samples)]))
+    return out
+
+
+def indexed(source, count: int, start: int = 0) -> list[dict]:
+  """Tasks `start .. start+count-1` of a task source (clipped to its length), each with
+  its `task_index`."""
+  return [dict(source[i], task_index=i) for i in range(start, min(start + count, len(source)))]

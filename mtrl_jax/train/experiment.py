@@ -24,64 +24,10 @@ from mtrl_jax.graders.reward import RewardConfig, check_reward_dominance
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
-from mtrl_jax.rollout.batching import PACKINGS
 from mtrl_jax.sampling import SamplingConfig
+from mtrl_jax.train.config import CheckpointConfig, EvalConfig, RLConfig, SFTConfig
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import StepConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-  """Loop-level settings (see configs/base.py for each field)."""
-
-  seed: int
-  rl_steps: int
-  roots_per_step: int
-  updates_per_step: int
-  zero_variance_filter: bool
-  packing: str
-  ref_reset_every: int
-  length_buckets: tuple
-  prompt_buckets: tuple
-  precompile: bool
-  dump_every: int
-  sft_steps: int
-  sft_batch_size: int
-  sft_num_examples: int
-  sft_conversations: str
-  sft_until_success: float
-  sft_check_every: int
-  sft_check_tasks: int
-  eval_every: int
-  eval_num_tasks: int
-  eval_greedy: bool
-  eval_sampled: bool
-  success_threshold: float
-  ckpt_every: int
-  ckpt_keep: int
-
-  def __post_init__(self):
-    for name in ("rl_steps", "sft_steps", "dump_every", "ref_reset_every"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"config {name}={getattr(self, name)}; must be >= 0")
-    if not 0.0 <= self.sft_until_success <= 1.0:
-      raise ValueError(f"config sft.until_success={self.sft_until_success}; allowed: [0, 1]")
-    for name in ("roots_per_step", "updates_per_step", "sft_batch_size", "eval_every",
-                 "sft_check_every", "sft_check_tasks",
-                 "eval_num_tasks", "ckpt_every", "ckpt_keep"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"config {name}={getattr(self, name)}; must be >= 1")
-    if self.sft_steps and not self.sft_conversations:
-      raise ValueError("config sft.steps > 0 needs sft.conversations "
-                       "('pkg.module:fn(task) -> [(role, content), ...]')")
-    for name in ("length_buckets", "prompt_buckets"):
-      b = list(getattr(self, name))
-      if b != sorted(set(b)) or any(x < 1 for x in b):
-        raise ValueError(f"config rl.{name}={tuple(b)}; must be increasing positive ints")
-    if not self.length_buckets:
-      raise ValueError("config rl.length_buckets is empty; allowed: increasing positive ints")
-    if self.packing not in PACKINGS:
-      raise ValueError(f"config rl.packing={self.packing!r}; allowed: {list(PACKINGS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +54,11 @@ class Experiment:
   optim: OptimConfig
   sft_optim: OptimConfig
   step: StepConfig
-  run: RunConfig
+  seed: int
+  rl: RLConfig
+  sft: SFTConfig
+  eval: EvalConfig
+  checkpoint: CheckpointConfig
   curriculum: data.CurriculumConfig = data.CurriculumConfig()
 
 
@@ -143,27 +93,16 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
                      "allowed: ['compact', 'chatml']")
   tree = _fields(c.tree, TreeConfig)
   sampling = _fields(c.sampling, SamplingConfig)
-  buckets = tuple(int(b) for b in c.rl.length_buckets)
-  loss = _fields(c.loss, LossConfig, max_len=int(c.loss.max_len) or max(buckets))
-  run = RunConfig(
-      seed=c.seed, rl_steps=c.rl.steps, roots_per_step=c.rl.roots_per_step,
-      updates_per_step=c.rl.updates_per_step, zero_variance_filter=c.rl.zero_variance_filter,
-      packing=c.rl.packing,
-      ref_reset_every=c.rl.ref_reset_every, length_buckets=buckets,
-      prompt_buckets=tuple(int(b) for b in c.rl.prompt_buckets), precompile=c.rl.precompile,
-      dump_every=c.rl.dump_every, sft_steps=c.sft.steps, sft_batch_size=c.sft.batch_size,
-      sft_num_examples=c.sft.num_examples, sft_conversations=c.sft.conversations,
-      sft_until_success=c.sft.until_success, sft_check_every=c.sft.check_every,
-      sft_check_tasks=c.sft.check_tasks,
-      eval_every=c.eval.every, eval_num_tasks=c.eval.num_tasks, eval_greedy=c.eval.greedy,
-      eval_sampled=c.eval.sampled, success_threshold=c.eval.success_threshold,
-      ckpt_every=c.checkpoint.every, ckpt_keep=c.checkpoint.keep)
-  total = max(run.rl_steps * run.updates_per_step, 1)
+  rl = _fields(c.rl, RLConfig)
+  sft = _fields(c.sft, SFTConfig)
+  buckets = rl.length_buckets
+  loss = _fields(c.loss, LossConfig, max_len=int(c.loss.max_len) or rl.max_length)
+  total = max(rl.steps * rl.updates_per_step, 1)
   optim = OptimConfig(learning_rate=c.optim.learning_rate, warmup_steps=c.optim.warmup_steps,
                       total_steps=max(total, c.optim.warmup_steps + 1),
                       schedule=c.optim.schedule, weight_decay=c.optim.weight_decay,
                       grad_clip_norm=c.optim.grad_clip_norm)
-  sft_optim = OptimConfig(learning_rate=c.sft.learning_rate, total_steps=max(run.sft_steps, 1),
+  sft_optim = OptimConfig(learning_rate=sft.learning_rate, total_steps=max(sft.steps, 1),
                           grad_clip_norm=c.optim.grad_clip_norm)
   limits = StepLimits(max_turns=c.env.max_turns, max_tokens=c.env.max_tokens,
                       react_timeout_s=c.env.react_timeout_s,
@@ -182,11 +121,12 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       task_source=c.tasks.source, train_split=c.tasks.train_split,
       eval_split=c.tasks.eval_split, task_kwargs=tuple(sorted(dict(c.tasks.kwargs).items())),
       tree=tree, sampling=sampling, reward=reward, loss=loss, optim=optim, sft_optim=sft_optim,
-      step=_fields(c.step, StepConfig), run=run,
+      step=_fields(c.step, StepConfig), seed=c.seed, rl=rl, sft=sft,
+      eval=_fields(c.eval, EvalConfig), checkpoint=_fields(c.checkpoint, CheckpointConfig),
       curriculum=_fields(c.get("curriculum"), data.CurriculumConfig))
   # Size the tree before launch: a config that cannot fit fails here.
-  plan_tree(tree, run.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
-            max_new_tokens=sampling.max_new_tokens, max_generations=c.rl.max_generations)
+  plan_tree(tree, rl.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
+            max_new_tokens=sampling.max_new_tokens, max_generations=rl.max_generations)
   check_imports(exp)
   check_environment(exp)
   check_curriculum(exp)
@@ -256,10 +196,10 @@ class _Resolving:
 
 def check_imports(exp: Experiment):
   """Resolves the import paths the run will call later (SFT data, tokenizer specials)."""
-  if exp.run.sft_conversations:
-    with _Resolving(f"sft.conversations={exp.run.sft_conversations!r}",
+  if exp.sft.conversations:
+    with _Resolving(f"sft.conversations={exp.sft.conversations!r}",
                     "'pkg.module:fn' with fn(task) -> [(role, content), ...]"):
-      fn = import_object(exp.run.sft_conversations, "sft.conversations")
+      fn = import_object(exp.sft.conversations, "sft.conversations")
       if not callable(fn):
         raise TypeError(f"{fn!r} is not callable")
   if exp.tokenizer_kind == "byte" and exp.extra_specials:
@@ -334,8 +274,8 @@ def make_train_stream(exp: Experiment, train_tasks):
   else a `data.TaskStream` over `train_tasks`. Both checkpoint via state()/restore()."""
   if exp.curriculum.enabled:
     return data.CurriculumStream(lambda level: make_level_source(exp, level), exp.curriculum,
-                                 seed=exp.run.seed)
-  return data.TaskStream(train_tasks, seed=exp.run.seed)
+                                 seed=exp.seed)
+  return data.TaskStream(train_tasks, seed=exp.seed)
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -377,7 +317,7 @@ def make_model(exp: Experiment, mesh):
   if exp.model_path:
     from mtrl_jax.models import loading
     return loading.from_pretrained(exp.model_path, mesh=mesh)
-  return models.create_model(exp.model, seed=exp.run.seed, mesh=mesh)
+  return models.create_model(exp.model, seed=exp.seed, mesh=mesh)
 
 
 def make_factory(exp: Experiment):

@@ -7,8 +7,8 @@ What `experiments/eval.py` and `experiments/export.py` do, as library calls:
   print(markdown_table(rows))
   export_policy(policy, out_dir)               # a Hugging Face directory
 
-The run is rebuilt exactly as `train.rl` built it (same validation, tokenizer,
-vocabulary fit and train-step state), so a checkpoint restores onto the same
+The run is rebuilt exactly as `train.rl` built it (`train.components.build`: same
+validation, tokenizer, vocabulary fit and train-step state), so a checkpoint restores onto the same
 pytree; only its parameters are kept.
 """
 
@@ -18,18 +18,17 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Any, Union
+from typing import Union
 
 import jax
 import ml_collections
 from flax import nnx
 
-from mtrl_jax import checkpoint, sharding
-from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.sampling import Sampler
+from mtrl_jax import checkpoint
+from mtrl_jax.train import components
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
-from mtrl_jax.train.step import PolicyObjective, TrainStep
+from mtrl_jax.train.components import Components
 
 # Files of an HF tokenizer copied next to the exported weights when the run has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -61,16 +60,18 @@ def parse_checkpoint(value: Union[str, int]) -> Union[str, int]:
 
 @dataclasses.dataclass
 class SavedPolicy:
-  """A run's policy at one checkpoint, with what it needs to act and to be exported."""
+  """A run's policy at one checkpoint: the run's parts (`train.components`), the
+  model's parameters replaced by the checkpoint's."""
 
   workdir: str
-  exp: exp_lib.Experiment
-  mesh: Any
-  tokenizer: Any
-  renderer: Any
-  model: Any  # the Transformer, its parameters replaced by the checkpoint's
+  parts: Components
   step: int
   checkpoint: str  # 'best' | 'latest' | 'step'
+
+  exp = property(lambda self: self.parts.exp)
+  tokenizer = property(lambda self: self.parts.tokenizer)
+  renderer = property(lambda self: self.parts.renderer)
+  model = property(lambda self: self.parts.model)
 
   @property
   def params(self):
@@ -97,10 +98,7 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
              for d in (checkpoint.CKPT_DIR, checkpoint.BEST_DIR)):
     raise exp_lib.ConfigError(f"--workdir={workdir!r} has no checkpoints; allowed: the workdir "
                               "of a run that saved one (ckpt/ or best/)")
-  mesh = sharding.make_mesh(exp.mesh.shape(jax.device_count()))
-  tokenizer, renderer = exp_lib.make_tokenizer(exp)
-  exp = exp_lib.fit_vocab(exp, tokenizer)
-  ckpt = checkpoint.Checkpointer(workdir, keep=exp.run.ckpt_keep, async_save=False)
+  ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep, async_save=False)
   try:
     steps = ckpt.all_steps()
     best = ckpt.best()
@@ -110,26 +108,19 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
     if (which == "latest" and not steps) or (isinstance(which, int) and which not in steps):
       raise exp_lib.ConfigError(f"--checkpoint={which}: not saved under {workdir}/ckpt; "
                                 f"allowed: 'best', 'latest' or a saved step {steps}")
-    model = exp_lib.make_model(exp, mesh)
-    objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature)
-    train_step = TrainStep(model, objective, exp.optim, mesh=mesh, step_cfg=exp.step)
+    parts = components.build(exp)
     if which == "best":
-      state, _ = ckpt.restore_best(train_step.abstract_state())
+      state, _ = ckpt.restore_best(parts.train_step.abstract_state())
       step = best["step"]
     else:
-      # The latest-N checkpoints hold {"train": state, "ref": params when kl_coef > 0}.
-      target = {"train": train_step.abstract_state()}
-      if exp.loss.kl_coef > 0:
-        target["ref"] = train_step.abstract_state().params
       step = steps[-1] if which == "latest" else which
-      restored, _ = ckpt.restore(target, step=step)
+      restored, _ = ckpt.restore(parts.checkpoint_target(), step=step)
       state = restored["train"]
   finally:
     ckpt.close()
-  nnx.update(model, state.params)
+  nnx.update(parts.model, state.params)
   kind = "step" if isinstance(which, int) else which
-  return SavedPolicy(os.path.abspath(workdir), exp, mesh, tokenizer, renderer, model, int(step),
-                     kind)
+  return SavedPolicy(os.path.abspath(workdir), parts, int(step), kind)
 
 
 def evaluate_policy(policy: SavedPolicy, *, num_tasks: int = 0, samples: int = 1,
@@ -151,20 +142,14 @@ def evaluate_policy(policy: SavedPolicy, *, num_tasks: int = 0, samples: int = 1
   if num_tasks < 0 or samples < 1:
     raise exp_lib.ConfigError(f"--num_tasks={num_tasks}, --samples={samples}; allowed: "
                               "num_tasks >= 0 (0: the run's eval.num_tasks), samples >= 1")
-  source = exp_lib.make_task_source(exp, exp.eval_split)
-  k = min(num_tasks or exp.run.eval_num_tasks, len(source))
-  tasks = [dict(source[i], task_index=i) for i in range(k)]
-  factory = exp_lib.make_factory(exp)
-  transition = EnvTransition(policy.renderer, exp.tree.num_agents, limits=exp.limits,
-                             reward_cfg=exp.reward)
-  sampler = Sampler(exp.model, mesh=policy.mesh)
+  tasks = eval_lib.indexed(policy.parts.eval_tasks, num_tasks or exp.eval.num_tasks)
   modes = ([("greedy", True, 1)] if greedy else []) + (
       [("sampled", False, samples)] if samples > 1 or not greedy else [])
   rows = []
   for mode, is_greedy, attempts in modes:
     key = jax.random.fold_in(jax.random.PRNGKey(seed), len(rows))
-    res = eval_lib.evaluate(sampler, policy.params, policy.renderer, transition, factory, tasks,
-                            exp, greedy=is_greedy, key=key, samples=attempts)
+    res = policy.parts.evaluator(policy.params, tasks, greedy=is_greedy, key=key,
+                                 samples=attempts)
     rows.append({"checkpoint": policy.label, "mode": mode, "tasks": len(tasks),
                  "attempts": attempts, **res})
   return rows

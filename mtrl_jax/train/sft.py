@@ -22,11 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax import nnx
+
 from mtrl_jax import sharding
 from mtrl_jax.buckets import bucket, round_up
 from mtrl_jax.data import epoch_order
+from mtrl_jax.registry import import_object
 from mtrl_jax.train import optim
-from mtrl_jax.train.step import StepConfig, TrainStep, train_mask
+from mtrl_jax.train.evaluate import indexed
+from mtrl_jax.train.objectives import train_mask
+from mtrl_jax.train.step import StepConfig, TrainStep
 
 SFT_BATCH_KEYS = ("tokens_BxL", "loss_mask_BxL", "row_weight_B")
 
@@ -182,6 +187,49 @@ class SFTBatcher:
     if int(state["seed"]) != self.seed:
       raise ValueError(f"SFTBatcher.set_state: checkpoint seed {state['seed']} != {self.seed}")
     self.position = int(state["position"])
+
+
+def conversation_rows(make_conversation: Callable, renderer, tasks, count: int) -> list:
+  """(ids, trainable) rows of the golden conversations of the first `count` tasks."""
+  rows = []
+  for i in range(min(count, len(tasks))):
+    ledger = renderer.render_conversation(make_conversation(tasks[i]))
+    rows.append((np.asarray(ledger.ids, np.int32), np.asarray(ledger.trainable, bool)))
+  return rows
+
+
+def warm_up(parts) -> tuple[Any, list[dict]]:
+  """The SFT warm-up of a run: returns (RL TrainState of the warmed-up params, history).
+
+  `parts` is the run's `train.components.Components`. Rows are the golden
+  conversations of the first `sft.num_examples` train tasks. Every
+  `sft.check_every` steps (and at the last) a history row is logged; with
+  `sft.until_success` > 0 it holds the greedy success on the next
+  `sft.check_tasks` train tasks (not in the SFT data), and SFT stops once that
+  reaches the threshold.
+  """
+  exp, cfg = parts.exp, parts.exp.sft
+  make = import_object(cfg.conversations, "sft.conversations")
+  rows = conversation_rows(make, parts.renderer, parts.train_tasks, cfg.num_examples)
+  batcher = SFTBatcher(rows, cfg.batch_size, exp.rl.length_buckets, seed=exp.seed,
+                       pad_id=parts.tokenizer.pad_id)
+  step_fn = make_sft_step(parts.model, exp.sft_optim, mesh=parts.mesh, step_cfg=exp.step)
+  parts.census.register("sft_step", step_fn)
+  state = step_fn.init_state(nnx.state(parts.model, nnx.Param), seed=exp.seed)
+  check = indexed(parts.train_tasks, cfg.check_tasks, start=len(rows))
+  history = []
+  for i in range(1, cfg.steps + 1):
+    state, m = step_fn(state, None, next(batcher))
+    if i % cfg.check_every and i != cfg.steps:
+      continue
+    row = {"sft_step": i, **step_fn.fetch_metrics(m)}
+    if cfg.until_success > 0 and check:
+      row["check_success"] = parts.evaluator(state.params, check, greedy=True,
+                                             key=parts.key)["success"]
+    history.append(row)
+    if row.get("check_success", 0.0) >= cfg.until_success > 0:
+      break
+  return parts.train_step.init_state(state.params, seed=exp.seed), history
 
 
 @functools.cache

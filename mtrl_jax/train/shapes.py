@@ -81,9 +81,9 @@ class ShapePlan:
 
 def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
   """The buckets of an experiment (`train.experiment.Experiment`)."""
-  run, tree = exp.run, exp.tree
+  rl, sft, ev, tree = exp.rl, exp.sft, exp.eval, exp.tree
   g, n = tree.num_generations, tree.num_agents
-  plan = plan_tree(tree, run.roots_per_step, max(run.length_buckets), exp.sampling.max_new_tokens)
+  plan = plan_tree(tree, rl.roots_per_step, rl.max_length, exp.sampling.max_new_tokens)
   greedy = dataclasses.replace(exp.sampling, greedy=True)
   # Prompt counts of each kind of call: a level's first call (all its nodes'
   # prompts, per agent state or all agents in one call), a sub-step round (one
@@ -97,16 +97,16 @@ def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
   if tree.substeps:  # one continuation per action: G = 1 over up to a level's samples
     calls.append(SamplerCall(exp.sampling, 1, plan.max_level_generations))
     counts.update(c * g for c in first)
-  eval_sizes = [run.eval_num_tasks * n]
+  eval_sizes = [ev.num_tasks * n]
   counts.update(eval_sizes)
-  if run.sft_steps and run.sft_until_success > 0:
-    check = run.sft_check_tasks * n
+  if sft.steps and sft.until_success > 0:
+    check = sft.check_tasks * n
     eval_sizes.append(check)
     if check > max(counts):  # else padded up to a bucket above: no program of its own
       counts.add(check)
-  if run.eval_greedy or (run.sft_steps and run.sft_until_success > 0):
+  if ev.greedy or (sft.steps and sft.until_success > 0):
     calls.append(SamplerCall(greedy, 1, max(eval_sizes)))
-  if run.eval_sampled:
+  if ev.sampled:
     sampled = dataclasses.replace(exp.sampling, greedy=False, temperature=1.0, top_p=1.0,
                                   top_k=0)
     calls.append(SamplerCall(sampled, 1, max(eval_sizes)))
@@ -115,16 +115,16 @@ def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
   decode_rows = {round_up(p * c.num_generations, sampler_shards) for c in calls
                  for p in prompt_rows if p <= bucket(c.max_prompts, prompt_rows, "sampler prompt rows")}
   sampler_rows = tuple(sorted(prompt_rows | decode_rows))
-  prompt_lens = run.prompt_buckets or run.length_buckets
+  prompt_lens = rl.prompt_buckets or rl.length_buckets
   total = plan.rows
-  if run.packing == "tree":
-    fractions, train_lens = (32, 16, 8, 4, 2, 1), (max(run.length_buckets),)
+  if rl.packing == "tree":
+    fractions, train_lens = (32, 16, 8, 4, 2, 1), (rl.max_length,)
   else:
-    fractions, train_lens = (4, 2, 1), tuple(run.length_buckets)
+    fractions, train_lens = (4, 2, 1), tuple(rl.length_buckets)
   train_rows = tuple(sorted({round_up(max(total // d, 1), row_multiple) for d in fractions}))
   return ShapePlan(sampler_rows=sampler_rows, prompt_lens=tuple(prompt_lens),
                    train_rows=train_rows, train_lens=train_lens, calls=tuple(calls),
-                   packing=run.packing)
+                   packing=rl.packing)
 
 
 def precompile(shapes: ShapePlan, sampler, sampler_state, train_step, num_stop_ids: int) -> dict:

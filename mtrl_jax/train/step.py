@@ -8,12 +8,10 @@ state takes explicit `in_shardings`/`out_shardings`, donation and Orbax
 `StandardSave` as is, and the graphdef stays a static closure, so new weights
 never retrace.
 
-What is optimised is an `Objective`: it turns per-token policy logprobs (and
-reference logprobs when it needs them) into an exact (num, den) pair plus
-summable metrics. `PolicyObjective` wraps `mtrl_jax.losses.policy_loss_terms`;
-the SFT cross-entropy (`mtrl_jax.train.sft`) is another objective on the same
-machinery. Micro-batches sum numerators, denominators and gradients of the
-numerator, then divide once, so the update equals the full-batch one.
+What is optimised is an `Objective` (`mtrl_jax.train.objectives`): exact
+(num, den) terms plus summable metrics. Micro-batches sum numerators,
+denominators and gradients of the numerator, then divide once, so the update
+equals the full-batch one.
 
 Metrics come back as a dict of device scalars; fetch them one step late with
 `TrainStep.fetch_metrics`, which raises under `nonfinite='halt'`.
@@ -23,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional
 
 import flax.struct
 import jax
@@ -34,8 +32,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import losses, models, sharding
-from mtrl_jax.rollout.tree_packing import TREE_BATCH_KEYS
 from mtrl_jax.train import optim
+# The objectives live in their own module; re-exported here for old imports.
+from mtrl_jax.train.objectives import Objective, PolicyObjective, is_tree_batch, train_mask  # noqa: F401
 
 _NONFINITE = ("skip", "halt")
 
@@ -103,103 +102,6 @@ class StepConfig:
 
 class NonFiniteError(FloatingPointError):
   """A train step met a non-finite loss or gradient under nonfinite='halt'."""
-
-
-class Objective(Protocol):
-  """What a `TrainStep` minimises, as exact (num, den) terms."""
-
-  needs_ref: bool  # compute reference logprobs (a second forward, no gradient)
-  batch_keys: tuple[str, ...]  # required batch entries
-  # Optional (default 1): logprobs, policy and reference, of softmax(logits / temperature).
-  temperature: float
-
-  def terms(self, logp_BxL, ref_logp_BxL, entropy_BxL, batch) -> tuple[Any, Any, dict]:
-    """(num, den, metric_sums) of one micro-batch; num is differentiated."""
-
-  def merge(self, a: dict, b: dict) -> dict:
-    """Combines the metric sums of two micro-batches."""
-
-  def finalize(self, sums: dict) -> dict:
-    """Scalar metrics from merged sums."""
-
-
-def is_tree_batch(batch) -> bool:
-  """A tree-packed batch (`rollout.tree_packing`): per-token arrays are [B, K]."""
-  return "prev_BxK" in batch
-
-
-def train_mask(batch) -> jax.Array:
-  """loss_mask with padding / fault rows (row_weight 0) removed (and position 0 of rows)."""
-  if is_tree_batch(batch):
-    return batch["loss_mask_BxK"].astype(bool) & (batch["row_weight_B"] > 0)[:, None]
-  mask_BxL = batch["loss_mask_BxL"].astype(bool)
-  if "row_weight_B" in batch:
-    mask_BxL = mask_BxL & (batch["row_weight_B"] > 0)[:, None]
-  # Position 0 has no prediction (logp 0); it can never carry loss.
-  return mask_BxL.at[:, 0].set(False)
-
-
-def _adv(batch):
-  for key in ("adv_BxK", "adv_BxL"):
-    if key in batch:
-      return batch[key]
-  return batch["adv_B"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyObjective:
-  """GRPO / GSPO / REINFORCE with a KL penalty (`mtrl_jax.losses`).
-
-  Batch: tokens_BxL, loss_mask_BxL, old_logp_BxL, adv_B (or adv_BxL),
-  row_weight_B.
-
-  Attributes:
-    loss_cfg: the loss.
-    temperature: the policy being optimised is softmax(logits / temperature).
-      Set it to the sampler's temperature (the RL loop does): then on-policy
-      ratios start at 1, as they do at temperature 1, instead of measuring
-      the gap between the tempered sampler and the untempered model
-      (verl and OpenRLHF score the actor at the rollout temperature too).
-      top-k / top-p filters are not reproduced; their gap shows in
-      `train/logp_gap`.
-  """
-
-  loss_cfg: losses.LossConfig
-  temperature: float = 1.0
-
-  def __post_init__(self):
-    t = self.temperature
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-      raise ValueError(f"PolicyObjective.temperature={t!r}; allowed: a finite number > 0")
-
-  @property
-  def needs_ref(self) -> bool:
-    return self.loss_cfg.kl_coef > 0
-
-  @property
-  def batch_keys(self) -> tuple[str, ...]:
-    return ("tokens_BxL", "loss_mask_BxL", "old_logp_BxL", "row_weight_B")
-
-  def keys_for(self, batch) -> tuple[str, ...]:
-    """The entries this objective reads from `batch` (row or tree-packed layout)."""
-    if is_tree_batch(batch):
-      return TREE_BATCH_KEYS
-    return self.batch_keys + ("adv_BxL" if "adv_BxL" in batch else "adv_B",)
-
-  def terms(self, logp_BxL, ref_logp_BxL, entropy_BxL, batch):
-    if is_tree_batch(batch):
-      return losses.policy_loss_terms(logp_BxL, batch["old_logp_BxK"], ref_logp_BxL,
-                                      batch["adv_BxK"], train_mask(batch), self.loss_cfg,
-                                      entropy=entropy_BxL, action_ids=batch["action_BxK"])
-    return losses.policy_loss_terms(logp_BxL, batch["old_logp_BxL"], ref_logp_BxL,
-                                    _adv(batch), train_mask(batch), self.loss_cfg,
-                                    entropy=entropy_BxL)
-
-  def merge(self, a, b):
-    return losses.merge_metric_sums(a, b)
-
-  def finalize(self, sums):
-    return losses.finalize_metrics(sums)
 
 
 def _forward_logprobs(graphdef, params, batch, step_cfg: StepConfig, want_entropy: bool,

@@ -22,7 +22,8 @@ from mtrl_jax.rollout import Completion, Tree, TreeConfig, pack_tree
 from mtrl_jax.rollout.tree_packing import (logit_buckets, pack_actions, tree_actions,
                                            tree_batch_spec, TREE_BATCH_KEYS)
 from mtrl_jax.train import OptimConfig, StepConfig, TrainStep
-from mtrl_jax.train.step import PolicyObjective, _forward_logprobs, train_mask
+from mtrl_jax.train.objectives import PolicyObjective, train_mask
+from mtrl_jax.train.step import _forward_logprobs
 
 CFG = models.get_preset("tiny")
 ROW_LENGTHS = (16, 32, 64, 128, 256)  # the row layout takes the smallest that fits

@@ -178,4 +178,4 @@ def test_task_source_and_config_build():
     assert exp.reward.shaping_weight == exp.reward.outcome_weight == 1.0
     env = experiment.make_factory(exp).create_environment(src[0])
     assert env.num_turns == 3 and env.show_partner
-  assert experiment.import_object(exp.run.sft_conversations) is coop.golden_conversation
+  assert experiment.import_object(exp.sft.conversations) is coop.golden_conversation

@@ -12,7 +12,7 @@ import pytest
 
 from configs import calculator as calc_config
 from mtrl_jax import text
-from mtrl_jax.train import experiment, rl, saved
+from mtrl_jax.train import components, experiment, rl, saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVAL_KEYS = ("success", "outcome", "return", "turns", "masked")
@@ -146,9 +146,8 @@ def test_export_of_an_hf_tokenizer_run_copies_its_tokenizer(tmp_path):
   c.model.path, c.tokenizer.kind, c.tokenizer.chat_format = str(src), "hf", "chatml"
   c.tokenizer.extra_specials, c.sft.steps = "", 0
   exp = experiment.validate(c)
-  tok, renderer = experiment.make_tokenizer(exp)
-  policy = saved.SavedPolicy(str(tmp_path), exp, None, tok, renderer,
-                             experiment.make_model(exp, None), step=0, checkpoint="latest")
+  policy = saved.SavedPolicy(str(tmp_path), components.build(exp), step=0, checkpoint="latest")
+  tok = policy.tokenizer
   info = saved.export_policy(policy, str(tmp_path / "hf"))
   assert info["tokenizer"] == ["tokenizer.json", "tokenizer_config.json"]
   for name in info["tokenizer"]:

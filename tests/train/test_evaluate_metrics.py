@@ -1,6 +1,5 @@
 """Rollout reward components as metrics, and pass@k of held-out evaluation (scripted, no model)."""
 
-import types
 
 import jax
 import numpy as np
@@ -105,13 +104,11 @@ def test_evaluate_samples_gives_pass_at_k(samples, yes_rows, success, pass_k):
   tok = text.ByteTokenizer()
   renderer = text.ChatRenderer(tok, text.compact(tok))
   transition = EnvTransition(renderer, 1, limits=StepLimits(max_turns=1))
-  exp = types.SimpleNamespace(tree=TreeConfig(num_turns=1, num_generations=4),
-                              sampling=SamplingConfig(max_new_tokens=8),
-                              run=types.SimpleNamespace(success_threshold=0.0))
   tasks = [{"task_index": i} for i in range(3)]
-  out = eval_lib.evaluate(_ScriptedSampler(tok, yes_rows), None, renderer, transition,
-                          _Factory(), tasks, exp, greedy=samples == 1, key=jax.random.PRNGKey(0),
-                          samples=samples)
+  evaluator = eval_lib.Evaluator(_ScriptedSampler(tok, yes_rows), renderer, transition,
+                                 _Factory(), TreeConfig(num_turns=1, num_generations=4),
+                                 SamplingConfig(max_new_tokens=8), success_threshold=0.0)
+  out = evaluator(None, tasks, greedy=samples == 1, key=jax.random.PRNGKey(0), samples=samples)
   assert out["success"] == pytest.approx(success, abs=1e-12)
   assert out["outcome"] == pytest.approx(success, abs=1e-12)  # outcome 1 or 0 per attempt
   if pass_k is None:
@@ -119,5 +116,4 @@ def test_evaluate_samples_gives_pass_at_k(samples, yes_rows, success, pass_k):
   else:
     assert out[f"pass@{samples}"] == pytest.approx(pass_k, abs=1e-12)
   with pytest.raises(ValueError, match="samples"):
-    eval_lib.evaluate(None, None, renderer, transition, _Factory(), tasks, exp, greedy=True,
-                      key=None, samples=0)
+    evaluator(None, tasks, greedy=True, key=None, samples=0)

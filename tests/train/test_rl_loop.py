@@ -140,7 +140,7 @@ def test_shape_plan_covers_every_sampler_call_of_the_config():
     assert call.max_prompts <= top  # no call can overflow the bucket list
   programs = plan.sampler_programs()
   assert len(programs) == len(set((id(c), p, lp) for c, p, lp in programs))
-  assert plan.packing == "tree" and plan.train_lens == (max(exp.run.length_buckets),)
+  assert plan.packing == "tree" and plan.train_lens == (exp.rl.max_length,)
   assert plan.train_shapes() == [(b, l, k) for b in plan.train_rows for l in plan.train_lens
                                  for k in logit_buckets(l)]
   c.rl.packing = "rows"

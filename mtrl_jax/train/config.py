@@ -1,0 +1,116 @@
+"""The run's own config groups as frozen, validated dataclasses: rl, sft, eval, checkpoint.
+
+Each dataclass mirrors one group of the ConfigDict (`train/defaults.py`),
+field for field and under the same names, so `config.sft.check_every` is
+`exp.sft.check_every`. A bad value fails at construction with one line naming
+the field (`config rl.steps=-1; allowed: an integer >= 0`). The model, tree,
+sampling, reward, loss, optimizer and step groups have their own dataclasses
+beside the code that uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mtrl_jax.rollout.batching import PACKINGS
+
+
+def _int_at_least(group: str, obj, names, low: int):
+  for name in names:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+      raise ValueError(f"config {group}.{name}={v!r}; allowed: an integer >= {low}")
+
+
+def _buckets(group: str, name: str, value, allow_empty: bool) -> tuple:
+  b = tuple(value)
+  if (not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in b)
+      or list(b) != sorted(set(b)) or (not b and not allow_empty)):
+    raise ValueError(f"config {group}.{name}={b!r}; allowed: increasing positive integers"
+                     + ("" if allow_empty else ", at least one"))
+  return b
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """The RL loop (`config.rl`; each field documented in `train/defaults.py`)."""
+
+  steps: int = 100
+  roots_per_step: int = 8
+  updates_per_step: int = 1
+  zero_variance_filter: bool = True
+  packing: str = "tree"
+  ref_reset_every: int = 0
+  length_buckets: tuple = (64, 128, 256, 512)
+  prompt_buckets: tuple = ()
+  precompile: bool = True
+  max_generations: int = 200_000
+  dump_every: int = 10
+
+  def __post_init__(self):
+    _int_at_least("rl", self, ("steps", "ref_reset_every", "dump_every"), 0)
+    _int_at_least("rl", self, ("roots_per_step", "updates_per_step", "max_generations"), 1)
+    object.__setattr__(self, "length_buckets",
+                       _buckets("rl", "length_buckets", self.length_buckets, False))
+    object.__setattr__(self, "prompt_buckets",
+                       _buckets("rl", "prompt_buckets", self.prompt_buckets, True))
+    if self.packing not in PACKINGS:
+      raise ValueError(f"config rl.packing={self.packing!r}; allowed: {list(PACKINGS)}")
+
+  @property
+  def max_length(self) -> int:
+    return max(self.length_buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """The optional SFT warm-up (`config.sft`)."""
+
+  steps: int = 0
+  batch_size: int = 32
+  num_examples: int = 2000
+  conversations: str = ""
+  learning_rate: float = 3e-3
+  until_success: float = 0.0
+  check_every: int = 25
+  check_tasks: int = 100
+
+  def __post_init__(self):
+    _int_at_least("sft", self, ("steps", "num_examples"), 0)
+    _int_at_least("sft", self, ("batch_size", "check_every", "check_tasks"), 1)
+    if not 0.0 <= self.until_success <= 1.0:
+      raise ValueError(f"config sft.until_success={self.until_success!r}; allowed: a number in "
+                       "[0, 1] (0: run every step)")
+    if self.steps and not self.conversations:
+      raise ValueError(f"config sft.steps={self.steps} needs sft.conversations; allowed: "
+                       "'pkg.module:fn' with fn(task) -> [(role, content), ...]")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out evaluation (`config.eval`)."""
+
+  every: int = 10
+  num_tasks: int = 100
+  greedy: bool = True
+  sampled: bool = False
+  success_threshold: float = 0.0
+
+  def __post_init__(self):
+    _int_at_least("eval", self, ("every", "num_tasks"), 1)
+
+  @property
+  def modes(self) -> tuple[tuple[str, bool], ...]:
+    """(name, greedy) of each evaluation pass."""
+    return (("greedy", True),) * self.greedy + (("sampled", False),) * self.sampled
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Checkpoints of the run (`config.checkpoint`)."""
+
+  every: int = 10
+  keep: int = 3
+
+  def __post_init__(self):
+    _int_at_least("checkpoint", self, ("every", "keep"), 1)
