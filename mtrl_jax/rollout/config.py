@@ -10,8 +10,9 @@ and their results within one user turn are sub-steps of one action, which
 does not branch). `shape` picks the tree ('tree': every node branches into
 G) or its chain baseline ('chain': G independent trajectories per root that
 branch only at the root, with one sample per agent at every later turn and the
-root's group baseline over the G trajectories). `plan_tree` turns a config into counts (nodes, generations, reward
-calls, training rows, tokens) so an over-budget run fails before launch.
+root's group baseline over the G trajectories). `plan_tree` turns a config
+into counts (nodes, generations, reward calls, training rows, tokens) so an
+over-budget run fails before launch.
 """
 
 from __future__ import annotations
