@@ -162,8 +162,9 @@ def expand_tree(cfg: TreeConfig, policy: PolicySampler, transition: Transition,
 
 def sample_level(tree: Tree, frontier: Sequence[Node], policy: PolicySampler,
                  key: jax.Array) -> None:
-  """Samples G completions for every (node, agent) of a level in ONE policy call."""
-  n, g = tree.cfg.num_agents, tree.cfg.num_generations
+  """Samples G completions for every (node, agent) of a level in ONE policy call
+  (one each below a chain's root: `TreeConfig.generations_at`)."""
+  n, g = tree.cfg.num_agents, tree.cfg.generations_at(frontier[0].turn)
   prompts = [p for node in frontier for p in node.prompts]
   agent_ids = [i for _ in frontier for i in range(n)]
   results = policy.sample(prompts, agent_ids, g, key)
@@ -249,7 +250,7 @@ def step_level(tree: Tree, frontier: Sequence[Node], transition: Transition,
   Returns:
     The next level's nodes, in (node, joint action) order.
   """
-  joint_BxN = tree.joint_BxN
+  joint_BxN = tree.node_joint(frontier[0])  # a level's nodes share their depth
   b, n = joint_BxN.shape
   close = getattr(transition, "close", None) or (lambda state: None)
   actions = [_Action(node, j) for node in frontier for j in range(b)]
@@ -315,7 +316,7 @@ def _continue_actions(tree: Tree, actions: Sequence[_Action], policy: PolicySamp
                        f"{len(prompts)} prompts x 1 generation (sub-step round {rnd})")
     jobs = []
     for a, prompt, (segment,) in zip(waiting, prompts, results):
-      g = int(tree.joint_BxN[a.j, 0])
+      g = int(tree.node_joint(a.node)[a.j, 0])
       comp = a.node.completions[0][g]
       done = a.node.prompts[0] + [int(t) for t in comp.ids]
       if prompt[:len(done)] != done:

@@ -1,6 +1,7 @@
 """Concrete task suites built on the environment API; importing this package registers them.
 
   calculator  the multi-turn calculator tool task (the CPU demo)
+  charclass   a one-turn character-class task RL learns from scratch in seconds (learning test)
   coop        the two-agent cooperative arithmetic task
   code        HumanEval code generation: prompts, rewards, feedback modes, data
   user_chat   a simulated user (LLM) and an LLM judge on one local model
@@ -13,6 +14,7 @@ registry name (`env.factory=calculator`).
 """
 
 from mtrl_jax.tasks import calculator  # noqa: F401
+from mtrl_jax.tasks import charclass  # noqa: F401
 from mtrl_jax.tasks.code import env as code_env  # noqa: F401
 from mtrl_jax.tasks import coop  # noqa: F401
 from mtrl_jax.tasks import user_chat  # noqa: F401

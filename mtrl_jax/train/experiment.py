@@ -62,6 +62,7 @@ class Experiment:
   checkpoint: CheckpointConfig
   agents: AgentsConfig
   strip_thinking: bool = False
+  curriculum: data.CurriculumConfig = data.CurriculumConfig()
 
 
 def _fields(cd, cls, **extra):
@@ -128,13 +129,15 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       tree=tree, sampling=sampling, reward=reward, loss=loss, optim=optim, sft_optim=sft_optim,
       step=_fields(c.step, StepConfig), seed=c.seed, rl=rl, sft=sft,
       eval=_fields(c.eval, EvalConfig), checkpoint=_fields(c.checkpoint, CheckpointConfig),
-      agents=_fields(c.agents, AgentsConfig), strip_thinking=c.tokenizer.strip_thinking)
+      agents=_fields(c.agents, AgentsConfig), strip_thinking=c.tokenizer.strip_thinking,
+      curriculum=_fields(c.get("curriculum"), data.CurriculumConfig))
   check_agents(exp)
   # Size the tree before launch: a config that cannot fit fails here.
   plan_tree(tree, rl.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
             max_new_tokens=sampling.max_new_tokens, max_generations=rl.max_generations)
   check_imports(exp)
   check_environment(exp)
+  check_curriculum(exp)
   return exp
 
 
@@ -279,6 +282,37 @@ def check_environment(exp: Experiment):
   if n != exp.tree.num_agents:
     raise ValueError(f"config tree.num_agents={exp.tree.num_agents}; the environments of "
                      f"env.factory={exp.env_factory!r} have {n} agent(s); allowed: {n}")
+
+
+def check_curriculum(exp: Experiment):
+  """With a curriculum, the task source must serve every level of the train split."""
+  cur = exp.curriculum
+  if not cur.enabled:
+    return
+  if cur.level_key in dict(exp.task_kwargs):
+    raise ValueError(f"config curriculum.level_key={cur.level_key!r} is also set in "
+                     "tasks.kwargs; allowed: the curriculum alone sets it")
+  for level in range(cur.num_levels):
+    with _Resolving(f"curriculum.num_levels={cur.num_levels}: tasks.source="
+                    f"{exp.task_source!r} with {cur.level_key}={level}",
+                    f"a task source taking {cur.level_key}=0 .. num_levels - 1"):
+      if len(make_level_source(exp, level)) == 0:
+        raise ValueError("the level has no tasks")
+
+
+def make_level_source(exp: Experiment, level: int):
+  """The train split's task source at curriculum level `level`."""
+  kwargs = {**dict(exp.task_kwargs), exp.curriculum.level_key: level}
+  return data.resolve_task_source(exp.task_source, exp.train_split, **kwargs)
+
+
+def make_train_stream(exp: Experiment, train_tasks):
+  """The RL loop's task stream: a `data.CurriculumStream` when `curriculum.enabled`,
+  else a `data.TaskStream` over `train_tasks`. Both checkpoint via state()/restore()."""
+  if exp.curriculum.enabled:
+    return data.CurriculumStream(lambda level: make_level_source(exp, level), exp.curriculum,
+                                 seed=exp.seed)
+  return data.TaskStream(train_tasks, seed=exp.seed)
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
