@@ -1,11 +1,14 @@
-"""Task sources and the deterministic, resumable task stream of a training run.
+"""Task sources, the deterministic, resumable task stream of a training run, its curriculum.
 
 A task is a metadata dict handed to `EnvironmentFactory.create_environment`.
 A `TaskSource` serves tasks of one split by index (generated on the fly from a
 seed, or read from a TFDS / array_record data source). The `TaskStream` walks a
 source in a seeded, per-epoch shuffled order; its whole state is two integers
 (epoch, position), saved with every checkpoint so a resumed run sees exactly
-the same tasks in the same order (DESIGN.md invariant 6).
+the same tasks in the same order (DESIGN.md invariant 6). A
+`CurriculumStream` keeps one such stream per difficulty level and moves
+between levels by the rolling rollout success of the last k RL steps; its
+state (level, window, positions) is checkpointed the same way.
 """
 
 from __future__ import annotations
@@ -126,3 +129,98 @@ class TaskStream:
 
   def restore(self, state: Mapping[str, int]) -> None:
     self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
+
+
+# ------------------------------------------------------------------ curriculum
+@dataclasses.dataclass(frozen=True)
+class CurriculumConfig:
+  """When a `CurriculumStream` moves between difficulty levels (config group `curriculum`).
+
+  Attributes:
+    enabled: False keeps the plain `TaskStream` over `tasks.kwargs`.
+    level_key: the task source keyword that selects a level (the calculator: 'level').
+    num_levels: levels 0 .. num_levels - 1; the task source must serve each.
+    start_level: the level of the first RL step.
+    window: k, the RL steps whose rollout success is averaged.
+    raise_above: one level up when the mean over a full window is above this.
+    lower_below: one level down when it is below this.
+  """
+
+  enabled: bool = False
+  level_key: str = "level"
+  num_levels: int = 5
+  start_level: int = 0
+  window: int = 10
+  raise_above: float = 0.8
+  lower_below: float = 0.3
+
+  def __post_init__(self):
+    for name, low in (("num_levels", 2), ("window", 1), ("start_level", 0)):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"config curriculum.{name}={value!r}; allowed: an int >= {low}")
+    if self.start_level >= self.num_levels:
+      raise ValueError(f"config curriculum.start_level={self.start_level}; allowed: 0 .. "
+                       f"num_levels - 1 = {self.num_levels - 1}")
+    if not 0.0 <= self.lower_below < self.raise_above <= 1.0:
+      raise ValueError(f"config curriculum.lower_below={self.lower_below} and raise_above="
+                       f"{self.raise_above}; allowed: 0 <= lower_below < raise_above <= 1")
+    if not isinstance(self.level_key, str) or not self.level_key.isidentifier():
+      raise ValueError(f"config curriculum.level_key={self.level_key!r}; allowed: the name of "
+                       "the task source's level keyword")
+
+
+class CurriculumStream:
+  """A task stream that moves between difficulty levels by rolling rollout success.
+
+  Each level has its own `TaskStream` (seeded, epoch-shuffled) over
+  `make_source(level)`. After every RL step the loop calls `observe` with
+  the step's rollout success; once the last `window` observations at the
+  current level average above `raise_above` the level goes up one (below
+  `lower_below`: down one, never past the ends), and the window empties, so
+  every decision rests on `window` steps at one level. The whole state
+  (level, window, each level's position) is plain JSON for the checkpoint
+  meta, so a resumed run draws the same tasks (DESIGN.md invariant 6).
+  """
+
+  def __init__(self, make_source: Callable[[int], TaskSource], cfg: CurriculumConfig,
+               seed: int, shuffle: bool = True):
+    self.cfg = cfg
+    self.streams = [TaskStream(make_source(level), seed, shuffle)
+                    for level in range(cfg.num_levels)]
+    self.level = cfg.start_level
+    self.window: list[float] = []
+
+  def next(self, count: int) -> list[dict]:
+    """The next `count` tasks of the current level (each tagged with its `curriculum_level`)."""
+    return [dict(t, curriculum_level=self.level) for t in self.streams[self.level].next(count)]
+
+  def observe(self, success: float) -> dict[str, float]:
+    """Records one RL step's rollout success; may move the level for the next step.
+
+    Returns:
+      `curriculum/level` (the level the step's tasks came from) and
+      `curriculum/rolling_success` (mean over the window so far, this step included).
+    """
+    used = self.level
+    self.window = (self.window + [float(success)])[-self.cfg.window:]
+    rolling = sum(self.window) / len(self.window)
+    if len(self.window) == self.cfg.window:
+      if rolling > self.cfg.raise_above and self.level < self.cfg.num_levels - 1:
+        self.level, self.window = self.level + 1, []
+      elif rolling < self.cfg.lower_below and self.level > 0:
+        self.level, self.window = self.level - 1, []
+    return {"curriculum/level": float(used), "curriculum/rolling_success": rolling}
+
+  def state(self) -> dict:
+    return {"level": self.level, "window": list(self.window),
+            "streams": [s.state() for s in self.streams]}
+
+  def restore(self, state: Mapping[str, Any]) -> None:
+    if len(state["streams"]) != len(self.streams):
+      raise ValueError(f"curriculum state has {len(state['streams'])} levels; this run has "
+                       f"{len(self.streams)} (curriculum.num_levels changed?)")
+    self.level = int(state["level"])
+    self.window = [float(x) for x in state["window"]]
+    for stream, s in zip(self.streams, state["streams"]):
+      stream.restore(s)

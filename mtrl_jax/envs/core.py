@@ -82,11 +82,17 @@ class Thread:
       the environment wants to carry along. Appended threads share this dict:
       treat it as read-only and use `with_metadata` to change it.
     ledger: token records of `turns[:num_rendered]`.
+    seed: the seed of the model calls this step's `react_to` makes (user
+      simulator, judges, expert), set by the framework from (step, root,
+      node, action, agent, turn) (`mtrl_jax.seeds.call_seed`);
+      None outside a rollout. Derive one seed per call with
+      `call_seed(thread.seed, 'what')`; never share a counter.
   """
 
   turns: tuple = ()
   metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   ledger: Any = None
+  seed: Optional[int] = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     turns = tuple(self.turns)

@@ -34,8 +34,13 @@ and guarantees:
   * the turn cap (`max_turns` policy turns) and token budget (`max_tokens`
     ledger tokens) are enforced: the trajectory ends as a truncation fault,
     graded by `env.finalize(thread)` (default: no outcome);
-  * the environment may only append turns: rewriting the conversation is an
-    infrastructure fault (past turns are never re-rendered);
+  * a next thread that does not extend the given one (the environment
+    rewrote earlier turns, or the renderer's template now shows them
+    differently, e.g. Qwen3's stripped thinking) is a history rewrite, not
+    misuse: its whole history is rendered into a new ledger (the sampled
+    tokens stay in the old one, with their action), the step reports
+    `history_rewrites`, and the rollout starts a new training segment on
+    the rewritten context (`render_thread`);
   * with a `renderer`, the new turns are rendered into a copy of the
     ledger exactly once, so `next_thread.num_rendered == len(next_thread)`;
   * the reward is composed from the grades (`compose_reward`): final grades
@@ -95,6 +100,9 @@ class StepOutcome:
     faults: every fault of this step, classified.
     truncated: the framework ended the trajectory (turn cap / token budget).
     masked: the sample must be left out of the update (infrastructure).
+    invalid_calls: model-caused faults (penalised calls).
+    history_rewrites: agents whose next thread does not extend their
+      previous tokens (rendered anew; the rollout starts a new segment).
   """
 
   next_threads: Optional[tuple]
@@ -104,6 +112,7 @@ class StepOutcome:
   truncated: bool = False
   masked: bool = False
   invalid_calls: int = 0
+  history_rewrites: int = 0
 
   @property
   def done(self) -> bool:
@@ -123,6 +132,7 @@ class StepOutcome:
     """JSON-friendly record for the rollout dump (texts excluded)."""
     return {"done": self.done, "truncated": self.truncated,
             "masked": self.masked, "invalid_calls": self.invalid_calls,
+            "history_rewrites": self.history_rewrites,
             "reward": self.reward.metrics(prefix=""),
             "grades": {k: g.to_dict() for k, g in self.grades.items()},
             "faults": [f.to_dict() for f in self.faults]}
@@ -149,7 +159,11 @@ def fault_source(exc: BaseException) -> str:
 
 
 def _validated(result, threads: Sequence[Thread], joint: bool):
-  """(next_threads | None, grades dict) from react_to's answer; raises on misuse."""
+  """(next_threads | None, grades dict, rewrote flags) from react_to's answer.
+
+  Raises on misuse. A next thread that rewrote the given turns loses its
+  ledger (it no longer describes them) and is flagged: a history rewrite.
+  """
   if not isinstance(result, tuple) or len(result) != 2:
     raise InfrastructureError(f"react_to must return a 2-tuple (next_thread | None, grades), "
                               f"got {type(result).__name__}")
@@ -159,7 +173,7 @@ def _validated(result, threads: Sequence[Thread], joint: bool):
                               "its final grades (use {} for none)")
   grades = normalize_grades(grades)
   if nxt is None:
-    return None, grades
+    return None, grades, []
   nxt = list(nxt) if joint else [nxt]
   if len(nxt) != len(threads):
     raise InfrastructureError(f"react_to_joint returned {len(nxt)} threads for "
@@ -168,27 +182,49 @@ def _validated(result, threads: Sequence[Thread], joint: bool):
     if not isinstance(new, Thread):
       raise InfrastructureError(f"react_to returned {type(new).__name__} as next thread "
                                 f"(agent {i}); expected a Thread")
-    if new.turns[:len(old.turns)] != old.turns:
-      raise InfrastructureError(f"environment rewrote the conversation of agent {i}: the "
-                                "next thread must extend the given one (past turns are never "
-                                "re-rendered)")
-  return nxt, grades
+  rewrote = [new.turns[:len(old.turns)] != old.turns for old, new in zip(threads, nxt)]
+  nxt = [new.replace(ledger=None) if r else new for new, r in zip(nxt, rewrote)]
+  return nxt, grades, rewrote
 
 
-def render_thread(thread: Thread, renderer) -> Thread:
+def history_rewritten(thread: Thread, renderer) -> bool:
+  """True when the thread's ledger no longer holds its first turns as the
+  renderer's template shows them now (`ChatRenderer.context_view`)."""
+  if thread.ledger is None or renderer is None:
+    return False
+  n = thread.ledger.num_turns
+  view = renderer.context_view(thread.turns)[:n]
+  return view != renderer.context_view(thread.turns[:n])
+
+
+def render_thread(thread: Thread, renderer, rewritten: Optional[bool] = None) -> Thread:
   """The thread with its unrendered turns rendered into a copy of its ledger, once.
+
+  A history rewrite (`history_rewritten`: the environment rewrote earlier
+  turns, or the template now shows them differently) renders every turn
+  into a new ledger instead, as the template shows it (`context_view`), and
+  is counted by the renderer (`note_rewrite`). Sampled tokens are never
+  changed: they stay in the ledger of the step that sampled them.
 
   Args:
     thread: a thread whose ledger (None: a new one) holds its first turns.
     renderer: the policy's `ChatRenderer`.
+    rewritten: True when the caller knows the history was rewritten (the
+      environment changed earlier turns); None: `history_rewritten` decides.
   Raises:
     InfrastructureError when the ledger has an assistant turn left open.
   """
+  if rewritten is None:
+    rewritten = history_rewritten(thread, renderer)
+  if rewritten:
+    renderer.note_rewrite()
+    thread = thread.replace(ledger=None)
   ledger = TokenLedger() if thread.ledger is None else thread.ledger.copy()
   if ledger.open_turn is not None:
     raise InfrastructureError("thread ledger has an open assistant turn without completion")
-  for turn in thread.turns[ledger.num_turns:]:
-    renderer.render_turn(ledger, turn)
+  view = renderer.context_view(thread.turns)
+  for role, content in view[ledger.num_turns:]:
+    renderer.render_turn(ledger, role, content)
   return thread.replace(ledger=ledger)
 
 
@@ -235,15 +271,18 @@ def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
                               shaping=mean_score(shaping_grades) or 0.0)
     return StepOutcome(None if next_threads is None else tuple(next_threads),
                        {**shaping_grades, **outcome_grades}, reward, tuple(faults),
-                       truncated, masked, invalid)
+                       truncated, masked, invalid, rewrites if next_threads is not None else 0)
 
   retries = 0
+  rewrites = 0
   while True:
     try:
       result = call_with_timeout(react, limits.react_timeout_s, "react_to")
-      next_threads, grades = _validated(result, threads, joint)
+      next_threads, grades, rewrote = _validated(result, threads, joint)
       if next_threads is not None and renderer is not None:
-        next_threads = [render_thread(t, renderer) for t in next_threads]
+        rewrote = [r or history_rewritten(t, renderer) for t, r in zip(next_threads, rewrote)]
+        next_threads = [render_thread(t, renderer, r) for t, r in zip(next_threads, rewrote)]
+      rewrites = sum(rewrote)
       break
     except Exception as e:  # classified; the run goes on
       kind = classify(e)

@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 from mtrl_jax.envs.core import SharedResource, Thread
 from mtrl_jax.envs.faults import InfrastructureError
+from mtrl_jax.seeds import call_seed
 
 DEFAULT_PROMPT = (
     "You are role-playing a USER talking to an AI ASSISTANT.\n"
@@ -73,7 +74,10 @@ class LLMUserSimulator(SharedResource):
   """A local model playing the user.
 
   Stateless across conversations (the persona and goal are fixed; the
-  conversation comes from the thread), so forks share it.
+  conversation comes from the thread), so forks share it. Each reply samples
+  with `call_seed(thread.seed, 'user_sim')` when the framework set the
+  thread's seed (every rollout step does), so it depends on the node it
+  answers, never on which thread called first.
 
   Args:
     generator: a `TextGenerator` (`generate(prompts, sampling) -> list[str]`).
@@ -126,8 +130,10 @@ class LLMUserSimulator(SharedResource):
     """Next user message of each thread, in one generator call."""
     if not threads:
       return []
+    seeds = [None if t.seed is None else call_seed(t.seed, "user_sim") for t in threads]
+    kw = {} if any(s is None for s in seeds) else {"seeds": seeds}
     try:
-      texts = self.generator.generate([self.prompt(t) for t in threads], self.sampling)
+      texts = self.generator.generate([self.prompt(t) for t in threads], self.sampling, **kw)
     except Exception as e:  # the simulator is infrastructure, never the policy's fault
       raise InfrastructureError(f"user simulator failed: {type(e).__name__}: {e}") from e
     if len(texts) != len(threads):

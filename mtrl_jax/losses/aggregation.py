@@ -145,8 +145,11 @@ def finalize_metrics(s: Mapping) -> dict:
     logp_gap / logp_gap_max (|logp - old_logp| per masked token: the
     sampler-vs-trainer mismatch), adv_mean / adv_std / adv_min / adv_max (per
     row for [B] advantages, per masked token for [B, L]), and when available
-    kl (chosen estimator), kl_k3 and entropy, each per masked token. Empty
-    batches report 0 rather than NaN or inf.
+    kl (chosen estimator), kl_k3 and entropy, each per masked token; with a
+    sampler correction (`losses.offpolicy`) is_weight_mean, is_truncated /
+    is_truncated_frac, is_masked / is_masked_frac (token counts and
+    fractions), is_ratio_min / is_ratio_max and sampler_gap. Empty batches
+    report 0 rather than NaN or inf.
   """
   tokens, nadv = s["tokens"], s["adv_count"]
   per_tok = lambda key: safe_divide(s[key], tokens)
@@ -174,4 +177,15 @@ def finalize_metrics(s: Mapping) -> dict:
   for key in ("kl", "kl_k3", "entropy"):
     if key + "_sum" in s:
       out[key] = per_tok(key + "_sum")
+  if "is_weight_sum" in s:
+    out.update({
+        "is_weight_mean": per_tok("is_weight_sum"),
+        "is_truncated": s["is_truncated_sum"],
+        "is_truncated_frac": per_tok("is_truncated_sum"),
+        "is_masked": s["is_masked_sum"],
+        "is_masked_frac": per_tok("is_masked_sum"),
+        "is_ratio_min": if_any(tokens, s["is_ratio_min"]),
+        "is_ratio_max": if_any(tokens, s["is_ratio_max"]),
+        "sampler_gap": per_tok("sampler_gap_sum"),
+    })
   return out

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mtrl_jax.losses import aggregation as agg
+from mtrl_jax.losses.offpolicy import CORRECTIONS, importance_weights
 
 ALGORITHMS = ("grpo", "gspo", "reinforce")
 AGGREGATIONS = agg.AGGREGATIONS
@@ -54,6 +55,11 @@ class LossConfig:
       `mtrl_jax.losses.aggregation`.
     max_len: the fixed length that 'seq-mean-token-sum-norm' divides each
       row's sum by (ignored by the other aggregations).
+    is_correction: off-policy correction of the sampler / trainer gap when
+      `policy_loss_terms` gets `sampler_logp` (`mtrl_jax.losses.offpolicy`):
+      'none', 'tis' (truncated IS), 'mis_token' or 'mis_action' (masked IS).
+    is_cap: C > 1 of the correction: TIS weights are min(ratio, C); MIS keeps
+      ratios in [1/C, C].
   """
 
   algorithm: str = "grpo"
@@ -63,10 +69,12 @@ class LossConfig:
   kl_estimator: str = "k3"
   aggregation: str = "token-mean"
   max_len: Optional[int] = None
+  is_correction: str = "none"
+  is_cap: float = 2.0
 
   def __post_init__(self):
     for name, allowed in (("algorithm", ALGORITHMS), ("aggregation", AGGREGATIONS),
-                          ("kl_estimator", KL_ESTIMATORS)):
+                          ("kl_estimator", KL_ESTIMATORS), ("is_correction", CORRECTIONS)):
       value = getattr(self, name)
       if value not in allowed:
         raise ValueError(f"LossConfig.{name}={value!r}; allowed: {list(allowed)}")
@@ -74,6 +82,9 @@ class LossConfig:
       value = getattr(self, name)
       if not _is_real(value) or value < 0:
         raise ValueError(f"LossConfig.{name}={value!r}; must be a finite number >= 0")
+    if not _is_real(self.is_cap) or self.is_cap <= 1:
+      raise ValueError(f"LossConfig.is_cap={self.is_cap!r}; must be a finite number > 1 (the "
+                       "correction keeps ratios in [1/is_cap, is_cap])")
     if self.algorithm in ("grpo", "gspo"):
       # eps = 0 makes every token sit on a clip boundary; eps_low >= 1 puts the
       # lower bound at or below 0, where a positive ratio can never reach it.
@@ -104,12 +115,13 @@ class LossConfig:
 
 
 def _check_shapes(logp, old_logp, ref_logp, adv, mask, entropy, cfg: LossConfig,
-                  action_ids=None):
+                  action_ids=None, sampler_logp=None):
   if logp.ndim != 2:
     raise ValueError(f"policy_loss: logp must be [B, L]; got shape {logp.shape}")
   shape = logp.shape
   for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask),
-                  ("entropy", entropy), ("action_ids", action_ids)):
+                  ("entropy", entropy), ("action_ids", action_ids),
+                  ("sampler_logp", sampler_logp)):
     if x is not None and x.shape != shape:
       raise ValueError(f"policy_loss: {name} shape {x.shape} != logp shape {shape}")
   if adv.shape not in (shape[:1], shape):
@@ -129,7 +141,7 @@ def _kl(d_BxL, estimator: str):
 
 
 def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None,
-                      action_ids=None):
+                      action_ids=None, sampler_logp=None):
   """The loss as an exact (numerator, denominator) pair plus summable metrics.
 
   Args:
@@ -144,6 +156,11 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
       (sequences) within each row, for packed trees: GSPO's sequence ratio,
       the seq-mean aggregations, `rows` and the advantage statistics then
       count one action as one sequence. None: one sequence per row.
+    sampler_logp: optional [B, L] logprobs of the sampler that drew the
+      tokens, when `old_logp` is the trainer's own (pi_old): the policy term
+      of each token is then weighted by `cfg.is_correction` of
+      pi_old / pi_sampler (`mtrl_jax.losses.offpolicy`), and the
+      correction's metrics are reported. None: old_logp is the sampler's.
 
   Returns:
     (num, den, metric_sums): scalars num and den with loss = num / den (0 when
@@ -151,7 +168,7 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
     `aggregation.merge_metric_sums` combines across micro-batches and
     `aggregation.finalize_metrics` turns into the metrics of `policy_loss`.
   """
-  _check_shapes(logp, old_logp, ref_logp, adv, mask, entropy, cfg, action_ids)
+  _check_shapes(logp, old_logp, ref_logp, adv, mask, entropy, cfg, action_ids, sampler_logp)
   mask = mask.astype(bool)
   seqs = agg.Sequences(mask, action_ids)
   dtype = jnp.promote_types(logp.dtype, jnp.float32)
@@ -188,6 +205,11 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
     ratio = jnp.exp(jnp.where(clipped, 0.0, log_ratio))
     pg_BxL = jnp.where(clipped, -adv_ * bound, -adv_ * ratio)
 
+  is_sums = None
+  if sampler_logp is not None:
+    is_w, is_sums = importance_weights(old_, clean(sampler_logp), mask, cfg.is_correction,
+                                       cfg.is_cap, seqs)
+    pg_BxL = pg_BxL * is_w
   loss_BxL = pg_BxL
   kl_BxL = kl3_BxL = None
   if ref_logp is not None:
@@ -221,6 +243,8 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
     m["kl_k3_sum"] = msum(kl3_BxL)
   if entropy is not None:
     m["entropy_sum"] = msum(entropy.astype(dtype))
+  if is_sums is not None:
+    m.update(is_sums)
   # Advantage statistics per row for [B] advantages, per token for [B, L],
   # per action (its first token's value) with action ids.
   if action_ids is not None:
@@ -239,7 +263,7 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
 
 
 def policy_loss(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None,
-                action_ids=None):
+                action_ids=None, sampler_logp=None):
   """The policy loss of one batch (DESIGN.md section 4).
 
   Args:
@@ -252,11 +276,14 @@ def policy_loss(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy
     entropy: optional [B, L] per-token policy entropy, only reported.
     action_ids: optional [B, L] action (sequence) ids within each row, for
       packed trees (see `policy_loss_terms`); None: one sequence per row.
+    sampler_logp: optional [B, L] sampler logprobs when old_logp is the
+      trainer's own (see `policy_loss_terms`).
 
   Returns:
     (loss, metrics): the scalar loss and a dict of scalar metrics
     (see `aggregation.finalize_metrics`).
   """
   num, den, metric_sums = policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg,
-                                            entropy=entropy, action_ids=action_ids)
+                                            entropy=entropy, action_ids=action_ids,
+                                            sampler_logp=sampler_logp)
   return agg.safe_divide(num, den), agg.finalize_metrics(metric_sums)

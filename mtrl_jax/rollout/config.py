@@ -7,8 +7,12 @@ termination by mean sibling reward, discounted returns and the sibling
 baseline. `branch_on` says what a tree turn is: every policy message
 ('every_turn', CoMLRL), or a user turn ('user_turn': the policy's tool calls
 and their results within one user turn are sub-steps of one action, which
-does not branch). `plan_tree` turns a config into counts (nodes, generations, reward
-calls, training rows, tokens) so an over-budget run fails before launch.
+does not branch). `shape` picks the tree ('tree': every node branches into
+G) or its chain baseline ('chain': G independent trajectories per root that
+branch only at the root, with one sample per agent at every later turn and the
+root's group baseline over the G trajectories). `plan_tree` turns a config
+into counts (nodes, generations, reward calls, training rows, tokens) so an
+over-budget run fails before launch.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ JOINT_MODES = ("align", "cross")
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 CROSS_RETURNS = ("sum", "mean")
 BRANCH_ON = ("every_turn", "user_turn")
+SHAPES = ("tree", "chain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +72,7 @@ class TreeConfig:
   cross_return: str = "sum"
   branch_on: str = "every_turn"
   max_substeps: int = 4
+  shape: str = "tree"
 
   def __post_init__(self):
     for name in ("num_turns", "num_generations", "num_agents"):
@@ -77,6 +83,10 @@ class TreeConfig:
     _check_choice("advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
     _check_choice("cross_return", self.cross_return, CROSS_RETURNS)
     _check_choice("branch_on", self.branch_on, BRANCH_ON)
+    _check_choice("shape", self.shape, SHAPES)
+    if self.shape == "chain" and self.joint_mode != "align":
+      raise ValueError(f"TreeConfig.shape='chain' needs joint_mode='align', got "
+                       f"{self.joint_mode!r}: a chain is G independent trajectories")
     if (isinstance(self.max_substeps, bool) or not isinstance(self.max_substeps, int)
         or self.max_substeps < 1):
       raise ValueError(f"TreeConfig.max_substeps={self.max_substeps!r}; must be an int >= 1")
@@ -110,6 +120,14 @@ class TreeConfig:
     if self.joint_mode == "cross":
       return self.num_generations ** self.num_agents
     return self.num_generations
+
+  def generations_at(self, turn: int) -> int:
+    """Samples per agent at a node of depth `turn`: G, or 1 below a chain's root."""
+    return self.num_generations if self.shape == "tree" or turn == 0 else 1
+
+  def branching_at(self, turn: int) -> int:
+    """Joint actions of a node of depth `turn` (B at a tree node or a root)."""
+    return self.branching if self.shape == "tree" or turn == 0 else 1
 
   def replace(self, **kw) -> "TreeConfig":
     return dataclasses.replace(self, **kw)
@@ -149,6 +167,18 @@ class TreePlan:
   max_level_generations: int
 
 
+def generations_per_root(cfg: TreeConfig) -> int:
+  """Segments one root samples without early termination or sub-steps:
+  N (G + G^2 + ... + G^T) for a tree (align; N G (B^0 + ... + B^(T-1)) in
+  cross mode), N G T for a chain. Use it to match budgets between shapes."""
+  nodes = 1
+  total = 0
+  for t in range(cfg.num_turns):
+    total += nodes * cfg.num_agents * cfg.generations_at(t)
+    nodes *= cfg.branching_at(t)
+  return total
+
+
 def plan_tree(cfg: TreeConfig, num_roots: int, max_prompt_len: int, max_new_tokens: int, *,
               max_generations: Optional[int] = None,
               max_tokens: Optional[int] = None) -> TreePlan:
@@ -173,21 +203,29 @@ def plan_tree(cfg: TreeConfig, num_roots: int, max_prompt_len: int, max_new_toke
                       ("max_new_tokens", max_new_tokens)):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"plan_tree {name}={value!r}; must be an int >= 1")
-  b, n, g = cfg.branching, cfg.num_agents, cfg.num_generations
-  level_nodes = tuple(num_roots * b ** t for t in range(cfg.num_turns))
+  n, g = cfg.num_agents, cfg.num_generations
+  level_nodes, width = [], num_roots
+  for t in range(cfg.num_turns):
+    level_nodes.append(width)
+    width *= cfg.branching_at(t)
+  level_nodes = tuple(level_nodes)
   nodes = sum(level_nodes)
   steps = 1 + cfg.max_substeps if cfg.substeps else 1  # env steps (segments) per action
+  # Per level: samples (rows) and joint actions (environment steps).
+  rows = sum(k * n * cfg.generations_at(t) for t, k in enumerate(level_nodes))
+  actions = sum(k * cfg.branching_at(t) for t, k in enumerate(level_nodes))
   plan = TreePlan(
       nodes=nodes,
-      generations=nodes * n * g * steps,
-      reward_calls=nodes * b * steps,
-      rows=nodes * n * g,
-      tokens=nodes * n * g * (max_prompt_len + max_new_tokens),
+      generations=rows * steps,
+      reward_calls=actions * steps,
+      rows=rows,
+      tokens=rows * (max_prompt_len + max_new_tokens),
       level_nodes=level_nodes,
-      max_level_generations=level_nodes[-1] * n * g,
+      max_level_generations=max(k * n * cfg.generations_at(t)
+                                for t, k in enumerate(level_nodes)),
   )
   shape = (f"T={cfg.num_turns}, G={g}, N={n}, joint_mode={cfg.joint_mode!r}, "
-           f"branch_on={cfg.branch_on!r}, roots={num_roots}")
+           f"branch_on={cfg.branch_on!r}, shape={cfg.shape!r}, roots={num_roots}")
   if max_generations is not None and plan.generations > max_generations:
     raise ValueError(
         f"tree rollout ({shape}) samples {plan.generations} completions (segments) per "

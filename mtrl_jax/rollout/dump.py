@@ -72,7 +72,7 @@ def node_records(tree: Tree, decode: Optional[Callable] = None) -> list[dict]:
         "parent_action": node.parent_action,
         "turn": node.turn,
         "terminated": bool(node.terminated),
-        "joint_actions": tree.joint_BxN.tolist(),
+        "joint_actions": tree.node_joint(node).tolist(),
         "children": node.children_B.tolist(),
         "rewards": _nums(node.rewards_B),
         "returns": _nums(node.returns_B),

@@ -14,6 +14,12 @@ sampler call per sub-step round), appends it to the action's `Completion`
 environment hands over to the user (a child node) or stops. The action's
 reward is the sum of its steps' rewards; a masked step masks the action.
 
+Model calls inside environments (user simulators, judges, experts) are
+reproducible: when `Transition.step` takes a `seed` keyword, each step gets
+`call_seed(level key, root, node, joint action, sub-step round)`, a function
+of the step's key and the node's identity alone, so neither the thread pool's
+order nor the number of workers changes what a simulator says.
+
 The engine is independent of how environments represent state: it talks to a
 `Transition`, which gives the prompt ids of a node state and steps a joint
 action. `mtrl_jax.rollout.env_transition.EnvTransition` adapts
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import inspect
 from typing import Any, Optional, Protocol, Sequence
 
 import jax
@@ -32,6 +39,7 @@ import jax
 from mtrl_jax.rollout.config import TreeConfig
 from mtrl_jax.rollout.policy import PolicySampler
 from mtrl_jax.rollout.tree import Completion, Node, Tree
+from mtrl_jax.seeds import call_seed
 
 
 @dataclasses.dataclass
@@ -73,7 +81,10 @@ class Transition(Protocol):
     """Applies one joint action (one single-segment completion per agent) to `state`.
 
     Must not mutate `state`: siblings branch from the same state. It runs on
-    a worker thread, concurrently with the level's other steps.
+    a worker thread, concurrently with the level's other steps. A transition
+    whose `step` accepts a `seed` keyword gets the step's seed (an int named
+    by (step key, root, node, action, sub-step); see `action_seed`) for the
+    model calls its environment makes.
     """
     ...
 
@@ -85,6 +96,26 @@ class Transition(Protocol):
 
 def _level_key(key: jax.Array, turn: int) -> jax.Array:
   return jax.random.fold_in(key, turn)
+
+
+def action_seed(level_seed: int, node: Node, action: int, substep: int = 0) -> int:
+  """Seed of one environment step: (level seed, root, node, joint action, sub-step).
+
+  `level_seed` is `call_seed(level_key, 'env')` (the level key folds the
+  step's key with the turn). Node ids follow creation order, which the
+  engine fixes (parents before children, children in (node, action) order),
+  so the seed names the same step in every run with the same key, whatever
+  the worker threads do.
+  """
+  return call_seed(level_seed, node.root, node.node_id, action, substep)
+
+
+def _takes_seed(transition) -> bool:
+  try:
+    params = inspect.signature(transition.step).parameters
+  except (TypeError, ValueError):
+    return False
+  return "seed" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def expand_tree(cfg: TreeConfig, policy: PolicySampler, transition: Transition,
@@ -131,8 +162,9 @@ def expand_tree(cfg: TreeConfig, policy: PolicySampler, transition: Transition,
 
 def sample_level(tree: Tree, frontier: Sequence[Node], policy: PolicySampler,
                  key: jax.Array) -> None:
-  """Samples G completions for every (node, agent) of a level in ONE policy call."""
-  n, g = tree.cfg.num_agents, tree.cfg.num_generations
+  """Samples G completions for every (node, agent) of a level in ONE policy call
+  (one each below a chain's root: `TreeConfig.generations_at`)."""
+  n, g = tree.cfg.num_agents, tree.cfg.generations_at(frontier[0].turn)
   prompts = [p for node in frontier for p in node.prompts]
   agent_ids = [i for _ in frontier for i in range(n)]
   results = policy.sample(prompts, agent_ids, g, key)
@@ -189,9 +221,19 @@ class _Action:
 
 
 def _run_steps(transition: Transition, executor: concurrent.futures.Executor,
-               jobs: Sequence[tuple]) -> None:
-  """Runs `(action, state, completions)` steps concurrently; each action absorbs its outcome."""
-  futures = [executor.submit(transition.step, state, comps) for _, state, comps in jobs]
+               jobs: Sequence[tuple], key: Optional[jax.Array] = None,
+               substep: int = 0) -> None:
+  """Runs `(action, state, completions)` steps concurrently; each action absorbs its outcome.
+
+  With a level `key` and a transition that takes seeds, each step gets its
+  `action_seed`.
+  """
+  seeded = key is not None and _takes_seed(transition)
+  level_seed = call_seed(key, "env") if seeded else None
+  futures = []
+  for action, state, comps in jobs:
+    kw = {"seed": action_seed(level_seed, action.node, action.j, substep)} if seeded else {}
+    futures.append(executor.submit(transition.step, state, comps, **kw))
   for (action, _, comps), future in zip(jobs, futures):
     action.absorb(future.result(), comps[-1].finish_reason)
 
@@ -202,18 +244,19 @@ def step_level(tree: Tree, frontier: Sequence[Node], transition: Transition,
   """Steps every joint action of a level concurrently; records rewards; adds children.
 
   Under branch_on='user_turn' the actions' sub-steps run here too, which
-  needs the `policy` and the level's `key`.
+  needs the `policy` and the level's `key`. The key also seeds the
+  environments' model calls (`action_seed`); without it they get no seed.
 
   Returns:
     The next level's nodes, in (node, joint action) order.
   """
-  joint_BxN = tree.joint_BxN
+  joint_BxN = tree.node_joint(frontier[0])  # a level's nodes share their depth
   b, n = joint_BxN.shape
   close = getattr(transition, "close", None) or (lambda state: None)
   actions = [_Action(node, j) for node in frontier for j in range(b)]
   _run_steps(transition, executor, [
       (a, a.node.state, [a.node.completions[i][joint_BxN[a.j, i]] for i in range(n)])
-      for a in actions])
+      for a in actions], key)
   for node in frontier:
     close(node.state)  # every branch stepped from it has forked its own state
   if tree.cfg.substeps:
@@ -273,7 +316,7 @@ def _continue_actions(tree: Tree, actions: Sequence[_Action], policy: PolicySamp
                        f"{len(prompts)} prompts x 1 generation (sub-step round {rnd})")
     jobs = []
     for a, prompt, (segment,) in zip(waiting, prompts, results):
-      g = int(tree.joint_BxN[a.j, 0])
+      g = int(tree.node_joint(a.node)[a.j, 0])
       comp = a.node.completions[0][g]
       done = a.node.prompts[0] + [int(t) for t in comp.ids]
       if prompt[:len(done)] != done:
@@ -283,6 +326,6 @@ def _continue_actions(tree: Tree, actions: Sequence[_Action], policy: PolicySamp
       a.node.completions[0][g] = comp.continued(prompt[len(done):], segment)
       a.substeps += 1
       jobs.append((a, a.outcome.next_state, [segment]))
-    _run_steps(transition, executor, jobs)
+    _run_steps(transition, executor, jobs, key, rnd)
     for _, state, _ in jobs:
       close(state)  # an intermediate state belongs to its one action

@@ -10,9 +10,20 @@ and renders the environment's new turns into the child's ledgers once.
 
 A step whose new turns end with a `tool` turn (for every agent) reports
 `continues_turn=True`: the environment waits for the policy, not the user.
+A step whose next thread does not extend the previous tokens (a history
+rewrite: the environment changed earlier turns, or a Qwen3-style template
+strips earlier thinking) never continues the action: its context is rendered
+anew and the child node is a new training segment, while the action keeps
+its own tokens and advantage.
 The engine turns that into a sub-step under `branch_on='user_turn'` and
 ignores it under 'every_turn'. Every step, sub-steps included, counts as one
 policy turn for `StepLimits.max_turns`.
+
+Seeds: the engine hands each step a seed named by (step key, root, node,
+action, sub-step); agent i's thread gets `call_seed(seed, i, turn)` as
+`Thread.seed`, which the environment's user simulator, judges and experts
+derive their own call seeds from. Replies then depend on the node, not on
+thread order, so 1 or 32 workers and a resumed run give the same tree.
 
 A sampled id the tokenizer cannot decode (a model vocabulary larger than the
 tokenizer's) ends the episode as a model format fault, penalised like an
@@ -32,6 +43,7 @@ from mtrl_jax.envs.faults import Fault, FaultKind
 from mtrl_jax.envs.reward import RewardBreakdown, RewardConfig, compose_reward
 from mtrl_jax.rollout.engine import ActionOutcome
 from mtrl_jax.rollout.tree import Completion
+from mtrl_jax.seeds import call_seed
 from mtrl_jax.text import ChatRenderer
 
 
@@ -94,7 +106,9 @@ class EnvTransition:
       out.append(self.renderer.begin_assistant(ledger))
     return out
 
-  def step(self, state: EnvState, actions: Sequence[Completion]) -> ActionOutcome:
+  def step(self, state: EnvState, actions: Sequence[Completion],
+           seed: Optional[int] = None) -> ActionOutcome:
+    """Steps one joint action; `seed` (from the engine) seeds the environment's model calls."""
     vocab = self.renderer.tokenizer.vocab_size
     for i, comp in enumerate(actions):
       ids = np.asarray(comp.ids)
@@ -109,7 +123,9 @@ class EnvTransition:
       text = self.renderer.append_completion(ledger, comp.ids.tolist(), comp.logprobs.tolist(),
                                              finished_by_stop=comp.finish_reason == "stop")
       name = f"agent_{i}" if self.num_agents > 1 else None
-      acted.append(thread.replace(ledger=ledger).append(Turn("assistant", text, name=name)))
+      agent_seed = None if seed is None else call_seed(seed, i, state.steps)
+      acted.append(thread.replace(ledger=ledger, seed=agent_seed).append(
+          Turn("assistant", text, name=name)))
     out = step_environment(env, acted, self.limits, reward_cfg=self.reward_cfg,
                            renderer=self.renderer, step_index=state.steps)
     info = out.to_dict()
@@ -119,7 +135,8 @@ class EnvTransition:
     new_turns = [nxt.turns[len(old.turns):] for old, nxt in zip(acted, out.next_threads)]
     info["env_turns"] = [[t.content for t in turns] for turns in new_turns]
     info["env_roles"] = [[t.role for t in turns] for turns in new_turns]
-    waits = all(turns and turns[-1].role == "tool" for turns in new_turns)
+    waits = (not out.history_rewrites
+             and all(turns and turns[-1].role == "tool" for turns in new_turns))
     return ActionOutcome(EnvState(env, tuple(out.next_threads), state.steps + 1),
                          out.reward.total, valid=not out.masked, info=info,
                          continues_turn=waits)

@@ -17,6 +17,12 @@ Under `branch_on='user_turn'` a joint action may span several environment
 steps (tool sub-steps): r_j is the sum of their rewards and the action's
 `Completion` holds every sampled segment with the context between them.
 
+With `TreeConfig(shape='chain')` only the root branches: it samples G per
+agent, every later node ONE, so a root holds G independent trajectories.
+Returns follow the same recursion (a child mean over one action is that
+action's return), the root's G trajectory returns get the sibling baseline,
+and every action of trajectory j carries the root's advantage of j.
+
 Infrastructure faults make a joint action invalid: it is excluded from child
 means and baselines, and every sample in it gets weight 0 (never rewarded,
 never penalised). Node ids follow creation order, so parents precede children
@@ -171,7 +177,8 @@ def should_terminate(cfg: TreeConfig, rewards_B: np.ndarray, valid_B: np.ndarray
 
 
 def agent_returns(cfg: TreeConfig, joint_BxN: np.ndarray, returns_B: np.ndarray,
-                  valid_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                  valid_B: np.ndarray, num_generations: Optional[int] = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
   """Per-agent sample returns and sample validity.
 
   Args:
@@ -179,13 +186,15 @@ def agent_returns(cfg: TreeConfig, joint_BxN: np.ndarray, returns_B: np.ndarray,
     joint_BxN: sample index of each agent in each joint action.
     returns_B: return of each joint action.
     valid_B: validity of each joint action.
+    num_generations: samples per agent at this node (default: cfg.num_generations).
 
   Returns:
     (returns_NxG float64, valid_NxG bool). A sample is valid iff every joint
     action containing it is valid. Cross: sum (or mean) over the joint actions
     containing the sample; align / N = 1: the joint return itself.
   """
-  g, n = cfg.num_generations, cfg.num_agents
+  g = cfg.num_generations if num_generations is None else num_generations
+  n = cfg.num_agents
   out_NxG = np.zeros((n, g), np.float64)
   valid_NxG = np.ones((n, g), bool)
   for i in range(n):
@@ -242,8 +251,16 @@ class Tree:
     self.cfg = cfg
     self.nodes: list[Node] = []
     self.joint_BxN = joint_actions(cfg)
+    # Below a chain's root every agent has one sample: one joint action.
+    self._joint_below_1xN = np.zeros((1, cfg.num_agents), np.int64)
     self.num_roots = 0
     self.finalized = False
+
+  def node_joint(self, node: Node) -> np.ndarray:
+    """Sample index of every agent in every joint action of `node`, int [B, N]."""
+    if self.cfg.shape == "chain" and node.turn > 0:
+      return self._joint_below_1xN
+    return self.joint_BxN
 
   # ------------------------------------------------------------ building
   def add_root(self, prompts: Sequence[Sequence[int]], state: Any = None) -> Node:
@@ -277,7 +294,7 @@ class Tree:
 
   def set_completions(self, node: Node, completions: Sequence[Sequence[Completion]]):
     """Stores the N x G sampled completions of a node."""
-    g, n = self.cfg.num_generations, self.cfg.num_agents
+    g, n = self.cfg.generations_at(node.turn), self.cfg.num_agents
     if len(completions) != n or any(len(c) != g for c in completions):
       raise ValueError(f"node {node.node_id}: expected {n} agents x {g} completions")
     node.completions = [list(c) for c in completions]
@@ -296,7 +313,7 @@ class Tree:
     Returns:
       True when the node may have children: turn < T - 1 and not terminated.
     """
-    b = self.cfg.branching
+    b = self.cfg.branching_at(node.turn)
     rewards_B = np.asarray(rewards_B, np.float64)
     valid_B = np.ones(b, bool) if valid_B is None else np.asarray(valid_B, bool)
     if rewards_B.shape != (b,) or valid_B.shape != (b,):
@@ -332,14 +349,34 @@ class Tree:
         returns_B[j] += cfg.discount * child.returns_B[child.valid_B].mean()
       node.returns_B = np.where(valid_B, returns_B, 0.0)
       node.valid_B = valid_B
-      node.agent_returns_NxG, valid_NxG = agent_returns(cfg, self.joint_BxN, node.returns_B,
-                                                        valid_B)
+      node.agent_returns_NxG, valid_NxG = agent_returns(
+          cfg, self.node_joint(node), node.returns_B, valid_B, cfg.generations_at(node.turn))
       node.advantages_NxG = np.stack([
           advantages(node.agent_returns_NxG[i], valid_NxG[i], cfg.advantage_mode,
                      cfg.advantage_std_norm) for i in range(cfg.num_agents)])
       node.weight_NxG = valid_NxG.astype(np.float64)
+    if cfg.shape == "chain":
+      self._chain_advantages()
     self.finalized = True
     return self
+
+  def _chain_advantages(self) -> None:
+    """Every action of a chain gets its root action's advantage (the group baseline
+    over the root's G trajectories). A fault anywhere on a chain has already made
+    its root action invalid (weight 0); the chain's other actions are masked too."""
+    agents = np.arange(self.cfg.num_agents)
+    origin = {}  # node id -> (root node, the root action the node descends from)
+    for node in self.nodes:  # parents precede children
+      if node.parent_id < 0:
+        continue
+      parent = self.nodes[node.parent_id]
+      root, j = ((parent, node.parent_action) if parent.parent_id < 0
+                 else origin[parent.node_id])
+      origin[node.node_id] = (root, j)
+      samples_N = self.joint_BxN[j]
+      keep_N = (node.weight_NxG[:, 0] > 0) & (root.weight_NxG[agents, samples_N] > 0)
+      node.weight_NxG = keep_N.astype(np.float64)[:, None]
+      node.advantages_NxG = np.where(keep_N, root.advantages_NxG[agents, samples_N], 0.0)[:, None]
 
   # ------------------------------------------------------------ views
   def level(self, turn: int) -> list[Node]:
@@ -352,12 +389,19 @@ class Tree:
     environment step.
     """
     cfg = self.cfg
-    sampled = sum(n.completions is not None for n in self.nodes)
+    sampled = sum(cfg.num_agents * cfg.generations_at(n.turn) for n in self.nodes
+                  if n.completions is not None)
     substeps = self.num_substeps()
     return {"nodes": len(self.nodes),
-            "generations": sampled * cfg.num_agents * cfg.num_generations + substeps,
+            "generations": sampled + substeps,
             "reward_calls": int(sum(np.size(n.rewards_B) for n in self.nodes
                                     if n.rewards_B is not None)) + substeps}
+
+  def sampled_tokens(self) -> int:
+    """Tokens the policy generated over the whole rollout (context tokens excluded):
+    the budget axis of tree-vs-chain comparisons."""
+    return int(sum(c.sampled_mask.sum() for n in self.nodes for agent in n.completions or []
+                   for c in agent))
 
   def num_substeps(self) -> int:
     """Continuation segments sampled over the whole tree."""
@@ -369,7 +413,8 @@ class Tree:
            "tree/terminated": float(sum(n.terminated for n in self.nodes)),
            "tree/masked_actions": float(sum((~n.valid_B).sum() for n in self.nodes
                                             if n.valid_B is not None)),
-           "tree/substeps": float(self.num_substeps())}
+           "tree/substeps": float(self.num_substeps()),
+           "tree/sampled_tokens": float(self.sampled_tokens())}
     for t in range(self.cfg.num_turns):
       nodes = [n for n in self.level(t) if n.rewards_B is not None]
       if not nodes:

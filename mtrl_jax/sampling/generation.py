@@ -18,12 +18,20 @@ model's chat format and
 from many environment threads (one per trajectory) are merged into one model
 call: judges and user simulators batch across trajectories without the
 environment API changing.
+
+Reproducible calls: `generate(prompts, sampling, seeds=[...])` takes one seed
+per prompt. The rollout derives each environment step's seed from the step's
+key and the node's identity (`call_seed(step key, root, node, action, agent,
+turn)`), so a reply depends on that seed and its prompt only: not on the order
+in which environment threads happen to call, not on a counter, and not on what
+else shares the batch. A resumed run therefore replays the same replies.
+Without seeds `LocalLLM` draws from its own key stream (call order decides).
+`score_choices` is deterministic and needs none.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import jax
@@ -33,8 +41,17 @@ from flax import nnx
 
 from mtrl_jax.buckets import next_pow2
 from mtrl_jax.resources import SharedResource
+from mtrl_jax.sampling.batching import BatchingGenerator, _check_seeds  # noqa: F401
+from mtrl_jax.seeds import call_seed  # noqa: F401  re-exported
 from mtrl_jax.sampling.sampler import Sampler, SamplingConfig
 from mtrl_jax.text import ChatRenderer, TokenLedger, chatml, compact
+
+
+@jax.jit
+def _seed_keys(base_key, seeds_Px2):
+  """Key of each seed: fold_in(fold_in(base_key, seed high 32 bits), low 32 bits)."""
+  return jax.vmap(lambda hi, lo: jax.random.fold_in(jax.random.fold_in(base_key, hi), lo))(
+      seeds_Px2[:, 0], seeds_Px2[:, 1])
 
 
 def _default_format(tokenizer):
@@ -48,15 +65,18 @@ def _default_format(tokenizer):
 class TextGenerator(Protocol):
   """What judges and LLM user simulators need from a language model.
 
-  `generate(prompts, sampling=None) -> list[str]`: one completion per prompt
-  (each prompt is the text of one user message; the generator applies its
-  chat format). `score_choices(prompts, choices) -> [P, C] array`: log-prob
+  `generate(prompts, sampling=None, seeds=None) -> list[str]`: one
+  completion per prompt (each prompt is the text of one user message; the
+  generator applies its chat format); `seeds` (one int per prompt) make each
+  completion a function of its seed and prompt alone.
+  `score_choices(prompts, choices) -> [P, C] array`: log-prob
   of each choice string as the start of the assistant's reply to each prompt.
   `LocalLLM` below implements it on our sampler. Prompts are plain text and
   replies plain strings: nothing here depends on the environment API.
   """
 
-  def generate(self, prompts: Sequence[str], sampling: Any = None) -> list[str]:
+  def generate(self, prompts: Sequence[str], sampling: Any = None,
+               seeds: Optional[Sequence[int]] = None) -> list[str]:
     ...
 
   def score_choices(self, prompts: Sequence[str], choices: Sequence[str]) -> Any:
@@ -79,15 +99,18 @@ class ScriptedGenerator(SharedResource):
     self.replies = replies
     self.scores = scores
     self.prompts: list[str] = []  # every prompt seen, in order
+    self.seeds: list = []  # the seed given with each prompt (None: none), in order
     self.calls = 0  # batched calls made
     self._next = 0
 
-  def generate(self, prompts, sampling=None):
+  def generate(self, prompts, sampling=None, seeds=None):
     del sampling
+    seeds = _check_seeds(seeds, len(prompts))
     self.calls += 1
     out = []
-    for p in prompts:
+    for k, p in enumerate(prompts):
       self.prompts.append(p)
+      self.seeds.append(None if seeds is None else seeds[k])
       if callable(self.replies):
         out.append(self.replies(p))
       elif self.replies:
@@ -118,8 +141,16 @@ class LocalLLM(SharedResource):
     fmt: the chat format (default: chatml if the tokenizer has its tokens,
       else compact).
     sampling: default `SamplingConfig` of `generate`.
-    seed: PRNG seed of `generate` (each call uses a fresh subkey).
+    seed: PRNG seed of `generate`: the base key that per-prompt `seeds` are
+      folded into; calls without seeds use fresh subkeys of it in call order.
     sampler: a `Sampler` for the model's config (default: a new one).
+    fixed_rows: None: each call is one model call padded to power-of-two
+      shapes (fastest). An int R: every model call has exactly R rows of one
+      length bucket, grouped by each row's own length, so a prompt's reply
+      and scores are a function of that prompt (and its seed) alone, never of
+      what else shares the call: float rounding depends on array shapes,
+      and a `BatchingGenerator` merges whatever calls arrive together. The
+      rollouts' reproducibility across thread counts needs this.
   """
 
   # What a fault raised inside a generator call is attributed to
@@ -127,7 +158,12 @@ class LocalLLM(SharedResource):
   fault_source = "judge"
 
   def __init__(self, model, tokenizer, fmt=None, *, sampling: Optional[SamplingConfig] = None,
-               seed: int = 0, sampler: Optional[Sampler] = None):
+               seed: int = 0, sampler: Optional[Sampler] = None,
+               fixed_rows: Optional[int] = None):
+    if fixed_rows is not None and (isinstance(fixed_rows, bool) or not isinstance(fixed_rows, int)
+                                   or fixed_rows < 1):
+      raise ValueError(f"LocalLLM fixed_rows={fixed_rows!r}; allowed: None or an int >= 1")
+    self.fixed_rows = fixed_rows
     self.cfg = model.cfg
     self.graphdef, self.state = nnx.split(model)
     self.tokenizer = tokenizer
@@ -135,7 +171,8 @@ class LocalLLM(SharedResource):
     self.renderer = ChatRenderer(tokenizer, self.fmt)
     self.sampling = sampling or SamplingConfig(temperature=1.0, max_new_tokens=128)
     self.sampler = sampler or Sampler(self.cfg)
-    self._key = jax.random.key(seed)
+    self._base_key = jax.random.key(seed)
+    self._key = self._base_key
     self._lock = threading.Lock()
     self._score_traces = 0
     self._score_fn = jax.jit(self._token_logprobs)
@@ -149,6 +186,22 @@ class LocalLLM(SharedResource):
   def num_score_compiles(self) -> int:
     return self._score_traces
 
+  def _groups(self, lengths: Sequence[int]) -> list[tuple[list[int], int]]:
+    """Row indices per model call and the rows it pads to.
+
+    Default: one call of every row, next_pow2 rows. With `fixed_rows` R:
+    rows grouped by their own length bucket, chunks of R rows each.
+    """
+    n = len(lengths)
+    if self.fixed_rows is None:
+      return [(list(range(n)), next_pow2(n, 1))]
+    by_bucket: dict = {}
+    for i, length in enumerate(lengths):
+      by_bucket.setdefault(next_pow2(length, 16), []).append(i)
+    r = self.fixed_rows
+    return [(rows[k:k + r], r) for _, rows in sorted(by_bucket.items())
+            for k in range(0, len(rows), r)]
+
   def prompt_ids(self, prompt: str) -> list[int]:
     """Token ids of `prompt` as one user turn followed by the assistant header."""
     ledger = TokenLedger()
@@ -156,23 +209,44 @@ class LocalLLM(SharedResource):
     return self.renderer.begin_assistant(ledger)
 
   # ---------------------------------------------------------------- generate
-  def generate(self, prompts: Sequence[str], sampling: Optional[SamplingConfig] = None
-               ) -> list[str]:
-    """One sampled reply per prompt (stop token removed)."""
+  def generate(self, prompts: Sequence[str], sampling: Optional[SamplingConfig] = None,
+               seeds: Optional[Sequence[int]] = None) -> list[str]:
+    """One sampled reply per prompt (stop token removed).
+
+    Args:
+      prompts: user messages.
+      sampling: overrides the default `SamplingConfig`.
+      seeds: one int per prompt; prompt p samples with the key
+        fold_in(fold_in(key(seed), seeds[p] >> 32), seeds[p] & 0xffffffff),
+        whatever else is in the call. None: a fresh subkey per call.
+    """
+    seeds = _check_seeds(seeds, len(prompts))
     if not prompts:
       return []
     sampling = sampling or self.sampling
     ids = [self.prompt_ids(p) for p in prompts]
+    prompt_keys = None
+    if seeds is not None:
+      halves = np.zeros((next_pow2(len(seeds), 1), 2), np.uint32)  # one program per bucket
+      halves[:len(seeds)] = [[s >> 32, s & 0xFFFFFFFF] for s in seeds]
+      prompt_keys = _seed_keys(self._base_key, halves)[:len(seeds)]
+    out = [""] * len(prompts)
     with self._lock:
-      self._key, key = jax.random.split(self._key)
-      res = self.sampler.generate(self.state, ids, 1, sampling, key, self.fmt.stop_ids,
-                                  self.tokenizer.pad_id)
-    out = []
-    for row in range(len(prompts)):
-      n = int(res.lengths[row])
-      if res.finish_reason[row] == "stop":
-        n -= 1
-      out.append(self.tokenizer.decode(res.tokens[row, :n].tolist()))
+      key = self._base_key  # not used when every prompt has its own key
+      if prompt_keys is None:
+        self._key, key = jax.random.split(self._key)
+        if self.fixed_rows is not None:  # rows keep their keys whatever call they land in
+          prompt_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(
+              np.arange(len(prompts), dtype=np.uint32))
+      for rows, size in self._groups([len(x) for x in ids]):
+        pad = rows + [rows[-1]] * (size - len(rows) if self.fixed_rows else 0)
+        res = self.sampler.generate(
+            self.state, [ids[i] for i in pad], 1, sampling, key, self.fmt.stop_ids,
+            self.tokenizer.pad_id,
+            prompt_keys=None if prompt_keys is None else prompt_keys[np.asarray(pad)])
+        for row, i in enumerate(rows):
+          n = int(res.lengths[row]) - (res.finish_reason[row] == "stop")
+          out[i] = self.tokenizer.decode(res.tokens[row, :n].tolist())
     return out
 
   # ----------------------------------------------------------- choice scores
@@ -205,110 +279,20 @@ class LocalLLM(SharedResource):
       for ids in choice_ids:
         seqs.append(base + ids)
         spans.append((len(base), len(base) + len(ids)))
-    length = next_pow2(max(len(s) for s in seqs), 16)
-    if length > self.cfg.max_seq_len:
+    if max(len(s) for s in seqs) > self.cfg.max_seq_len:
       raise ValueError(f"score_choices: {max(len(s) for s in seqs)} tokens exceed the judge's "
                        f"max_seq_len={self.cfg.max_seq_len}")
-    rows = next_pow2(len(seqs), 1)
-    tokens_BxL = np.full((rows, length), self.tokenizer.pad_id, np.int32)
-    for i, s in enumerate(seqs):
-      tokens_BxL[i, :len(s)] = s
-    with self._lock:
-      logp_BxL = np.asarray(jax.device_get(self._score_fn(self.state, tokens_BxL)),
-                            np.float64)
-    scores = np.array([logp_BxL[i, a:b].sum() for i, (a, b) in enumerate(spans)])
+    scores = np.zeros(len(seqs))
+    for rows, size in self._groups([len(s) for s in seqs]):
+      length = min(next_pow2(max(len(seqs[i]) for i in rows), 16), self.cfg.max_seq_len)
+      tokens_BxL = np.full((size, length), self.tokenizer.pad_id, np.int32)
+      for b, i in enumerate(rows):
+        tokens_BxL[b, :len(seqs[i])] = seqs[i]
+      with self._lock:
+        logp_BxL = np.asarray(jax.device_get(self._score_fn(self.state, tokens_BxL)),
+                              np.float64)
+      for b, i in enumerate(rows):
+        scores[i] = logp_BxL[b, spans[i][0]:spans[i][1]].sum()
     return scores.reshape(len(prompts), len(choices))
 
 
-class _Request:
-  __slots__ = ("kind", "key", "prompts", "result", "error", "done")
-
-  def __init__(self, kind, key, prompts):
-    self.kind, self.key, self.prompts = kind, key, list(prompts)
-    self.result, self.error, self.done = None, None, threading.Event()
-
-
-class BatchingGenerator(SharedResource):
-  """Merges concurrent `generate` / `score_choices` calls into one model call.
-
-  The first caller waits `max_wait_s` for others to join, then runs one inner
-  call per (kind, sampling or choices) group, at most `max_batch` prompts
-  each, and hands every caller its rows.
-
-  Args:
-    inner: the generator doing the work (e.g. a `LocalLLM`).
-    max_wait_s: how long the first caller waits for company.
-    max_batch: most prompts per inner call.
-  """
-
-  fault_source = "judge"  # see LocalLLM
-
-  def __init__(self, inner, max_wait_s: float = 0.005, max_batch: int = 256):
-    if max_batch < 1 or max_wait_s < 0:
-      raise ValueError(f"BatchingGenerator: max_batch={max_batch} must be >= 1 and "
-                       f"max_wait_s={max_wait_s} >= 0")
-    self.inner = inner
-    self.max_wait_s = max_wait_s
-    self.max_batch = max_batch
-    self._lock = threading.Lock()
-    self._pending: list[_Request] = []
-    self._leading = False
-    self.inner_calls = 0
-
-  def generate(self, prompts, sampling=None) -> list[str]:
-    return self._submit("generate", sampling, prompts)
-
-  def score_choices(self, prompts, choices) -> np.ndarray:
-    return np.asarray(self._submit("score", tuple(choices), prompts)).reshape(
-        len(prompts), len(choices))
-
-  def _submit(self, kind: str, key: Any, prompts):
-    req = _Request(kind, key, prompts)
-    with self._lock:
-      self._pending.append(req)
-      lead = not self._leading
-      self._leading = True
-    if lead:
-      time.sleep(self.max_wait_s)  # let concurrent callers join this batch
-      with self._lock:
-        batch, self._pending, self._leading = self._pending, [], False
-      self._run(batch)
-    req.done.wait()
-    if req.error is not None:
-      raise req.error
-    return req.result
-
-  def _run(self, batch: list[_Request]) -> None:
-    groups: dict = {}
-    for r in batch:
-      groups.setdefault((r.kind, r.key), []).append(r)
-    for (kind, key), reqs in groups.items():
-      # Chunks of whole requests, at most max_batch prompts (a larger request goes alone).
-      chunk, size = [], 0
-      for r in reqs + [None]:
-        if r is None or (chunk and size + len(r.prompts) > self.max_batch):
-          self._call(kind, key, chunk)
-          chunk, size = [], 0
-        if r is not None:
-          chunk.append(r)
-          size += len(r.prompts)
-
-  def _call(self, kind, key, reqs: list[_Request]) -> None:
-    prompts = [p for r in reqs for p in r.prompts]
-    try:
-      with self._lock:
-        self.inner_calls += 1
-      if kind == "generate":
-        out = list(self.inner.generate(prompts, key))
-      else:
-        out = list(np.asarray(self.inner.score_choices(prompts, list(key))))
-      start = 0
-      for r in reqs:
-        r.result = out[start:start + len(r.prompts)]
-        start += len(r.prompts)
-    except Exception as e:  # every waiting caller sees the failure
-      for r in reqs:
-        r.error = e
-    finally:
-      for r in reqs:
-        r.done.set()

@@ -21,7 +21,10 @@ Randomness: the uniform that drives the token of row r at step t is
 in the result. A row's samples therefore depend only on (key, r, t, its
 prompt), not on the batch layout: P prompts x G branches give the same tokens
 as the P * G repeated prompts with G = 1 (up to float rounding of the batch
-size), which the tests check.
+size), which the tests check. With `prompt_keys` (one key per prompt) row
+p * G + g uses `fold_in(prompt_keys[p], g)` instead, so a prompt's samples
+depend only on its own key, never on which other prompts share the call (the
+judges' and user simulators' per-call keys, `generation.LocalLLM`).
 
 Compilation: shapes are bucketed (prompt rows, prompt length, decode rows,
 new-token slots, number of stop ids) and temperature, top_p, max_new_tokens,
@@ -194,7 +197,7 @@ class Sampler:
   # ------------------------------------------------------------- host side
   def generate(self, state: nnx.State, prompts: Sequence[Sequence[int]], num_generations: int,
                sampling: SamplingConfig, key: jax.Array, stop_ids: Sequence[int],
-               pad_id: int) -> SampleResult:
+               pad_id: int, *, prompt_keys: Optional[jax.Array] = None) -> SampleResult:
     """Samples `num_generations` completions of every prompt.
 
     Args:
@@ -205,6 +208,9 @@ class Sampler:
       key: PRNG key; row r, step t uses fold_in(fold_in(key, r), t).
       stop_ids: ids that end a completion (part of it); may be empty.
       pad_id: id written after a row's end.
+      prompt_keys: optional P keys (a typed key array of shape [P]); then row
+        p * G + g, step t uses fold_in(fold_in(prompt_keys[p], g), t) and
+        `key` is not used.
     Returns:
       SampleResult with rows ordered p * G + g.
     """
@@ -230,7 +236,7 @@ class Sampler:
 
     n_prompts, g = len(prompts), int(num_generations)
     n_rows, max_new = n_prompts * g, sampling.max_new_tokens
-    args, static = self._prepare(prompts, g, sampling, key, stop, pad_id)
+    args, static = self._prepare(prompts, g, sampling, key, stop, pad_id, prompt_keys)
     out = self._jitted(self._put_state(state), *args, **static)
     tokens, logp, lengths, stopped = jax.device_get(out)
     return SampleResult(
@@ -239,7 +245,8 @@ class Sampler:
         lengths=np.asarray(lengths[:n_rows]),
         finish_reason=["stop" if s else "length" for s in stopped[:n_rows]])
 
-  def _prepare(self, prompts, g: int, sampling: SamplingConfig, key, stop: list, pad_id: int):
+  def _prepare(self, prompts, g: int, sampling: SamplingConfig, key, stop: list, pad_id: int,
+               prompt_keys=None):
     """The jitted call's device arguments and static choices for these prompts."""
     n_prompts = len(prompts)
     max_new = sampling.max_new_tokens
@@ -270,8 +277,19 @@ class Sampler:
     stop_arr[:len(stop)] = stop
 
     put, rep = self._put_batch, self._put_replicated
+    if prompt_keys is not None:
+      prompt_keys = jnp.asarray(prompt_keys)
+      if prompt_keys.shape != (n_prompts,) or not jax.dtypes.issubdtype(
+          prompt_keys.dtype, jax.dtypes.prng_key):
+        raise ValueError(f"prompt_keys: a typed key array of shape ({n_prompts},) expected, got "
+                         f"{prompt_keys.dtype}{tuple(prompt_keys.shape)}")
+      # Padding prompts reuse the last key; their rows are inactive.
+      prompt_keys = rep(prompt_keys[np.minimum(np.arange(p_rows), n_prompts - 1)])
+      branch_B = rep(np.asarray(np.arange(rows) % g, np.uint32))
+      key = (prompt_keys, branch_B)
     args = (put(prompt_PxL), put(valid_PxL), put(src_B), put(active_B), rep(stop_arr),
-            rep(key), rep(np.float32(sampling.temperature)), rep(np.float32(sampling.top_p)),
+            key if prompt_keys is not None else rep(key),
+            rep(np.float32(sampling.temperature)), rep(np.float32(sampling.top_p)),
             rep(np.int32(max_new)), rep(np.int32(pad_id)))
     static = dict(num_new=num_new, greedy=sampling.greedy, top_k=sampling.top_k,
                   use_top_p=sampling.top_p < 1.0)
@@ -353,7 +371,11 @@ class Sampler:
 
     rows_B = jnp.arange(n_b, dtype=jnp.uint32)
     steps_N = jnp.arange(num_new, dtype=jnp.uint32)
-    row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
+    if isinstance(key, tuple):  # per-prompt keys: row p * G + g folds in g
+      prompt_keys_P, branch_B = key
+      row_keys = jax.vmap(jax.random.fold_in)(prompt_keys_P[src_B], branch_B)
+    else:
+      row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
     u_BxN = jax.vmap(lambda k: jax.vmap(
         lambda t: jax.random.uniform(jax.random.fold_in(k, t)))(steps_N))(row_keys)
     u_BxN = self._constrain_rows(u_BxN)

@@ -1,8 +1,10 @@
 """Concrete task suites built on the environment API; importing this package registers them.
 
   calculator  the multi-turn calculator tool task (the CPU demo)
+  charclass   a one-turn character-class task RL learns from scratch in seconds (learning test)
   coop        the two-agent cooperative arithmetic task
   code        HumanEval code generation: prompts, rewards, feedback modes, data
+  user_chat   a simulated user (LLM) and an LLM judge on one local model
   weather     the example environment of the API docs (a tool, per-turn and final graders)
 
 Each module registers its environment factory (`mtrl_jax.envs.register_env_factory`)
@@ -12,6 +14,8 @@ registry name (`env.factory=calculator`).
 """
 
 from mtrl_jax.tasks import calculator  # noqa: F401
+from mtrl_jax.tasks import charclass  # noqa: F401
 from mtrl_jax.tasks.code import env as code_env  # noqa: F401
 from mtrl_jax.tasks import coop  # noqa: F401
+from mtrl_jax.tasks import user_chat  # noqa: F401
 from mtrl_jax.tasks import weather  # noqa: F401

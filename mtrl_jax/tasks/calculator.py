@@ -16,7 +16,10 @@ outcome is +1 when every answer is right and -1 otherwise (a wrong answer or a
 message with neither a tool call nor an answer ends the episode at once); step
 and invalid-call penalties come from the run's `RewardConfig`. Tasks are
 generated from a seed: index i of a split is always the same task, so a run's
-data order is reproducible and resumable. Difficulty = number of operands.
+data order is reproducible and resumable. Difficulty = number of operands;
+`level` (0-4, `LEVELS`) picks operand count and digits together for a
+curriculum (`curriculum.enabled`, `mtrl_jax.data.CurriculumStream`); without
+it the task keeps its keyword arguments (the default equals level 2).
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ EXTRA_SPECIALS = (TOOL_PREFIX, TOOL_SUFFIX)
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _SPLIT_SEEDS = {"train": 0, "eval": 1, "test": 2}
+# Curriculum levels: (min_operands, max_operands, max_digits), easiest first.
+# Level 2 is the default task; level 4's longest episode (4 three-digit
+# operands, a product, a follow-up) still fits the calculator config's
+# env.max_tokens = 160.
+LEVELS = ((2, 2, 1), (2, 2, 2), (2, 3, 2), (3, 3, 2), (3, 4, 3))
 
 
 def evaluate(expression: str) -> int:
@@ -77,10 +85,17 @@ def calculate(expression: str) -> str:
 
 
 def make_task(split: str, index: int, min_operands: int = 2, max_operands: int = 3,
-              max_digits: int = 2, num_followups: int = 1) -> dict:
-  """Task `index` of `split`: a deterministic function of (split, index)."""
+              max_digits: int = 2, num_followups: int = 1, level: Optional[int] = None) -> dict:
+  """Task `index` of `split`: a deterministic function of (split, index[, level]).
+
+  `level` (an index into `LEVELS`) overrides min_operands, max_operands and max_digits.
+  """
   if split not in _SPLIT_SEEDS:
     raise ValueError(f"calculator split {split!r}; allowed: {sorted(_SPLIT_SEEDS)}")
+  if level is not None:
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < len(LEVELS):
+      raise ValueError(f"calculator level={level!r}; allowed: 0 .. {len(LEVELS) - 1}")
+    min_operands, max_operands, max_digits = LEVELS[level]
   rng = np.random.default_rng([_SPLIT_SEEDS[split], index])
   n = int(rng.integers(min_operands, max_operands + 1))
   hi = 10 ** max_digits
@@ -96,8 +111,11 @@ def make_task(split: str, index: int, min_operands: int = 2, max_operands: int =
     x = int(rng.integers(1, hi))
     followups.append(f"then {op}{x}")
     answers.append(evaluate(f"{answers[-1]}{op}{x}"))
-  return {"question": f"{expression}=", "expression": expression, "followups": followups,
+  task = {"question": f"{expression}=", "expression": expression, "followups": followups,
           "answers": answers, "difficulty": n, "split": split, "index": index}
+  if level is not None:
+    task["level"] = level
+  return task
 
 
 def golden_conversation(task: Mapping[str, Any]) -> list[tuple[str, str]]:

@@ -10,6 +10,16 @@ tokens it did not sample.
 Masks are the same for SFT and RL: only assistant content and the stop token
 that ends it are trainable; headers, the framework's post-stop ids, and
 system/user/tool turns never are.
+
+Thinking models (`strip_thinking=True`, Qwen3's template): an assistant turn
+that precedes the last user turn is shown without its reasoning (the text up
+to its last `</think>` is dropped). So once a new user turn arrives, the
+context no longer extends the tokens the policy sampled: the history is
+rewritten. `context_view` gives the turns as the template shows them now;
+the framework (`mtrl_jax.envs.render_thread`) then renders the rewritten
+history into a new ledger, and the rollout trains the next action on that
+new context while earlier actions keep their own tokens (a history rewrite,
+counted as `text/history_rewrites`).
 """
 
 from __future__ import annotations
@@ -132,18 +142,57 @@ def _role_content(turn, content) -> tuple:
   return role, content
 
 
+THINK_CLOSE = "</think>"
+
+
+def strip_thinking(content: str) -> str:
+  """An assistant message as Qwen3's template shows it in later turns: the text
+  after its last `</think>`, leading newlines removed (unchanged without one)."""
+  if THINK_CLOSE not in content:
+    return content
+  return content.split(THINK_CLOSE)[-1].lstrip("\n")
+
+
 class ChatRenderer:
   """Appends turns to ledgers in one `ChatFormat`; counts re-tokenisation mismatches.
 
   Shared by all rollout threads: the counters are guarded by a lock.
+
+  Args:
+    tokenizer: the policy's tokenizer.
+    fmt: the chat format.
+    strip_thinking: Qwen3-style: assistant turns before the last user turn
+      lose their thinking block in the context (`context_view`).
   """
 
-  def __init__(self, tokenizer: Tokenizer, fmt: ChatFormat):
+  def __init__(self, tokenizer: Tokenizer, fmt: ChatFormat, *, strip_thinking: bool = False):
+    if not isinstance(strip_thinking, bool):
+      raise ValueError(f"ChatRenderer strip_thinking={strip_thinking!r}; allowed: True or False")
     self.tokenizer = tokenizer
     self.fmt = fmt
+    self.strip_thinking = strip_thinking
     self.retokenize_mismatches = 0  # completions with encode(decode(ids)) != ids
     self.completions_checked = 0
+    self.history_rewrites = 0  # threads whose context was rendered anew (`note_rewrite`)
     self._lock = threading.Lock()
+
+  def context_view(self, turns: Sequence) -> list[tuple[str, str]]:
+    """(role, content) of each turn as the template shows it before the next reply.
+
+    Without `strip_thinking` every turn is shown as it is. With it, assistant
+    turns before the last user turn show `strip_thinking(content)`.
+    """
+    pairs = [_role_content(t, None) for t in turns]
+    if not self.strip_thinking:
+      return pairs
+    last_user = max((i for i, (role, _) in enumerate(pairs) if role == "user"), default=-1)
+    return [(role, strip_thinking(content) if role == "assistant" and i < last_user else content)
+            for i, (role, content) in enumerate(pairs)]
+
+  def note_rewrite(self) -> None:
+    """Counts one thread whose history was rendered anew (a history rewrite)."""
+    with self._lock:
+      self.history_rewrites += 1
 
   def render_turn(self, ledger: TokenLedger, turn, content: Optional[str] = None, *,
                   trainable: bool = False) -> None:
@@ -249,5 +298,7 @@ class ChatRenderer:
     """Counters for the run's metrics log."""
     with self._lock:
       checked, bad = self.completions_checked, self.retokenize_mismatches
+      rewrites = self.history_rewrites
     return {"text/completions_checked": checked, "text/retokenize_mismatches": bad,
-            "text/retokenize_mismatch_rate": bad / checked if checked else 0.0}
+            "text/retokenize_mismatch_rate": bad / checked if checked else 0.0,
+            "text/history_rewrites": rewrites}

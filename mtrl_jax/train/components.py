@@ -147,7 +147,10 @@ def build(exp: exp_lib.Experiment) -> Components:
   exp = exp_lib.fit_vocab(exp, tokenizer)
   model = exp_lib.make_model(exp, mesh)
   factory = exp_lib.make_factory(exp)
-  objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature)
+  # Several updates per batch: the clipped ratio uses the trainer's own old
+  # logprobs (the loop adds them), the sampler's enter only loss.is_correction.
+  objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature,
+                              recompute_old=exp.rl.updates_per_step > 1)
   if exp.agents.share_policy:
     models = [model]
     train_step = TrainStep(model, objective, exp.optim, mesh=mesh, step_cfg=exp.step)

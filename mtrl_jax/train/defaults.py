@@ -26,6 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
       kind="byte",  # 'byte' (tiny from-scratch models) | 'hf' (tokenizer.json of model.path)
       extra_specials="",  # import path to a tuple of extra byte-tokenizer specials
       chat_format="compact",  # 'compact' (byte models) | 'chatml' (Qwen-style)
+      strip_thinking=False,  # Qwen3-style: earlier assistant turns lose their <think> blocks
   )
   c.mesh = dict(data=-1, fsdp=1, tensor=1)  # device mesh; -1 takes the remaining devices
 
@@ -56,6 +57,9 @@ def base_config() -> ml_collections.ConfigDict:
       cross_return="sum",  # cross mode per-agent return: 'sum' (CoMLRL) | 'mean'
       branch_on="user_turn",  # 'every_turn' (CoMLRL) | 'user_turn' (tool calls don't branch)
       max_substeps=4,  # tool round trips inside one turn
+      # 'tree' | 'chain' (G independent trajectories per root, branching only at the root;
+      # equal sampled segments per root: G_chain = (G + ... + G^T) / T, see TreeConfig)
+      shape="tree",
   )
   c.sampling = dict(
       temperature=1.0,
@@ -77,6 +81,10 @@ def base_config() -> ml_collections.ConfigDict:
       kl_estimator="k3",  # 'k1' | 'k2' | 'k3'
       aggregation="token-mean",  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
       max_len=0,  # the fixed length of seq-mean-token-sum-norm (0: the largest length bucket)
+      # Sampler/trainer gap (docs/internals.md "Off-policy corrections"): 'none' | 'tis'
+      # (truncated IS) | 'mis_token' | 'mis_action' (masked IS, per token / per action)
+      is_correction="none",
+      is_cap=2.0,  # C > 1: TIS weights min(ratio, C); MIS keeps ratios in [1/C, C]
   )
   c.optim = dict(
       learning_rate=1e-4,
@@ -126,6 +134,17 @@ def base_config() -> ml_collections.ConfigDict:
       share_policy=True,  # True: one policy for every agent; False: one policy per agent
       learning_rates=(),  # per-agent RL learning rates (empty: optim.learning_rate for all)
       paths=(),  # per-agent local HF checkpoints, same architecture ('' / empty: model)
+  )
+  c.curriculum = dict(
+      # Move tasks.kwargs[level_key] by rolling rollout success (mtrl_jax.data.CurriculumStream);
+      # held-out evaluation keeps tasks.kwargs as they are. Logged as curriculum/level.
+      enabled=False,
+      level_key="level",  # the task source keyword that selects a level (calculator: 'level')
+      num_levels=5,  # levels 0 .. num_levels - 1 (the calculator has 5)
+      start_level=0,  # level of the first RL step
+      window=10,  # k: RL steps whose rollout success is averaged
+      raise_above=0.8,  # one level up when the mean over a full window is above this
+      lower_below=0.3,  # one level down when it is below this
   )
   c.checkpoint = dict(
       every=10,  # save every k RL steps (and at the end)

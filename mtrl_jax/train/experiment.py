@@ -21,7 +21,7 @@ from mtrl_jax.registry import import_object
 from mtrl_jax.envs import FaultPolicy, StepLimits, resolve_factory
 import mtrl_jax.tasks  # noqa: F401  (registers the built-in tasks: config names resolve)
 from mtrl_jax.graders.reward import RewardConfig, check_reward_dominance
-from mtrl_jax.losses import LossConfig
+from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
@@ -61,6 +61,8 @@ class Experiment:
   eval: EvalConfig
   checkpoint: CheckpointConfig
   agents: AgentsConfig
+  strip_thinking: bool = False
+  curriculum: data.CurriculumConfig = data.CurriculumConfig()
 
 
 def _fields(cd, cls, **extra):
@@ -92,6 +94,9 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   if c.tokenizer.chat_format not in ("compact", "chatml"):
     raise ValueError(f"config tokenizer.chat_format={c.tokenizer.chat_format!r}; "
                      "allowed: ['compact', 'chatml']")
+  if not isinstance(c.tokenizer.strip_thinking, bool):
+    raise ValueError(f"config tokenizer.strip_thinking={c.tokenizer.strip_thinking!r}; "
+                     "allowed: True or False")
   tree = _fields(c.tree, TreeConfig)
   sampling = _fields(c.sampling, SamplingConfig)
   rl = _fields(c.rl, RLConfig)
@@ -124,13 +129,15 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       tree=tree, sampling=sampling, reward=reward, loss=loss, optim=optim, sft_optim=sft_optim,
       step=_fields(c.step, StepConfig), seed=c.seed, rl=rl, sft=sft,
       eval=_fields(c.eval, EvalConfig), checkpoint=_fields(c.checkpoint, CheckpointConfig),
-      agents=_fields(c.agents, AgentsConfig))
+      agents=_fields(c.agents, AgentsConfig), strip_thinking=c.tokenizer.strip_thinking,
+      curriculum=_fields(c.get("curriculum"), data.CurriculumConfig))
   check_agents(exp)
   # Size the tree before launch: a config that cannot fit fails here.
   plan_tree(tree, rl.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
             max_new_tokens=sampling.max_new_tokens, max_generations=rl.max_generations)
   check_imports(exp)
   check_environment(exp)
+  check_curriculum(exp)
   return exp
 
 
@@ -166,6 +173,13 @@ def check_fields(c: ml_collections.ConfigDict):
   if c.model.path and not os.path.isfile(os.path.join(c.model.path, "config.json")):
     raise ValueError(f"config model.path={c.model.path!r} has no config.json; allowed: a local "
                      "HF-format checkpoint directory, or '' for model.preset")
+  if c.loss.is_correction not in CORRECTIONS:
+    raise ValueError(f"config loss.is_correction={c.loss.is_correction!r}; allowed: "
+                     f"{list(CORRECTIONS)}")
+  cap = c.loss.is_cap
+  if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 1 < cap < float("inf"):
+    raise ValueError(f"config loss.is_cap={cap!r}; allowed: a finite number > 1 (ratios are "
+                     "kept in [1/is_cap, is_cap])")
   if c.tree.num_generations == 1 and c.tree.advantage_mode in _SIBLING_BASELINES:
     raise ValueError(f"config tree.num_generations=1 with tree.advantage_mode="
                      f"{c.tree.advantage_mode!r}: a sibling baseline of one sample makes every "
@@ -198,6 +212,10 @@ class _Resolving:
 def check_agents(exp: Experiment):
   """Separate policies: one entry per agent, every agent of the top-level architecture."""
   exp.agents.check(exp.tree.num_agents)
+  if not exp.agents.share_policy and exp.rl.updates_per_step > 1:
+    raise ValueError(f"config rl.updates_per_step={exp.rl.updates_per_step} with "
+                     "agents.share_policy=False; allowed: 1 (the trainer's old logprobs are "
+                     "not yet computed for stacked agents)")
   for a, path in enumerate(exp.agents.paths):
     if not path:
       continue
@@ -266,6 +284,37 @@ def check_environment(exp: Experiment):
                      f"env.factory={exp.env_factory!r} have {n} agent(s); allowed: {n}")
 
 
+def check_curriculum(exp: Experiment):
+  """With a curriculum, the task source must serve every level of the train split."""
+  cur = exp.curriculum
+  if not cur.enabled:
+    return
+  if cur.level_key in dict(exp.task_kwargs):
+    raise ValueError(f"config curriculum.level_key={cur.level_key!r} is also set in "
+                     "tasks.kwargs; allowed: the curriculum alone sets it")
+  for level in range(cur.num_levels):
+    with _Resolving(f"curriculum.num_levels={cur.num_levels}: tasks.source="
+                    f"{exp.task_source!r} with {cur.level_key}={level}",
+                    f"a task source taking {cur.level_key}=0 .. num_levels - 1"):
+      if len(make_level_source(exp, level)) == 0:
+        raise ValueError("the level has no tasks")
+
+
+def make_level_source(exp: Experiment, level: int):
+  """The train split's task source at curriculum level `level`."""
+  kwargs = {**dict(exp.task_kwargs), exp.curriculum.level_key: level}
+  return data.resolve_task_source(exp.task_source, exp.train_split, **kwargs)
+
+
+def make_train_stream(exp: Experiment, train_tasks):
+  """The RL loop's task stream: a `data.CurriculumStream` when `curriculum.enabled`,
+  else a `data.TaskStream` over `train_tasks`. Both checkpoint via state()/restore()."""
+  if exp.curriculum.enabled:
+    return data.CurriculumStream(lambda level: make_level_source(exp, level), exp.curriculum,
+                                 seed=exp.seed)
+  return data.TaskStream(train_tasks, seed=exp.seed)
+
+
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "config.json")
@@ -286,7 +335,7 @@ def make_tokenizer(exp: Experiment):
     raise ValueError(f"tokenizer vocab_size={tok.vocab_size} exceeds the model's "
                      f"vocab_size={exp.model.vocab_size}")
   fmt = text.chatml(tok) if exp.chat_format == "chatml" else text.compact(tok)
-  return tok, text.ChatRenderer(tok, fmt)
+  return tok, text.ChatRenderer(tok, fmt, strip_thinking=exp.strip_thinking)
 
 
 def fit_vocab(exp: Experiment, tokenizer) -> Experiment:

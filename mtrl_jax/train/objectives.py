@@ -53,6 +53,11 @@ def train_mask(batch) -> jax.Array:
   return mask_BxL.at[:, 0].set(False)
 
 
+def trainer_old_key(batch) -> str:
+  """The batch entry holding the trainer's own logprobs before the first update."""
+  return "trainer_old_logp_BxK" if is_tree_batch(batch) else "trainer_old_logp_BxL"
+
+
 def _adv(batch):
   for key in ("adv_BxK", "adv_BxL"):
     if key in batch:
@@ -76,10 +81,19 @@ class PolicyObjective:
       (verl and OpenRLHF score the actor at the rollout temperature too).
       top-k / top-p filters are not reproduced; their gap shows in
       `train/logp_gap`.
+    recompute_old: the batch carries the trainer's own logprobs before the
+      first update (`trainer_old_key`, computed by `TrainStep.old_logprobs`;
+      the RL loop does it when rl.updates_per_step > 1): the clipped ratio
+      is taken against them, and the sampler's `old_logp` enters only the
+      off-policy correction (`loss_cfg.is_correction`, `losses.offpolicy`).
+      Without it, a correction other than 'none' takes pi_old = the current
+      policy (stop-gradient): exact for one update per batch, where the two
+      coincide.
   """
 
   loss_cfg: losses.LossConfig
   temperature: float = 1.0
+  recompute_old: bool = False
 
   def __post_init__(self):
     t = self.temperature
@@ -96,18 +110,29 @@ class PolicyObjective:
 
   def keys_for(self, batch) -> tuple[str, ...]:
     """The entries this objective reads from `batch` (row or tree-packed layout)."""
+    extra = (trainer_old_key(batch),) if self.recompute_old else ()
     if is_tree_batch(batch):
-      return TREE_BATCH_KEYS
-    return self.batch_keys + ("adv_BxL" if "adv_BxL" in batch else "adv_B",)
+      return TREE_BATCH_KEYS + extra
+    return self.batch_keys + ("adv_BxL" if "adv_BxL" in batch else "adv_B",) + extra
+
+  def _old_and_sampler(self, logp, sampler_logp, batch):
+    """(old_logp for the clipped ratio, sampler logp for the correction or None)."""
+    if self.recompute_old:
+      return batch[trainer_old_key(batch)], sampler_logp
+    if self.loss_cfg.is_correction != "none":
+      return jax.lax.stop_gradient(logp), sampler_logp
+    return sampler_logp, None
 
   def terms(self, logp_BxL, ref_logp_BxL, entropy_BxL, batch):
-    if is_tree_batch(batch):
-      return losses.policy_loss_terms(logp_BxL, batch["old_logp_BxK"], ref_logp_BxL,
-                                      batch["adv_BxK"], train_mask(batch), self.loss_cfg,
-                                      entropy=entropy_BxL, action_ids=batch["action_BxK"])
-    return losses.policy_loss_terms(logp_BxL, batch["old_logp_BxL"], ref_logp_BxL,
-                                    _adv(batch), train_mask(batch), self.loss_cfg,
-                                    entropy=entropy_BxL)
+    tree = is_tree_batch(batch)
+    old, sampler = self._old_and_sampler(
+        logp_BxL, batch["old_logp_BxK" if tree else "old_logp_BxL"], batch)
+    if tree:
+      return losses.policy_loss_terms(logp_BxL, old, ref_logp_BxL, batch["adv_BxK"],
+                                      train_mask(batch), self.loss_cfg, entropy=entropy_BxL,
+                                      action_ids=batch["action_BxK"], sampler_logp=sampler)
+    return losses.policy_loss_terms(logp_BxL, old, ref_logp_BxL, _adv(batch), train_mask(batch),
+                                    self.loss_cfg, entropy=entropy_BxL, sampler_logp=sampler)
 
   def merge(self, a, b):
     return losses.merge_metric_sums(a, b)

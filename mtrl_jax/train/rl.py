@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from mtrl_jax import checkpoint, data, metrics as metrics_lib
+from mtrl_jax import checkpoint, metrics as metrics_lib
 from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout import expand_tree
 from mtrl_jax.train import components as components_lib
@@ -39,7 +39,8 @@ from mtrl_jax.train import sft as sft_lib
 
 
 PLOT_KEYS = ("eval/*/success", "rollout/success", "rollout/return", "turn_*/mean_reward",
-             "train/loss", "train/kl", "train/clip_frac", "train/entropy", "faults/*")
+             "train/loss", "train/kl", "train/clip_frac", "train/entropy", "faults/*",
+             "curriculum/level")
 
 
 class _TextCounters:
@@ -76,7 +77,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   parts = components_lib.build(exp)
   exp = parts.exp
   print(exp_lib.describe(exp), flush=True)
-  stream = data.TaskStream(parts.train_tasks, seed=exp.seed)
+  stream = exp_lib.make_train_stream(exp, parts.train_tasks)  # curriculum.enabled: by level
   ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep)
   keep_ref = exp.loss.kl_coef > 0
   summary: dict[str, Any] = {"workdir": os.path.abspath(workdir)}
@@ -150,6 +151,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     train_m = {}
     with timer.section("train"):
       if batch is not None:
+        if parts.train_step.objective.recompute_old:  # pi_old before the first update
+          batch = {**batch, **parts.train_step.old_logprobs(state.params, batch)}
         for _ in range(exp.rl.updates_per_step):
           state, dm = parts.train_step(state, ref, batch)
         train_m = parts.train_metrics(dm)
@@ -157,6 +160,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
       ref = parts.train_step.copy_params(state.params)
     m = {**tree.metrics(), **eval_lib.rollout_metrics(tree, exp.eval.success_threshold),
          **batch_m, **train_m, **parts.census.counts()}
+    if exp.curriculum.enabled:  # may move the level of the next step's tasks
+      m.update(stream.observe(m["rollout/success"]))
     if exp.rl.dump_every and step % exp.rl.dump_every == 0:
       dump_lib.write_rollout_dump(tree, dump_lib.dump_path(workdir, step),
                                   parts.transition.decode)

@@ -93,6 +93,8 @@ def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
   calls = []
   first = [nodes * n for nodes in plan.level_nodes] + list(plan.level_nodes)
   calls.append(SamplerCall(exp.sampling, g, max(first)))
+  if tree.shape == "chain" and tree.num_turns > 1:  # below the roots: G = 1 per node
+    calls.append(SamplerCall(exp.sampling, 1, max(first)))
   counts = set(first)
   if tree.substeps:  # one continuation per action: G = 1 over up to a level's samples
     calls.append(SamplerCall(exp.sampling, 1, plan.max_level_generations))

@@ -35,6 +35,7 @@ from mtrl_jax import losses, models, sharding
 from mtrl_jax.train import optim
 # The objectives live in their own module; re-exported here for old imports.
 from mtrl_jax.train.objectives import Objective, PolicyObjective, is_tree_batch, train_mask  # noqa: F401
+from mtrl_jax.train.objectives import trainer_old_key
 
 _NONFINITE = ("skip", "halt")
 
@@ -138,6 +139,13 @@ def _forward_logprobs(graphdef, params, batch, step_cfg: StepConfig, want_entrop
   if want_entropy:
     entropy = losses.token_entropy(jax.lax.stop_gradient(logits_BxLxV), temperature=temperature)
   return logp, entropy
+
+
+def _forward_keys(batch) -> tuple:
+  """The entries a forward pass of `batch` reads (row or tree-packed layout)."""
+  if is_tree_batch(batch):
+    return ("tokens_BxL", "positions_BxL", "ends_BxL", "prev_BxK", "target_BxK")
+  return ("tokens_BxL",)
 
 
 def _split_microbatches(batch, num: int, mesh, batch_axes):
@@ -297,6 +305,32 @@ class TrainStep:
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
       return fn(state, ref_params, batch)
 
+  def old_logprobs(self, params, batch: Mapping[str, Any]) -> dict:
+    """The trainer's own logprobs of `batch` at `params` (no gradient), as the
+    entry `PolicyObjective(recompute_old=True)` reads (`trainer_old_key`): the
+    RL loop adds it before the first of several updates on one batch."""
+    fwd = {k: batch[k] for k in _forward_keys(batch)}
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
+      return {trainer_old_key(batch): self._old_fn_for(fwd)(params, fwd)}
+
+  def _old_fn_for(self, fwd: Mapping[str, Any]):
+    key = ("old_logprobs",) + tuple(sorted((k, len(v.shape), v.shape[0]) for k, v in fwd.items()))
+    fn = self._jitted.get(key)
+    if fn is None:
+      temperature = getattr(self.objective, "temperature", 1.0)
+
+      def old(params, fwd):
+        self._num_traces += 1
+        logp, _ = _forward_logprobs(self.graphdef, params, fwd, self.step_cfg, False,
+                                    temperature)
+        return jax.lax.stop_gradient(logp)
+
+      rows = fwd["tokens_BxL"].shape[0]
+      fn = jax.jit(old, in_shardings=(self.param_shardings, self._batch_shardings(fwd)),
+                   out_shardings=sharding.batch_sharding(self.mesh, 2, rows))
+      self._jitted[key] = fn
+    return fn
+
   def _fn_for(self, batch: Mapping[str, Any], no_ref: bool):
     # Shardings depend on the row count only; jax.jit's own cache adds one
     # executable per length bucket.
@@ -321,11 +355,23 @@ class TrainStep:
     can compile all its shape buckets before the first step.
     `with_ref` defaults to whether the objective needs reference logprobs.
     """
+    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if getattr(self.objective, "recompute_old", False):
+      # Several updates per batch: the batch also carries the trainer's old
+      # logprobs (shaped like old_logp), computed by a forward of its own.
+      like = batch["old_logp_BxK" if is_tree_batch(batch) else "old_logp_BxL"]
+      # Sharded as `old_logprobs` returns it, so the step's cache entry matches.
+      old_sds = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding.batch_sharding(
+          self.mesh, 2, like.shape[0]))
+      batch = {trainer_old_key(batch): old_sds, **batch}
+      fwd = {k: sds(batch[k]) for k in _forward_keys(batch)}
+      with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
+        self._old_fn_for(fwd).lower(self.abstract_state().params, fwd).compile()
     batch = self._select(batch)
     no_ref = not (self.objective.needs_ref if with_ref is None else with_ref)
     fn = self._fn_for(batch, no_ref)
-    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    abstract = {k: sds(v) for k, v in batch.items()}
+    abstract = {k: v if isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None
+                else sds(v) for k, v in batch.items()}
     state = self.abstract_state()
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
       fn.lower(state, None if no_ref else state.params, abstract).compile()

@@ -19,7 +19,7 @@ from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 from mtrl_jax.envs import (Environment, FaultCounter, FaultKind, FaultPolicy, Grade,
                            InfrastructureError, ModelFormatError, RewardConfig, StepLimits, Thread,
                            ToolError, ToolSet, Turn, fault_source, resolve_factory,
-                           rollout_scripted, step_environment, tool)
+                           render_thread, rollout_scripted, step_environment, tool)
 from mtrl_jax.tasks import weather  # noqa: F401  (registers "weather")
 
 REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.01, tool_penalty=-0.1,
@@ -292,10 +292,6 @@ def test_token_budget_truncates(renderer):
 
 
 def test_environment_misuse_is_infrastructure():
-  class Rewrites(Environment):
-    def react_to(self, thread):
-      return Thread(thread.turns[1:]), None
-
   class ReturnsNothing(Environment):
     def react_to(self, thread):
       return None, None
@@ -304,13 +300,39 @@ def test_environment_misuse_is_infrastructure():
     def react_to(self, thread):
       return None, {"g": "great"}
 
-  for cls, needle in [(Rewrites, "rewrote the conversation"), (ReturnsNothing, "(None, None)"),
+  for cls, needle in [(ReturnsNothing, "(None, None)"),
                       (BadGrade, "grade 'g' returned 'great'")]:
     env = cls({"prompt": "x"})
     out = step_environment(env, env.initial_thread().append(Turn("assistant", "a")),
                            StepLimits(faults=FaultPolicy(max_retries=0)))
     assert out.masked and out.done and needle in out.faults[0].message
     assert out.faults[0].kind == FaultKind.INFRASTRUCTURE
+
+
+def test_environment_rewriting_earlier_turns_is_a_history_rewrite_not_misuse(renderer):
+  """The next thread drops the system turn: rendered anew into a fresh ledger,
+  counted, never masked (issue 16 item 4)."""
+
+  class Rewrites(Environment):
+    def react_to(self, thread):
+      return Thread(thread.turns[1:]).append(Turn("user", "again")), None
+
+  env = Rewrites({"prompt": "x"}, system="sys")
+  thread = render_thread(env.initial_thread(), renderer)
+  ledger = thread.ledger.copy()
+  renderer.begin_assistant(ledger)
+  renderer.append_completion(ledger, renderer.tokenizer.encode("a") + [renderer.fmt.stop_ids[0]],
+                             [0.0, 0.0])
+  acted = thread.replace(ledger=ledger).append(Turn("assistant", "a"))
+  out = step_environment(env, acted, renderer=renderer)
+  assert not out.masked and not out.done and not out.faults
+  assert out.history_rewrites == 1 and out.to_dict()["history_rewrites"] == 1
+  nxt = out.next_thread
+  assert [t.role for t in nxt.turns] == ["user", "assistant", "user"]
+  expected = renderer.render_conversation([(t.role, t.content) for t in nxt.turns],
+                                          train_assistant=False)
+  assert list(nxt.ledger.ids) == list(expected.ids) and not any(nxt.ledger.trainable)
+  assert renderer.metrics()["text/history_rewrites"] == 1
 
 
 def test_fault_source_is_the_innermost_object_declaring_one():

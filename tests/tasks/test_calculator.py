@@ -106,3 +106,24 @@ def test_truncation_is_a_failure_not_a_free_zero(renderer):
   outs, _ = rollout_scripted(_env(task), ["<tool_call>"] * 3, StepLimits(max_turns=2),
                              reward_cfg=REWARD, renderer=renderer)
   assert outs[-1].truncated and outs[-1].reward.outcome == -1.0
+
+
+def test_levels_grow_operands_and_digits_and_level_2_is_the_default_task(renderer):
+  stats = []
+  for level in range(len(calculator.LEVELS)):
+    tasks = [calculator.make_task("train", i, level=level) for i in range(300)]
+    assert all(t["level"] == level for t in tasks)
+    operands = [t["difficulty"] for t in tasks]
+    digits = max(len(x) for t in tasks for x in t["expression"].replace("*", "+")
+                 .replace("-", "+").split("+"))
+    stats.append((min(operands), max(operands), digits))
+    # The hardest level's golden episode still fits configs/calculator.py's env.max_tokens.
+    longest = max(len(renderer.render_conversation(calculator.golden_conversation(t)))
+                  for t in tasks)
+    assert longest <= 160 - 32, (level, longest)
+  assert stats == list(calculator.LEVELS)
+  for i in range(20):
+    default = calculator.make_task("eval", i)
+    assert calculator.make_task("eval", i, level=2) == {**default, "level": 2}
+  with pytest.raises(ValueError, match=r"calculator level=5; allowed: 0 \.\. 4"):
+    calculator.calculator_tasks("train", level=5)

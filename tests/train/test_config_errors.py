@@ -44,6 +44,9 @@ BAD = {
               ["model.dtype='float16'", "'bfloat16'"]),
     "model_path": ("calculator", {"model.path": "/no/such/checkpoint"},
                    ["model.path='/no/such/checkpoint'", "config.json"]),
+    "is_correction": ("calculator", {"loss.is_correction": "clip"},
+                      ["is_correction='clip'", "'tis'", "'mis_action'"]),
+    "is_cap": ("calculator", {"loss.is_cap": 0.5}, ["is_cap=0.5", "> 1"]),
 }
 
 
@@ -121,3 +124,29 @@ def test_train_entry_point_refuses_before_writing(case, tmp_path):
     assert needle in last, out.stderr
   assert not workdir.exists()  # no config.json, nothing written
   assert "params)" not in out.stdout  # the run's summary (printed after build) never came
+
+
+def test_curriculum_config_builds_the_stream_and_bad_values_fail_in_one_line():
+  from mtrl_jax import data
+  c = calc_config.get_config("smoke=True")
+  exp = experiment.validate(c)
+  assert not exp.curriculum.enabled  # off by default: the plain stream
+  assert isinstance(experiment.make_train_stream(exp, experiment.make_task_source(exp, "train")),
+                    data.TaskStream)
+  c.curriculum.enabled = True
+  exp = experiment.validate(c)
+  stream = experiment.make_train_stream(exp, None)
+  assert isinstance(stream, data.CurriculumStream) and stream.level == 0
+  assert {t["level"] for t in stream.next(4)} == {0}
+  c.curriculum.window = 0
+  with pytest.raises(experiment.ConfigError, match=r"^config curriculum.window=0; allowed"):
+    experiment.validate(c)
+  c.curriculum.window = 10
+  c.tasks.kwargs = {"level": 1}
+  with pytest.raises(experiment.ConfigError, match="curriculum.level_key='level' is also set"):
+    experiment.validate(c)
+  c = coop_config.get_config("smoke=True")  # the coop task has no levels
+  c.curriculum.enabled = True
+  with pytest.raises(experiment.ConfigError) as err:
+    experiment.validate(c)
+  assert "curriculum.num_levels=5" in str(err.value) and "\n" not in str(err.value)

@@ -50,6 +50,7 @@ is instantiated with `expert_kwargs`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Mapping, Optional, Sequence
 
@@ -57,6 +58,7 @@ from mtrl_jax import data
 from mtrl_jax.envs import (Environment, EnvironmentFactory, Grade, SharedResource, Thread, Turn,
                            register_env_factory)
 from mtrl_jax.registry import import_object
+from mtrl_jax.seeds import call_seed
 from mtrl_jax.tasks.code import feedback, prompts, rewards
 from mtrl_jax.tasks.code.data import SPLITS, load_humaneval
 
@@ -70,8 +72,19 @@ class GeneratorExpert(SharedResource):
   def __init__(self, generator):
     self.generator = generator
 
-  def __call__(self, prompt: str) -> str:
-    return self.generator.generate([prompt])[0]
+  def __call__(self, prompt: str, seed: Optional[int] = None) -> str:
+    return self.generator.generate([prompt], seeds=None if seed is None else [seed])[0]
+
+
+def seeded_expert(expert, seed: Optional[int]):
+  """`expert` bound to one step's seed (`Thread.seed`): request k samples with
+  `call_seed(seed, 'expert', k)` (k counts this step's requests, retries
+  included), so the edits depend on the node, not on thread order. A plain
+  callable expert, or no seed, is returned as it is."""
+  if seed is None or not isinstance(expert, GeneratorExpert):
+    return expert
+  requests = itertools.count()
+  return lambda prompt: expert(prompt, seed=call_seed(seed, "expert", next(requests)))
 
 
 def resolve_expert(spec, kwargs: Optional[Mapping] = None):
@@ -190,18 +203,19 @@ class CodeRefinementEnv(Environment):
     """The user turn each agent gets after this joint action."""
     kw = dict(timeout_per_assert_s=self.timeout_per_assert_s, max_timeouts=self.max_timeouts)
     mode = self.external_mode
+    expert = seeded_expert(self.expert, threads[0].seed if threads else None)
     user_turns = [[t for t in th.turns if t.role == "user"] for th in threads]
     turn1 = [u[0].content for u in user_turns]
     meta = {"external_mode": mode}
     if self.prompt_style == "chat" or mode == "bandit":
       texts = feedback.revision_blocks(mode, self.metadata, completions, self.num_agents,
-                                       self.sandbox_slice, self.expert, turn1_prompts=turn1, **kw)
+                                       self.sandbox_slice, expert, turn1_prompts=turn1, **kw)
       return [Turn("user", text, metadata=meta) for text in texts]
     prompt_hist = [[t.metadata.get("external", t.content) for t in u] for u in user_turns]
     response_hist = [[t.content for t in th.turns if t.role == "assistant"] for th in threads]
     raw = feedback.build_transition(mode, self.metadata, completions, prompt_hist,
                                     response_hist, self.num_agents, self.sandbox_slice,
-                                    self.expert, **kw)
+                                    expert, **kw)
     if self.prompt_style == "comlrl":
       return [Turn("user", text, metadata=meta) for text in raw]
     ep = self.metadata["entry_point"]
