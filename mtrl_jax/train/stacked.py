@@ -111,24 +111,11 @@ class StackedTrainStep:
 
   # ------------------------------------------------------------ step
   def _select(self, batch_A: Mapping[str, Any]) -> dict:
-    keys_for = getattr(self.objective, "keys_for", None)
-    keys = list(keys_for(batch_A) if keys_for else self.objective.batch_keys)
-    missing = [k for k in keys if k not in batch_A]
-    if missing:
-      raise KeyError(f"stacked train batch lacks {missing}; has {sorted(batch_A)}")
-    out = {k: batch_A[k] for k in keys}
+    out = self.inner._select(batch_A, rows_axis=1)
     for k, v in out.items():
       if np.shape(v)[0] != self.num_agents:
         raise ValueError(f"stacked batch {k} has leading size {np.shape(v)[0]}; expected "
                          f"{self.num_agents} agents")
-    tokens, vocab = out["tokens_BxL"], self.inner.model_cfg.vocab_size
-    if isinstance(tokens, np.ndarray) and tokens.size and (tokens.min() < 0
-                                                           or tokens.max() >= vocab):
-      raise ValueError(f"tokens_BxL ids span [{tokens.min()}, {tokens.max()}]; allowed: "
-                       f"[0, vocab_size={vocab})")
-    b, m = np.shape(tokens)[1], self.step_cfg.num_microbatches
-    if b % m:
-      raise ValueError(f"batch rows B={b} not divisible by StepConfig.num_microbatches={m}")
     return out
 
   def __call__(self, state: TrainState, ref_params, batch: Mapping[str, Any]):

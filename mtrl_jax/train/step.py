@@ -264,7 +264,9 @@ class TrainStep:
     return {k: sharding.batch_sharding(self.mesh, len(v.shape), v.shape[0])
             for k, v in batch.items()}
 
-  def _select(self, batch: Mapping[str, Any]) -> dict:
+  def _select(self, batch: Mapping[str, Any], rows_axis: int = 0) -> dict:
+    """The objective's entries of `batch`, checked (token ids, micro-batch rows);
+    `rows_axis` 1 for agent-stacked batches (`train.stacked`)."""
     keys_for = getattr(self.objective, "keys_for", None)
     keys = list(keys_for(batch) if keys_for else self.objective.batch_keys)
     missing = [k for k in keys if k not in batch]
@@ -277,7 +279,7 @@ class TrainStep:
       # jnp.take would silently return NaN rows for out-of-range ids.
       raise ValueError(f"tokens_BxL ids span [{tokens.min()}, {tokens.max()}]; allowed: "
                        f"[0, vocab_size={self.model_cfg.vocab_size})")
-    b = np.shape(tokens)[0]
+    b = np.shape(tokens)[rows_axis]
     m = self.step_cfg.num_microbatches
     if b % m:
       raise ValueError(f"batch rows B={b} not divisible by StepConfig.num_microbatches={m}")
