@@ -17,6 +17,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = dict(
       preset="small",  # a mtrl_jax.models.config.PRESETS name (ignored when path is set)
+      num_layers=0,  # > 0: the preset's depth replaced by this many blocks (0: the preset's)
       path="",  # local HF-format checkpoint directory (config.json + safetensors)
       dtype="",  # '' keeps the preset's / checkpoint's dtype; 'float32' | 'bfloat16'
       remat=False,  # rematerialise blocks in the backward pass

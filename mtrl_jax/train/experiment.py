@@ -83,6 +83,8 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     model = ModelConfig.from_hf_json(c.model.path)
   else:
     model = get_preset(c.model.preset)
+    if c.model.num_layers:
+      model = model.replace(num_layers=int(c.model.num_layers))
   overrides = {"remat": bool(c.model.remat), "attention": c.model.attention}
   if c.model.dtype:
     overrides.update(dtype=c.model.dtype, param_dtype=c.model.dtype)
@@ -170,6 +172,10 @@ def check_fields(c: ml_collections.ConfigDict):
   if c.model.dtype not in _MODEL_DTYPES:
     raise ValueError(f"config model.dtype={c.model.dtype!r}; allowed: {list(_MODEL_DTYPES)} "
                      "('' keeps the preset's / checkpoint's dtype)")
+  if not isinstance(c.model.num_layers, int) or c.model.num_layers < 0 or (
+      c.model.num_layers and c.model.path):
+    raise ValueError(f"config model.num_layers={c.model.num_layers!r}; allowed: 0 (the preset's "
+                     "or checkpoint's depth) or a positive int with model.path=''")
   if c.model.path and not os.path.isfile(os.path.join(c.model.path, "config.json")):
     raise ValueError(f"config model.path={c.model.path!r} has no config.json; allowed: a local "
                      "HF-format checkpoint directory, or '' for model.preset")

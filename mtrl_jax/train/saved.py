@@ -25,7 +25,7 @@ import ml_collections
 from flax import nnx
 
 from mtrl_jax import checkpoint
-from mtrl_jax.train import components
+from mtrl_jax.train import components, defaults
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train.components import Components
@@ -38,13 +38,17 @@ BYTE_TOKENIZER_FILE = "mtrl_byte_tokenizer.json"
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a run saved as `workdir/config.json`."""
+  """The config a run saved as `workdir/config.json`, over today's base config: a field
+  added since the run was saved takes its default (the saved fields keep their values)."""
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
     raise exp_lib.ConfigError(f"--workdir={workdir!r} has no config.json; allowed: the "
                               "workdir of an experiments/train.py run")
   with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+    saved = json.load(f)
+  config = defaults.base_config()
+  config.update(saved)
+  return config
 
 
 def parse_checkpoint(value: Union[str, int]) -> Union[str, int]:

@@ -47,6 +47,8 @@ BAD = {
     "is_correction": ("calculator", {"loss.is_correction": "clip"},
                       ["is_correction='clip'", "'tis'", "'mis_action'"]),
     "is_cap": ("calculator", {"loss.is_cap": 0.5}, ["is_cap=0.5", "> 1"]),
+    "num_layers": ("calculator", {"model.num_layers": -2},
+                   ["model.num_layers=-2", "positive int"]),
 }
 
 

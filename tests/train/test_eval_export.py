@@ -45,6 +45,21 @@ def test_config_json_rebuilds_the_same_experiment(run_dir):
   assert experiment.validate(saved.load_config(run_dir)) == experiment.validate(c)
 
 
+def test_config_json_saved_before_a_field_existed_loads_with_its_default(tmp_path):
+  c = calc_config.get_config("smoke=True")
+  c.model.num_layers = 3  # the preset's depth overridden
+  experiment.save_config(c, str(tmp_path))
+  older = json.loads((tmp_path / "config.json").read_text())
+  del older["model"]["num_layers"], older["curriculum"]  # written before these existed
+  (tmp_path / "config.json").write_text(json.dumps(older))
+  loaded = saved.load_config(str(tmp_path))
+  assert loaded.model.num_layers == 0 and not loaded.curriculum.enabled
+  c.model.num_layers = 0
+  assert experiment.validate(loaded) == experiment.validate(c)
+  c.model.num_layers = 3
+  assert experiment.validate(c).model.num_layers == 3
+
+
 def test_eval_reproduces_the_runs_final_evaluation(run_dir, tmp_path):
   out = _entry("eval.py", f"--workdir={run_dir}", "--checkpoint=latest", "--samples=3",
                f"--json={tmp_path / 'rows.json'}")
