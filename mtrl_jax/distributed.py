@@ -202,7 +202,7 @@ def row_block(sharding, global_rows: int) -> tuple[int, int]:
   return start, stop
 
 
-def global_rows(local, sharding, rows_per_process: int | None = None):
+def global_rows(local, sharding):
   """The global array whose rows on this process's devices are `local` (numpy).
 
   Every process passes the same number of rows (pad first), so the global

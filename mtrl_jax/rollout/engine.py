@@ -20,6 +20,11 @@ reproducible: when `Transition.step` takes a `seed` keyword, each step gets
 of the step's key and the node's identity alone, so neither the thread pool's
 order nor the number of workers changes what a simulator says.
 
+With several processes (`mtrl_jax.distributed`) every process expands the
+trees of its own roots: a level runs while any process still has nodes (a
+process whose trees ended joins the level's sampler call with no prompts), and
+so does each sub-step round, because the sampler call is one global program.
+
 The engine is independent of how environments represent state: it talks to a
 `Transition`, which gives the prompt ids of a node state and steps a joint
 action. `mtrl_jax.rollout.env_transition.EnvTransition` adapts
