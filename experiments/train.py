@@ -3,7 +3,10 @@
   python -m experiments.train --config=configs/calculator.py --workdir=runs/calc \
       --config.loss.algorithm=gspo --config.tree.num_generations=8
 
-Resumes automatically when --workdir holds a checkpoint. A config that cannot
+Resumes automatically when --workdir holds a checkpoint. On several hosts run
+the same command on every host with --config.distributed.mode=auto (TPU pod
+slices, SLURM) or explicit addresses; on one machine `experiments/launch_local.py`
+starts the processes (docs/multihost.md). A config that cannot
 run is refused before any model is built or file written, with one line naming
 the field, its value and what is allowed (exit status 1, no traceback).
 """
@@ -13,6 +16,7 @@ import json
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from mtrl_jax import distributed
 from mtrl_jax.train import experiment, rl
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file", lock_config=True)
@@ -24,12 +28,18 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; allowed: flags only")
+  try:  # join the other processes first: validation counts them
+    distributed.initialize(experiment.distributed_config(_CONFIG.value))
+  except ValueError as e:
+    raise app.UsageError(" ".join(str(e).split())) from None
   try:
     experiment.validate(_CONFIG.value)
   except experiment.ConfigError as e:
     raise app.UsageError(str(e)) from None
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   summary = rl.run(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
+  if not distributed.is_writer():
+    return
   print(json.dumps({k: summary[k] for k in ("workdir", "best", "compiles") if k in summary},
                    indent=1, default=float))
 

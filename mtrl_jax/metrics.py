@@ -97,6 +97,20 @@ class MetricsWriter:
     self.close()
 
 
+class NullWriter:
+  """A `MetricsWriter` that writes nothing: every process but the writer of a
+  multi-process run (`mtrl_jax.distributed.is_writer`)."""
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
+    return {"step": int(step), **{k: _to_float(v) for k, v in metrics.items()}}
+
+  def flush(self):
+    pass
+
+  def close(self):
+    pass
+
+
 def read_metrics(workdir: str) -> list[dict]:
   """Rows of `workdir/metrics.jsonl` with values as floats (NaN/Inf restored)."""
   path = os.path.join(workdir, METRICS_FILE)

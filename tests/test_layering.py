@@ -7,7 +7,8 @@ an import from a lower layer into a higher one or a cycle between packages.
 
 Layers, bottom to top (a package may import its own layer and the ones below):
 
-  infrastructure: sharding, checkpoint, metrics, registry, data, buckets, resources, seeds
+  infrastructure: sharding, distributed, checkpoint, metrics, registry, data, buckets,
+                  resources, seeds
   text, models, losses
   sampling
   envs
@@ -30,7 +31,8 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mtrl_jax")
 
 LAYERS = (
-    ("sharding", "checkpoint", "metrics", "registry", "data", "buckets", "resources", "seeds"),
+    ("sharding", "distributed", "checkpoint", "metrics", "registry", "data", "buckets",
+     "resources", "seeds"),
     ("text", "models", "losses"),
     ("sampling",),
     ("envs",),

@@ -173,3 +173,45 @@ def make_agent_batches(tree: Tree, cfg: BatchConfig) -> tuple[Optional[dict], di
   total = {f: sum(st[f] for _, st in per) for f in ("tokens_trained", "tokens_rows_equivalent")}
   metrics.update(_batch_metrics(total, rows, length, copies=n))
   return stacked, metrics
+
+
+def global_batch(batch: Optional[dict], metrics: dict, cfg: BatchConfig,
+                 mesh) -> tuple[Optional[dict], dict]:
+  """Every process's train batch as one global batch (several processes).
+
+  Each process packed its own trees; the row count, length and trained-token
+  slots are agreed (max over processes), every process pads its rows to them
+  (a process with nothing to train brings padding only) and its rows become
+  its block of the global arrays. Returns (None, metrics) when no process
+  trains. `batch/*` metrics are summed over processes (`batch/rows` and
+  `batch/padding_fraction` are the global batch's, so they depend on the
+  process count; the trained samples do not).
+  """
+  from mtrl_jax import distributed, sharding  # infrastructure; numpy-only callers skip it
+  from mtrl_jax.rollout.packing import batch_spec
+  from mtrl_jax.rollout.tree_packing import tree_batch_spec
+
+  tree = cfg.packing == "tree"
+  shape = None
+  if batch is not None:
+    shape = batch["tokens_BxL"].shape + ((batch["prev_BxK"].shape[1],) if tree else (0,))
+  summed = ("batch/zero_variance_groups", "batch/actions", "batch/tokens_trained",
+            "batch/tokens_rows_equivalent")
+  parts = distributed.allgather((shape, {k: metrics.get(k, 0.0) for k in summed}))
+  out = {k: float(sum(m[k] for _, m in parts)) for k in summed}
+  shapes = [s for s, _ in parts if s is not None]
+  if not shapes:
+    return None, {k: out[k] for k in summed[:2]}
+  rows, length, k = (max(s[i] for s in shapes) for i in range(3))
+  spec = tree_batch_spec(0, length, k) if tree else batch_spec(0, length)
+  if batch is None:
+    batch = {key: np.zeros(s.shape, s.dtype) for key, s in spec.items()}
+  local = pad_batch({key: batch[key] for key in spec}, rows, length, k if tree else None,
+                    cfg.pad_id)
+  total = rows * distributed.process_count()
+  arrays = {key: distributed.global_rows(x, sharding.batch_sharding(mesh, x.ndim, total))
+            for key, x in local.items()}
+  out.update(_batch_metrics(
+      {"tokens_trained": out["batch/tokens_trained"],
+       "tokens_rows_equivalent": out["batch/tokens_rows_equivalent"]}, total, length))
+  return arrays, out

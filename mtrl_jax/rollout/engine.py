@@ -20,6 +20,11 @@ reproducible: when `Transition.step` takes a `seed` keyword, each step gets
 of the step's key and the node's identity alone, so neither the thread pool's
 order nor the number of workers changes what a simulator says.
 
+With several processes (`mtrl_jax.distributed`) every process expands the
+trees of its own roots: a level runs while any process still has nodes (a
+process whose trees ended joins the level's sampler call with no prompts), and
+so does each sub-step round, because the sampler call is one global program.
+
 The engine is independent of how environments represent state: it talks to a
 `Transition`, which gives the prompt ids of a node state and steps a joint
 action. `mtrl_jax.rollout.env_transition.EnvTransition` adapts
@@ -35,7 +40,9 @@ import inspect
 from typing import Any, Optional, Protocol, Sequence
 
 import jax
+import numpy as np
 
+from mtrl_jax import distributed
 from mtrl_jax.rollout.config import TreeConfig
 from mtrl_jax.rollout.policy import PolicySampler
 from mtrl_jax.rollout.tree import Completion, Node, Tree
@@ -149,10 +156,12 @@ def expand_tree(cfg: TreeConfig, policy: PolicySampler, transition: Transition,
   try:
     frontier = list(tree.nodes)
     for turn in range(cfg.num_turns):
-      if not frontier:
+      # Several processes sample each level together (one global sampler
+      # call): a process whose trees ended still takes part while any has nodes.
+      if not distributed.any_process(bool(frontier)):
         break
       level_key = _level_key(key, turn)
-      sample_level(tree, frontier, policy, level_key)
+      sample_level(tree, frontier, policy, level_key, turn)
       frontier = step_level(tree, frontier, transition, executor, policy=policy, key=level_key)
   finally:
     if own_pool:
@@ -161,10 +170,12 @@ def expand_tree(cfg: TreeConfig, policy: PolicySampler, transition: Transition,
 
 
 def sample_level(tree: Tree, frontier: Sequence[Node], policy: PolicySampler,
-                 key: jax.Array) -> None:
+                 key: jax.Array, turn: Optional[int] = None) -> None:
   """Samples G completions for every (node, agent) of a level in ONE policy call
-  (one each below a chain's root: `TreeConfig.generations_at`)."""
-  n, g = tree.cfg.num_agents, tree.cfg.generations_at(frontier[0].turn)
+  (one each below a chain's root: `TreeConfig.generations_at`); `turn` names the
+  level when this process's `frontier` may be empty (other processes' is not)."""
+  turn = frontier[0].turn if turn is None else turn
+  n, g = tree.cfg.num_agents, tree.cfg.generations_at(turn)
   prompts = [p for node in frontier for p in node.prompts]
   agent_ids = [i for _ in frontier for i in range(n)]
   results = policy.sample(prompts, agent_ids, g, key)
@@ -250,7 +261,10 @@ def step_level(tree: Tree, frontier: Sequence[Node], transition: Transition,
   Returns:
     The next level's nodes, in (node, joint action) order.
   """
-  joint_BxN = tree.node_joint(frontier[0])  # a level's nodes share their depth
+  if frontier:
+    joint_BxN = tree.node_joint(frontier[0])  # a level's nodes share their depth
+  else:  # this process's trees ended; its sub-step rounds still meet the others'
+    joint_BxN = np.zeros((0, tree.cfg.num_agents), np.int64)
   b, n = joint_BxN.shape
   close = getattr(transition, "close", None) or (lambda state: None)
   actions = [_Action(node, j) for node in frontier for j in range(b)]
@@ -297,7 +311,7 @@ def _continue_actions(tree: Tree, actions: Sequence[_Action], policy: PolicySamp
   close = getattr(transition, "close", None) or (lambda state: None)
   for rnd in range(1, cfg.max_substeps + 2):
     waiting = [a for a in actions if a.wants_more]
-    if not waiting:
+    if not distributed.any_process(bool(waiting)):  # every process's rounds together
       return
     if rnd > cfg.max_substeps:
       for a in waiting:

@@ -76,6 +76,8 @@ class SamplerPolicy:
   def sample(self, prompts, agent_ids, num_generations, key):
     _check_request(prompts, agent_ids, num_generations)
     groups: dict[int, list[int]] = {}
+    if jax.process_count() > 1:  # every process calls the sampler once per state
+      groups = {s: [] for s in range(len(self.states))}
     for p, a in enumerate(agent_ids):
       groups.setdefault(self.state_index(int(a)), []).append(p)
     out: list[Optional[list[Completion]]] = [None] * len(prompts)

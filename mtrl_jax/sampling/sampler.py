@@ -18,7 +18,9 @@ Layout of one `Sampler.generate` call (all of it is ONE jitted call):
 
 Randomness: the uniform that drives the token of row r at step t is
 `uniform(fold_in(fold_in(key, r), t))`, where r = p * G + g is the row's index
-in the result. A row's samples therefore depend only on (key, r, t, its
+in the result (with several processes: among every process's real rows, in
+process order, so the rows of a 2-process run draw what the same rows of a
+1-process run draw). A row's samples therefore depend only on (key, r, t, its
 prompt), not on the batch layout: P prompts x G branches give the same tokens
 as the P * G repeated prompts with G = 1 (up to float rounding of the batch
 size), which the tests check. With `prompt_keys` (one key per prompt) row
@@ -37,7 +39,11 @@ Sharding: with a mesh, parameters are placed with `SAMPLE_RULES` (no FSDP:
 weights are gathered once per call, not per step) and every batch-sized array
 and the KV cache are sharded over (data, fsdp) on the batch axis; the cache's
 KV-head axis follows the `kv_heads` rule so the cache update is sharded like
-its operand.
+its operand. With several processes (`mtrl_jax.distributed`) each process
+brings its own prompts: prompt counts and lengths are agreed across processes
+(a host all-gather), every process pads its block of rows to the common
+bucket, the blocks form global arrays, and each process reads back its own
+block of results. A process with no prompts still takes part.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from mtrl_jax.models.config import ModelConfig
 from mtrl_jax.models.transformer import KVCache, Transformer, init_cache
 from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
+from mtrl_jax import distributed
 from mtrl_jax.buckets import bucket_or_pow2, next_pow2, round_up
 from mtrl_jax.sampling.filters import choose_tokens
 
@@ -225,7 +232,7 @@ class Sampler:
     stop = [int(s) for s in stop_ids]
     if any(not 0 <= s < vocab for s in stop):
       raise ValueError(f"stop_ids={stop}; allowed: ints in [0, {vocab})")
-    if len(prompts) == 0:
+    if len(prompts) == 0 and jax.process_count() == 1:
       raise ValueError("prompts is empty; allowed: a non-empty list of token-id lists")
     prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
     for i, p in enumerate(prompts):
@@ -238,7 +245,7 @@ class Sampler:
     n_rows, max_new = n_prompts * g, sampling.max_new_tokens
     args, static = self._prepare(prompts, g, sampling, key, stop, pad_id, prompt_keys)
     out = self._jitted(self._put_state(state), *args, **static)
-    tokens, logp, lengths, stopped = jax.device_get(out)
+    tokens, logp, lengths, stopped = (distributed.local_rows(x) for x in out)
     return SampleResult(
         tokens=np.asarray(tokens[:n_rows, :max_new]),
         logprobs=np.asarray(logp[:n_rows, :max_new]),
@@ -250,20 +257,39 @@ class Sampler:
     """The jitted call's device arguments and static choices for these prompts."""
     n_prompts = len(prompts)
     max_new = sampling.max_new_tokens
-    p_rows = bucket_or_pow2(n_prompts, self.batch_buckets, "prompts (Sampler.batch_buckets)")
+    # Several processes: each brings its own prompts; every process compiles
+    # and runs the same program, so counts and lengths are agreed (max) and
+    # each process pads its block of rows to the common bucket.
+    counts = distributed.allgather((n_prompts, max((p.size for p in prompts), default=1)))
+    n_common = max(c[0] for c in counts)
+    shards = self.num_batch_shards // jax.process_count() if self.mesh is not None else 1
+    p_rows = bucket_or_pow2(max(n_common, 1), self.batch_buckets,
+                            "prompts (Sampler.batch_buckets)")
+    if jax.process_count() > 1:  # a process's block must split over its own devices
+      p_rows = round_up(p_rows, shards)
     # Decode rows follow the prompt bucket, not the exact P * G, so the program
     # is a function of the prompt bucket alone (same sizes for power-of-two
     # buckets, fewer programs for custom ones), unless no bucket is that large.
     if self.batch_buckets is None or p_rows * g <= self.batch_buckets[-1]:
       rows = bucket_or_pow2(p_rows * g, self.batch_buckets, "rows (Sampler.batch_buckets)")
     else:
-      rows = bucket_or_pow2(n_prompts * g, self.batch_buckets, "rows (Sampler.batch_buckets)")
-    rows = round_up(rows, self.num_batch_shards)
-    lp = bucket_or_pow2(max(p.size for p in prompts), self.prompt_buckets,
+      rows = bucket_or_pow2(n_common * g, self.batch_buckets, "rows (Sampler.batch_buckets)")
+    rows = round_up(rows, shards)
+    lp = bucket_or_pow2(max(c[1] for c in counts), self.prompt_buckets,
                         "prompt length (Sampler.prompt_buckets)", minimum=16)
     num_new = bucket_or_pow2(max_new, self.decode_buckets,
                              "max_new_tokens (Sampler.decode_buckets)", minimum=16)
     num_stop = next_pow2(len(stop), 4)
+    # Row r of this process continues its prompt r // g, the global prompt row
+    # first + r // g; its randomness is named by its index in the list of
+    # every process's real rows (offset + r), so a row samples the same tokens
+    # whatever the process count.
+    me = jax.process_index()
+    first = 0
+    if self.mesh is not None:
+      total = p_rows * jax.process_count()
+      first = distributed.row_block(sharding.batch_sharding(self.mesh, 2, total), total)[0]
+    offset = sum(c[0] for c in counts[:me]) * g
 
     prompt_PxL = np.full((p_rows, lp), pad_id, np.int32)
     valid_PxL = np.zeros((p_rows, lp), bool)
@@ -271,8 +297,9 @@ class Sampler:
       prompt_PxL[i, lp - p.size:] = p
       valid_PxL[i, lp - p.size:] = True
     valid_PxL[n_prompts:, -1] = True  # padding prompts: one dummy token, never read
-    src_B = np.minimum(np.arange(rows) // g, n_prompts - 1).astype(np.int32)
+    src_B = (first + np.minimum(np.arange(rows) // g, max(n_prompts - 1, 0))).astype(np.int32)
     active_B = np.arange(rows) < n_prompts * g
+    keyrow_B = (offset + np.arange(rows)).astype(np.uint32)
     stop_arr = np.full((num_stop,), -1, np.int32)
     stop_arr[:len(stop)] = stop
 
@@ -287,7 +314,11 @@ class Sampler:
       prompt_keys = rep(prompt_keys[np.minimum(np.arange(p_rows), n_prompts - 1)])
       branch_B = rep(np.asarray(np.arange(rows) % g, np.uint32))
       key = (prompt_keys, branch_B)
-    args = (put(prompt_PxL), put(valid_PxL), put(src_B), put(active_B), rep(stop_arr),
+    if prompt_keys is not None and jax.process_count() > 1:
+      raise ValueError("Sampler.generate(prompt_keys=...) with several processes: per-call "
+                       "model services (judges, user simulators) need a process-local mesh")
+    args = (put(prompt_PxL), put(valid_PxL), put(src_B), put(active_B), put(keyrow_B),
+            rep(stop_arr),
             key if prompt_keys is not None else rep(key),
             rep(np.float32(sampling.temperature)), rep(np.float32(sampling.top_p)),
             rep(np.int32(max_new)), rep(np.int32(pad_id)))
@@ -319,14 +350,16 @@ class Sampler:
     return jax.device_put(state, self._state_shardings)
 
   def _put_batch(self, x):
+    """This process's block of rows `x` as a global array sharded on its rows."""
     if self.mesh is None:
       return jnp.asarray(x)
-    return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim, x.shape[0]))
+    rows = x.shape[0] * jax.process_count()
+    return distributed.global_rows(x, sharding.batch_sharding(self.mesh, x.ndim, rows))
 
   def _put_replicated(self, x):
     if self.mesh is None:
       return jnp.asarray(x)
-    return jax.device_put(x, sharding.replicated(self.mesh))
+    return distributed.replicated_value(x, sharding.replicated(self.mesh))
 
   # ------------------------------------------------------------- device side
   def _constrain_rows(self, x):
@@ -344,7 +377,7 @@ class Sampler:
     spec = NamedSharding(self.mesh, P(batch_axes, None, self._kv_axis, None))
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), cache)
 
-  def _generate_impl(self, state, prompt_PxL, valid_PxL, src_B, active_B, stop_ids, key,
+  def _generate_impl(self, state, prompt_PxL, valid_PxL, src_B, active_B, keyrow_B, stop_ids, key,
                      temperature, top_p, max_new, pad_id, *, num_new, greedy, top_k,
                      use_top_p):
     self._num_traces += 1  # runs once per trace, i.e. per compiled program
@@ -369,13 +402,12 @@ class Sampler:
     valid_BxS = self._constrain_rows(valid_PxS[src_B])
     next_pos_B = self._constrain_rows(jnp.sum(valid_PxL, axis=1, dtype=jnp.int32)[src_B])
 
-    rows_B = jnp.arange(n_b, dtype=jnp.uint32)
     steps_N = jnp.arange(num_new, dtype=jnp.uint32)
     if isinstance(key, tuple):  # per-prompt keys: row p * G + g folds in g
       prompt_keys_P, branch_B = key
       row_keys = jax.vmap(jax.random.fold_in)(prompt_keys_P[src_B], branch_B)
     else:
-      row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
+      row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(keyrow_B)
     u_BxN = jax.vmap(lambda k: jax.vmap(
         lambda t: jax.random.uniform(jax.random.fold_in(k, t)))(steps_N))(row_keys)
     u_BxN = self._constrain_rows(u_BxN)
@@ -428,4 +460,5 @@ class Sampler:
 
     _, _, _, out = jax.lax.while_loop(cond, body, (jnp.int32(1), tok_B, cache, out0))
     tokens_BxN, logp_BxN, _, stopped_B, length_B = out
-    return tokens_BxN, logp_BxN, length_B, stopped_B
+    # Rows stay on their devices: each process reads back its own block.
+    return tuple(self._constrain_rows(x) for x in (tokens_BxN, logp_BxN, length_B, stopped_B))

@@ -18,8 +18,9 @@ from typing import Any
 
 import jax
 
-from mtrl_jax import metrics as metrics_lib, sharding
-from mtrl_jax.rollout.batching import BatchConfig, make_agent_batches, make_train_batch
+from mtrl_jax import distributed, metrics as metrics_lib, sharding
+from mtrl_jax.rollout.batching import (BatchConfig, global_batch, make_agent_batches,
+                                       make_train_batch)
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.policy import TimedPolicy
 from mtrl_jax.sampling import Sampler
@@ -79,8 +80,12 @@ class Components:
     return [agent_slice(params, a) for a in range(len(self.models))]
 
   def make_batch(self, tree):
-    """The train batch of a tree: one batch, or one per agent stacked on axis 0."""
-    return (make_agent_batches if self.separate else make_train_batch)(tree, self.batch_cfg)
+    """The train batch of a tree: one batch, or one per agent stacked on axis 0.
+    With several processes, `tree` is this process's share and the batch global."""
+    batch, m = (make_agent_batches if self.separate else make_train_batch)(tree, self.batch_cfg)
+    if distributed.process_count() == 1:
+      return batch, m
+    return global_batch(batch, m, self.batch_cfg, self.mesh)
 
   def train_metrics(self, device_metrics) -> dict:
     """`train/<name>`; with separate policies also `agent_<a>/train/<name>`, and
@@ -141,8 +146,9 @@ class Components:
 
 def build(exp: exp_lib.Experiment) -> Components:
   """Builds every part of the run described by a validated `exp`."""
-  mesh = sharding.make_mesh(exp.mesh.shape(jax.device_count()))
-  rows = mesh.shape["data"] * mesh.shape["fsdp"]
+  mesh = sharding.make_mesh(exp.mesh.shape(jax.device_count()))  # every process's devices
+  # Rows each process brings to a batch: a multiple of its own batch shards.
+  rows = distributed.local_batch_shards(mesh)
   tokenizer, renderer = exp_lib.make_tokenizer(exp)
   exp = exp_lib.fit_vocab(exp, tokenizer)
   model = exp_lib.make_model(exp, mesh)
@@ -161,7 +167,8 @@ def build(exp: exp_lib.Experiment) -> Components:
     rates = exp.agents.learning_rates or (exp.optim.learning_rate,) * n
     train_step = StackedTrainStep(model, objective, exp.optim, rates, mesh=mesh,
                                   step_cfg=exp.step)
-  shapes = shapes_lib.plan_shapes(exp, rows, rows)
+  shapes = shapes_lib.plan_shapes(shapes_lib.per_process(exp, distributed.process_count()),
+                                  rows, rows)
   batch_cfg = BatchConfig(
       packing=exp.rl.packing, length_buckets=exp.rl.length_buckets,
       row_buckets=shapes.train_rows, row_multiple=rows, pad_id=tokenizer.pad_id,

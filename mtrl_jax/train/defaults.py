@@ -151,4 +151,15 @@ def base_config() -> ml_collections.ConfigDict:
       every=10,  # save every k RL steps (and at the end)
       keep=3,  # latest checkpoints kept (besides workdir/best)
   )
+  c.distributed = dict(
+      # One process per host on jax.distributed (docs/multihost.md): 'off' | 'auto'
+      # (jax.distributed.initialize() detects TPU pod slices and SLURM) | 'explicit'.
+      mode="off",
+      coordinator_address="",  # 'explicit': 'host:port' of process 0
+      num_processes=0,  # 'explicit': how many processes
+      process_id=-1,  # 'explicit': this process, in [0, num_processes)
+      heartbeat_timeout_s=100,  # a silent process is declared dead; the others stop
+      initialization_timeout_s=300,  # waiting for every process to join
+      gather_timeout_s=600,  # a host all-gather waiting for the other processes
+  )
   return c

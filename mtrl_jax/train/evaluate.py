@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from mtrl_jax import distributed
 from mtrl_jax.rollout import expand_tree
 from mtrl_jax.rollout import TreeConfig
 from mtrl_jax.rollout.policy import SamplerPolicy
@@ -140,9 +141,13 @@ class Evaluator:
       sampling = dataclasses.replace(sampling, temperature=1.0, top_p=1.0, top_k=0)
     policy = SamplerPolicy(self.sampler, params, sampling, stop_ids=self.renderer.fmt.stop_ids,
                            pad_id=self.renderer.tokenizer.pad_id)
-    roots = self.transition.root_states(self.factory, [t for t in tasks for _ in range(samples)])
+    # Several processes: each rolls its own block of tasks, the per-root results
+    # come back in process order (the single-process order) and every process
+    # computes the same means.
+    mine = list(tasks)[distributed.share(len(tasks))]
+    roots = self.transition.root_states(self.factory, [t for t in mine for _ in range(samples)])
     tree = expand_tree(tree_cfg, policy, self.transition, roots, key)
-    res = path_results(tree)
+    res = distributed.gather_lists(path_results(tree))
     solved = [r["ended"] and r["outcome"] > self.success_threshold for r in res]
     out = {"success": float(np.mean(solved)),
            "outcome": float(np.mean([r["outcome"] for r in res])),

@@ -16,7 +16,7 @@ import warnings
 
 import ml_collections
 
-from mtrl_jax import data, sharding
+from mtrl_jax import data, distributed, sharding
 from mtrl_jax.registry import import_object
 from mtrl_jax.envs import FaultPolicy, StepLimits, resolve_factory
 import mtrl_jax.tasks  # noqa: F401  (registers the built-in tasks: config names resolve)
@@ -63,6 +63,7 @@ class Experiment:
   agents: AgentsConfig
   strip_thinking: bool = False
   curriculum: data.CurriculumConfig = data.CurriculumConfig()
+  distributed: distributed.DistributedConfig = distributed.DistributedConfig()
 
 
 def _fields(cd, cls, **extra):
@@ -132,8 +133,10 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       step=_fields(c.step, StepConfig), seed=c.seed, rl=rl, sft=sft,
       eval=_fields(c.eval, EvalConfig), checkpoint=_fields(c.checkpoint, CheckpointConfig),
       agents=_fields(c.agents, AgentsConfig), strip_thinking=c.tokenizer.strip_thinking,
-      curriculum=_fields(c.get("curriculum"), data.CurriculumConfig))
+      curriculum=_fields(c.get("curriculum"), data.CurriculumConfig),
+      distributed=distributed_config(c))
   check_agents(exp)
+  check_processes(exp)
   # Size the tree before launch: a config that cannot fit fails here.
   plan_tree(tree, rl.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
             max_new_tokens=sampling.max_new_tokens, max_generations=rl.max_generations)
@@ -213,6 +216,35 @@ class _Resolving:
     if "allowed" not in msg and "registered" not in msg:
       msg += f"; allowed: {self.allowed}"
     raise ValueError(f"config {self.what}: {msg}") from err
+
+
+def distributed_config(c: ml_collections.ConfigDict) -> distributed.DistributedConfig:
+  """`config.distributed`, validated (entry points read it before `jax.distributed` starts)."""
+  return _fields(c.get("distributed"), distributed.DistributedConfig)
+
+
+def check_processes(exp: Experiment):
+  """Several processes: the shares and the row blocks must split evenly.
+
+  Runs after `distributed.initialize`, so `jax.process_count()` is the run's.
+  """
+  if exp.distributed.mode == "off":
+    return
+  import jax
+  n = jax.process_count()
+  if exp.rl.roots_per_step % n:
+    raise ValueError(f"config rl.roots_per_step={exp.rl.roots_per_step} with {n} processes; "
+                     f"allowed: a multiple of {n} (every process takes an equal share)")
+  data_shards = exp.mesh.shape(jax.device_count())
+  if (data_shards[0] * data_shards[1]) % n:
+    raise ValueError(f"config mesh data x fsdp={data_shards[0] * data_shards[1]} with {n} "
+                     f"processes; allowed: a multiple of {n} (each process holds a block of rows)")
+  if exp.sft.steps and exp.sft.batch_size % (data_shards[0] * data_shards[1]):
+    raise ValueError(f"config sft.batch_size={exp.sft.batch_size} with {n} processes; allowed: "
+                     f"a multiple of data x fsdp={data_shards[0] * data_shards[1]}")
+  if not exp.agents.share_policy:
+    raise ValueError(f"config agents.share_policy=False with {n} processes; allowed: True "
+                     "(stacked per-agent batches are not assembled across processes yet)")
 
 
 def check_agents(exp: Experiment):

@@ -16,6 +16,13 @@
 The per-step RNG key is `fold_in(PRNGKey(seed), step)` and the task stream's
 position is checkpointed, so a run killed at any point resumes exactly
 (DESIGN.md invariant 6).
+
+Several processes (`config.distributed`, docs/multihost.md): every process
+runs this same loop; each takes its `distributed.share` of the step's roots
+and runs their environments, the sampler and train step run on global arrays
+(`Sampler`, `rollout.batching.global_batch`), the finalized trees are merged
+for metrics and the dump (`rollout.gather`), and process 0 alone writes files.
+Checkpoints are saved and restored by every process.
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ from typing import Any
 import jax
 import ml_collections
 
-from mtrl_jax import checkpoint, metrics as metrics_lib
+from mtrl_jax import checkpoint, distributed, metrics as metrics_lib
 from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout import expand_tree
+from mtrl_jax.rollout.gather import gather_tree
 from mtrl_jax.train import components as components_lib
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
@@ -58,6 +66,19 @@ class _TextCounters:
     return out
 
 
+def across_processes(text: dict, times: dict) -> dict:
+  """This step's text counters summed and its wall times maxed over processes
+  (the identity with one process); compile counts stay per process."""
+  if distributed.process_count() == 1:
+    return {**text, **times}
+  parts = distributed.allgather((text, times))
+  out = {k: sum(t.get(k, 0) for t, _ in parts) for k in text}
+  out["text/retokenize_mismatch_rate"] = (out.get("text/retokenize_mismatches", 0)
+                                          / max(out.get("text/completions_checked", 0), 1))
+  out.update({k: max(tm[k] for _, tm in parts) for k in times})
+  return out
+
+
 def held_out(parts: components_lib.Components, params, step: int) -> dict:
   """`eval/<mode>/<metric>` of the first `eval.num_tasks` held-out tasks (`params`: the
   policy's, or a list with one per agent)."""
@@ -72,11 +93,15 @@ def held_out(parts: components_lib.Components, params, step: int) -> dict:
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
   """Runs (or resumes) a training job in `workdir`; returns a summary dict."""
+  distributed.initialize(exp_lib.distributed_config(config))  # before any device is touched
   exp = exp_lib.build(config)
-  exp_lib.save_config(config, workdir)
+  writes = distributed.is_writer()  # process 0 alone writes files
+  if writes:
+    exp_lib.save_config(config, workdir)
   parts = components_lib.build(exp)
   exp = parts.exp
-  print(exp_lib.describe(exp), flush=True)
+  if writes:
+    print(exp_lib.describe(exp), flush=True)
   stream = exp_lib.make_train_stream(exp, parts.train_tasks)  # curriculum.enabled: by level
   ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep)
   keep_ref = exp.loss.kl_coef > 0
@@ -115,7 +140,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
       summary.setdefault("eval_history", []).append({"step": step, **m})
     return m
 
-  writer = metrics_lib.MetricsWriter(workdir, resume_step=start if resumed else None)
+  writer = (metrics_lib.MetricsWriter(workdir, resume_step=start if resumed else None)
+            if writes else metrics_lib.NullWriter())
   if exp.rl.precompile:
     one_policy = parts.policy_states(state.params)
     one_policy = one_policy[0] if parts.separate else one_policy
@@ -127,7 +153,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     summary["precompile"] = info
   text_counters = _TextCounters(parts.renderer)
   if not resumed:
-    m = {**evaluate(0, state), **text_counters.step()}
+    m = {**evaluate(0, state), **across_processes(text_counters.step(), {})}
     writer.write(0, m)
     summary["eval_start"] = m
     save(0, state, ref)
@@ -135,7 +161,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   # one-time helpers (Orbax slices each array it saves once per shape).
   parts.census.mark_warm()
   bar = None
-  if progress:
+  if progress and writes:
     from tqdm import tqdm
     bar = tqdm(total=exp.rl.steps, initial=start, desc="RL", dynamic_ncols=True)
 
@@ -145,9 +171,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     key = jax.random.fold_in(parts.key, step)
     parts.policy.set_states(parts.policy_states(state.params))
     with timer.section("rollout"):
-      roots = parts.transition.root_states(parts.factory, stream.next(exp.rl.roots_per_step))
+      tasks = stream.next(exp.rl.roots_per_step)  # every process: the same stream
+      roots = parts.transition.root_states(parts.factory, tasks[distributed.share(len(tasks))])
       tree = expand_tree(exp.tree, parts.policy, parts.transition, roots, key)
     batch, batch_m = parts.make_batch(tree)
+    tree = gather_tree(tree)  # every process's roots, for metrics and the dump
     train_m = {}
     with timer.section("train"):
       if batch is not None:
@@ -162,19 +190,19 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
          **batch_m, **train_m, **parts.census.counts()}
     if exp.curriculum.enabled:  # may move the level of the next step's tasks
       m.update(stream.observe(m["rollout/success"]))
-    if exp.rl.dump_every and step % exp.rl.dump_every == 0:
+    if writes and exp.rl.dump_every and step % exp.rl.dump_every == 0:
       dump_lib.write_rollout_dump(tree, dump_lib.dump_path(workdir, step),
                                   parts.transition.decode)
     if step % exp.eval.every == 0 or step == exp.rl.steps:
       with timer.section("eval"):
         m.update(evaluate(step, state))
-    m.update(text_counters.step())  # after eval: this step's evaluation counts too
     times = timer.split()
     # Generation is timed inside the rollout; the rest of it is environment
     # work (react_to, tools, graders, user simulators, rendering).
     times["time/generation"] = parts.policy.pop_seconds()
     times["time/environment"] = times.pop("time/rollout") - times["time/generation"]
-    m.update(times)
+    # Text counters after eval: this step's evaluation counts too.
+    m.update(across_processes(text_counters.step(), times))
     writer.write(step, m)
     if step % exp.checkpoint.every == 0 or step == exp.rl.steps:
       save(step, state, ref)
@@ -189,8 +217,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   writer.close()
   ckpt.wait()
   summary.update(best=ckpt.best(), compiles=parts.census.counts())
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=1, default=float)
-  metrics_lib.plot_metrics(workdir, PLOT_KEYS, out_png=os.path.join(workdir, "curves.png"))
+  if writes:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1, default=float)
+    metrics_lib.plot_metrics(workdir, PLOT_KEYS, out_png=os.path.join(workdir, "curves.png"))
   ckpt.close()
   return summary

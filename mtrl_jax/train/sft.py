@@ -24,7 +24,7 @@ import numpy as np
 
 from flax import nnx
 
-from mtrl_jax import sharding
+from mtrl_jax import distributed, sharding
 from mtrl_jax.buckets import bucket, round_up
 from mtrl_jax.data import epoch_order
 from mtrl_jax.registry import import_object
@@ -219,7 +219,7 @@ def warm_up(parts) -> tuple[Any, list[dict]]:
   check = indexed(parts.train_tasks, cfg.check_tasks, start=len(rows))
   history = []
   for i in range(1, cfg.steps + 1):
-    state, m = step_fn(state, None, next(batcher))
+    state, m = step_fn(state, None, distributed.take_rows(next(batcher), parts.mesh))
     if i % cfg.check_every and i != cfg.steps:
       continue
     row = {"sft_step": i, **step_fn.fetch_metrics(m)}

@@ -129,6 +129,18 @@ def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
                    packing=rl.packing)
 
 
+def per_process(exp, num_processes: int):
+  """`exp` as one of `num_processes` processes plans it: its share of the roots,
+  held-out tasks and SFT check tasks (the largest share when they do not divide)."""
+  if num_processes == 1:
+    return exp
+  share = lambda n: -(-n // num_processes)
+  return dataclasses.replace(
+      exp, rl=dataclasses.replace(exp.rl, roots_per_step=share(exp.rl.roots_per_step)),
+      eval=dataclasses.replace(exp.eval, num_tasks=share(exp.eval.num_tasks)),
+      sft=dataclasses.replace(exp.sft, check_tasks=share(exp.sft.check_tasks)))
+
+
 def precompile(shapes: ShapePlan, sampler, sampler_state, train_step, num_stop_ids: int) -> dict:
   """Compiles every sampler and train-step program of `shapes`; returns counts and seconds."""
   t0 = time.perf_counter()
