@@ -89,7 +89,7 @@ def test_bad_agents_config_is_refused_in_one_line(field, value, match):
   c[group][name] = value
   with pytest.raises(experiment.ConfigError, match=match):
     experiment.validate(c)
-  c = coop_config.get_config("smoke=True")
+  c = coop_config.get_config("smoke=True,share_policy=True")
   c.agents.learning_rates = (1e-3, 1e-3)
   with pytest.raises(experiment.ConfigError, match="share_policy=False"):
     experiment.validate(c)
