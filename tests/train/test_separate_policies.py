@@ -82,6 +82,8 @@ def test_export_writes_one_hf_directory_per_agent(full_run, tmp_path):
 @pytest.mark.parametrize("field, value, match", [
     ("agents.learning_rates", (1e-3,), "1 entries; allowed: 2"),
     ("agents.paths", ("/nonexistent", ""), "no config.json"),
+    # Different architectures would need one program per agent (not built): refused.
+    ("agents.presets", ("", "small"), r"presets\[1\]='small': its architecture differs"),
 ])
 def test_bad_agents_config_is_refused_in_one_line(field, value, match):
   c = _config(1)
@@ -89,6 +91,9 @@ def test_bad_agents_config_is_refused_in_one_line(field, value, match):
   c[group][name] = value
   with pytest.raises(experiment.ConfigError, match=match):
     experiment.validate(c)
+  c = _config(1)
+  c.agents.presets = ("tiny", "")  # the smoke config's own architecture: accepted
+  experiment.validate(c)
   c = coop_config.get_config("smoke=True,share_policy=True")
   c.agents.learning_rates = (1e-3, 1e-3)
   with pytest.raises(experiment.ConfigError, match="share_policy=False"):
