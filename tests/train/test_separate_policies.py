@@ -77,6 +77,10 @@ def test_export_writes_one_hf_directory_per_agent(full_run, tmp_path):
   assert np.abs(logits[0] - logits[1]).max() > 1e-4
   with pytest.raises(ValueError, match="models"):
     policy.model  # noqa: B018  (one policy per agent: there is no single model)
+  # Keep-best: one decision on the joint held-out success; best/ holds every agent.
+  best = saved.load_policy(full_run, "best")
+  assert best.step in [r["step"] for r in _rows(full_run) if "eval/greedy/success" in r]
+  assert len(best.models()) == 2
 
 
 @pytest.mark.parametrize("field, value, match", [
