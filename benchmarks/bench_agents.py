@@ -19,8 +19,8 @@ same tree key, so machine load drifts over all arms alike):
   per agent        one `Sampler.generate` call per agent per level + one
                    `TrainStep` per agent (two programs), the fallback that
                    agents of different architectures would need.
-Columns: medians over the timed steps of the rollout (generation + tree
-bookkeeping), the train step(s), and their sum; ratio = arm / per agent.
+Columns: medians over the timed steps of the rollout (generation, tree
+bookkeeping and per-agent packing), the train step(s), and their sum; ratio = arm / per agent.
 """
 
 import statistics
