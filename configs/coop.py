@@ -4,15 +4,20 @@
   python -m experiments.train --config=configs/coop.py --workdir=runs/coop_blind \
       --config.env.kwargs.show_partner=False     # ablation: no partner answer in turn 2
   python -m experiments.train --config=configs/coop.py:smoke=True --workdir=/tmp/coop_smoke
+  python -m experiments.train --config=configs/coop.py:share_policy=True --workdir=runs/coop_shared
+      # one policy for both agents (the setting of docs/ablations.md's coop table)
 
 The `coop` task (mtrl_jax/tasks/coop.py): agent 0 sees "A:x", agent 1
 "B:y"; both must answer x‖y; turn 2 shows each agent its partner's turn-1
-answer. A 2-layer byte-level policy (`small` preset, shared by both agents,
-which the role letter tells apart) is warmed up on golden episodes of both
+answer. A 2-layer byte-level policy (`small` preset) is warmed up on golden episodes of both
 roles, then trained with ENVGRPO on a T=2, G=4 aligned two-agent tree; the
 reward (+1 when both answers are the joint code) is scored at every joint
 action, so per-turn grades weigh as much as the final one. Episodes are
-about 30 byte tokens per agent. With `show_partner=False` the joint success
+about 30 byte tokens per agent. As CoMLRL trains them, each agent has its
+own policy (`agents.share_policy=False`: both start from the same warmed-up
+weights, then each is updated on its own samples only; `train/stacked.py`);
+`share_policy=True` gives both agents one policy, which the role letter
+tells apart. With `show_partner=False` the joint success
 stays at chance (about 1 in 90), which is what makes turn-2 feedback the
 measurable ingredient.
 """
@@ -24,7 +29,7 @@ from configs.common import apply_smoke, parse_arg
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, smoke=False)
+  a = parse_arg(arg, smoke=False, share_policy=False)
   c = base.get_config()
   num_turns = config_dict.FieldReference(2)  # one T for the tree, the turn cap and the env
   c.model.preset = "small"
@@ -45,6 +50,7 @@ def get_config(arg=None):
   c.tree.joint_mode = "align"
   c.tree.discount = 0.9
   c.tree.branch_on = "every_turn"
+  c.agents.share_policy = a.share_policy  # False: one policy per agent (CoMLRL)
   c.sampling.max_new_tokens = 12  # <answer>3752</answer><|end|> is 7 tokens
   c.reward.outcome_weight = 1.0  # the last turn's grade
   c.reward.shaping_weight = 1.0  # earlier turns' grades: every joint action weighs the same
@@ -74,12 +80,15 @@ def get_sweep(arg=None):
 
   Axes: turns (T in 1, 2, 3: T = 1 is one joint answer with no partner
   feedback), joint (align vs cross), feedback (the turn-2 message shows the
-  partner's answer or not), and 'all' (the config, then one change at a time).
+  partner's answer or not), policy (one shared policy vs one per agent), and
+  'all' (the config, then one change at a time). docs/ablations.md's coop
+  table ran `cpu` and `feedback` with `configs/coop.py:share_policy=True`.
   """
   axes = {
       "turns": [{"tree.num_turns": t} for t in (1, 2, 3)],
       "joint": [{"tree.joint_mode": "align"}, {"tree.joint_mode": "cross"}],
       "feedback": [{"env.kwargs.show_partner": True}, {"env.kwargs.show_partner": False}],
+      "policy": [{"agents.share_policy": True}, {"agents.share_policy": False}],
   }
   axes["all"] = ([{}, axes["turns"][0], axes["turns"][2]] + axes["joint"][1:]
                  + axes["feedback"][1:])

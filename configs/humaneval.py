@@ -15,6 +15,9 @@ shifted reward, lr 2e-5 AdamW without weight decay, schedule or clipping;
 temperature 0.7, top_p 0.9, top_k 50 (single agent: 0.8 / 0.95), 256 new
 tokens; REINFORCE with a sequence-sum of token log-probs averaged over
 samples, no KL (the MAGRPO loss); every policy message is a tree turn.
+Each agent has its own policy (`agents.share_policy=False`: aux and main
+start from the same checkpoint and are updated separately, stacked on an
+agent axis; `agents.paths` / `agents.learning_rates` set them per agent).
 Reward: the gated level reward (max 4.0; 2.1 single agent) shifted by -4
 (-2.1), scored at every joint action: the env grades continuing turns
 (shaping) and stops after the last (outcome), so both weights are 1 and the
@@ -82,6 +85,7 @@ def get_config(arg=None):
   c.tree.num_turns = num_turns
   c.tree.num_generations = 4
   c.tree.num_agents = a.agents
+  c.agents.share_policy = a.agents == 1  # 2 agents: one policy each (aux, main), as CoMLRL
   c.tree.joint_mode = "align"
   c.tree.termination_threshold = ref["tau"]
   c.tree.discount = 0.9

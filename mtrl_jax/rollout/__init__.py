@@ -16,12 +16,13 @@ from mtrl_jax.rollout.config import TreeConfig, TreePlan, plan_tree
 from mtrl_jax.rollout.dump import dump_path, node_records, write_rollout_dump
 from mtrl_jax.rollout.engine import ActionOutcome, Transition, expand_tree
 from mtrl_jax.rollout.packing import BATCH_KEYS, pack_tree
-from mtrl_jax.rollout.policy import FakePolicySampler, PolicySampler, SamplerPolicy
+from mtrl_jax.rollout.policy import (FakePolicySampler, PolicySampler, SamplerPolicy,
+                                     StackedStates)
 from mtrl_jax.rollout.tree import Completion, Node, Tree, advantages, joint_actions
 
 __all__ = [
     "TreeConfig", "TreePlan", "plan_tree", "Tree", "Node", "Completion", "joint_actions",
-    "advantages", "PolicySampler", "SamplerPolicy", "FakePolicySampler", "Transition",
+    "advantages", "PolicySampler", "SamplerPolicy", "StackedStates", "FakePolicySampler", "Transition",
     "ActionOutcome", "expand_tree", "pack_tree", "BATCH_KEYS", "write_rollout_dump",
     "dump_path", "node_records",
 ]

@@ -2,15 +2,19 @@
 
 The engine asks for a whole tree level at once:
 `sample(prompts, agent_ids, G, key) -> list (per prompt) of G Completion`.
-`SamplerPolicy` serves it with `mtrl_jax.sampling.Sampler.generate`: one call
-per parameter state per level (one state for a shared policy with role
-prompts, one per agent for separate policies), each prompt prefilled once and
-forked into G continuations. `FakePolicySampler` is a deterministic,
+`SamplerPolicy` serves it with `mtrl_jax.sampling.Sampler`: a shared policy
+(role prompts tell the agents apart) makes one `generate` call per level;
+separate policies given as `StackedStates` (parameters stacked on an agent
+axis) make one `generate_stacked` call per level, every agent's prompts with
+its own parameters in one compiled program; a list of per-agent states makes
+one call per agent. Each prompt is prefilled once and forked into G
+continuations; agent a samples with `fold_in(key, a)` in both separate forms. `FakePolicySampler` is a deterministic,
 batching-independent stand-in for tests of the tree bookkeeping.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from typing import Any, Optional, Protocol, Sequence
@@ -40,13 +44,22 @@ def _check_request(prompts, agent_ids, num_generations):
       raise ValueError(f"sample: prompt {p} is empty")
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedStates:
+  """Separate policies' parameters, stacked on a leading agent axis (one sampler program)."""
+
+  params: Any
+  num_agents: int
+
+
 class SamplerPolicy:
   """Adapter from `mtrl_jax.sampling.Sampler` to the engine's `PolicySampler`.
 
   Args:
     sampler: a `mtrl_jax.sampling.Sampler`.
-    states: the parameter state of a shared policy, or a list/tuple with one
-      state per agent (separate policies of one graph).
+    states: the parameter state of a shared policy, `StackedStates` (separate
+      policies of one graph, sampled by one call per level), or a list/tuple
+      with one state per agent (one call per agent).
     sampling: the `SamplingConfig` (temperature, top_p, top_k, max_new_tokens).
     stop_ids: token ids that end a completion (kept in the completion).
     pad_id: padding id of the sampler's prompt batches.
@@ -62,8 +75,12 @@ class SamplerPolicy:
 
   def set_states(self, states) -> None:
     """Swaps in new parameters (after an update); shapes are unchanged, so no recompile."""
-    self.separate = isinstance(states, (list, tuple))
-    self.states = list(states) if self.separate else [states]
+    self.stacked = states if isinstance(states, StackedStates) else None
+    self.separate = self.stacked is not None or isinstance(states, (list, tuple))
+    if self.stacked is not None:
+      self.states = [None] * self.stacked.num_agents
+    else:
+      self.states = list(states) if self.separate else [states]
 
   def state_index(self, agent_id: int) -> int:
     if not self.separate:
@@ -82,16 +99,27 @@ class SamplerPolicy:
       groups.setdefault(self.state_index(int(a)), []).append(p)
     out: list[Optional[list[Completion]]] = [None] * len(prompts)
     g = num_generations
-    for s in sorted(groups):
-      members = groups[s]
-      res = self.sampler.generate(
-          self.states[s], [list(prompts[p]) for p in members], g, self.sampling,
-          jax.random.fold_in(key, s), self.stop_ids, self.pad_id)
+    agent_prompts = lambda s: [list(prompts[p]) for p in groups.get(s, [])]
+    if self.stacked is not None:  # every agent in one call
+      agents = range(self.stacked.num_agents)
+      results = self.sampler.generate_stacked(
+          self.stacked.params, [agent_prompts(s) for s in agents], g, self.sampling,
+          jax.numpy.stack([jax.random.fold_in(key, s) for s in agents]), self.stop_ids,
+          self.pad_id)
       self.num_generate_calls += 1
+      calls = [(s, results[s]) for s in sorted(groups)]
+    else:
+      calls = []
+      for s in sorted(groups):
+        calls.append((s, self.sampler.generate(
+            self.states[s], agent_prompts(s), g, self.sampling, jax.random.fold_in(key, s),
+            self.stop_ids, self.pad_id)))
+        self.num_generate_calls += 1
+    for s, res in calls:
       tokens = np.asarray(res.tokens)
       logprobs = np.asarray(res.logprobs)
       lengths = np.asarray(res.lengths)
-      for m, p in enumerate(members):
+      for m, p in enumerate(groups[s]):
         comps = []
         for k in range(g):
           row = m * g + k

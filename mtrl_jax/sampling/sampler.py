@@ -28,6 +28,12 @@ p * G + g uses `fold_in(prompt_keys[p], g)` instead, so a prompt's samples
 depend only on its own key, never on which other prompts share the call (the
 judges' and user simulators' per-call keys, `generation.LocalLLM`).
 
+Separate policies of one graph (`generate_stacked`): their parameters are
+stacked on a leading agent axis and the same program is mapped over it
+(`jax.vmap`, or `lax.map`: `agent_map`), so ONE compiled call samples every agent's prompts of a tree
+level, each with its own parameters and key, every agent laid out in the
+largest agent's buckets.
+
 Compilation: shapes are bucketed (prompt rows, prompt length, decode rows,
 new-token slots, number of stop ids) and temperature, top_p, max_new_tokens,
 G, pad_id and the stop ids are traced, so only the bucket sizes and the
@@ -43,7 +49,8 @@ its operand. With several processes (`mtrl_jax.distributed`) each process
 brings its own prompts: prompt counts and lengths are agreed across processes
 (a host all-gather), every process pads its block of rows to the common
 bucket, the blocks form global arrays, and each process reads back its own
-block of results. A process with no prompts still takes part.
+block of results. A process with no prompts still takes part. (Stacked calls
+are single-process: separate policies are refused with several processes.)
 """
 
 from __future__ import annotations
@@ -141,6 +148,7 @@ class Sampler:
                prompt_buckets: Optional[Sequence[int]] = None,
                decode_buckets: Optional[Sequence[int]] = None,
                decode_chunk: Optional[int] = None,
+               agent_map: Optional[str] = None,
                rules=sharding.SAMPLE_RULES):
     """Builds the sampler; nothing is compiled until the first `generate`.
 
@@ -159,6 +167,15 @@ class Sampler:
         syncs k times less often (at most k - 1 wasted steps at the end, their
         writes discarded). None: 1 on CPU (no sync to save, and unrolling
         multiplies compile time), 8 elsewhere.
+      agent_map: how `generate_stacked` maps the program over the agent axis:
+        'vmap' (agents batched into each op: one decode loop in lockstep,
+        batched matmuls) or 'map' (`lax.map`: the agents' loops one after the
+        other inside the one program; each agent's arithmetic is exactly its
+        single-agent program's, so samples are bit-identical to `generate`).
+        None: 'map' on CPU (measured faster there, docs/performance.md), 'vmap'
+        elsewhere. 'vmap' matches `generate` up to float rounding of batched
+        matmuls (the same tokens unless a uniform sits within that rounding
+        of a token boundary).
       rules: logical-axis rules for parameters while sampling.
     """
     # Decoding attends one query at a time over a cache: the masked einsum
@@ -172,6 +189,11 @@ class Sampler:
     if isinstance(decode_chunk, bool) or not isinstance(decode_chunk, int) or decode_chunk < 1:
       raise ValueError(f"Sampler.decode_chunk={decode_chunk!r}; allowed: None or an int >= 1")
     self.decode_chunk = decode_chunk
+    if agent_map is None:
+      agent_map = "map" if jax.default_backend() == "cpu" else "vmap"
+    if agent_map not in ("vmap", "map"):
+      raise ValueError(f"Sampler.agent_map={agent_map!r}; allowed: None, 'vmap' or 'map'")
+    self.agent_map = agent_map
     if mesh is not None and any(t != AxisType.Auto for t in mesh.axis_types):
       # Explicit axes would make the cache update's sharding part of its type.
       mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
@@ -186,9 +208,9 @@ class Sampler:
                                if mesh is not None else None)
     self._kv_axis = dict(model_rules).get("kv_heads")
     self._num_traces = 0
-    self._jitted = jax.jit(
-        self._generate_impl,
-        static_argnames=("num_new", "greedy", "top_k", "use_top_p"))
+    static = ("num_new", "greedy", "top_k", "use_top_p")
+    self._jitted = jax.jit(self._generate_impl, static_argnames=static)
+    self._jitted_stacked = jax.jit(self._generate_stacked_impl, static_argnames=static)
 
   @property
   def num_compiles(self) -> int:
@@ -221,26 +243,8 @@ class Sampler:
     Returns:
       SampleResult with rows ordered p * G + g.
     """
-    if not isinstance(sampling, SamplingConfig):
-      raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-    vocab = self.model_cfg.vocab_size
-    if isinstance(num_generations, bool) or not isinstance(num_generations, (int, np.integer)) \
-        or num_generations < 1:
-      raise ValueError(f"num_generations={num_generations!r}; allowed: an int >= 1")
-    if not isinstance(pad_id, (int, np.integer)) or not 0 <= pad_id < vocab:
-      raise ValueError(f"pad_id={pad_id!r}; allowed: an int in [0, {vocab})")
-    stop = [int(s) for s in stop_ids]
-    if any(not 0 <= s < vocab for s in stop):
-      raise ValueError(f"stop_ids={stop}; allowed: ints in [0, {vocab})")
-    if len(prompts) == 0 and jax.process_count() == 1:
-      raise ValueError("prompts is empty; allowed: a non-empty list of token-id lists")
-    prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
-    for i, p in enumerate(prompts):
-      if p.size == 0:
-        raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-      if p.min() < 0 or p.max() >= vocab:
-        raise ValueError(f"prompts[{i}] has ids outside [0, {vocab})")
-
+    prompts, stop = self._check(prompts, num_generations, sampling, stop_ids, pad_id,
+                                allow_empty=jax.process_count() > 1)
     n_prompts, g = len(prompts), int(num_generations)
     n_rows, max_new = n_prompts * g, sampling.max_new_tokens
     args, static = self._prepare(prompts, g, sampling, key, stop, pad_id, prompt_keys)
@@ -252,57 +256,130 @@ class Sampler:
         lengths=np.asarray(lengths[:n_rows]),
         finish_reason=["stop" if s else "length" for s in stopped[:n_rows]])
 
+  def generate_stacked(self, states, prompts: Sequence[Sequence[Sequence[int]]],
+                       num_generations: int, sampling: SamplingConfig, keys: jax.Array,
+                       stop_ids: Sequence[int], pad_id: int) -> list[SampleResult]:
+    """One compiled call samples every agent's prompts with its own parameters.
+
+    Separate policies of this graph, their parameters stacked on a leading
+    agent axis A: the program of `generate` is mapped over A (`jax.vmap`), so
+    agent a's rows equal `generate(states[a], prompts[a], ..., keys[a], ...)`
+    laid out in the same buckets. Every agent is laid out in the buckets of
+    the largest agent's prompt count and longest prompt; an agent with no
+    prompts gets inactive padding rows.
+
+    Args:
+      states: parameters with a leading agent axis A on every leaf.
+      prompts: A lists of prompts (token-id lists); a list may be empty.
+      num_generations, sampling, stop_ids, pad_id: as for `generate`.
+      keys: A PRNG keys (raw uint32[A, 2]); agent a's row r, step t uses
+        fold_in(fold_in(keys[a], r), t).
+    Returns:
+      One SampleResult per agent (rows p * G + g of its own prompts).
+    """
+    num_agents = len(prompts)
+    leading = {np.shape(x)[0] for x in jax.tree.leaves(states)}
+    if num_agents < 1 or leading != {num_agents}:
+      raise ValueError(f"generate_stacked: {num_agents} prompt lists for states with leading "
+                       f"sizes {sorted(leading)}; allowed: one list per stacked agent")
+    if all(len(p) == 0 for p in prompts):
+      raise ValueError("generate_stacked: every agent's prompt list is empty")
+    checked = []
+    for a, agent_prompts in enumerate(prompts):
+      if len(agent_prompts):
+        checked.append(self._check(agent_prompts, num_generations, sampling, stop_ids,
+                                   pad_id, name=f"prompts[{a}]"))
+      else:
+        checked.append(([np.asarray([pad_id], np.int64)], [int(s) for s in stop_ids]))
+    stop = next(c[1] for c, p in zip(checked, prompts) if len(p))
+    g = int(num_generations)
+    rows_for = max(len(p) for p in prompts)
+    len_for = max(p.size for agent, _ in checked for p in agent)
+    host = [self._layout(agent, g, sampling, stop, pad_id, rows_for=rows_for, len_for=len_for,
+                         active=len(prompts[a]) > 0)
+            for a, (agent, _) in enumerate(checked)]
+    static = host[0][1]
+    stacked = [np.stack([h[0][i] for h in host]) for i in range(5)]
+    keys = self._check_keys(keys, num_agents)
+    put = self._put_stacked
+    out = self._jitted_stacked(self._put_stacked_state(states), *[put(x) for x in stacked],
+                               self._put_replicated(host[0][0][5]), self._put_replicated(keys),
+                               *self._scalars(sampling, pad_id), **static)
+    tokens, logp, lengths, stopped = jax.device_get(out)
+    max_new, results = sampling.max_new_tokens, []
+    for a, agent_prompts in enumerate(prompts):
+      n_rows = len(agent_prompts) * g
+      results.append(SampleResult(
+          tokens=np.asarray(tokens[a, :n_rows, :max_new]),
+          logprobs=np.asarray(logp[a, :n_rows, :max_new]),
+          lengths=np.asarray(lengths[a, :n_rows]),
+          finish_reason=["stop" if s else "length" for s in stopped[a, :n_rows]]))
+    return results
+
+  @staticmethod
+  def _check_keys(keys, num_agents: int):
+    keys = jnp.asarray(keys)
+    typed = jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
+    if keys.shape != ((num_agents,) if typed else (num_agents, 2)):
+      raise ValueError(f"generate_stacked: keys {keys.dtype}{tuple(keys.shape)}; allowed: one "
+                       f"PRNG key per agent ({num_agents} typed keys or uint32[{num_agents}, 2])")
+    return keys
+
+  def precompile_stacked(self, states, num_prompts: int, prompt_len: int,
+                         num_generations: int, sampling: SamplingConfig,
+                         num_stop_ids: int = 1, key: Optional[jax.Array] = None) -> None:
+    """`precompile` for `generate_stacked`: every agent `num_prompts` prompts of
+    `prompt_len` tokens; `states` stacked (arrays or ShapeDtypeStructs)."""
+    num_agents = {np.shape(x)[0] for x in jax.tree.leaves(states)}.pop()
+    prompts = [np.ones(prompt_len, np.int64)] * num_prompts
+    host, static = self._layout(prompts, int(num_generations), sampling, [0] * num_stop_ids, 0)
+    key = jax.random.PRNGKey(0) if key is None else key
+    keys = jnp.stack([key] * num_agents)
+    put = self._put_stacked
+    self._jitted_stacked.lower(
+        self._put_stacked_state(states), *[put(np.stack([x] * num_agents)) for x in host[:5]],
+        self._put_replicated(host[5]), self._put_replicated(keys),
+        *self._scalars(sampling, 0), **static).compile()
+
+  def _check(self, prompts, num_generations, sampling, stop_ids, pad_id, name="prompts",
+             allow_empty=False):
+    """Validated prompts (int64 arrays) and stop ids of a call (`allow_empty`: a process
+    with nothing to sample still takes part in a multi-process call)."""
+    if not isinstance(sampling, SamplingConfig):
+      raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    vocab = self.model_cfg.vocab_size
+    if isinstance(num_generations, bool) or not isinstance(num_generations, (int, np.integer)) \
+        or num_generations < 1:
+      raise ValueError(f"num_generations={num_generations!r}; allowed: an int >= 1")
+    if not isinstance(pad_id, (int, np.integer)) or not 0 <= pad_id < vocab:
+      raise ValueError(f"pad_id={pad_id!r}; allowed: an int in [0, {vocab})")
+    stop = [int(s) for s in stop_ids]
+    if any(not 0 <= s < vocab for s in stop):
+      raise ValueError(f"stop_ids={stop}; allowed: ints in [0, {vocab})")
+    if len(prompts) == 0 and not allow_empty:
+      raise ValueError(f"{name} is empty; allowed: a non-empty list of token-id lists")
+    prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    for i, p in enumerate(prompts):
+      if p.size == 0:
+        raise ValueError(f"{name}[{i}] is empty; every prompt needs at least one token")
+      if p.min() < 0 or p.max() >= vocab:
+        raise ValueError(f"{name}[{i}] has ids outside [0, {vocab})")
+    return prompts, stop
+
   def _prepare(self, prompts, g: int, sampling: SamplingConfig, key, stop: list, pad_id: int,
                prompt_keys=None):
     """The jitted call's device arguments and static choices for these prompts."""
-    n_prompts = len(prompts)
-    max_new = sampling.max_new_tokens
     # Several processes: each brings its own prompts; every process compiles
     # and runs the same program, so counts and lengths are agreed (max) and
-    # each process pads its block of rows to the common bucket.
-    counts = distributed.allgather((n_prompts, max((p.size for p in prompts), default=1)))
-    n_common = max(c[0] for c in counts)
-    shards = self.num_batch_shards // jax.process_count() if self.mesh is not None else 1
-    p_rows = bucket_or_pow2(max(n_common, 1), self.batch_buckets,
-                            "prompts (Sampler.batch_buckets)")
-    if jax.process_count() > 1:  # a process's block must split over its own devices
-      p_rows = round_up(p_rows, shards)
-    # Decode rows follow the prompt bucket, not the exact P * G, so the program
-    # is a function of the prompt bucket alone (same sizes for power-of-two
-    # buckets, fewer programs for custom ones), unless no bucket is that large.
-    if self.batch_buckets is None or p_rows * g <= self.batch_buckets[-1]:
-      rows = bucket_or_pow2(p_rows * g, self.batch_buckets, "rows (Sampler.batch_buckets)")
-    else:
-      rows = bucket_or_pow2(n_common * g, self.batch_buckets, "rows (Sampler.batch_buckets)")
-    rows = round_up(rows, shards)
-    lp = bucket_or_pow2(max(c[1] for c in counts), self.prompt_buckets,
-                        "prompt length (Sampler.prompt_buckets)", minimum=16)
-    num_new = bucket_or_pow2(max_new, self.decode_buckets,
-                             "max_new_tokens (Sampler.decode_buckets)", minimum=16)
-    num_stop = next_pow2(len(stop), 4)
-    # Row r of this process continues its prompt r // g, the global prompt row
-    # first + r // g; its randomness is named by its index in the list of
-    # every process's real rows (offset + r), so a row samples the same tokens
-    # whatever the process count.
-    me = jax.process_index()
-    first = 0
-    if self.mesh is not None:
-      total = p_rows * jax.process_count()
-      first = distributed.row_block(sharding.batch_sharding(self.mesh, 2, total), total)[0]
-    offset = sum(c[0] for c in counts[:me]) * g
-
-    prompt_PxL = np.full((p_rows, lp), pad_id, np.int32)
-    valid_PxL = np.zeros((p_rows, lp), bool)
-    for i, p in enumerate(prompts):
-      prompt_PxL[i, lp - p.size:] = p
-      valid_PxL[i, lp - p.size:] = True
-    valid_PxL[n_prompts:, -1] = True  # padding prompts: one dummy token, never read
-    src_B = (first + np.minimum(np.arange(rows) // g, max(n_prompts - 1, 0))).astype(np.int32)
-    active_B = np.arange(rows) < n_prompts * g
-    keyrow_B = (offset + np.arange(rows)).astype(np.uint32)
-    stop_arr = np.full((num_stop,), -1, np.int32)
-    stop_arr[:len(stop)] = stop
-
+    # each process pads its block of rows to the common bucket. Row r of this
+    # process draws its randomness as row `offset + r` of every process's real
+    # rows, so a row samples the same tokens whatever the process count.
+    counts = distributed.allgather((len(prompts), max((p.size for p in prompts), default=1)))
+    offset = sum(c[0] for c in counts[:jax.process_index()]) * g
+    host, static = self._layout(prompts, g, sampling, stop, pad_id,
+                                rows_for=max(max(c[0] for c in counts), 1),
+                                len_for=max(c[1] for c in counts), key_offset=offset)
+    n_prompts, p_rows, rows = len(prompts), host[0].shape[0], host[2].shape[0]
     put, rep = self._put_batch, self._put_replicated
     if prompt_keys is not None:
       prompt_keys = jnp.asarray(prompt_keys)
@@ -310,21 +387,79 @@ class Sampler:
           prompt_keys.dtype, jax.dtypes.prng_key):
         raise ValueError(f"prompt_keys: a typed key array of shape ({n_prompts},) expected, got "
                          f"{prompt_keys.dtype}{tuple(prompt_keys.shape)}")
+      if jax.process_count() > 1:
+        raise ValueError("Sampler.generate(prompt_keys=...) with several processes: per-call "
+                         "model services (judges, user simulators) need a process-local mesh")
       # Padding prompts reuse the last key; their rows are inactive.
       prompt_keys = rep(prompt_keys[np.minimum(np.arange(p_rows), n_prompts - 1)])
       branch_B = rep(np.asarray(np.arange(rows) % g, np.uint32))
       key = (prompt_keys, branch_B)
-    if prompt_keys is not None and jax.process_count() > 1:
-      raise ValueError("Sampler.generate(prompt_keys=...) with several processes: per-call "
-                       "model services (judges, user simulators) need a process-local mesh")
+    prompt_PxL, valid_PxL, src_B, active_B, keyrow_B, stop_arr = host
     args = (put(prompt_PxL), put(valid_PxL), put(src_B), put(active_B), put(keyrow_B),
-            rep(stop_arr),
-            key if prompt_keys is not None else rep(key),
-            rep(np.float32(sampling.temperature)), rep(np.float32(sampling.top_p)),
-            rep(np.int32(max_new)), rep(np.int32(pad_id)))
+            rep(stop_arr), key if prompt_keys is not None else rep(key))
+    args += self._scalars(sampling, pad_id)
+    return args, static
+
+  def _scalars(self, sampling: SamplingConfig, pad_id: int) -> tuple:
+    rep = self._put_replicated
+    return (rep(np.float32(sampling.temperature)), rep(np.float32(sampling.top_p)),
+            rep(np.int32(sampling.max_new_tokens)), rep(np.int32(pad_id)))
+
+  def _layout(self, prompts, g: int, sampling: SamplingConfig, stop: list, pad_id: int, *,
+              rows_for: Optional[int] = None, len_for: Optional[int] = None,
+              active: bool = True, key_offset: int = 0):
+    """Host arrays (prompt_PxL, valid_PxL, src_B, active_B, keyrow_B, stop ids) and
+    static choices.
+
+    Buckets follow `rows_for` prompts of `len_for` tokens when given (a stacked
+    call lays every agent out in the largest agent's buckets; several processes
+    lay out the largest process's); `active=False` marks every row inactive (an
+    agent with nothing to sample in a stacked call); row r draws its randomness
+    as row `key_offset + r`. With several processes the arrays are this
+    process's block of the global rows.
+    """
+    n_prompts = len(prompts)
+    rows_for = n_prompts if rows_for is None else rows_for
+    len_for = max(p.size for p in prompts) if len_for is None else len_for
+    max_new = sampling.max_new_tokens
+    p_rows = bucket_or_pow2(rows_for, self.batch_buckets, "prompts (Sampler.batch_buckets)")
+    procs = jax.process_count() if self.mesh is not None else 1
+    shards = self.num_batch_shards // procs  # this process's batch shards
+    if procs > 1:  # a process's block must split over its own devices
+      p_rows = round_up(p_rows, shards)
+    # Decode rows follow the prompt bucket, not the exact P * G, so the program
+    # is a function of the prompt bucket alone (same sizes for power-of-two
+    # buckets, fewer programs for custom ones), unless no bucket is that large.
+    if self.batch_buckets is None or p_rows * g <= self.batch_buckets[-1]:
+      rows = bucket_or_pow2(p_rows * g, self.batch_buckets, "rows (Sampler.batch_buckets)")
+    else:
+      rows = bucket_or_pow2(rows_for * g, self.batch_buckets, "rows (Sampler.batch_buckets)")
+    rows = round_up(rows, shards)
+    lp = bucket_or_pow2(len_for, self.prompt_buckets,
+                        "prompt length (Sampler.prompt_buckets)", minimum=16)
+    num_new = bucket_or_pow2(max_new, self.decode_buckets,
+                             "max_new_tokens (Sampler.decode_buckets)", minimum=16)
+    num_stop = next_pow2(len(stop), 4)
+
+    prompt_PxL = np.full((p_rows, lp), pad_id, np.int32)
+    valid_PxL = np.zeros((p_rows, lp), bool)
+    for i, p in enumerate(prompts):
+      prompt_PxL[i, lp - p.size:] = p
+      valid_PxL[i, lp - p.size:] = True
+    valid_PxL[n_prompts:, -1] = True  # padding prompts: one dummy token, never read
+    # Row r continues its prompt r // g: global prompt row `first + r // g`.
+    first = 0
+    if procs > 1:
+      total = p_rows * procs
+      first = distributed.row_block(sharding.batch_sharding(self.mesh, 2, total), total)[0]
+    src_B = (first + np.minimum(np.arange(rows) // g, max(n_prompts - 1, 0))).astype(np.int32)
+    active_B = (np.arange(rows) < n_prompts * g) & active
+    keyrow_B = (key_offset + np.arange(rows)).astype(np.uint32)
+    stop_arr = np.full((num_stop,), -1, np.int32)
+    stop_arr[:len(stop)] = stop
     static = dict(num_new=num_new, greedy=sampling.greedy, top_k=sampling.top_k,
                   use_top_p=sampling.top_p < 1.0)
-    return args, static
+    return (prompt_PxL, valid_PxL, src_B, active_B, keyrow_B, stop_arr), static
 
   def precompile(self, state: nnx.State, num_prompts: int, prompt_len: int,
                  num_generations: int, sampling: SamplingConfig, num_stop_ids: int = 1,
@@ -348,6 +483,22 @@ class Sampler:
     if self.mesh is None:
       return state
     return jax.device_put(state, self._state_shardings)
+
+  def _put_stacked_state(self, states):
+    if self.mesh is None:
+      return states
+    sh = jax.tree.map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), self._state_shardings)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(states)):
+      return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          states, sh)
+    return jax.device_put(states, sh)
+
+  def _put_stacked(self, x):
+    """An [A, rows, ...] array, sharded like a batch on its row axis."""
+    if self.mesh is None:
+      return jnp.asarray(x)
+    spec = sharding.batch_sharding(self.mesh, x.ndim - 1, x.shape[1]).spec
+    return jax.device_put(x, NamedSharding(self.mesh, P(None, *spec)))
 
   def _put_batch(self, x):
     """This process's block of rows `x` as a global array sharded on its rows."""
@@ -377,8 +528,19 @@ class Sampler:
     spec = NamedSharding(self.mesh, P(batch_axes, None, self._kv_axis, None))
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), cache)
 
-  def _generate_impl(self, state, prompt_PxL, valid_PxL, src_B, active_B, keyrow_B, stop_ids, key,
-                     temperature, top_p, max_new, pad_id, *, num_new, greedy, top_k,
+  def _generate_stacked_impl(self, states_A, prompt_AxPxL, valid_AxPxL, src_AxB, active_AxB,
+                             keyrow_AxB, stop_ids, keys_A, temperature, top_p, max_new, pad_id,
+                             **static):
+    def one(state, prompt_PxL, valid_PxL, src_B, active_B, keyrow_B, key):
+      return self._generate_impl(state, prompt_PxL, valid_PxL, src_B, active_B, keyrow_B,
+                                 stop_ids, key, temperature, top_p, max_new, pad_id, **static)
+    args = (states_A, prompt_AxPxL, valid_AxPxL, src_AxB, active_AxB, keyrow_AxB, keys_A)
+    if self.agent_map == "vmap":
+      return jax.vmap(one)(*args)
+    return jax.lax.map(lambda a: one(*a), args)
+
+  def _generate_impl(self, state, prompt_PxL, valid_PxL, src_B, active_B, keyrow_B, stop_ids,
+                     key, temperature, top_p, max_new, pad_id, *, num_new, greedy, top_k,
                      use_top_p):
     self._num_traces += 1  # runs once per trace, i.e. per compiled program
     model = nnx.merge(self._graphdef, state)

@@ -22,7 +22,7 @@ from mtrl_jax import distributed, metrics as metrics_lib, sharding
 from mtrl_jax.rollout.batching import (BatchConfig, global_batch, make_agent_batches,
                                        make_train_batch)
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.policy import TimedPolicy
+from mtrl_jax.rollout.policy import StackedStates, TimedPolicy
 from mtrl_jax.sampling import Sampler
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train import shapes as shapes_lib
@@ -74,10 +74,11 @@ class Components:
     return self.train_step.init_state(starts, seed=seed)
 
   def policy_states(self, params):
-    """What the sampler acts with: the shared params, or one slice per agent."""
+    """What the sampler acts with: the shared params, or every agent's stacked (one
+    sampler call per tree level for all agents)."""
     if not self.separate:
       return params
-    return [agent_slice(params, a) for a in range(len(self.models))]
+    return StackedStates(params, len(self.models))
 
   def make_batch(self, tree):
     """The train batch of a tree: one batch, or one per agent stacked on axis 0.

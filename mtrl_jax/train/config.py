@@ -128,28 +128,38 @@ class AgentsConfig:
       `optim.learning_rate` for every agent).
     paths: per-agent local HF checkpoint directories ('' or empty: the
       top-level `model`); every agent must have the top-level architecture.
+    presets: per-agent model presets ('' or empty: the top-level `model`);
+      an agent's preset must give the top-level architecture (agents of
+      different architectures would need one program per agent: not built).
   """
 
   share_policy: bool = True
   learning_rates: tuple = ()
   paths: tuple = ()
+  presets: tuple = ()
 
   def __post_init__(self):
     object.__setattr__(self, "learning_rates", tuple(self.learning_rates))
     object.__setattr__(self, "paths", tuple(self.paths))
+    object.__setattr__(self, "presets", tuple(self.presets))
     if any(isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0
            for r in self.learning_rates):
       raise ValueError(f"config agents.learning_rates={self.learning_rates!r}; allowed: "
                        "positive numbers, one per agent (or empty)")
-    if not all(isinstance(p, str) for p in self.paths):
-      raise ValueError(f"config agents.paths={self.paths!r}; allowed: directory strings, one "
-                       "per agent (or empty)")
-    if self.share_policy and (self.learning_rates or any(self.paths)):
-      raise ValueError("config agents.learning_rates / agents.paths need "
+    for name in ("paths", "presets"):
+      if not all(isinstance(p, str) for p in getattr(self, name)):
+        raise ValueError(f"config agents.{name}={getattr(self, name)!r}; allowed: strings, one "
+                         "per agent (or empty)")
+    if self.share_policy and (self.learning_rates or any(self.paths) or any(self.presets)):
+      raise ValueError("config agents.learning_rates / agents.paths / agents.presets need "
                        "agents.share_policy=False; allowed: empty with a shared policy")
+    for a, (path, preset) in enumerate(zip(self.paths, self.presets)):
+      if path and preset:
+        raise ValueError(f"config agents.paths[{a}]={path!r} and agents.presets[{a}]="
+                         f"{preset!r}; allowed: at most one of them per agent")
 
   def check(self, num_agents: int):
-    for name in ("learning_rates", "paths"):
+    for name in ("learning_rates", "paths", "presets"):
       v = getattr(self, name)
       if v and len(v) != num_agents:
         raise ValueError(f"config agents.{name}={v!r} has {len(v)} entries; allowed: "

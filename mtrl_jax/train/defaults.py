@@ -135,6 +135,7 @@ def base_config() -> ml_collections.ConfigDict:
       share_policy=True,  # True: one policy for every agent; False: one policy per agent
       learning_rates=(),  # per-agent RL learning rates (empty: optim.learning_rate for all)
       paths=(),  # per-agent local HF checkpoints, same architecture ('' / empty: model)
+      presets=(),  # per-agent model presets, same architecture ('' / empty: model)
   )
   c.curriculum = dict(
       # Move tasks.kwargs[level_key] by rolling rollout success (mtrl_jax.data.CurriculumStream);

@@ -254,19 +254,31 @@ def check_agents(exp: Experiment):
     raise ValueError(f"config rl.updates_per_step={exp.rl.updates_per_step} with "
                      "agents.share_policy=False; allowed: 1 (the trainer's old logprobs are "
                      "not yet computed for stacked agents)")
+  m = exp.model
+  same = dict(remat=m.remat, attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype)
+  for a, preset in enumerate(exp.agents.presets):
+    if not preset:
+      continue
+    cfg = get_preset(preset).replace(**same)
+    if not exp.model_path:  # a from-scratch model's vocabulary is fitted to the tokenizer
+      cfg = cfg.replace(vocab_size=m.vocab_size)
+    if cfg != m:
+      raise ValueError(f"config agents.presets[{a}]={preset!r}: its architecture differs from "
+                       "the top-level model's; allowed: '' or a preset of the same architecture "
+                       "(agents are stacked in one program; one program per agent for "
+                       "different architectures is not built)")
   for a, path in enumerate(exp.agents.paths):
     if not path:
       continue
     if not os.path.isfile(os.path.join(path, "config.json")):
       raise ValueError(f"config agents.paths[{a}]={path!r} has no config.json; allowed: a local "
                        "HF-format checkpoint directory, or '' for the top-level model")
-    m = exp.model
-    cfg = ModelConfig.from_hf_json(path).replace(remat=m.remat, attention=m.attention,
-                                                 dtype=m.dtype, param_dtype=m.param_dtype)
+    cfg = ModelConfig.from_hf_json(path).replace(**same)
     if cfg != exp.model:
       raise ValueError(f"config agents.paths[{a}]={path!r}: its architecture differs from the "
-                       "top-level model's; allowed: the same architecture for every agent (one "
-                       "stacked program; different architectures are not supported yet)")
+                       "top-level model's; allowed: the same architecture for every agent (agents "
+                       "are stacked in one program; one program per agent for different "
+                       "architectures is not built)")
 
 
 def check_imports(exp: Experiment):

@@ -143,9 +143,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   writer = (metrics_lib.MetricsWriter(workdir, resume_step=start if resumed else None)
             if writes else metrics_lib.NullWriter())
   if exp.rl.precompile:
-    one_policy = parts.policy_states(state.params)
-    one_policy = one_policy[0] if parts.separate else one_policy
-    info = shapes_lib.precompile(parts.shapes, parts.sampler, one_policy, parts.train_step,
+    info = shapes_lib.precompile(parts.shapes, parts.sampler,
+                                 parts.policy_states(state.params), parts.train_step,
                                  len(parts.renderer.fmt.stop_ids))
     print(f"precompiled {info['sampler_programs']} sampler programs in "
           f"{info['sampler_seconds']} s and {info['train_programs']} train-step programs in "

@@ -25,10 +25,12 @@ import ml_collections
 from flax import nnx
 
 from mtrl_jax import checkpoint
+from mtrl_jax.rollout.policy import StackedStates
 from mtrl_jax.train import components, defaults
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train.components import Components
+from mtrl_jax.train.stacked import agent_slice
 
 # Files of an HF tokenizer copied next to the exported weights when the run has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -79,7 +81,7 @@ class SavedPolicy:
 
   @property
   def params(self):
-    """What the sampler acts with: the policy's params, or a list with one per agent."""
+    """What the sampler acts with: the policy's params, or every agent's stacked."""
     if self.saved_params is None:
       return nnx.state(self.parts.model, nnx.Param)
     return self.parts.policy_states(self.saved_params)
@@ -87,7 +89,9 @@ class SavedPolicy:
   def models(self) -> list:
     """One model per policy (the shared one, or one per agent) with the saved weights."""
     params = self.params
-    if not isinstance(params, list):
+    if isinstance(params, StackedStates):
+      params = [agent_slice(params.params, a) for a in range(params.num_agents)]
+    else:
       params = [params]
     graphdef = nnx.graphdef(self.parts.model)
     return [nnx.merge(graphdef, p) for p in params]

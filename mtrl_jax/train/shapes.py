@@ -89,9 +89,11 @@ def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
   greedy = dataclasses.replace(exp.sampling, greedy=True)
   # Prompt counts of each kind of call: a level's first call (all its nodes'
   # prompts, per agent state or all agents in one call), a sub-step round (one
-  # prompt per action), the evaluations (G = 1).
+  # prompt per action), the evaluations (G = 1). Separate policies sample every
+  # agent in one stacked call whose rows count one agent's prompts.
+  m = 1 if not exp.agents.share_policy else n
   calls = []
-  first = [nodes * n for nodes in plan.level_nodes] + list(plan.level_nodes)
+  first = sorted({nodes * m for nodes in plan.level_nodes} | set(plan.level_nodes))
   calls.append(SamplerCall(exp.sampling, g, max(first)))
   if tree.shape == "chain" and tree.num_turns > 1:  # below the roots: G = 1 per node
     calls.append(SamplerCall(exp.sampling, 1, max(first)))
@@ -99,10 +101,10 @@ def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
   if tree.substeps:  # one continuation per action: G = 1 over up to a level's samples
     calls.append(SamplerCall(exp.sampling, 1, plan.max_level_generations))
     counts.update(c * g for c in first)
-  eval_sizes = [ev.num_tasks * n]
+  eval_sizes = [ev.num_tasks * m]
   counts.update(eval_sizes)
   if sft.steps and sft.until_success > 0:
-    check = sft.check_tasks * n
+    check = sft.check_tasks * m
     eval_sizes.append(check)
     if check > max(counts):  # else padded up to a bucket above: no program of its own
       counts.add(check)
@@ -142,12 +144,20 @@ def per_process(exp, num_processes: int):
 
 
 def precompile(shapes: ShapePlan, sampler, sampler_state, train_step, num_stop_ids: int) -> dict:
-  """Compiles every sampler and train-step program of `shapes`; returns counts and seconds."""
+  """Compiles every sampler and train-step program of `shapes`; returns counts and seconds.
+
+  `sampler_state`: the shared policy's params, or `StackedStates` (separate
+  policies: the stacked programs of `Sampler.generate_stacked`)."""
   t0 = time.perf_counter()
   programs = shapes.sampler_programs()
+  stacked = getattr(sampler_state, "num_agents", None) is not None  # StackedStates
   for call, p, lp in programs:
-    sampler.precompile(sampler_state, p, lp, call.num_generations, call.sampling,
-                       num_stop_ids=num_stop_ids)
+    if stacked:  # separate policies: every call samples all agents at once
+      sampler.precompile_stacked(sampler_state.params, p, lp, call.num_generations,
+                                 call.sampling, num_stop_ids=num_stop_ids)
+    else:
+      sampler.precompile(sampler_state, p, lp, call.num_generations, call.sampling,
+                         num_stop_ids=num_stop_ids)
   t1 = time.perf_counter()
   agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
   for spec in shapes.train_specs():

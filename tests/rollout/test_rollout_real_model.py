@@ -6,11 +6,12 @@ from flax import nnx
 
 from mtrl_jax.envs import RewardConfig
 from mtrl_jax.models import create_model
-from mtrl_jax.rollout import SamplerPolicy, TreeConfig, expand_tree, pack_tree
+from mtrl_jax.rollout import SamplerPolicy, StackedStates, TreeConfig, expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.sampling import Sampler, SamplingConfig
 from mtrl_jax.tasks import calculator
 from mtrl_jax.testing import DuoEnv, ToolThenUserEnv, byte_renderer
+from mtrl_jax.train.stacked import stack_trees
 
 
 def test_tiny_model_tree_shared_and_separate_policies(tiny_model, renderer):
@@ -19,7 +20,8 @@ def test_tiny_model_tree_shared_and_separate_policies(tiny_model, renderer):
   _, state0 = nnx.split(tiny_model)
   _, state1 = nnx.split(create_model(cfg, seed=1))
   # Fixed buckets: every level of both runs fits one compiled program.
-  sampler = Sampler(cfg, batch_buckets=(16,), prompt_buckets=(64,), decode_buckets=(16,))
+  sampler = Sampler(cfg, batch_buckets=(16,), prompt_buckets=(64,), decode_buckets=(16,),
+                    agent_map="map")
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
   tree_cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2)
   transition = EnvTransition(renderer, num_agents=2,
@@ -33,10 +35,18 @@ def test_tiny_model_tree_shared_and_separate_policies(tiny_model, renderer):
 
   shared, shared_policy = run(state0)
   separate, separate_policy = run([state0, state1])
+  stacked, stacked_policy = run(StackedStates(stack_trees([state0, state1]), 2))
   assert shared_policy.num_generate_calls == 2  # one call per level
   assert separate_policy.num_generate_calls == 4  # one call per level per agent state
-  assert sampler.num_compiles == 1
-  for tree in (shared, separate):
+  assert stacked_policy.num_generate_calls == 2  # one call per level for both agents
+  assert sampler.num_compiles == 2  # generate's program, and generate_stacked's
+  # One stacked call per level samples exactly what one call per agent does.
+  for a, b in zip(separate.nodes, stacked.nodes):
+    for ca, cb in zip(a.completions, b.completions):
+      for x, y in zip(ca, cb):
+        np.testing.assert_array_equal(x.ids, y.ids)
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+  for tree in (shared, separate, stacked):
     assert tree.counts() == {"nodes": 6, "generations": 24, "reward_calls": 12}
     for node in tree.nodes:
       for comps in node.completions:

@@ -77,11 +77,17 @@ def test_export_writes_one_hf_directory_per_agent(full_run, tmp_path):
   assert np.abs(logits[0] - logits[1]).max() > 1e-4
   with pytest.raises(ValueError, match="models"):
     policy.model  # noqa: B018  (one policy per agent: there is no single model)
+  # Keep-best: one decision on the joint held-out success; best/ holds every agent.
+  best = saved.load_policy(full_run, "best")
+  assert best.step in [r["step"] for r in _rows(full_run) if "eval/greedy/success" in r]
+  assert len(best.models()) == 2
 
 
 @pytest.mark.parametrize("field, value, match", [
     ("agents.learning_rates", (1e-3,), "1 entries; allowed: 2"),
     ("agents.paths", ("/nonexistent", ""), "no config.json"),
+    # Different architectures would need one program per agent (not built): refused.
+    ("agents.presets", ("", "small"), r"presets\[1\]='small': its architecture differs"),
 ])
 def test_bad_agents_config_is_refused_in_one_line(field, value, match):
   c = _config(1)
@@ -89,7 +95,10 @@ def test_bad_agents_config_is_refused_in_one_line(field, value, match):
   c[group][name] = value
   with pytest.raises(experiment.ConfigError, match=match):
     experiment.validate(c)
-  c = coop_config.get_config("smoke=True")
+  c = _config(1)
+  c.agents.presets = ("tiny", "")  # the smoke config's own architecture: accepted
+  experiment.validate(c)
+  c = coop_config.get_config("smoke=True,share_policy=True")
   c.agents.learning_rates = (1e-3, 1e-3)
   with pytest.raises(experiment.ConfigError, match="share_policy=False"):
     experiment.validate(c)

@@ -14,7 +14,8 @@ from mtrl_jax.train import rl
 
 @pytest.mark.parametrize("module,arg", [
     (humaneval_config, "smoke=True,agents=2"),
-    (coop_config, "smoke=True"),
+    # One shared policy here; coop's separate-policy default runs in test_separate_policies.
+    (coop_config, "smoke=True,share_policy=True"),
 ])
 def test_smoke_config_trains_two_steps(tmp_path, module, arg):
   config = module.get_config(arg)
@@ -26,6 +27,10 @@ def test_smoke_config_trains_two_steps(tmp_path, module, arg):
   assert [r["step"] for r in rows] == [0, 1, 2]
   assert rows[1]["tree/nodes"] >= 1 and "turn_0/mean_reward" in rows[1]
   assert summary["best"] is not None
+  # HumanEval defaults to one policy per agent (aux and main), as CoMLRL trains them.
+  assert config.agents.share_policy == ("share_policy=True" in arg)
+  assert all((f"agent_{a}/batch/actions" in rows[1]) != config.agents.share_policy
+             for a in (0, 1))
 
 
 @pytest.mark.parametrize("module", [calculator_config, coop_config, humaneval_config])
@@ -42,3 +47,12 @@ def test_every_smoke_config_applies_the_common_overlay(module):
     assert config[group][field] == overlay[group][field], key
   assert (config.model.preset, config.tree.num_generations, config.rl.precompile) == (
       "tiny", 2, False)
+
+
+def test_multi_agent_configs_default_to_one_policy_per_agent():
+  """CoMLRL trains one LLM per agent: coop and HumanEval (aux + main) default to it."""
+  for config in (coop_config.get_config(None), coop_config.get_config("smoke=True"),
+                 humaneval_config.get_config(None), humaneval_config.get_config("smoke=True")):
+    assert config.tree.num_agents == 2 and not config.agents.share_policy
+  assert coop_config.get_config("share_policy=True").agents.share_policy
+  assert humaneval_config.get_config("agents=1").agents.share_policy  # GRPO: one agent
