@@ -44,7 +44,7 @@ def apply_smoke(c: ml_collections.ConfigDict, *, rl_steps: int = 2, sft_steps: i
                 roots_per_step: int = 2, eval_tasks: int = 4) -> ml_collections.ConfigDict:
   """The `smoke=True` overlay: the whole pipeline in seconds on a tiny model (tests, CI).
 
-  Compiles lazily, uses the `tiny` preset, G = 2, evaluates every 2 steps,
+  Compiles lazily, uses the `tiny` preset (its own depth), G = 2, evaluates every 2 steps,
   checkpoints and dumps every step. The keyword arguments are what differs by
   task; the task config sets anything else it needs afterwards.
 
@@ -60,6 +60,7 @@ def apply_smoke(c: ml_collections.ConfigDict, *, rl_steps: int = 2, sft_steps: i
   """
   c.rl.precompile = False  # compiles lazily: a few steps need a few shapes
   c.model.preset = "tiny"
+  c.model.num_layers = 0  # the tiny preset's own depth
   c.tree.num_generations = 2
   c.rl.steps = rl_steps
   c.rl.roots_per_step = roots_per_step
