@@ -8,8 +8,9 @@ separate policies given as `StackedStates` (parameters stacked on an agent
 axis) make one `generate_stacked` call per level, every agent's prompts with
 its own parameters in one compiled program; a list of per-agent states makes
 one call per agent. Each prompt is prefilled once and forked into G
-continuations; agent a samples with `fold_in(key, a)` in both separate forms. `FakePolicySampler` is a deterministic,
-batching-independent stand-in for tests of the tree bookkeeping.
+continuations; agent a samples with `fold_in(key, a)` in both separate forms.
+`FakePolicySampler` is a deterministic, batching-independent stand-in for
+tests of the tree bookkeeping.
 """
 
 from __future__ import annotations
