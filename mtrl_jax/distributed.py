@@ -170,12 +170,6 @@ def allgather(obj: Any) -> list:
   return out
 
 
-def agree_max(*values: int) -> tuple[int, ...]:
-  """The element-wise maximum of `values` over every process (shapes they share)."""
-  rows = allgather(tuple(int(v) for v in values))
-  return tuple(max(r[i] for r in rows) for i in range(len(values)))
-
-
 def any_process(flag: bool) -> bool:
   """True when `flag` holds on some process (a loop every process must run together)."""
   return any(allgather(bool(flag)))
