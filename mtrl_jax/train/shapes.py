@@ -35,6 +35,7 @@ import jax
 from mtrl_jax.buckets import bucket, round_up
 from mtrl_jax.rollout import plan_tree
 from mtrl_jax.rollout.packing import batch_spec
+from mtrl_jax.rollout.policy import StackedStates
 from mtrl_jax.rollout.tree_packing import logit_buckets, tree_batch_spec
 from mtrl_jax.sampling import SamplingConfig
 
@@ -150,7 +151,7 @@ def precompile(shapes: ShapePlan, sampler, sampler_state, train_step, num_stop_i
   policies: the stacked programs of `Sampler.generate_stacked`)."""
   t0 = time.perf_counter()
   programs = shapes.sampler_programs()
-  stacked = getattr(sampler_state, "num_agents", None) is not None  # StackedStates
+  stacked = isinstance(sampler_state, StackedStates)
   for call, p, lp in programs:
     if stacked:  # separate policies: every call samples all agents at once
       sampler.precompile_stacked(sampler_state.params, p, lp, call.num_generations,

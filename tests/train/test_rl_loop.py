@@ -146,3 +146,42 @@ def test_shape_plan_covers_every_sampler_call_of_the_config():
   c.rl.packing = "rows"
   plan = shapes.plan_shapes(experiment.build(c), row_multiple=2, sampler_shards=2)
   assert plan.train_shapes() == [(b, l) for b in plan.train_rows for l in plan.train_lens]
+
+
+def test_precompile_takes_the_stacked_sampler_and_agent_axis_for_separate_policies():
+  """`shapes.precompile` with `StackedStates`: every sampler program through
+  `precompile_stacked` on the stacked params, every train spec with a leading
+  agent axis; shared params: `precompile` and plain specs (recording fakes, no compile)."""
+  from mtrl_jax.rollout.policy import StackedStates
+  from mtrl_jax.train import shapes
+
+  class Sampler:
+    def __init__(self):
+      self.calls = []
+
+    def precompile(self, state, *a, **k):
+      self.calls.append(("plain", state))
+
+    def precompile_stacked(self, states, *a, **k):
+      self.calls.append(("stacked", states))
+
+  class Step:
+    def __init__(self, num_agents=None):
+      self.num_agents, self.specs = num_agents, []
+
+    def precompile(self, spec):
+      self.specs.append(spec)
+
+  plan = shapes.plan_shapes(experiment.build(smoke_config()), row_multiple=2, sampler_shards=2)
+  n_programs, n_specs = len(plan.sampler_programs()), len(plan.train_specs())
+  for states, step, kind in ((StackedStates("params_AxP", 2), Step(2), "stacked"),
+                             ("params_P", Step(), "plain")):
+    sampler = Sampler()
+    info = shapes.precompile(plan, sampler, states, step, num_stop_ids=1)
+    expected = "params_AxP" if kind == "stacked" else "params_P"
+    assert sampler.calls == [(kind, expected)] * n_programs == [(kind, expected)] * info[
+        "sampler_programs"]
+    assert len(step.specs) == n_specs
+    for spec, plain in zip(step.specs, plan.train_specs()):
+      lead = (2,) if kind == "stacked" else ()
+      assert {k: v.shape for k, v in spec.items()} == {k: lead + v.shape for k, v in plain.items()}
