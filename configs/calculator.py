@@ -77,7 +77,9 @@ def get_sweep(arg=None):
   Axes: turns (T in 1, 2, 3), generations (G in 2, 4, 8), algorithm (grpo,
   gspo, reinforce), sft (warm-up vs none), reward (outcome only vs with
   penalties), curriculum (RL tasks at a level moved by rollout success vs the
-  eval distribution throughout), and 'all' (the config, then one change at a time: G 2 and 8,
+  eval distribution throughout), shape (tree vs chain at equal segments per
+  root), packing (tree-packed vs one row per action: same curves, other
+  wall times), and 'all' (the config, then one change at a time: G 2 and 8,
   GSPO, REINFORCE, no SFT, outcome-only reward). The turns axis is degenerate
   here: an episode has exactly two user turns, so T = 1 cuts it before the
   graded answer and T = 3 equals T = 2; the coop task has the T ablation.
@@ -93,6 +95,9 @@ def get_sweep(arg=None):
       "reward": [{"reward.step_penalty": -0.05, "reward.tool_penalty": -0.2},
                  {"reward.step_penalty": 0.0, "reward.tool_penalty": 0.0}],
       "curriculum": [{"curriculum.enabled": False}, {"curriculum.enabled": True}],
+      # Equal segments per root (rollout.config.generations_per_root): 4 + 16 = 10 x 2.
+      "shape": [{"tree.shape": "tree"}, {"tree.shape": "chain", "tree.num_generations": 10}],
+      "packing": [{"rl.packing": "tree"}, {"rl.packing": "rows"}],
   }
   # 'all': the demo config once plus every other setting of the axes above
   # (one change each), so the base is not run once per axis.

@@ -80,15 +80,18 @@ def get_sweep(arg=None):
 
   Axes: turns (T in 1, 2, 3: T = 1 is one joint answer with no partner
   feedback), joint (align vs cross), feedback (the turn-2 message shows the
-  partner's answer or not), policy (one shared policy vs one per agent), and
-  'all' (the config, then one change at a time). docs/ablations.md's coop
-  table ran `cpu` and `feedback` with `configs/coop.py:share_policy=True`.
+  partner's answer or not), policy (one shared policy vs one per agent), shape
+  (tree vs chain at equal joint actions per root), and 'all' (the config, then
+  one change at a time). docs/ablations.md's coop table ran `cpu` and
+  `feedback` with `configs/coop.py:share_policy=True`.
   """
   axes = {
       "turns": [{"tree.num_turns": t} for t in (1, 2, 3)],
       "joint": [{"tree.joint_mode": "align"}, {"tree.joint_mode": "cross"}],
       "feedback": [{"env.kwargs.show_partner": True}, {"env.kwargs.show_partner": False}],
       "policy": [{"agents.share_policy": True}, {"agents.share_policy": False}],
+      # Equal joint actions per root (rollout.config.generations_per_root): 4 + 16 = 10 x 2.
+      "shape": [{"tree.shape": "tree"}, {"tree.shape": "chain", "tree.num_generations": 10}],
   }
   axes["all"] = ([{}, axes["turns"][0], axes["turns"][2]] + axes["joint"][1:]
                  + axes["feedback"][1:])
