@@ -250,10 +250,6 @@ def check_processes(exp: Experiment):
 def check_agents(exp: Experiment):
   """Separate policies: one entry per agent, every agent of the top-level architecture."""
   exp.agents.check(exp.tree.num_agents)
-  if not exp.agents.share_policy and exp.rl.updates_per_step > 1:
-    raise ValueError(f"config rl.updates_per_step={exp.rl.updates_per_step} with "
-                     "agents.share_policy=False; allowed: 1 (the trainer's old logprobs are "
-                     "not yet computed for stacked agents)")
   m = exp.model
   same = dict(remat=m.remat, attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype)
   for a, preset in enumerate(exp.agents.presets):

@@ -30,7 +30,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import sharding
-from mtrl_jax.train.step import StepConfig, TrainState, TrainStep
+from mtrl_jax.train.objectives import is_tree_batch, trainer_old_key
+from mtrl_jax.train.step import StepConfig, TrainState, TrainStep, _forward_keys
 
 
 def _stack_sharding(s: NamedSharding) -> NamedSharding:
@@ -131,17 +132,37 @@ class StackedTrainStep:
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
       return fn(state, ref_params, batch, self.scales)
 
+  def old_logprobs(self, params, batch_A: Mapping[str, Any]) -> dict:
+    """Every agent's own logprobs of its rows at its `params` [A, ...] (no gradient),
+    stacked [A, B, ...]: the `trainer_old_key` entry that several updates per batch
+    read (`TrainStep.old_logprobs`, mapped over the agent axis)."""
+    fwd = {k: batch_A[k] for k in _forward_keys(batch_A)}
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
+      return {trainer_old_key(batch_A): self._old_fn_for(fwd)(params, fwd)}
+
+  def _batch_shardings(self, batch_A):
+    return {k: _stack_sharding(sharding.batch_sharding(self.mesh, len(v.shape) - 1, v.shape[1]))
+            for k, v in batch_A.items()}
+
+  def _old_fn_for(self, fwd):
+    key = ("old_logprobs",) + tuple(sorted((k, len(v.shape), v.shape[1]) for k, v in fwd.items()))
+    fn = self._jitted.get(key)
+    if fn is None:
+      rows = fwd["tokens_BxL"].shape[1]
+      fn = jax.jit(jax.vmap(self.inner._old_logp),
+                   in_shardings=(self.param_shardings, self._batch_shardings(fwd)),
+                   out_shardings=_stack_sharding(sharding.batch_sharding(self.mesh, 2, rows)))
+      self._jitted[key] = fn
+    return fn
+
   def _fn_for(self, batch, no_ref: bool):
     key = (no_ref,) + tuple(sorted((k, len(v.shape), v.shape[1]) for k, v in batch.items()))
     fn = self._jitted.get(key)
     if fn is None:
-      batch_sh = {k: _stack_sharding(sharding.batch_sharding(self.mesh, len(v.shape) - 1,
-                                                             v.shape[1]))
-                  for k, v in batch.items()}
       rep = sharding.replicated(self.mesh)
       fn = jax.jit(self._stacked_step,
                    in_shardings=(self.state_shardings, None if no_ref else self.param_shardings,
-                                 batch_sh, rep),
+                                 self._batch_shardings(batch), rep),
                    out_shardings=(self.state_shardings, rep), donate_argnums=(0,),
                    compiler_options=dict(self.step_cfg.compiler_options) or None)
       self._jitted[key] = fn
@@ -153,11 +174,23 @@ class StackedTrainStep:
     return jax.vmap(one, in_axes=(0, ref_axis, 0, 0))(state, ref_params, batch, scales)
 
   def precompile(self, batch: Mapping[str, Any], with_ref=None) -> None:
-    """Compiles the step for this stacked batch's shapes (arrays or ShapeDtypeStructs)."""
+    """Compiles the step for this stacked batch's shapes (arrays or ShapeDtypeStructs);
+    with several updates per batch also the old-logprob forward (as `TrainStep`)."""
+    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if getattr(self.objective, "recompute_old", False):
+      like = batch["old_logp_BxK" if is_tree_batch(batch) else "old_logp_BxL"]
+      # Sharded as `old_logprobs` returns it, so the step's cache entry matches.
+      old = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=_stack_sharding(
+          sharding.batch_sharding(self.mesh, 2, like.shape[1])))
+      batch = {trainer_old_key(batch): old, **batch}
+      fwd = {k: sds(batch[k]) for k in _forward_keys(batch)}
+      with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
+        self._old_fn_for(fwd).lower(self.abstract_state().params, fwd).compile()
     batch = self._select(batch)
     no_ref = not (self.objective.needs_ref if with_ref is None else with_ref)
     fn = self._fn_for(batch, no_ref)
-    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+    abstract = {k: v if isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None
+                else sds(v) for k, v in batch.items()}
     state = self.abstract_state()
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
       fn.lower(state, None if no_ref else state.params, abstract, self.scales).compile()

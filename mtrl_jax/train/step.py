@@ -319,19 +319,19 @@ class TrainStep:
     key = ("old_logprobs",) + tuple(sorted((k, len(v.shape), v.shape[0]) for k, v in fwd.items()))
     fn = self._jitted.get(key)
     if fn is None:
-      temperature = getattr(self.objective, "temperature", 1.0)
-
-      def old(params, fwd):
-        self._num_traces += 1
-        logp, _ = _forward_logprobs(self.graphdef, params, fwd, self.step_cfg, False,
-                                    temperature)
-        return jax.lax.stop_gradient(logp)
-
       rows = fwd["tokens_BxL"].shape[0]
-      fn = jax.jit(old, in_shardings=(self.param_shardings, self._batch_shardings(fwd)),
+      fn = jax.jit(self._old_logp, in_shardings=(self.param_shardings,
+                                                 self._batch_shardings(fwd)),
                    out_shardings=sharding.batch_sharding(self.mesh, 2, rows))
       self._jitted[key] = fn
     return fn
+
+  def _old_logp(self, params, fwd):
+    """Traced body of `old_logprobs` (also mapped over agents by `train.stacked`)."""
+    self._num_traces += 1
+    logp, _ = _forward_logprobs(self.graphdef, params, fwd, self.step_cfg, False,
+                                getattr(self.objective, "temperature", 1.0))
+    return jax.lax.stop_gradient(logp)
 
   def _fn_for(self, batch: Mapping[str, Any], no_ref: bool):
     # Shardings depend on the row count only; jax.jit's own cache adds one

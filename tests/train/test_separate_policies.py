@@ -24,6 +24,7 @@ def _config(steps):
   c.tree.advantage_mode = "raw"
   c.reward.step_penalty = -0.05  # a non-zero return even when the smoke policy fails
   c.loss.kl_coef = 0.01  # the references are per agent too
+  c.rl.updates_per_step = 2  # each agent's clipped ratio reads its own old logprobs
   c.rl.dump_every = 0
   return c
 
@@ -50,6 +51,8 @@ def test_separate_policies_log_per_agent_and_resume_exactly(full_run, tmp_path):
   assert rows[1]["agent_1/train/learning_rate"] == pytest.approx(3e-3, rel=1e-6)
   assert rows[1]["batch/actions"] == (rows[1]["agent_0/batch/actions"]
                                       + rows[1]["agent_1/batch/actions"])
+  for a in (0, 1):  # the second update's ratio sees the first: pi_old is the trainer's
+    assert abs(rows[1][f"agent_{a}/train/ratio_mean"] - 1.0) > 1e-6, a
   # Stop after step 2, continue to step 3: the same rows as the uninterrupted run.
   resumed = str(tmp_path / "resumed")
   rl.run(_config(2), resumed, progress=False)

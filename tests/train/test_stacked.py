@@ -9,6 +9,7 @@ import pytest
 from mtrl_jax import losses, models
 from mtrl_jax.rollout.batching import pad_batch
 from mtrl_jax.train import OptimConfig, StepConfig, TrainStep
+from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.stacked import StackedTrainStep, agent_slice
 
 CFG = models.get_preset("tiny")
@@ -99,3 +100,39 @@ def test_stacked_step_refuses_bad_inputs():
   one_agent = {k: v[:1] for k, v in _stacked([_batch(0, 8), _batch(1, 8)]).items()}
   with pytest.raises(ValueError, match="2 agents"):
     st(state, st.copy_params(state.params), one_agent)
+
+
+def test_several_updates_per_batch_use_each_agents_own_old_logprobs():
+  # rl.updates_per_step > 1 with separate policies: each agent's clipped ratio
+  # reads its own trainer logprobs before the first update, as alone.
+  objective = PolicyObjective(LOSS, recompute_old=True)
+  batches = [_batch(0, 8), _batch(1, 6)]
+  stacked = _stacked(batches)
+  ms = _models()
+  st = StackedTrainStep(ms[0], objective, OPT, RATES, step_cfg=StepConfig(compiler_options=FAST))
+  st.precompile({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in stacked.items()})
+  assert st.num_compiles == 2  # the old-logprob forward and the update
+  state = st.init_state(ms, seed=0)
+  ref = st.copy_params(state.params)
+  stacked.update(st.old_logprobs(state.params, stacked))
+  for _ in range(3):
+    state, m = st(state, ref, stacked)
+  assert st.num_compiles == 2
+  metrics = st.fetch_metrics(m)
+  for a, model in enumerate(_models()):
+    single = TrainStep(model, objective, dataclasses.replace(OPT, learning_rate=RATES[a]),
+                       step_cfg=StepConfig(compiler_options=FAST))
+    s = single.init_state(model, seed=0)
+    r = single.copy_params(s.params)
+    batch = {**batches[a], **single.old_logprobs(s.params, batches[a])}
+    rows = batches[a]["tokens_BxL"].shape[0]
+    np.testing.assert_allclose(np.asarray(stacked["trainer_old_logp_BxL"][a, :rows]),
+                               np.asarray(batch["trainer_old_logp_BxL"]), rtol=1e-6, atol=1e-6)
+    for _ in range(3):
+      s, one = single(s, r, batch)
+    one = single.fetch_metrics(one)
+    for x, y in zip(jax.tree.leaves(agent_slice(state.params, a)), jax.tree.leaves(s.params)):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+    for k in ("loss", "ratio_mean", "clip_frac"):
+      assert metrics[a][k] == pytest.approx(one[k], rel=1e-5, abs=1e-6), (a, k)
+    assert abs(metrics[a]["ratio_mean"] - 1.0) > 1e-5  # third update: the policy moved
