@@ -1,6 +1,7 @@
 """Reads finished run directories and writes a markdown ablation table and a plot.
 
   python -m experiments.ablate --runs='runs/sweep_T/*' --level=0.5 --out=docs/ablations_T.md
+  python -m experiments.ablate --runs='runs/shape/*' --budget --out=/tmp/shape.md  # + tokens, seconds
 
 Runs are grouped by their overrides minus the seed (the directory name written
 by `experiments/sweep.py`); each row reports mean +- std over seeds of the
@@ -18,6 +19,8 @@ from mtrl_jax.train import report
 _RUNS = flags.DEFINE_string("runs", None, "glob of run directories")
 _LEVEL = flags.DEFINE_float("level", 0.5, "success level for the steps-to-reach column")
 _OUT = flags.DEFINE_string("out", "", "markdown output (also printed); a PNG is written beside it")
+_BUDGET = flags.DEFINE_bool("budget", False, "also a table and a plot (<out>_budget.png) of "
+                            "success against sampled tokens and RL seconds")
 flags.mark_flags_as_required(["runs"])
 
 
@@ -33,12 +36,17 @@ def main(argv):
     raise SystemExit(f"no finished run directories (metrics.jsonl + summary.json) match "
                      f"{_RUNS.value!r}")
   table = report.ablation_table(workdirs, level=_LEVEL.value)
+  if _BUDGET.value:
+    table += "\n\n" + report.budget_table(workdirs)
   print(table)
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       f.write(f"`python -m experiments.ablate --runs='{_RUNS.value}' --level={_LEVEL.value}`\n\n")
       f.write(table + "\n")
     png = report.plot_groups(workdirs, os.path.splitext(_OUT.value)[0] + ".png")
+    if _BUDGET.value:
+      png += " and " + report.plot_budget(workdirs, os.path.splitext(_OUT.value)[0]
+                                          + "_budget.png")
     print(f"written {_OUT.value} and {png}")
 
 

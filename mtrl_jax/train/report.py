@@ -134,6 +134,13 @@ def _group_key(workdir: str) -> str:
   return ",".join(parts) or "(base)"
 
 
+def _groups(workdirs: Sequence[str]) -> dict[str, list[str]]:
+  groups: dict[str, list[str]] = {}
+  for w in workdirs:
+    groups.setdefault(_group_key(w), []).append(w)
+  return groups
+
+
 def steps_to_reach(workdir: str, level: float, key: str = SUCCESS_KEY):
   steps, values = eval_curve(workdir, key)
   hit = np.flatnonzero(values >= level)
@@ -142,9 +149,7 @@ def steps_to_reach(workdir: str, level: float, key: str = SUCCESS_KEY):
 
 def ablation_table(workdirs: Sequence[str], level: float, key: str = SUCCESS_KEY) -> str:
   """Markdown: per group (overrides minus seed) mean +- std over seeds."""
-  groups: dict[str, list[str]] = {}
-  for w in workdirs:
-    groups.setdefault(_group_key(w), []).append(w)
+  groups = _groups(workdirs)
   lines = [f"| setting | seeds | after SFT | final | best | steps to {level:g} |",
            "|---|---|---|---|---|---|"]
   for name, runs in groups.items():
@@ -168,9 +173,7 @@ def plot_groups(workdirs: Sequence[str], out_png: str, key: str = SUCCESS_KEY) -
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  groups: dict[str, list[str]] = {}
-  for w in workdirs:
-    groups.setdefault(_group_key(w), []).append(w)
+  groups = _groups(workdirs)
   fig, ax = plt.subplots(figsize=(6, 4))
   for name, runs in groups.items():
     curves = [eval_curve(w, key) for w in runs]
@@ -183,6 +186,59 @@ def plot_groups(workdirs: Sequence[str], out_png: str, key: str = SUCCESS_KEY) -
   ax.set_ylabel("held-out success (greedy)")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=120)
+  plt.close(fig)
+  return out_png
+
+
+def budget_curve(workdir: str, key: str = SUCCESS_KEY) -> dict:
+  """Held-out success against what it cost, at each evaluation: cumulative sampled
+  tokens (`tree/sampled_tokens`) and RL wall seconds (`time/step` less `time/eval`)."""
+  tokens = seconds = 0.0
+  out = {"step": [], "tokens": [], "seconds": [], "success": []}
+  for r in metrics_lib.read_metrics(workdir):
+    tokens += r.get("tree/sampled_tokens", 0.0)
+    seconds += r.get("time/step", 0.0) - r.get("time/eval", 0.0)
+    if key in r:
+      for name, v in (("step", r["step"]), ("tokens", tokens), ("seconds", seconds),
+                      ("success", r[key])):
+        out[name].append(v)
+  return {k: np.asarray(v, np.float64) for k, v in out.items()}
+
+
+def budget_table(workdirs: Sequence[str], key: str = SUCCESS_KEY) -> str:
+  """Markdown: per group, mean over seeds of the final held-out success, the tokens
+  sampled and the RL seconds spent to get there."""
+  lines = ["| setting | seeds | final | sampled tokens | RL seconds (eval excluded) |",
+           "|---|---|---|---|---|"]
+  for name, runs in _groups(workdirs).items():
+    last = [{k: v[-1] for k, v in budget_curve(w, key).items()} for w in runs]
+    mean = lambda f: float(np.mean([c[f] for c in last]))
+    lines.append(f"| {name} | {len(runs)} | {mean('success'):.3f} | "
+                 f"{mean('tokens') / 1e3:.0f}k | {mean('seconds'):.0f} |")
+  return "\n".join(lines)
+
+
+def plot_budget(workdirs: Sequence[str], out_png: str, key: str = SUCCESS_KEY) -> str:
+  """Held-out success against sampled tokens and against RL seconds, one line per
+  run, one colour per group (seeds reach different budgets, so they are not averaged)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+  for i, (name, runs) in enumerate(_groups(workdirs).items()):
+    for j, w in enumerate(runs):
+      c = budget_curve(w, key)
+      for ax, x, scale in ((axes[0], "tokens", 1e3), (axes[1], "seconds", 1.0)):
+        ax.plot(c[x] / scale, c["success"], color=f"C{i}", marker=".", alpha=0.8,
+                label=f"{name} (n={len(runs)})" if j == 0 else None)
+  axes[0].set_xlabel("sampled tokens (thousands)")
+  axes[1].set_xlabel("RL wall seconds (eval excluded)")
+  axes[0].set_ylabel("held-out success (greedy)")
+  for ax in axes:
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(out_png, dpi=120)
   plt.close(fig)

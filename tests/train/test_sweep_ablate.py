@@ -3,6 +3,7 @@
 import json
 import os
 
+import numpy as np
 import pytest
 
 from mtrl_jax.train import report
@@ -70,3 +71,29 @@ def test_sweep_skips_finished_runs(tmp_path):
                         "--only=generations=8,generations=2", "--print_only"],
                        capture_output=True, text=True, check=True, cwd=ROOT).stdout
   assert len(out.splitlines()) == 6 and "num_generations=4" not in out
+
+
+def test_budget_curve_table_and_plot(tmp_path):
+  def run(name, rows):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(d)
+
+  s = report.SUCCESS_KEY
+  tree = run("tree.shape=tree,seed=0", [
+      {"step": 0, s: 0.2, "time/step": 5.0, "time/eval": 5.0},  # eval only: no RL cost
+      {"step": 1, "tree/sampled_tokens": 100.0, "time/step": 2.0},
+      {"step": 2, "tree/sampled_tokens": 150.0, "time/step": 9.0, "time/eval": 6.0, s: 0.5}])
+  chain = run("tree.shape=chain,seed=0", [
+      {"step": 0, s: 0.2}, {"step": 2, "tree/sampled_tokens": 4000.0, "time/step": 1.5, s: 0.7}])
+  c = report.budget_curve(tree)
+  np.testing.assert_array_equal(c["step"], [0, 2])
+  np.testing.assert_array_equal(c["tokens"], [0, 250])
+  np.testing.assert_array_equal(c["seconds"], [0, 5])  # 2 + (9 - 6)
+  np.testing.assert_array_equal(c["success"], [0.2, 0.5])
+  table = report.budget_table([tree, chain]).splitlines()
+  assert table[2] == "| tree.shape=tree | 1 | 0.500 | 0k | 5 |"
+  assert table[3] == "| tree.shape=chain | 1 | 0.700 | 4k | 2 |"
+  png = report.plot_budget([tree, chain], str(tmp_path / "b.png"))
+  assert os.path.getsize(png) > 1000
