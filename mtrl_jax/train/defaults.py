@@ -143,7 +143,9 @@ def base_config() -> ml_collections.ConfigDict:
       enabled=False,
       level_key="level",  # the task source keyword that selects a level (calculator: 'level')
       num_levels=5,  # levels 0 .. num_levels - 1 (the calculator has 5)
-      start_level=0,  # level of the first RL step
+      # Level of the first RL step. After SFT, start where SFT trained: on the calculator
+      # a start below it (level 0) cost every seed (docs/ablations.md, "Curriculum").
+      start_level=0,
       window=10,  # k: RL steps whose rollout success is averaged
       raise_above=0.8,  # one level up when the mean over a full window is above this
       lower_below=0.3,  # one level down when it is below this
