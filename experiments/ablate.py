@@ -41,7 +41,9 @@ def main(argv):
   print(table)
   if _OUT.value:
     with open(_OUT.value, "w") as f:
-      f.write(f"`python -m experiments.ablate --runs='{_RUNS.value}' --level={_LEVEL.value}`\n\n")
+      budget = " --budget" if _BUDGET.value else ""
+      f.write(f"`python -m experiments.ablate --runs='{_RUNS.value}' --level={_LEVEL.value}"
+              f"{budget}`\n\n")
       f.write(table + "\n")
     png = report.plot_groups(workdirs, os.path.splitext(_OUT.value)[0] + ".png")
     if _BUDGET.value:
