@@ -30,8 +30,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import sharding
-from mtrl_jax.train.objectives import is_tree_batch, trainer_old_key
-from mtrl_jax.train.step import StepConfig, TrainState, TrainStep, _forward_keys
+from mtrl_jax.train.objectives import trainer_old_key
+from mtrl_jax.train.step import StepConfig, TrainState, TrainStep, _forward_keys, compile_step
 
 
 def _stack_sharding(s: NamedSharding) -> NamedSharding:
@@ -176,24 +176,9 @@ class StackedTrainStep:
   def precompile(self, batch: Mapping[str, Any], with_ref=None) -> None:
     """Compiles the step for this stacked batch's shapes (arrays or ShapeDtypeStructs);
     with several updates per batch also the old-logprob forward (as `TrainStep`)."""
-    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    if getattr(self.objective, "recompute_old", False):
-      like = batch["old_logp_BxK" if is_tree_batch(batch) else "old_logp_BxL"]
-      # Sharded as `old_logprobs` returns it, so the step's cache entry matches.
-      old = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=_stack_sharding(
-          sharding.batch_sharding(self.mesh, 2, like.shape[1])))
-      batch = {trainer_old_key(batch): old, **batch}
-      fwd = {k: sds(batch[k]) for k in _forward_keys(batch)}
-      with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
-        self._old_fn_for(fwd).lower(self.abstract_state().params, fwd).compile()
-    batch = self._select(batch)
-    no_ref = not (self.objective.needs_ref if with_ref is None else with_ref)
-    fn = self._fn_for(batch, no_ref)
-    abstract = {k: v if isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None
-                else sds(v) for k, v in batch.items()}
-    state = self.abstract_state()
-    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
-      fn.lower(state, None if no_ref else state.params, abstract, self.scales).compile()
+    compile_step(self, batch, with_ref, self.inner.rules,
+                 lambda shape: _stack_sharding(sharding.batch_sharding(self.mesh, 2, shape[1])),
+                 self.scales)
 
   def fetch_metrics(self, metrics: Mapping[str, Any]) -> list[dict[str, float]]:
     """Host floats per agent (raises NonFiniteError under 'halt' for any agent)."""

@@ -357,26 +357,8 @@ class TrainStep:
     can compile all its shape buckets before the first step.
     `with_ref` defaults to whether the objective needs reference logprobs.
     """
-    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    if getattr(self.objective, "recompute_old", False):
-      # Several updates per batch: the batch also carries the trainer's old
-      # logprobs (shaped like old_logp), computed by a forward of its own.
-      like = batch["old_logp_BxK" if is_tree_batch(batch) else "old_logp_BxL"]
-      # Sharded as `old_logprobs` returns it, so the step's cache entry matches.
-      old_sds = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding.batch_sharding(
-          self.mesh, 2, like.shape[0]))
-      batch = {trainer_old_key(batch): old_sds, **batch}
-      fwd = {k: sds(batch[k]) for k in _forward_keys(batch)}
-      with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-        self._old_fn_for(fwd).lower(self.abstract_state().params, fwd).compile()
-    batch = self._select(batch)
-    no_ref = not (self.objective.needs_ref if with_ref is None else with_ref)
-    fn = self._fn_for(batch, no_ref)
-    abstract = {k: v if isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None
-                else sds(v) for k, v in batch.items()}
-    state = self.abstract_state()
-    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      fn.lower(state, None if no_ref else state.params, abstract).compile()
+    compile_step(self, batch, with_ref, self.rules,
+                 lambda shape: sharding.batch_sharding(self.mesh, 2, shape[0]))
 
   def _step(self, state: TrainState, ref_params, batch, update_scale=None):
     """One update; `update_scale` (a scalar, default 1) multiplies the optimizer's
@@ -460,3 +442,33 @@ class TrainStep:
           f"grad_norm={out.get('grad_norm')}; the update was skipped and "
           "StepConfig.nonfinite='halt' stops the run (use 'skip' to continue)")
     return out
+
+
+def compile_step(step, batch: Mapping[str, Any], with_ref: Optional[bool], rules,
+                 old_sharding, *extra_args) -> None:
+  """The body of `TrainStep.precompile` and `StackedTrainStep.precompile`: lowers
+  and compiles `step`'s update for `batch`'s shapes (arrays or ShapeDtypeStructs).
+
+  With several updates per batch (`recompute_old`) the batch also carries the
+  trainer's old logprobs, shaped like old_logp and computed by a forward of
+  their own, which is compiled too; `old_sharding(shape)` is the sharding
+  `old_logprobs` returns, so the step's cache entry matches. `extra_args`
+  follow the batch in the step's signature.
+  """
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  mesh = step.mesh
+  if getattr(step.objective, "recompute_old", False):
+    like = batch["old_logp_BxK" if is_tree_batch(batch) else "old_logp_BxL"]
+    old = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=old_sharding(like.shape))
+    batch = {trainer_old_key(batch): old, **batch}
+    fwd = {k: sds(batch[k]) for k in _forward_keys(batch)}
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+      step._old_fn_for(fwd).lower(step.abstract_state().params, fwd).compile()
+  batch = step._select(batch)
+  no_ref = not (step.objective.needs_ref if with_ref is None else with_ref)
+  fn = step._fn_for(batch, no_ref)
+  abstract = {k: v if isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None
+              else sds(v) for k, v in batch.items()}
+  state = step.abstract_state()
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    fn.lower(state, None if no_ref else state.params, abstract, *extra_args).compile()
