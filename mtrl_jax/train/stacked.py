@@ -31,7 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import sharding
 from mtrl_jax.train.objectives import trainer_old_key
-from mtrl_jax.train.step import StepConfig, TrainState, TrainStep, _forward_keys, compile_step
+from mtrl_jax.train.forward import forward_keys
+from mtrl_jax.train.step import StepConfig, TrainState, TrainStep, compile_step
 
 
 def _stack_sharding(s: NamedSharding) -> NamedSharding:
@@ -136,7 +137,7 @@ class StackedTrainStep:
     """Every agent's own logprobs of its rows at its `params` [A, ...] (no gradient),
     stacked [A, B, ...]: the `trainer_old_key` entry that several updates per batch
     read (`TrainStep.old_logprobs`, mapped over the agent axis)."""
-    fwd = {k: batch_A[k] for k in _forward_keys(batch_A)}
+    fwd = {k: batch_A[k] for k in forward_keys(batch_A)}
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
       return {trainer_old_key(batch_A): self._old_fn_for(fwd)(params, fwd)}
 

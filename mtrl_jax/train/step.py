@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import losses, models, sharding
 from mtrl_jax.train import optim
+from mtrl_jax.train.forward import forward_keys, forward_logprobs
 # The objectives live in their own module; re-exported here for old imports.
 from mtrl_jax.train.objectives import Objective, PolicyObjective, is_tree_batch, train_mask  # noqa: F401
 from mtrl_jax.train.objectives import trainer_old_key
@@ -103,49 +104,6 @@ class StepConfig:
 
 class NonFiniteError(FloatingPointError):
   """A train step met a non-finite loss or gradient under nonfinite='halt'."""
-
-
-def _forward_logprobs(graphdef, params, batch, step_cfg: StepConfig, want_entropy: bool,
-                      temperature: float):
-  """Per-token logprobs (and entropies, without gradient) of one parameter state.
-
-  Row batches: every position of `tokens_BxL`, aligned as `losses.token_logprobs`.
-  Tree-packed batches: the forward uses the packed attention structure and the
-  LM head runs only at `prev_BxK` (each trained token's predecessor), giving
-  [B, K] logprobs of `target_BxK`.
-  """
-  model = nnx.merge(graphdef, params)
-  tokens_BxL = batch["tokens_BxL"]
-  if is_tree_batch(batch):
-    if step_cfg.logprob_chunk_size:
-      raise ValueError("StepConfig.logprob_chunk_size is not supported for tree-packed "
-                       "batches (their logits are already limited to trained tokens)")
-    hidden = model.hidden(tokens_BxL, batch["positions_BxL"], tree_ends_BxL=batch["ends_BxL"])
-    logits_BxKxV = model.logits_at(hidden, batch["prev_BxK"])
-    logp = losses.target_logprobs(logits_BxKxV, batch["target_BxK"], temperature=temperature)
-    entropy = None
-    if want_entropy:
-      entropy = losses.target_entropy(jax.lax.stop_gradient(logits_BxKxV),
-                                      temperature=temperature)
-    return logp, entropy
-  if step_cfg.logprob_chunk_size:
-    hidden = model.hidden(tokens_BxL)
-    logp = losses.chunked_token_logprobs(hidden, model.head_weight(), tokens_BxL,
-                                         step_cfg.logprob_chunk_size, temperature=temperature)
-    return logp, None
-  logits_BxLxV = model(tokens_BxL)
-  logp = losses.token_logprobs(logits_BxLxV, tokens_BxL, temperature=temperature)
-  entropy = None
-  if want_entropy:
-    entropy = losses.token_entropy(jax.lax.stop_gradient(logits_BxLxV), temperature=temperature)
-  return logp, entropy
-
-
-def _forward_keys(batch) -> tuple:
-  """The entries a forward pass of `batch` reads (row or tree-packed layout)."""
-  if is_tree_batch(batch):
-    return ("tokens_BxL", "positions_BxL", "ends_BxL", "prev_BxK", "target_BxK")
-  return ("tokens_BxL",)
 
 
 def _split_microbatches(batch, num: int, mesh, batch_axes):
@@ -311,7 +269,7 @@ class TrainStep:
     """The trainer's own logprobs of `batch` at `params` (no gradient), as the
     entry `PolicyObjective(recompute_old=True)` reads (`trainer_old_key`): the
     RL loop adds it before the first of several updates on one batch."""
-    fwd = {k: batch[k] for k in _forward_keys(batch)}
+    fwd = {k: batch[k] for k in forward_keys(batch)}
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
       return {trainer_old_key(batch): self._old_fn_for(fwd)(params, fwd)}
 
@@ -329,8 +287,8 @@ class TrainStep:
   def _old_logp(self, params, fwd):
     """Traced body of `old_logprobs` (also mapped over agents by `train.stacked`)."""
     self._num_traces += 1
-    logp, _ = _forward_logprobs(self.graphdef, params, fwd, self.step_cfg, False,
-                                getattr(self.objective, "temperature", 1.0))
+    logp, _ = forward_logprobs(self.graphdef, params, fwd, self.step_cfg.logprob_chunk_size,
+                               False, getattr(self.objective, "temperature", 1.0))
     return jax.lax.stop_gradient(logp)
 
   def _fn_for(self, batch: Mapping[str, Any], no_ref: bool):
@@ -370,8 +328,8 @@ class TrainStep:
     temperature = getattr(obj, "temperature", 1.0)
 
     def num_fn(params, mb, ref_logp):
-      logp, entropy = _forward_logprobs(self.graphdef, params, mb, cfg, want_entropy,
-                                        temperature)
+      logp, entropy = forward_logprobs(self.graphdef, params, mb, cfg.logprob_chunk_size,
+                                       want_entropy, temperature)
       num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
       return num, (den, sums)
 
@@ -381,8 +339,8 @@ class TrainStep:
       # refuses variables captured from an outer trace).
       ref_logp = None
       if ref_params is not None:
-        ref_logp, _ = _forward_logprobs(self.graphdef, ref_params, mb, cfg, False,
-                                        temperature)
+        ref_logp, _ = forward_logprobs(self.graphdef, ref_params, mb, cfg.logprob_chunk_size,
+                                       False, temperature)
         ref_logp = jax.lax.stop_gradient(ref_logp)
       return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
 
@@ -461,7 +419,7 @@ def compile_step(step, batch: Mapping[str, Any], with_ref: Optional[bool], rules
     like = batch["old_logp_BxK" if is_tree_batch(batch) else "old_logp_BxL"]
     old = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=old_sharding(like.shape))
     batch = {trainer_old_key(batch): old, **batch}
-    fwd = {k: sds(batch[k]) for k in _forward_keys(batch)}
+    fwd = {k: sds(batch[k]) for k in forward_keys(batch)}
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
       step._old_fn_for(fwd).lower(step.abstract_state().params, fwd).compile()
   batch = step._select(batch)

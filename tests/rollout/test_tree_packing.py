@@ -23,7 +23,7 @@ from mtrl_jax.rollout.tree_packing import (logit_buckets, pack_actions, tree_act
                                            tree_batch_spec, TREE_BATCH_KEYS)
 from mtrl_jax.train import OptimConfig, StepConfig, TrainStep
 from mtrl_jax.train.objectives import PolicyObjective, train_mask
-from mtrl_jax.train.step import _forward_logprobs
+from mtrl_jax.train.forward import forward_logprobs
 
 CFG = models.get_preset("tiny")
 ROW_LENGTHS = (16, 32, 64, 128, 256)  # the row layout takes the smallest that fits
@@ -133,10 +133,9 @@ class _Layout:
     graphdef, self.params = nnx.split(_model(), nnx.Param)
     self.batch = {k: jnp.asarray(v) for k, v in batch.items()}
     self.obj = PolicyObjective(losses.LossConfig(), temperature=temperature)
-    cfg = StepConfig()
 
     def fwd(p, want_entropy=False):
-      return _forward_logprobs(graphdef, p, self.batch, cfg, want_entropy, temperature)
+      return forward_logprobs(graphdef, p, self.batch, 0, want_entropy, temperature)
 
     self.logp, self.entropy = jax.jit(lambda p: fwd(p, True))(self.params)
     self.ref = None if ref_params is None else jax.jit(lambda p: fwd(p)[0])(ref_params)
