@@ -39,6 +39,11 @@ def _stack_sharding(s: NamedSharding) -> NamedSharding:
   return NamedSharding(s.mesh, P(None, *s.spec))
 
 
+def _shape_key(batch_A: Mapping[str, Any]) -> tuple:
+  # A stacked batch's program key: each entry's rank and row count (axis 1).
+  return tuple(sorted((k, len(v.shape), v.shape[1]) for k, v in batch_A.items()))
+
+
 def stack_trees(trees: Sequence[Any]):
   """[tree_0, tree_1, ...] -> one tree with a leading agent axis on every leaf."""
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
@@ -141,23 +146,26 @@ class StackedTrainStep:
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
       return {trainer_old_key(batch_A): self._old_fn_for(fwd)(params, fwd)}
 
+  def _logp_sharding(self, rows: int) -> NamedSharding:
+    # Stacked per-token logprobs [A, B, L], B = `rows` split like the batch rows.
+    return _stack_sharding(sharding.batch_sharding(self.mesh, 2, rows))
+
   def _batch_shardings(self, batch_A):
     return {k: _stack_sharding(sharding.batch_sharding(self.mesh, len(v.shape) - 1, v.shape[1]))
             for k, v in batch_A.items()}
 
   def _old_fn_for(self, fwd):
-    key = ("old_logprobs",) + tuple(sorted((k, len(v.shape), v.shape[1]) for k, v in fwd.items()))
+    key = ("old_logprobs",) + _shape_key(fwd)
     fn = self._jitted.get(key)
     if fn is None:
-      rows = fwd["tokens_BxL"].shape[1]
       fn = jax.jit(jax.vmap(self.inner._old_logp),
                    in_shardings=(self.param_shardings, self._batch_shardings(fwd)),
-                   out_shardings=_stack_sharding(sharding.batch_sharding(self.mesh, 2, rows)))
+                   out_shardings=self._logp_sharding(fwd["tokens_BxL"].shape[1]))
       self._jitted[key] = fn
     return fn
 
   def _fn_for(self, batch, no_ref: bool):
-    key = (no_ref,) + tuple(sorted((k, len(v.shape), v.shape[1]) for k, v in batch.items()))
+    key = (no_ref,) + _shape_key(batch)
     fn = self._jitted.get(key)
     if fn is None:
       rep = sharding.replicated(self.mesh)
@@ -178,7 +186,7 @@ class StackedTrainStep:
     """Compiles the step for this stacked batch's shapes (arrays or ShapeDtypeStructs);
     with several updates per batch also the old-logprob forward (as `TrainStep`)."""
     compile_step(self, batch, with_ref, self.inner.rules,
-                 lambda shape: _stack_sharding(sharding.batch_sharding(self.mesh, 2, shape[1])),
+                 lambda shape: self._logp_sharding(shape[1]),
                  self.scales)
 
   def fetch_metrics(self, metrics: Mapping[str, Any]) -> list[dict[str, float]]:
