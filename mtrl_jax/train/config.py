@@ -11,6 +11,7 @@ beside the code that uses them.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from mtrl_jax.rollout.batching import PACKINGS
 
@@ -49,7 +50,8 @@ class RLConfig:
 
   def __post_init__(self):
     _int_at_least("rl", self, ("steps", "ref_reset_every", "dump_every"), 0)
-    _int_at_least("rl", self, ("roots_per_step", "updates_per_step", "max_generations"), 1)
+    _int_at_least("rl", self, ("roots_per_step", "max_generations"), 1)
+    _int_at_least("rl", self, ("updates_per_step",), 0)  # 0: a control without RL updates
     object.__setattr__(self, "length_buckets",
                        _buckets("rl", "length_buckets", self.length_buckets, False))
     object.__setattr__(self, "prompt_buckets",
@@ -74,10 +76,18 @@ class SFTConfig:
   until_success: float = 0.0
   check_every: int = 25
   check_tasks: int = 100
+  mix_every: int = 0
+  mix_learning_rate: float = 5e-4
 
   def __post_init__(self):
-    _int_at_least("sft", self, ("steps", "num_examples"), 0)
+    _int_at_least("sft", self, ("steps", "num_examples", "mix_every"), 0)
     _int_at_least("sft", self, ("batch_size", "check_every", "check_tasks"), 1)
+    if not (self.mix_learning_rate > 0 and math.isfinite(self.mix_learning_rate)):
+      raise ValueError(f"config sft.mix_learning_rate={self.mix_learning_rate!r}; allowed: a "
+                       "finite number > 0")
+    if self.mix_every and not self.conversations:
+      raise ValueError(f"config sft.mix_every={self.mix_every} needs sft.conversations; allowed: "
+                       "'pkg.module:fn' with fn(task) -> [(role, content), ...]")
     if not 0.0 <= self.until_success <= 1.0:
       raise ValueError(f"config sft.until_success={self.until_success!r}; allowed: a number in "
                        "[0, 1] (0: run every step)")

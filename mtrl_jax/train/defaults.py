@@ -110,11 +110,17 @@ def base_config() -> ml_collections.ConfigDict:
       until_success=0.0,
       check_every=25,  # SFT steps between those checks
       check_tasks=100,
+      # One NLL step on the golden conversations after every k-th RL update
+      # (0: none), with its own AdamW moments at this constant rate (train.sft.SFTMix).
+      mix_every=0,
+      mix_learning_rate=5e-4,
   )
   c.rl = dict(
       steps=100,  # RL updates
       roots_per_step=8,  # tasks (tree roots) per RL step
-      updates_per_step=1,  # optimizer steps on each rollout batch (>1: off-policy ratios)
+      # Optimizer steps on each rollout batch (>1: off-policy ratios; 0: no RL
+      # update, a control that still rolls out, evaluates and mixes in SFT).
+      updates_per_step=1,
       zero_variance_filter=True,  # drop sibling groups whose advantages are all 0 (KL off)
       packing="tree",  # 'tree' (every token once, ancestor-only attention) | 'rows' (row per action)
       ref_reset_every=0,  # copy the policy into the reference every k steps (0: never)

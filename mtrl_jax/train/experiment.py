@@ -239,7 +239,8 @@ def check_processes(exp: Experiment):
   if (data_shards[0] * data_shards[1]) % n:
     raise ValueError(f"config mesh data x fsdp={data_shards[0] * data_shards[1]} with {n} "
                      f"processes; allowed: a multiple of {n} (each process holds a block of rows)")
-  if exp.sft.steps and exp.sft.batch_size % (data_shards[0] * data_shards[1]):
+  if ((exp.sft.steps or exp.sft.mix_every)
+      and exp.sft.batch_size % (data_shards[0] * data_shards[1])):
     raise ValueError(f"config sft.batch_size={exp.sft.batch_size} with {n} processes; allowed: "
                      f"a multiple of data x fsdp={data_shards[0] * data_shards[1]}")
   if not exp.agents.share_policy:
@@ -250,6 +251,9 @@ def check_processes(exp: Experiment):
 def check_agents(exp: Experiment):
   """Separate policies: one entry per agent, every agent of the top-level architecture."""
   exp.agents.check(exp.tree.num_agents)
+  if exp.sft.mix_every and not exp.agents.share_policy:
+    raise ValueError(f"config sft.mix_every={exp.sft.mix_every} with agents.share_policy=False; "
+                     "allowed: 0 (SFT steps mixed into RL are built for one shared policy)")
   m = exp.model
   same = dict(remat=m.remat, attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype)
   for a, preset in enumerate(exp.agents.presets):

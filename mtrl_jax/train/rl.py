@@ -10,6 +10,7 @@
     returns / advantages -> fixed-shape batch (`rollout.batching`: zero-variance
       groups dropped; tree-packed, every token once, or one row per action)
     train step (GRPO / GSPO / REINFORCE, KL to the frozen reference)
+    optional SFT step on golden conversations (`sft.mix_every`, `sft.SFTMix`)
     metrics.jsonl + TensorBoard, rollout dumps, checkpoints,
     held-out evaluation every k steps with keep-best under workdir/best
 
@@ -108,12 +109,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   summary: dict[str, Any] = {"workdir": os.path.abspath(workdir)}
 
   # ---- start: resume the latest checkpoint, or initialise (with SFT warm-up)
+  mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None
   start = ckpt.latest_step()
   resumed = start is not None
   if resumed:
-    restored, meta = ckpt.restore(parts.checkpoint_target())
+    target = parts.checkpoint_target()
+    if mix is not None:
+      target["sft_mix"] = mix.abstract_opt_state()
+    restored, meta = ckpt.restore(target)
     state, ref = parts.from_checkpoint(restored)
     stream.restore(meta["stream"])
+    if mix is not None:
+      mix.restore(restored["sft_mix"], meta["sft_mix"])
     summary.update(meta.get("summary", {}))
     print(f"resumed from {workdir}/ckpt at step {start}", flush=True)
   else:
@@ -127,10 +134,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     else:
       state = parts.init_state()
     ref = parts.train_step.copy_params(state.params) if keep_ref else None
+    if mix is not None:
+      mix.init(state.params)
 
   def save(step, state, ref):
-    ckpt.save(step, parts.checkpoint_tree(state, ref),
-              meta={"stream": stream.state(), "summary": summary})
+    tree, meta = parts.checkpoint_tree(state, ref), {"stream": stream.state(), "summary": summary}
+    if mix is not None:
+      tree["sft_mix"], meta["sft_mix"] = mix.opt_state, mix.stream_state()
+    ckpt.save(step, tree, meta=meta)
 
   def evaluate(step, state) -> dict:
     m = held_out(parts, parts.policy_states(state.params), step)
@@ -149,6 +160,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     print(f"precompiled {info['sampler_programs']} sampler programs in "
           f"{info['sampler_seconds']} s and {info['train_programs']} train-step programs in "
           f"{info['train_seconds']} s", flush=True)
+    if mix is not None:
+      mix.precompile(exp.sft.batch_size)
     summary["precompile"] = info
   text_counters = _TextCounters(parts.renderer)
   if not resumed:
@@ -177,12 +190,15 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     tree = gather_tree(tree)  # every process's roots, for metrics and the dump
     train_m = {}
     with timer.section("train"):
-      if batch is not None:
+      if batch is not None and exp.rl.updates_per_step:
         if parts.train_step.objective.recompute_old:  # pi_old before the first update
           batch = {**batch, **parts.train_step.old_logprobs(state.params, batch)}
         for _ in range(exp.rl.updates_per_step):
           state, dm = parts.train_step(state, ref, batch)
         train_m = parts.train_metrics(dm)
+      if mix is not None and mix.due(step):
+        state, mix_m = mix(state)
+        train_m.update({f"sft_mix/{k}": mix_m[k] for k in ("nll", "grad_norm", "tokens")})
     if exp.rl.ref_reset_every and step % exp.rl.ref_reset_every == 0:
       ref = parts.train_step.copy_params(state.params)
     m = {**tree.metrics(), **eval_lib.rollout_metrics(tree, exp.eval.success_threshold),

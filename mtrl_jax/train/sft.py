@@ -198,6 +198,77 @@ def conversation_rows(make_conversation: Callable, renderer, tasks, count: int) 
   return rows
 
 
+def golden_batcher(parts, seed: int) -> SFTBatcher:
+  """Batches of the golden conversations of the first `sft.num_examples` train tasks,
+  shuffled with `seed` (the warm-up's stream, or `SFTMix`'s with another seed)."""
+  exp, cfg = parts.exp, parts.exp.sft
+  make = import_object(cfg.conversations, "sft.conversations")
+  rows = conversation_rows(make, parts.renderer, parts.train_tasks, cfg.num_examples)
+  return SFTBatcher(rows, cfg.batch_size, exp.rl.length_buckets, seed=seed,
+                    pad_id=parts.tokenizer.pad_id)
+
+
+class SFTMix:
+  """SFT steps mixed into RL (`sft.mix_every` > 0): the supervised term of
+  InstructGPT's PPO-ptx, taken as an alternating step rather than a summed loss.
+
+  After every `mix_every`-th RL update the policy takes one NLL step
+  (`SFTObjective`) on a batch of golden conversations, the warm-up's rows in an
+  order shuffled with seed + 1. The step has its own AdamW moments and a
+  constant rate `sft.mix_learning_rate`, so the RL optimizer's moments and
+  schedule see RL gradients only; `TrainState.step` counts both kinds of update.
+  The moments (`opt_state`) and the stream position (`stream_state`) go into
+  the checkpoint, so a resumed run takes the same steps.
+
+  Args:
+    parts: the run's `train.components.Components` (one shared policy).
+  """
+
+  def __init__(self, parts):
+    exp = parts.exp
+    self.every, self.mesh = exp.sft.mix_every, parts.mesh
+    self.batcher = golden_batcher(parts, seed=exp.seed + 1)
+    cfg = optim.OptimConfig(learning_rate=exp.sft.mix_learning_rate,
+                            grad_clip_norm=exp.optim.grad_clip_norm)
+    self.step_fn = make_sft_step(parts.model, cfg, mesh=parts.mesh, step_cfg=exp.step)
+    parts.census.register("sft_mix_step", self.step_fn)
+    self.opt_state = None  # `init` or `restore` sets it
+
+  def due(self, rl_step: int) -> bool:
+    return rl_step % self.every == 0
+
+  def init(self, params):
+    """Fresh moments for the policy's `params`."""
+    self.opt_state = self.step_fn.init_state(params).opt_state
+
+  def abstract_opt_state(self):
+    """The restore target of `opt_state`."""
+    return self.step_fn.abstract_state().opt_state
+
+  def stream_state(self) -> dict:
+    return self.batcher.get_state()
+
+  def restore(self, opt_state, stream_state: Mapping[str, Any]):
+    self.opt_state = opt_state
+    self.batcher.set_state(stream_state)
+
+  def __call__(self, state):
+    """One SFT step of the RL `state` (donated): returns (new state, host metrics)."""
+    rl_opt = state.opt_state
+    new, m = self.step_fn(dataclasses.replace(state, opt_state=self.opt_state), None,
+                          distributed.take_rows(next(self.batcher), self.mesh))
+    self.opt_state = new.opt_state
+    return dataclasses.replace(new, opt_state=rl_opt), self.step_fn.fetch_metrics(m)
+
+  def precompile(self, num_rows: int):
+    """Compiles the step for every length bucket (rows of any bucket may come)."""
+    for length in self.batcher.length_buckets:
+      self.step_fn.precompile({
+          "tokens_BxL": jax.ShapeDtypeStruct((num_rows, length), jnp.int32),
+          "loss_mask_BxL": jax.ShapeDtypeStruct((num_rows, length), jnp.bool_),
+          "row_weight_B": jax.ShapeDtypeStruct((num_rows,), jnp.float32)})
+
+
 def warm_up(parts) -> tuple[Any, list[dict]]:
   """The SFT warm-up of a run: returns (RL TrainState of the warmed-up params, history).
 
@@ -209,10 +280,8 @@ def warm_up(parts) -> tuple[Any, list[dict]]:
   reaches the threshold.
   """
   exp, cfg = parts.exp, parts.exp.sft
-  make = import_object(cfg.conversations, "sft.conversations")
-  rows = conversation_rows(make, parts.renderer, parts.train_tasks, cfg.num_examples)
-  batcher = SFTBatcher(rows, cfg.batch_size, exp.rl.length_buckets, seed=exp.seed,
-                       pad_id=parts.tokenizer.pad_id)
+  batcher = golden_batcher(parts, seed=exp.seed)
+  rows = batcher.source
   step_fn = make_sft_step(parts.model, exp.sft_optim, mesh=parts.mesh, step_cfg=exp.step)
   parts.census.register("sft_step", step_fn)
   state = step_fn.init_state(nnx.state(parts.model, nnx.Param), seed=exp.seed)

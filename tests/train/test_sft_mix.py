@@ -1,0 +1,114 @@
+"""SFT steps mixed into RL (`sft.mix_every`, `train.sft.SFTMix`)."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import calculator as calc_config
+from mtrl_jax.train import components, experiment, optim, rl, sft
+
+PROCESS_KEYS = ("compiles/", "time/")
+
+
+def mix_config(steps=3, every=1):
+  c = calc_config.get_config("smoke=True")
+  c.rl.steps = steps
+  c.sft.mix_every = every
+  c.sft.mix_learning_rate = 1e-3
+  return c
+
+
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def test_bad_mix_settings_fail_before_compute_with_the_field_named():
+  for field, value, match in (("mix_every", -1, "sft.mix_every"),
+                              ("mix_learning_rate", 0.0, "sft.mix_learning_rate"),
+                              ("mix_learning_rate", float("nan"), "sft.mix_learning_rate"),
+                              ("updates_per_step", -1, "rl.updates_per_step")):
+    c = mix_config()
+    (c.rl if field == "updates_per_step" else c.sft)[field] = value
+    with pytest.raises(ValueError, match=match):
+      experiment.build(c)
+  c = mix_config()
+  c.sft.conversations, c.sft.steps = "", 0
+  with pytest.raises(ValueError, match="sft.mix_every=1 needs sft.conversations"):
+    experiment.build(c)
+
+
+def test_mix_step_is_a_plain_sft_step_and_leaves_the_rl_optimizer_alone():
+  """On the RL state, one mixed step moves the parameters exactly as a plain SFT
+  TrainStep from the same parameters and batch; the RL moments and schedule count
+  do not move."""
+  parts = components.build(experiment.build(mix_config()))
+  mix = sft.SFTMix(parts)
+  state = parts.init_state()
+  mix.init(state.params)
+  start_params = _leaves(state.params)
+  rl_opt = _leaves(state.opt_state)
+
+  batch = next(sft.golden_batcher(parts, seed=parts.exp.seed + 1))  # the mix's first batch
+  plain = sft.make_sft_step(parts.model, optim.OptimConfig(learning_rate=1e-3),
+                            mesh=parts.mesh, step_cfg=parts.exp.step)
+  plain_state, plain_m = plain(plain.init_state(state.params), None, batch)
+  expected = _leaves(plain_state.params)
+
+  state, m = mix(state)
+  got = _leaves(state.params)
+  assert any(not np.array_equal(a, b) for a, b in zip(got, start_params))
+  for a, b in zip(got, expected):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+  assert m["nll"] == pytest.approx(float(plain_m["nll"]), rel=1e-6)
+  for a, b in zip(_leaves(state.opt_state), rl_opt):
+    np.testing.assert_array_equal(a, b)
+  assert int(state.step) == 1  # TrainState.step counts both kinds of update
+
+  # The mix keeps its own moments and reads the next batch the next time.
+  assert mix.stream_state()["position"] == parts.exp.sft.batch_size
+  plain_opt = _leaves(plain_state.opt_state)
+  for a, b in zip(_leaves(mix.opt_state), plain_opt):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+  state, _ = mix(state)
+  assert mix.stream_state()["position"] == 2 * parts.exp.sft.batch_size
+  for a, b in zip(_leaves(state.opt_state), rl_opt):
+    np.testing.assert_array_equal(a, b)
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(PROCESS_KEYS)}
+            for line in f]
+
+
+def test_mixed_run_logs_the_sft_term_and_resumes_exactly(tmp_path):
+  """3 steps in one go == 1 step, then resumed to 3: the mix's moments and stream
+  position are in the checkpoint."""
+  full = str(tmp_path / "full")
+  rl.run(mix_config(steps=3), full, progress=False)
+  split = str(tmp_path / "split")
+  rl.run(mix_config(steps=1), split, progress=False)
+  rl.run(mix_config(steps=3), split, progress=False)
+  rows = _rows(full)
+  assert all(r["sft_mix/tokens"] > 0 and np.isfinite(r["sft_mix/nll"]) for r in rows[1:])
+  # The 1-step run evaluates at its last step (1); the rest must match.
+  first_only = lambda r: {k: v for k, v in r.items() if not k.startswith(("eval/", "text/"))}
+  got = _rows(split)
+  assert first_only(got[1]) == first_only(rows[1])
+  assert got[:1] + got[2:] == rows[:1] + rows[2:]
+
+
+def test_sft_only_control_takes_no_rl_update(tmp_path):
+  """`rl.updates_per_step=0` with the mix: rollouts and SFT steps, no RL update
+  (the SFT-only arm of docs/ablations.md)."""
+  c = mix_config(steps=2)
+  c.rl.updates_per_step = 0
+  workdir = str(tmp_path / "sft_only")
+  rl.run(c, workdir, progress=False)
+  rows = _rows(workdir)
+  for r in rows[1:]:
+    assert "train/loss" not in r and r["sft_mix/tokens"] > 0
+    assert "rollout/success" in r
