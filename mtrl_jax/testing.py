@@ -153,7 +153,8 @@ def total_ids(actions) -> int:
 
 
 # ---------------------------------------------------------------- text environments
-CLOSED = []  # ids of closed environments (fork count checks)
+CLOSED = []  # closed environments (fork count checks); the objects, not their ids,
+# which Python reuses once an object is freed
 _CLOSED_LOCK = threading.Lock()
 
 
@@ -196,7 +197,7 @@ class DuoEnv(Environment):
 
   def close(self):
     with _CLOSED_LOCK:
-      CLOSED.append(id(self))
+      CLOSED.append(self)
 
 
 class SoloEnv(Environment):
@@ -225,4 +226,4 @@ class ToolThenUserEnv(Environment):
 
   def close(self):
     with _CLOSED_LOCK:
-      CLOSED.append(id(self))
+      CLOSED.append(self)

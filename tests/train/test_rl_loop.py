@@ -116,13 +116,16 @@ def test_precompiled_run_never_compiles_after_warmup(tmp_path):
   c = smoke_config(steps=4)
   c.rl.precompile = True
   c.rl.length_buckets = (256,)  # one length bucket keeps the program count small
+  c.sft.mix_every = 2  # SFT steps mixed into RL compile with the rest
   summary = rl.run(c, str(tmp_path / "run"), progress=False)
   rows = _rows(str(tmp_path / "run"))
   pre = summary["precompile"]
   assert pre["sampler_programs"] > 0 and pre["train_programs"] > 0
+  assert "sft_mix/nll" in rows[2] and "sft_mix/nll" not in rows[1]
   for r in rows[1:]:
     assert r["compiles/after_warmup"] == 0, r
     assert r["compiles/train_step"] == pre["train_programs"]
+    assert r["compiles/sft_mix_step"] == 1
   assert summary["compiles"]["compiles/after_warmup"] == 0
 
 
