@@ -14,7 +14,10 @@ An episode (compact byte-level chat format):
 So one episode has two user turns and two tool calls. The trajectory's
 outcome is +1 when every answer is right and -1 otherwise (a wrong answer or a
 message with neither a tool call nor an answer ends the episode at once); step
-and invalid-call penalties come from the run's `RewardConfig`. Tasks are
+and invalid-call penalties come from the run's `RewardConfig`. The first tool
+call of each stage also returns a per-turn grade `copy`: how close its
+expression is to the stage's expression (`copy_similarity`, 1 = exact), which
+`reward.shaping_weight` turns into shaping (0 by default: no effect). Tasks are
 generated from a seed: index i of a split is always the same task, so a run's
 data order is reproducible and resumable. Difficulty = number of operands;
 `level` (0-4, `LEVELS`) picks operand count and digits together for a
@@ -121,11 +124,31 @@ def make_task(split: str, index: int, min_operands: int = 2, max_operands: int =
   return task
 
 
+def stage_expressions(task: Mapping[str, Any]) -> list[str]:
+  """The expression the tool call of each stage should carry: the question's, then
+  each follow-up applied to the previous answer ("867-58")."""
+  return [task["expression"]] + [
+      f"{prev}{f[len('then '):]}" for prev, f in zip(task["answers"], task["followups"])]
+
+
+def copy_similarity(got: str, want: str) -> float:
+  """1 - Levenshtein(got, want) / max(len(got), len(want)): 1 for an exact copy, 0 for
+  nothing in common; one wrong, missing or extra character of 8 scores 0.875."""
+  if not got and not want:
+    return 1.0
+  prev = list(range(len(want) + 1))
+  for i, a in enumerate(got, 1):
+    cur = [i]
+    for j, b in enumerate(want, 1):
+      cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a != b)))
+    prev = cur
+  return 1.0 - prev[-1] / max(len(got), len(want))
+
+
 def golden_conversation(task: Mapping[str, Any]) -> list[tuple[str, str]]:
   """The ideal episode of `task` as (role, content) pairs (SFT data)."""
   msgs = [("user", task["question"])]
-  expressions = [task["expression"]] + [
-      f"{prev}{f[len('then '):]}" for prev, f in zip(task["answers"], task["followups"])]
+  expressions = stage_expressions(task)
   for stage, (expr, answer) in enumerate(zip(expressions, task["answers"])):
     if stage:
       msgs.append(("user", task["followups"][stage - 1]))
@@ -136,7 +159,12 @@ def golden_conversation(task: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 class CalculatorEnv(Environment):
-  """Tool calls are executed; answers are checked; a follow-up comes after each right one."""
+  """Tool calls are executed; answers are checked; a follow-up comes after each right one.
+
+  The first tool call of a stage is graded `copy` (per-turn, so shaping): the similarity
+  of its `expression` argument to the stage's expression (0 when the call has none).
+  Later calls of the stage are not graded, so retries cannot collect shaping.
+  """
 
   def __init__(self, metadata: Mapping[str, Any], show_tools: bool = False,
                max_tool_calls: int = 2):
@@ -145,6 +173,7 @@ class CalculatorEnv(Environment):
     self.max_tool_calls = max_tool_calls
     self.stage = 0
     self.tool_calls = 0
+    self.graded_stage = -1  # the last stage whose first tool call was graded
 
   def system_prompt(self) -> str:
     # The from-scratch demo policy learns the tool from SFT; real models see schemas.
@@ -172,7 +201,7 @@ class CalculatorEnv(Environment):
         return None, Grade(-1.0, "too many tool calls")
       next_thread = self.run_tools(thread)
       if next_thread is not None:
-        return next_thread, None
+        return next_thread, self._grade_copy()
       self.report_fault("model_format", "neither a tool call nor an <answer>", "calculator")
       return None, Grade(-1.0, "no tool call and no answer")
     expected = self.metadata["answers"][self.stage]
@@ -182,6 +211,16 @@ class CalculatorEnv(Environment):
     if self.stage == len(self.metadata["answers"]):
       return None, Grade(1.0, "all answers right")
     return thread.append(Turn("user", self.metadata["followups"][self.stage - 1])), None
+
+  def _grade_copy(self) -> Optional[dict]:
+    if self.graded_stage == self.stage:
+      return None
+    self.graded_stage = self.stage
+    args = self.last_tool_results.calls[0].arguments
+    got = args.get("expression") if isinstance(args, dict) else None
+    want = stage_expressions(self.metadata)[self.stage]
+    score = copy_similarity(got, want) if isinstance(got, str) else 0.0
+    return {"copy": Grade(score, f"tool call expression {got!r}; the question's {want!r}")}
 
 
 @register_env_factory("calculator")

@@ -127,3 +127,62 @@ def test_levels_grow_operands_and_digits_and_level_2_is_the_default_task(rendere
     assert calculator.make_task("eval", i, level=2) == {**default, "level": 2}
   with pytest.raises(ValueError, match=r"calculator level=5; allowed: 0 \.\. 4"):
     calculator.calculator_tasks("train", level=5)
+
+
+def _edit_distance_bfs(a: str, b: str, alphabet: str) -> int:
+  """Reference: breadth-first search over single-character edits (not a DP table)."""
+  frontier, seen, d = {a}, {a}, 0
+  while b not in frontier:
+    nxt = set()
+    for s in frontier:
+      for i in range(len(s) + 1):
+        for c in alphabet:
+          nxt.add(s[:i] + c + s[i:])  # insert
+          if i < len(s):
+            nxt.add(s[:i] + c + s[i + 1:])  # substitute
+        if i < len(s):
+          nxt.add(s[:i] + s[i + 1:])  # delete
+    frontier, d = nxt - seen, d + 1
+    seen |= frontier
+  return d
+
+
+def test_copy_similarity_against_hand_worked_cases_and_a_search_reference():
+  sim = calculator.copy_similarity
+  # Hand-worked: 3 substitutions of 8 ("4|0|-70-|46" vs "4|9|-70-|64"); one deletion of 5.
+  assert sim("40-70-46", "49-70-64") == pytest.approx(1 - 3 / 8)
+  assert sim("12+3", "12+34") == pytest.approx(1 - 1 / 5)
+  assert sim("12+34", "12+34") == 1.0 and sim("", "") == 1.0 and sim("", "7+1") == 0.0
+  assert sim("9*9", "12+34") == pytest.approx(0.0)  # 5 edits of 5
+  rng = np.random.default_rng(0)
+  for _ in range(150):
+    a, b = ("".join(rng.choice(list("1+-"), size=rng.integers(0, 5))) for _ in range(2))
+    if not a and not b:
+      continue
+    want = 1 - _edit_distance_bfs(a, b, "1+-") / max(len(a), len(b))
+    assert sim(a, b) == pytest.approx(want) == pytest.approx(sim(b, a)), (a, b)
+
+
+def test_first_tool_call_of_each_stage_is_graded_copy_and_becomes_shaping(renderer):
+  task = calculator.make_task("eval", 8)
+  golden = [c for r, c in calculator.golden_conversation(task) if r == "assistant"]
+  want = calculator.stage_expressions(task)
+  assert want[0] == task["expression"] and calculator.evaluate(want[1]) == task["answers"][1]
+  # Stage 0: a miscopied call (last character dropped; still a valid expression), a retry
+  # with the right expression (not graded: retries collect no shaping), the answer; then
+  # stage 1 golden.
+  wrong = golden[0].replace(want[0], want[0][:-1])
+  cfg = RewardConfig(outcome_weight=1.0, step_penalty=-0.05, shaping_weight=0.5)
+  outs, _ = rollout_scripted(_env(task), [wrong, golden[0]] + golden[1:], reward_cfg=cfg,
+                             renderer=renderer)
+  assert [sorted(o.grades) for o in outs] == [["copy"], [], [], ["copy"], ["grade"]]
+  first = outs[0].grades["copy"].score
+  assert first == pytest.approx(1 - 1 / len(want[0]))
+  assert outs[0].reward.shaping == pytest.approx(0.5 * first)
+  assert outs[1].reward.shaping == 0.0  # the retry
+  assert outs[3].grades["copy"].score == 1.0 and outs[3].reward.shaping == pytest.approx(0.5)
+  assert outs[-1].done and outs[-1].reward.outcome == 1.0 and outs[-1].reward.shaping == 0.0
+  # A call without an expression argument scores 0.
+  no_expr = golden[0].replace('"expression"', '"expr"')
+  outs, _ = rollout_scripted(_env(task), [no_expr], reward_cfg=cfg, renderer=renderer)
+  assert outs[0].grades["copy"].score == 0.0
