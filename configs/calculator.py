@@ -33,6 +33,12 @@ def get_config(arg=None):
   c.sampling.max_new_tokens = 32
   c.reward.step_penalty = -0.05
   c.reward.tool_penalty = -0.2
+  # Shaping: the first tool call of each stage earns 0.2 x its copy similarity to the
+  # stage's expression (calculator.copy_similarity), and sibling advantages are divided
+  # by their std, so a group whose episodes all fail still ranks its copies. Without
+  # them an early SFT stop plateaus near 0.4 (docs/ablations.md, "Shaping the copy").
+  c.reward.shaping_weight = 0.2
+  c.tree.advantage_std_norm = True
   c.loss.algorithm = "grpo"
   c.optim.learning_rate = 5e-4  # 1e-3 and above collapsed the policy in a few steps
   c.optim.warmup_steps = 5
@@ -57,6 +63,7 @@ def get_config(arg=None):
   if a.short:  # the ablation protocol of docs/ablations.md (~4-5 min per run on 2 cores)
     c.sft.until_success, c.sft.check_every = 0.2, 25  # as measured there
     c.model.num_layers, c.optim.schedule = 0, "constant"  # the 2-layer demo policy of then
+    c.reward.shaping_weight, c.tree.advantage_std_norm = 0.0, False  # no shaping then
     c.rl.steps = 40
     c.eval.num_tasks = 100
     c.rl.precompile = False
