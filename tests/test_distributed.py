@@ -32,7 +32,8 @@ FLAGS = ["--config=" + os.path.join(ROOT, "configs", "calculator.py") + ":smoke=
          f"--config.rl.steps={STEPS}", "--config.sft.steps=0",
          # Raw returns as advantages: every step's update is non-zero, so the
          # final parameters check the train step, not just the init.
-         "--config.tree.advantage_mode=raw", "--progress=false"]
+         "--config.tree.advantage_mode=raw", "--config.tree.advantage_std_norm=False",
+         "--progress=false"]
 # Per process, not per run: compile counts and wall times.
 PROCESS_KEYS = ("compiles/", "time/")
 # Depend on how each process packs its own trees into rows (the trained
@@ -45,6 +46,7 @@ LAYOUT_KEYS = ("batch/rows", "batch/padding_fraction", "batch/tokens_trained",
 def _config():
   c = calc_config.get_config("smoke=True")
   c.rl.steps, c.sft.steps, c.tree.advantage_mode = STEPS, 0, "raw"
+  c.tree.advantage_std_norm = False
   return c
 
 
