@@ -304,3 +304,10 @@ class EnvironmentFactory:
   def create_environment(self, metadata: Mapping) -> Environment:
     raise NotImplementedError(f"{type(self).__name__} must implement create_environment")
 
+  def max_graded_turns(self, task_kwargs: Mapping) -> Optional[int]:
+    """The most turns of one trajectory that return per-turn grades, for tasks made
+    with `task_kwargs`; None (the default): any turn may. The start-up dominance
+    check bounds what shaping can add with it (`graders.check_reward_dominance`)."""
+    del task_kwargs
+    return None
+

@@ -117,7 +117,8 @@ def mean_score(grades: Mapping) -> Optional[float]:
 
 def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
                            outcome_range: tuple[float, float] = (0.0, 1.0),
-                           max_shaping: float = 1.0) -> list[str]:
+                           max_shaping: float = 1.0,
+                           max_graded: Optional[int] = None) -> list[str]:
   """Warns when shaping or penalties can outweigh the outcome term.
 
   What matters is the gap the outcome opens between a success and a failure,
@@ -125,8 +126,10 @@ def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
   (a shift of the scores changes nothing), against the worst cases over one
   trajectory of at most max_steps steps:
     shaping: a policy that never succeeds but collects per-turn grades of
-      max_shaping every step earns shaping_weight * max_shaping * max_steps
-      more than one that succeeds without any; that must stay below the gap.
+      max_shaping on every graded step (all max_steps, or max_graded when the
+      environment grades fewer) earns shaping_weight * max_shaping *
+      min(max_steps, max_graded) more than one that succeeds without any;
+      that must stay below the gap.
     penalties: a success that takes max_steps steps with max_invalid invalid
       calls pays |step_penalty| * (max_steps - 1) + |tool_penalty| * max_invalid
       more than a failure after one clean step; if that reaches the gap,
@@ -139,6 +142,9 @@ def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
     outcome_range: (lowest, highest) final-grade score, as the environment
       factory declares it (`EnvironmentFactory.outcome_range`).
     max_shaping: the largest per-turn grade.
+    max_graded: the most steps of one trajectory that carry per-turn grades,
+      as the factory declares it (`EnvironmentFactory.max_graded_turns`);
+      None: every step may.
 
   Returns:
     The warning messages (also issued as `RewardDominanceWarning`).
@@ -147,13 +153,19 @@ def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
   if not hi > lo:
     raise ValueError(f"check_reward_dominance: outcome_range={outcome_range!r}; "
                      "must be (lowest, highest) with lowest < highest")
+  if max_graded is not None and (isinstance(max_graded, bool) or not isinstance(max_graded, int)
+                                 or max_graded < 0):
+    raise ValueError(f"check_reward_dominance: max_graded={max_graded!r}; "
+                     "must be None or an int >= 0")
   gap = cfg.outcome_weight * (hi - lo)
-  shaping = cfg.shaping_weight * max_shaping * max_steps
+  graded = max_steps if max_graded is None else min(max_steps, max_graded)
+  shaping = cfg.shaping_weight * max_shaping * graded
   penalty = abs(cfg.step_penalty) * max(max_steps - 1, 0) + abs(cfg.tool_penalty) * max_invalid
   messages = []
   if shaping >= gap:
     messages.append(
-        f"shaping can outweigh the outcome: shaping_weight * max_shaping * max_steps = "
+        f"shaping can outweigh the outcome: shaping_weight * max_shaping * graded steps "
+        f"({graded}) = "
         f"{shaping:.4g} >= outcome_weight * (max - min outcome) = {gap:.4g}; a policy can "
         "earn more by farming per-turn grades than by finishing the task")
   if penalty >= gap:

@@ -52,6 +52,7 @@ _SPLIT_SEEDS = {"train": 0, "eval": 1, "test": 2}
 # operands, a product, a follow-up) still fits the calculator config's
 # env.max_tokens = 160.
 LEVELS = ((2, 2, 1), (2, 2, 2), (2, 3, 2), (3, 3, 2), (3, 4, 3))
+NUM_FOLLOWUPS = 1  # make_task's default: two stages (the question, one follow-up)
 
 
 def evaluate(expression: str) -> int:
@@ -91,7 +92,7 @@ def calculate(expression: str) -> str:
 
 
 def make_task(split: str, index: int, min_operands: int = 2, max_operands: int = 3,
-              max_digits: int = 2, num_followups: int = 1, level: Optional[int] = None) -> dict:
+              max_digits: int = 2, num_followups: int = NUM_FOLLOWUPS, level: Optional[int] = None) -> dict:
   """Task `index` of `split`: a deterministic function of (split, index[, level]).
 
   `level` (an index into `LEVELS`) overrides min_operands, max_operands and max_digits.
@@ -235,6 +236,10 @@ class CalculatorFactory(EnvironmentFactory):
 
   def create_environment(self, metadata: Mapping[str, Any]) -> CalculatorEnv:
     return CalculatorEnv(metadata, self.show_tools, self.max_tool_calls)
+
+  def max_graded_turns(self, task_kwargs: Mapping[str, Any]) -> int:
+    """One graded call per stage: the question's, then one per follow-up (`make_task`)."""
+    return 1 + int(task_kwargs.get("num_followups", NUM_FOLLOWUPS))
 
 
 @data.register_task_source("calculator")

@@ -416,7 +416,8 @@ def make_factory(exp: Experiment):
   with warnings.catch_warnings():
     warnings.simplefilter("always")
     check_reward_dominance(exp.reward, max_steps=steps, max_invalid=steps,
-                           outcome_range=factory.outcome_range)
+                           outcome_range=factory.outcome_range,
+                           max_graded=factory.max_graded_turns(dict(exp.task_kwargs)))
   return factory
 
 

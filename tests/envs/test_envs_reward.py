@@ -45,6 +45,14 @@ def test_dominance_check():
   with pytest.warns(RewardDominanceWarning, match="shaping can outweigh the outcome"):
     msgs = check_reward_dominance(farm, max_steps=5, max_invalid=0)  # 0.2 * 5 = 1.0 >= 1
   assert len(msgs) == 1 and "1 >= outcome_weight * (max - min outcome) = 1" in msgs[0]
+  # An environment that grades at most 3 steps (a factory's max_graded_turns) cannot
+  # be farmed past 0.2 * 3 = 0.6; a bound above the turn cap changes nothing.
+  assert check_reward_dominance(farm, max_steps=5, max_invalid=0, max_graded=3) == []
+  with pytest.warns(RewardDominanceWarning, match=r"graded steps \(5\) = 1 >= "):
+    check_reward_dominance(farm, max_steps=5, max_invalid=0, max_graded=50)
+  for bad in (-1, 2.0, True):
+    with pytest.raises(ValueError, match="max_graded="):
+      check_reward_dominance(farm, max_steps=5, max_invalid=0, max_graded=bad)
   harsh = RewardConfig(1.0, step_penalty=-0.05, tool_penalty=-0.3)
   with pytest.warns(RewardDominanceWarning, match="penalties can outweigh"):
     msgs = check_reward_dominance(harsh, max_steps=11, max_invalid=2)  # 0.5 + 0.6 = 1.1

@@ -186,3 +186,40 @@ def test_first_tool_call_of_each_stage_is_graded_copy_and_becomes_shaping(render
   no_expr = golden[0].replace('"expression"', '"expr"')
   outs, _ = rollout_scripted(_env(task), [no_expr], reward_cfg=cfg, renderer=renderer)
   assert outs[0].grades["copy"].score == 0.0
+
+
+@pytest.mark.parametrize("num_followups", [1, 3])
+def test_max_graded_turns_bounds_the_copy_grades_of_an_episode(renderer, num_followups):
+  """The factory's declared bound is reached (every stage called twice, then answered)
+  and not passed: one graded call per stage."""
+  task = calculator.make_task("eval", 5, num_followups=num_followups)
+  golden = calculator.golden_conversation(task)
+  script = []
+  for role, content in golden:
+    if role == "assistant":
+      script += [content, content] if content.startswith("<tool_call>") else [content]
+  outs, _ = rollout_scripted(_env(task), script, reward_cfg=REWARD, renderer=renderer,
+                             limits=StepLimits(max_turns=len(script)))
+  assert outs[-1].done and outs[-1].reward.outcome == 1.0
+  graded = sum("copy" in o.grades for o in outs)
+  bound = resolve_factory("calculator").max_graded_turns({"num_followups": num_followups})
+  assert graded == bound == num_followups + 1
+  assert resolve_factory("calculator").max_graded_turns({}) == 2  # make_task's default
+
+
+def test_demo_config_dominance_check_counts_graded_turns_not_the_turn_cap():
+  """shaping_weight 0.5 x 2 graded calls = 1 < the outcome gap 2 (8 x 0.5 = 4 under the
+  turn cap alone would warn); 1.0 x 2 = 2 reaches it and warns."""
+  import warnings
+
+  from configs import calculator as calc_config
+  from mtrl_jax.envs import RewardDominanceWarning
+  from mtrl_jax.train import experiment
+  c = calc_config.get_config()
+  c.reward.shaping_weight = 0.5
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", RewardDominanceWarning)
+    experiment.make_factory(experiment.build(c))
+  c.reward.shaping_weight = 1.0
+  with pytest.warns(RewardDominanceWarning, match=r"graded steps \(2\) = 2 >= "):
+    experiment.make_factory(experiment.build(c))
