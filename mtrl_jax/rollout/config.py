@@ -43,7 +43,8 @@ class TreeConfig:
     discount: gamma in R_j = r_j + gamma * mean(child returns).
     advantage_mode: sibling baseline: 'mean' (R - mean R), 'raw' (R),
       'max' (R - max R), 'rloo' ((G R - sum R) / (G - 1)).
-    advantage_std_norm: after the baseline, (A - mean A) / max(std_pop(A), 1e-6).
+    advantage_std_norm: after the baseline, (A - mean A) / max(std_pop(A), 1e-6);
+      only with 'mean' or 'rloo' (the re-centring would undo 'raw' and 'max').
     cross_return: how a sample's return is built from the G^(N-1) joint
       actions that contain it in cross mode: 'sum' (CoMLRL) or 'mean'.
     branch_on: 'every_turn': every policy message is a tree turn (each
@@ -108,6 +109,11 @@ class TreeConfig:
     if not isinstance(self.advantage_std_norm, bool):
       raise ValueError(
           f"TreeConfig.advantage_std_norm={self.advantage_std_norm!r}; must be a bool")
+    if self.advantage_std_norm and self.advantage_mode in ("raw", "max"):
+      raise ValueError(
+          f"TreeConfig.advantage_std_norm=True with advantage_mode={self.advantage_mode!r}: "
+          "std-norm re-centres the advantages, which turns that baseline into 'mean'; "
+          "allowed with std-norm: 'mean', 'rloo'")
 
   @property
   def substeps(self) -> bool:

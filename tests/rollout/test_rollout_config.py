@@ -48,6 +48,8 @@ def test_budget_violation_is_a_clear_error():
     (dict(termination_threshold="high"), "termination_threshold"),
     (dict(advantage_mode="rloo", num_generations=1), "rloo"),
     (dict(advantage_std_norm=1), "advantage_std_norm"),
+    (dict(advantage_std_norm=True, advantage_mode="raw"), "std_norm=True with .*'raw'.*allowed"),
+    (dict(advantage_std_norm=True, advantage_mode="max"), "advantage_std_norm=True with .*'max'"),
     (dict(branch_on="tool_turn"), r"branch_on='tool_turn'; allowed: \['every_turn', 'user_turn'\]"),
     (dict(max_substeps=0), "max_substeps=0"),
     (dict(max_substeps=True), "max_substeps"),

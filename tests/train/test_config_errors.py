@@ -78,7 +78,8 @@ def test_good_configs_and_raw_single_sample_pass():
     experiment.validate(c)
   # 'raw' advantages of one sample are the returns themselves: allowed.
   experiment.validate(_config("calculator", {"tree.num_generations": 1,
-                                             "tree.advantage_mode": "raw"}))
+                                             "tree.advantage_mode": "raw",
+                                             "tree.advantage_std_norm": False}))
   # `build` keeps raising plain ValueErrors (ConfigError is one) for library callers.
   with pytest.raises(ValueError, match="model.dtype"):
     experiment.build(_config("calculator", {"model.dtype": "int8"}))
