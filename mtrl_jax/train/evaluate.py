@@ -71,8 +71,37 @@ def reward_metrics(tree) -> dict[str, float]:
   return {f"reward/{k}": float(np.mean(v)) for k, v in per_part.items()}
 
 
+def path_success(tree, success_threshold: float) -> float:
+  """The chance that one trajectory sampled from a root succeeds within the tree's turns,
+  averaged over roots: at every node each valid joint action is an equally likely sample,
+  an ended action counts its outcome, a continuing one its child's chance, and one that
+  neither ended nor has a child (cut at turn T, early termination) counts as no success.
+  Unlike `rollout/success` (the share of ended actions that succeed, where a tree lists
+  an early success once and a late one G times per level), it is comparable with the
+  held-out success of single-path evaluation. NaN when no root has a valid action."""
+  chance = {}
+  for node in reversed(tree.nodes):  # children always have larger ids
+    vals = []
+    for b, info in enumerate(node.infos or []):
+      if node.valid_B is not None and not node.valid_B[b]:
+        continue  # masked (infrastructure fault): not a sample of the policy
+      done, outcome = action_outcome(info)
+      child = -1 if node.children_B is None else int(node.children_B[b])
+      if done:
+        vals.append(float(outcome > success_threshold))
+      elif child < 0:
+        vals.append(0.0)
+      elif chance[child] is not None:
+        vals.append(chance[child])
+    chance[node.node_id] = float(np.mean(vals)) if vals else None
+  roots = [chance[n.node_id] for n in tree.nodes
+           if n.parent_id < 0 and chance[n.node_id] is not None]
+  return float(np.mean(roots)) if roots else float("nan")
+
+
 def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
-  """Training-rollout statistics: success of ended actions, returns, reward components, faults."""
+  """Training-rollout statistics: success of ended actions and of sampled paths
+  (`path_success`), returns, reward components, faults."""
   ended, success = 0, 0
   for node in tree.nodes:
     for info in node.infos or []:
@@ -82,6 +111,7 @@ def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
         success += outcome > success_threshold
   roots = [n for n in tree.nodes if n.parent_id < 0]
   out = {"rollout/success": success / max(ended, 1),
+         "rollout/path_success": path_success(tree, success_threshold),
          "rollout/return": float(np.mean([n.returns_B[n.valid_B].mean() for n in roots
                                           if n.valid_B.any()] or [np.nan])),
          **reward_metrics(tree), **fault_counts(tree)}

@@ -47,7 +47,7 @@ from mtrl_jax.train import shapes as shapes_lib
 from mtrl_jax.train import sft as sft_lib
 
 
-PLOT_KEYS = ("eval/*/success", "rollout/success", "rollout/return", "turn_*/mean_reward",
+PLOT_KEYS = ("eval/*/success", "rollout/path_success", "rollout/return", "turn_*/mean_reward",
              "train/loss", "train/kl", "train/clip_frac", "train/entropy", "faults/*",
              "curriculum/level")
 
@@ -223,7 +223,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
       save(step, state, ref)
     if bar is not None:
       bar.set_postfix(reward=f"{m.get('rollout/return', float('nan')):.2f}",
-                      success=f"{m.get('rollout/success', float('nan')):.2f}", refresh=False)
+                      success=f"{m.get('rollout/path_success', float('nan')):.2f}", refresh=False)
       bar.update(1)
 
   # ---- end: flush, summary, curves

@@ -50,6 +50,35 @@ def test_reward_components_per_valid_action_sum_over_substeps():
   assert {k: rollout[k] for k in m} == m  # logged with every RL step
 
 
+def test_path_success_weighs_each_sampled_path_not_each_ended_action():
+  """Hand-worked, T = 2, G = 2. Root A: action 0 succeeds at once, action 1 continues to
+  a child whose two actions succeed and fail: a sampled path succeeds with chance
+  1/2 + 1/2 * 1/2 = 0.75. Root B: action 0 is masked, action 1 continues to a child
+  cut at turn T without ending (no success): 0. Mean over roots 0.375. The ended-action
+  share `rollout/success` is 3 / 4: it also counts the masked win."""
+  tree = Tree(TreeConfig(num_turns=2, num_generations=2))
+  comp = Completion(np.array([3], np.int32), np.array([-0.5], np.float32))
+  win, lose = _record(True, outcome=1.0, steps=1), _record(True, outcome=-1.0, steps=1)
+  go = _record(False, steps=1)
+  a = tree.add_root([[1]])
+  tree.set_completions(a, [[comp] * 2])
+  tree.record(a, [1.0, 0.0], infos=[win, go])
+  a1 = tree.add_child(a, 1, [[1, 3, 2]])
+  tree.set_completions(a1, [[comp] * 2])
+  tree.record(a1, [1.0, -1.0], infos=[win, lose])
+  b = tree.add_root([[2]])
+  tree.set_completions(b, [[comp] * 2])
+  tree.record(b, [1.0, 0.0], valid_B=[False, True], infos=[win, go])
+  b1 = tree.add_child(b, 1, [[2, 3, 2]])
+  tree.set_completions(b1, [[comp] * 2])
+  tree.record(b1, [0.0, 0.0], infos=[go, go])
+  tree.finalize()
+  assert eval_lib.path_success(tree, success_threshold=0.0) == pytest.approx(0.375, abs=1e-12)
+  m = eval_lib.rollout_metrics(tree, success_threshold=0.0)
+  assert m["rollout/path_success"] == pytest.approx(0.375, abs=1e-12)
+  assert m["rollout/success"] == pytest.approx(3 / 4, abs=1e-12)
+
+
 def test_reward_metrics_empty_without_records():
   tree = Tree(TreeConfig(num_turns=1, num_generations=2))
   root = tree.add_root([[1]])
