@@ -92,7 +92,8 @@ def calculate(expression: str) -> str:
 
 
 def make_task(split: str, index: int, min_operands: int = 2, max_operands: int = 3,
-              max_digits: int = 2, num_followups: int = NUM_FOLLOWUPS, level: Optional[int] = None) -> dict:
+              max_digits: int = 2, num_followups: int = NUM_FOLLOWUPS,
+              level: Optional[int] = None) -> dict:
   """Task `index` of `split`: a deterministic function of (split, index[, level]).
 
   `level` (an index into `LEVELS`) overrides min_operands, max_operands and max_digits.
