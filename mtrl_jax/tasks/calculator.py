@@ -176,6 +176,7 @@ class CalculatorEnv(Environment):
     self.stage = 0
     self.tool_calls = 0
     self.graded_stage = -1  # the last stage whose first tool call was graded
+    self.expressions = stage_expressions(metadata)  # what each stage's call should carry
 
   def system_prompt(self) -> str:
     # The from-scratch demo policy learns the tool from SFT; real models see schemas.
@@ -220,9 +221,9 @@ class CalculatorEnv(Environment):
     self.graded_stage = self.stage
     args = self.last_tool_results.calls[0].arguments
     got = args.get("expression") if isinstance(args, dict) else None
-    want = stage_expressions(self.metadata)[self.stage]
+    want = self.expressions[self.stage]
     score = copy_similarity(got, want) if isinstance(got, str) else 0.0
-    return {"copy": Grade(score, f"tool call expression {got!r}; the question's {want!r}")}
+    return {"copy": Grade(score, f"tool call expression {got!r}; stage {self.stage} wants {want!r}")}
 
 
 @register_env_factory("calculator")
