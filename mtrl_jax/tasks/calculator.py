@@ -223,7 +223,8 @@ class CalculatorEnv(Environment):
     got = args.get("expression") if isinstance(args, dict) else None
     want = self.expressions[self.stage]
     score = copy_similarity(got, want) if isinstance(got, str) else 0.0
-    return {"copy": Grade(score, f"tool call expression {got!r}; stage {self.stage} wants {want!r}")}
+    reason = f"tool call expression {got!r}; stage {self.stage} wants {want!r}"
+    return {"copy": Grade(score, reason)}
 
 
 @register_env_factory("calculator")
