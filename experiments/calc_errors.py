@@ -37,9 +37,9 @@ _TOOL = re.compile(r"<\|tool\|>(.*?)<\|end\|>")
 _ANSWER = re.compile(r"<answer>(.*?)</answer>")
 
 
-def classify(completion: str, info: dict) -> str:
-  """The class of one completion from its text and its node info (see module doc)."""
-  grade = info.get("grades", {}).get("grade")
+def classify(completion: str, action: dict) -> str:
+  """The class of one completion from its text and its action's dump record (see module doc)."""
+  grade = action["steps"][-1].get("grades", {}).get("grade")
   if grade is None or grade["score"] > 0:  # no final grade: the episode went on
     return "right"
   tool, answer = _TOOL.search(completion), _ANSWER.search(completion)
@@ -56,8 +56,8 @@ def breakdown(path: str) -> dict[int, collections.Counter]:
   with open(path) as f:
     for line in f:
       node = json.loads(line)
-      for completion, info in zip(node["completions"][0], node["infos"]):
-        out[node["turn"]][classify(completion, info)] += 1
+      for completion, action in zip(node["completions"][0], node["actions"]):
+        out[node["turn"]][classify(completion, action)] += 1
   return out
 
 

@@ -9,7 +9,8 @@ imports it). `tests/conftest.py` hands the builders to tests as fixtures.
   ScriptedTransition  text-free transition on token lists for the engine tests
   DuoEnv, SoloEnv, ToolThenUserEnv
                       small text environments with scripted rules
-  FakePolicySampler   deterministic policy sampler (from `mtrl_jax.rollout.policy`)
+  FakePolicy          deterministic stand-in for the decode engine: each sample a pure
+                      function of its request, finishing after a random number of steps
   byte_tokenizer(), byte_renderer(), tiny_model()
                       the byte tokenizer with the compact chat format, and the
                       seed-0 `tiny` model, built once per process
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -27,12 +29,12 @@ import numpy as np
 
 from mtrl_jax import models
 from mtrl_jax.envs import Environment, Grade, InfrastructureError, Thread, Turn
-from mtrl_jax.rollout.engine import ActionOutcome
-from mtrl_jax.rollout.policy import FakePolicySampler
+from mtrl_jax.rollout.records import ActionOutcome, StepRecord
+from mtrl_jax.sampling.engine import Sample
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 
 __all__ = ["TokenState", "TokenTransition", "FEEDBACK", "TOOL", "TokState", "ScriptedTransition",
-           "total_ids", "CLOSED", "DuoEnv", "SoloEnv", "ToolThenUserEnv", "FakePolicySampler",
+           "total_ids", "CLOSED", "DuoEnv", "SoloEnv", "ToolThenUserEnv", "FakePolicy",
            "byte_tokenizer", "byte_renderer", "tiny_model"]
 
 
@@ -85,7 +87,7 @@ class TokenTransition:
     reward = float(np.mean([int(c.ids[0]) % 2 if len(c.ids) else 0 for c in actions]))
     hist = tuple(h + tuple(c.ids.tolist()) + self.observation
                  for h, c in zip(state.histories, actions))
-    return ActionOutcome(TokenState(hist), reward)
+    return ActionOutcome(TokenState(hist), StepRecord(reward))
 
 
 # ---------------------------------------------------------------- engine tests (no text)
@@ -135,17 +137,123 @@ class ScriptedTransition:
       time.sleep(self.sleep_s)
     r = self.reward(state, actions)
     if self.fault(state, actions):
-      return ActionOutcome(None, 0.0, valid=False, info={"fault": "infrastructure"})
+      return ActionOutcome(None, StepRecord(0.0, valid=False,
+                                            details={"fault": "infrastructure"}))
     if self.stop(state, actions):
-      return ActionOutcome(None, r, info={"stopped": True})
+      return ActionOutcome(None, StepRecord(r, details={"stopped": True}))
     if self.continues(state, actions):
       hist = tuple(h + tuple(int(t) for t in c.ids) + (TOOL,)
                    for h, c in zip(state.histories, actions))
-      return ActionOutcome(TokState(state.root, state.turn, hist, state.sub + 1), r,
-                           info={"r": r, "tool": True}, continues_turn=True)
+      return ActionOutcome(TokState(state.root, state.turn, hist, state.sub + 1),
+                           StepRecord(r, continues_turn=True, details={"r": r, "tool": True}))
     hist = tuple(h + tuple(int(t) for t in c.ids) + (FEEDBACK,)
                  for h, c in zip(state.histories, actions))
-    return ActionOutcome(TokState(state.root, state.turn + 1, hist), r, info={"r": r})
+    return ActionOutcome(TokState(state.root, state.turn + 1, hist),
+                         StepRecord(r, details={"r": r}))
+
+
+class _FakeHandle:
+  __slots__ = ("ids", "released")
+
+  def __init__(self, ids):
+    self.ids, self.released = ids, False
+
+
+class FakePolicy:
+  """Deterministic stand-in for the decode engine (a `rollout.policy.RolloutPolicy`).
+
+  Sample g of a request draws its length and tokens from a numpy generator
+  seeded by a hash of (prompt, agent, key, rows[g]), so samples do not depend
+  on batching, slots or timing, and two runs with the same key agree bit for
+  bit. Scripted policies override `completion(req, g)`. Each request finishes after a random number of steps (from
+  `latency_seed`; 0 steps when `max_latency` is 0), so the order in which
+  samples come back changes with the latency seed while the samples do not.
+
+  Counters: `requests` (every request, in submission order), `reused` (prompt
+  tokens a named parent's cache held: the prompt extends it), `misses`
+  (requests whose parent's cache was not a prefix of the prompt), `released`.
+
+  Args:
+    vocab: token ids are drawn from [low, vocab).
+    max_new_tokens: longest completion.
+    stop_id: appended to completions that finish with 'stop'; None: never stop.
+    low: smallest token id drawn (keeps special tokens out of the body).
+    stop_prob: probability that a completion ends with the stop token.
+    separate: one parameter set per agent (how the engine names keys).
+    max_latency: most engine steps a request takes.
+    latency_seed: seed of the latencies.
+  """
+
+  def __init__(self, vocab: int = 256, max_new_tokens: int = 8, stop_id: Optional[int] = None,
+               low: int = 1, stop_prob: float = 0.8, separate: bool = False,
+               max_latency: int = 0, latency_seed: int = 0):
+    if not 0 <= low < vocab:
+      raise ValueError(f"FakePolicy low={low} must be in [0, vocab={vocab})")
+    self.vocab, self.low = vocab, low
+    self.max_new_tokens = max_new_tokens
+    self.stop_id, self.stop_prob = stop_id, stop_prob
+    self.separate = separate
+    self.max_latency = max_latency
+    self._latency = np.random.default_rng(latency_seed)
+    self.requests: list = []
+    self.reused = self.misses = self.released = 0
+    self._pending: list = []  # [steps left, request]
+
+  def completion(self, req, g: int):
+    """(ids int32, logprobs float32, finish reason) of sample g of request `req`."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(req.key, np.uint32).tobytes())
+    h.update(np.asarray([req.agent, int(np.asarray(req.rows).reshape(-1)[g])], np.int64).tobytes())
+    h.update(np.asarray(req.prompt, np.int64).tobytes())
+    rng = np.random.default_rng(int.from_bytes(h.digest(), "little"))
+    n = int(rng.integers(1, self.max_new_tokens + 1))
+    ids = rng.integers(self.low, self.vocab, size=n).astype(np.int32)
+    stop = self.stop_id is not None and rng.random() < self.stop_prob
+    if stop:
+      ids[-1] = self.stop_id
+    logprobs = -rng.exponential(1.0, size=n).astype(np.float32)
+    return ids, logprobs, "stop" if stop else "length"
+
+  def start(self, fanout: int) -> None:
+    del fanout
+
+  def submit(self, req) -> None:
+    prompt = np.asarray(req.prompt, np.int64)
+    if req.parent is not None:
+      cached = req.parent.ids
+      if len(cached) <= len(prompt) and np.array_equal(prompt[:len(cached)], cached):
+        self.reused += len(cached)
+      else:
+        self.misses += 1
+    self.requests.append(req)
+    wait = int(self._latency.integers(0, self.max_latency + 1)) if self.max_latency else 0
+    self._pending.append([wait, req])
+
+  def step(self, expect_more: bool = False):
+    done, still = [], []
+    for item in self._pending:
+      if item[0] > 0:
+        item[0] -= 1
+        still.append(item)
+        continue
+      req = item[1]
+      for g in range(np.asarray(req.rows).size):
+        ids, logprobs, reason = self.completion(req, g)
+        cached = np.concatenate([np.asarray(req.prompt, np.int64), ids[:-1]])
+        done.append(Sample(req.tag, g, ids, logprobs, reason, _FakeHandle(cached)))
+    self._pending = still
+    return done, bool(still or expect_more)
+
+  def release(self, handle) -> None:
+    handle.released = True
+    self.released += 1
+
+  @property
+  def busy(self) -> bool:
+    return bool(self._pending)
+
+  def finish(self) -> dict:
+    return {}
 
 
 def total_ids(actions) -> int:

@@ -14,10 +14,9 @@ Entry points:
     `model.logits_at(hidden_BxLxD, index_BxK)` -> logits [B, K, V] of chosen
     positions only: the train step computes the LM head where a loss needs it;
   * `model.forward_cached(tokens_BxL, positions_BxL, attn_mask_BxLxS, cache,
-    cache_index) -> (logits_BxLxV, cache)`, used by the sampler: keys/values of
-    the L new tokens are written into cache slots
-    [cache_index, cache_index + L) and the queries attend over all S slots
-    allowed by `attn_mask_BxLxS`.
+    write_BxL) -> (logits, cache)`, used by the rollout engine: the keys/values
+    of new token l of row b are written into cache slot `write_BxL[b, l]` and
+    the queries attend over the S slots `attn_mask_BxLxS` allows.
 """
 
 from __future__ import annotations
@@ -212,13 +211,15 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, pd, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, positions, mask_BxLxS, inv_freq, kv=None, cache_index=None):
-    """Returns (x, (k, v)); with `kv` the new keys/values are written into it."""
+  def __call__(self, x, positions, mask_BxLxS, inv_freq, kv=None, write_BxL=None):
+    """Returns (x, (k, v)); with `kv` the new keys/values are written into its
+    slots `write_BxL` (one per new token) and attention runs over the cache."""
     q, k, v = self.attn.project_qkv(self.attn_norm(x), positions, inv_freq)
     if kv is not None:
       ck, cv = kv
-      k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
-      v = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
+      rows_Bx1 = jnp.arange(ck.shape[0], dtype=jnp.int32)[:, None]
+      k = ck.at[rows_Bx1, write_BxL].set(k.astype(ck.dtype), mode="promise_in_bounds")
+      v = cv.at[rows_Bx1, write_BxL].set(v.astype(cv.dtype), mode="promise_in_bounds")
     x = x + self.attn.attend(q, k, v, mask_BxLxS).astype(x.dtype)
     x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
     return x, (k, v)
@@ -304,8 +305,8 @@ class Transformer(nnx.Module):
     return self.project(self.hidden(tokens_BxL, positions_BxL, mask_BxL))
 
   def forward_cached(self, tokens_BxL, positions_BxL, attn_mask_BxLxS, cache: KVCache,
-                     cache_index, *, last_only: bool = False):
-    """Forward of L new tokens against a KV cache (prefill or one decode step).
+                     write_BxL, *, head: str = "all"):
+    """Forward of L new tokens against a KV cache (a prefill extension or a decode step).
 
     Args:
       tokens_BxL: new token ids.
@@ -313,23 +314,24 @@ class Transformer(nnx.Module):
       attn_mask_BxLxS: which cache slots each new token may attend to (the
         caller includes the new tokens' own slots, causally).
       cache: KV cache with S slots.
-      cache_index: scalar int, the slot of the first new token.
-      last_only: compute the LM head at the last position only (a prefill
-        samples from the last prompt token; the head over every prompt
-        position would cost L x D x V per prompt).
+      write_BxL: int slot of each new token's keys/values (in [0, S); two
+        tokens of a row may share a slot only where the caller discards it).
+      head: 'all' (logits of every new token), 'last' (of the last one: a
+        decode step) or 'none' (no LM head: a prefill that only fills the cache).
     Returns:
-      (logits_BxLxV float32, or logits_BxV of the last position with
-      last_only, updated cache).
+      (logits_BxLxV float32 | logits_BxV | None, updated cache).
     """
     inv_freq = rope_inv_freq(self.cfg)
     x = self.embed_tokens(tokens_BxL)
     new_k, new_v = [], []
     for i, block in enumerate(self.blocks):
       x, (k, v) = block(x, positions_BxL, attn_mask_BxLxS, inv_freq,
-                        kv=(cache.k[i], cache.v[i]), cache_index=cache_index)
+                        kv=(cache.k[i], cache.v[i]), write_BxL=write_BxL)
       new_k.append(k)
       new_v.append(v)
     cache = KVCache(k=tuple(new_k), v=tuple(new_v))
-    if last_only:
+    if head == "none":
+      return None, cache
+    if head == "last":
       return self.head(x[:, -1:, :])[:, 0, :], cache
     return self.head(x), cache

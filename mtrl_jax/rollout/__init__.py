@@ -1,28 +1,28 @@
 """Tree rollouts: T turns x G generations x N agents, returns, advantages, packing.
 
-`expand_tree` grows one tree per task level by level (one batched sampler call
-per level, concurrent environment steps), `Tree.finalize` computes discounted
-returns and sibling-baseline advantages, `pack_tree` builds the fixed-shape
-training batch and `write_rollout_dump` the per-node JSONL dump. With
-`TreeConfig(branch_on='user_turn')` the tree branches at user turns only: tool
-calls and their results within a turn are sub-steps of one action.
+`expand_tree` grows one tree per task on the rollout engine (decode slots
+whose KV cache persists; environment steps on a thread pool, no level
+barrier), `Tree.finalize` computes discounted returns and sibling-baseline
+advantages, `pack_tree` builds the fixed-shape training batch and
+`write_rollout_dump` the per-node JSONL dump. With
+`TreeConfig(branch_on='user_turn')` the tree branches at user turns only:
+tool calls and their results within a turn are sub-steps of one action.
 
-The core (config, tree, engine, policy, packing, dump) does not import the
-environment or text packages; `mtrl_jax.rollout.env_transition.EnvTransition`
-adapts `mtrl_jax.envs` environments and is imported from its module.
+`mtrl_jax.rollout.env_transition.EnvTransition` adapts `mtrl_jax.envs`
+environments to the engine's `Transition` and is imported from its module.
 """
 
 from mtrl_jax.rollout.config import TreeConfig, TreePlan, plan_tree
 from mtrl_jax.rollout.dump import dump_path, node_records, write_rollout_dump
-from mtrl_jax.rollout.engine import ActionOutcome, Transition, expand_tree
+from mtrl_jax.rollout.engine import RolloutTimes, expand_tree
 from mtrl_jax.rollout.packing import BATCH_KEYS, pack_tree
-from mtrl_jax.rollout.policy import (FakePolicySampler, PolicySampler, SamplerPolicy,
-                                     StackedStates)
+from mtrl_jax.rollout.policy import EnginePolicy, RolloutPolicy, StackedStates
+from mtrl_jax.rollout.records import ActionOutcome, ActionRecord, StepRecord, Transition
 from mtrl_jax.rollout.tree import Completion, Node, Tree, advantages, joint_actions
 
 __all__ = [
     "TreeConfig", "TreePlan", "plan_tree", "Tree", "Node", "Completion", "joint_actions",
-    "advantages", "PolicySampler", "SamplerPolicy", "StackedStates", "FakePolicySampler", "Transition",
-    "ActionOutcome", "expand_tree", "pack_tree", "BATCH_KEYS", "write_rollout_dump",
-    "dump_path", "node_records",
+    "advantages", "RolloutPolicy", "EnginePolicy", "StackedStates", "Transition",
+    "ActionOutcome", "StepRecord", "ActionRecord", "RolloutTimes", "expand_tree", "pack_tree",
+    "BATCH_KEYS", "write_rollout_dump", "dump_path", "node_records",
 ]

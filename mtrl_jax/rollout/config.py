@@ -26,6 +26,7 @@ ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 CROSS_RETURNS = ("sum", "mean")
 BRANCH_ON = ("every_turn", "user_turn")
 SHAPES = ("tree", "chain")
+SCHEDULES = ("continuous", "barrier")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,11 @@ class TreeConfig:
       action (an action has at most 1 + max_substeps environment steps); an
       environment still asking for one after that ends the action as a
       truncation (no child).
+    schedule: how the rollout engine orders the work (never what the tree
+      is): 'continuous' (an action's environment step starts when its own
+      samples are done, its child's requests when the step returns) or
+      'barrier' (level by level: every sample of a level, then every step,
+      then each sub-step round, then the next level).
   """
 
   num_turns: int
@@ -74,6 +80,7 @@ class TreeConfig:
   branch_on: str = "every_turn"
   max_substeps: int = 4
   shape: str = "tree"
+  schedule: str = "continuous"
 
   def __post_init__(self):
     for name in ("num_turns", "num_generations", "num_agents"):
@@ -85,6 +92,7 @@ class TreeConfig:
     _check_choice("cross_return", self.cross_return, CROSS_RETURNS)
     _check_choice("branch_on", self.branch_on, BRANCH_ON)
     _check_choice("shape", self.shape, SHAPES)
+    _check_choice("schedule", self.schedule, SCHEDULES)
     if self.shape == "chain" and self.joint_mode != "align":
       raise ValueError(f"TreeConfig.shape='chain' needs joint_mode='align', got "
                        f"{self.joint_mode!r}: a chain is G independent trajectories")

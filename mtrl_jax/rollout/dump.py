@@ -3,16 +3,16 @@
 Each line holds the node's place in the tree (`node_id`, `root`, `parent_id`,
 `parent_action`, `turn`, `children`), its joint actions with `rewards`,
 `returns` and `valid` flags, per agent per sample `advantages`,
-`agent_returns` and `weights`, `terminated`, the environment `infos` of each
-joint action, and the texts (prompt per agent, completion per agent per
+`agent_returns` and `weights`, `terminated`, each joint action's record
+(`actions`: reward, validity, faults and every environment step, from
+`rollout.records.ActionRecord.to_json`), and the texts (prompt per agent, completion per agent per
 sample) when a decoder is given, token ids otherwise.
 
 Under `branch_on='user_turn'` a node also records `substeps` (continuation
 segments per joint action) and, per agent per sample, `segments`: the
 completion cut into runs `{"sampled": bool, "text" | "ids": ...}`, sampled
 segments alternating with the context between them (the tool turns and
-headers); each joint action's `infos` entry lists every step under
-`substeps`.
+headers); each joint action's record lists every step.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def node_records(tree: Tree, decode: Optional[Callable] = None) -> list[dict]:
         "agent_returns": _nums(node.agent_returns_NxG),
         "advantages": _nums(node.advantages_NxG),
         "weights": _nums(node.weight_NxG),
-        "infos": _jsonable(node.infos),
+        "actions": [_jsonable(a.to_json()) for a in node.actions],
     }
     comps = node.completions or []
     rec["finish_reasons"] = [[c.finish_reason for c in agent] for agent in comps]

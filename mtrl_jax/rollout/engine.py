@@ -1,35 +1,39 @@
-"""Level-by-level tree expansion: one sampler call per level, concurrent env steps.
+"""Tree expansion on the rollout engine: no level barrier, every cached prefix reused.
 
-The engine never loops over nodes around the sampler: the prompts of every
-(node, agent) of a level, across all roots, go to ONE `PolicySampler.sample`
-call (the sampler prefills each prompt once and forks G continuations). The
-level's environment steps (one per joint action) then run on a thread pool,
-so a slow tool or judge does not serialise the level.
+`expand_tree` grows one tree per root through a `RolloutPolicy` (decode
+slots whose KV cache persists, `mtrl_jax.sampling.engine`) and a
+`Transition` (the environments), as events arrive:
 
-With `TreeConfig.branch_on='user_turn'` an action whose step answered with
-tool turns only (`ActionOutcome.continues_turn`) does not branch: the engine
-samples ONE continuation segment for every such action of the level (one
-sampler call per sub-step round), appends it to the action's `Completion`
-(after the context the environment rendered) and steps again, until the
-environment hands over to the user (a child node) or stops. The action's
-reward is the sum of its steps' rewards; a masked step masks the action.
+  * a node's agents each submit one request for G samples; a root's prompt
+    is prefilled once and forked into G slots, a child's request names the
+    parent sample's cache, so only the environment's new turns are prefilled;
+  * a joint action's environment step goes to the thread pool as soon as its
+    own samples are finished, not when the level's are;
+  * a step that returns hands its child node's requests to the engine at
+    once (the engine admits them between decode chunks), or, under
+    `branch_on='user_turn'` when the environment answered with tool turns, a
+    continuation of the same action from its own cache;
+  * with a termination threshold a node's children wait for all of its
+    actions (termination depends on their mean reward); without one, each
+    action's child starts when the action is stepped.
 
-Model calls inside environments (user simulators, judges, experts) are
-reproducible: when `Transition.step` takes a `seed` keyword, each step gets
-`call_seed(level key, root, node, joint action, sub-step round)`, a function
-of the step's key and the node's identity alone, so neither the thread pool's
-order nor the number of workers changes what a simulator says.
+Tree semantics do not depend on the schedule: every request's sampling keys
+and every step's seed are named by the node's place in the complete tree
+(`Node.full_id`), never by arrival order, and `Tree.renumber` puts the nodes
+in canonical order at the end. `TreeConfig.schedule='barrier'` runs the same engine
+level by level (a level's samples, then its steps, then each sub-step round,
+then the next level): the reference for equality tests and the baseline of
+the benchmarks.
 
-With several processes (`mtrl_jax.distributed`) every process expands the
-trees of its own roots: a level runs while any process still has nodes (a
-process whose trees ended joins the level's sampler call with no prompts), and
-so does each sub-step round, because the sampler call is one global program.
+Keys: level t has the key fold_in(key, t); the G samples of agent i at a
+node are drawn as the level-by-level sampler drew them (`policy.request_keys`)
+and sub-step round k of a level uses fold_in(level key, k). Environment
+steps get `action_seed(call_seed(level key, 'env'), root, node, action,
+sub-step)` when `Transition.step` takes a `seed`.
 
-The engine is independent of how environments represent state: it talks to a
-`Transition`, which gives the prompt ids of a node state and steps a joint
-action. `mtrl_jax.rollout.env_transition.EnvTransition` adapts
-`mtrl_jax.envs` environments (threads, token ledgers, grades, faults); tests
-use scripted transitions.
+Several processes (`mtrl_jax.distributed`): each process expands the trees
+of its own roots (numbered globally) and steps the engine in lockstep with
+the others until no process has work.
 """
 
 from __future__ import annotations
@@ -37,84 +41,29 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import inspect
-from typing import Any, Optional, Protocol, Sequence
+import queue
+import time
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
 
 from mtrl_jax import distributed
 from mtrl_jax.rollout.config import TreeConfig
-from mtrl_jax.rollout.policy import PolicySampler
+from mtrl_jax.rollout.policy import RolloutPolicy, key_data, request_keys
+from mtrl_jax.rollout.records import ActionRecord, Transition, step_record
 from mtrl_jax.rollout.tree import Completion, Node, Tree
+from mtrl_jax.sampling.engine import Request, Sample
 from mtrl_jax.seeds import call_seed
 
-
-@dataclasses.dataclass
-class ActionOutcome:
-  """What one environment step of a joint action produced.
-
-  Attributes:
-    next_state: the state to continue from (per-agent histories), or None
-      when the environment ended the episode on this action.
-    reward: r of this step (composed grade score; 0 when none).
-    valid: False for an infrastructure fault: the action is masked, never rewarded.
-    info: JSON-able details for the rollout dump (grades, faults, feedback).
-    continues_turn: the environment answered with tool turns only and waits
-      for the same policy turn to go on (its new turns end with a tool turn).
-      Under branch_on='user_turn' the engine then samples a continuation
-      instead of a child; under 'every_turn' it is ignored.
-  """
-
-  next_state: Any
-  reward: float
-  valid: bool = True
-  info: Optional[dict] = None
-  continues_turn: bool = False
-
-
-class Transition(Protocol):
-  """The environment side of a tree, in terms of opaque node states."""
-
-  def prompts(self, state: Any) -> list[list[int]]:
-    """Prompt token ids (full context) of each agent at a node with `state`.
-
-    A state reached by a step must extend the stepped state's prompt plus the
-    sampled ids verbatim (token-in, token-out); the engine checks it for
-    sub-step continuations.
-    """
-    ...
-
-  def step(self, state: Any, actions: Sequence[Completion]) -> ActionOutcome:
-    """Applies one joint action (one single-segment completion per agent) to `state`.
-
-    Must not mutate `state`: siblings branch from the same state. It runs on
-    a worker thread, concurrently with the level's other steps. A transition
-    whose `step` accepts a `seed` keyword gets the step's seed (an int named
-    by (step key, root, node, action, sub-step); see `action_seed`) for the
-    model calls its environment makes.
-    """
-    ...
-
-  # Optional: `close(state)` releases a state's resources. The engine owns
-  # every state it is given or returned (root states included) and calls it
-  # once no branch will step the state again: after its level, after its
-  # sub-step, or when a returned next state becomes no child.
-
-
-def _level_key(key: jax.Array, turn: int) -> jax.Array:
-  return jax.random.fold_in(key, turn)
-
-
-def action_seed(level_seed: int, node: Node, action: int, substep: int = 0) -> int:
+def action_seed(level_seed: int, root: int, full_id: int, action: int, substep: int = 0) -> int:
   """Seed of one environment step: (level seed, root, node, joint action, sub-step).
 
-  `level_seed` is `call_seed(level_key, 'env')` (the level key folds the
-  step's key with the turn). Node ids follow creation order, which the
-  engine fixes (parents before children, children in (node, action) order),
-  so the seed names the same step in every run with the same key, whatever
-  the worker threads do.
+  `level_seed` is `call_seed(level_key, 'env')`; the node is named by its
+  `full_id`, so the seed names the same step in every run with the same key,
+  whatever the worker threads and the engine's schedule do.
   """
-  return call_seed(level_seed, node.root, node.node_id, action, substep)
+  return call_seed(level_seed, root, full_id, action, substep)
 
 
 def _takes_seed(transition) -> bool:
@@ -125,221 +74,376 @@ def _takes_seed(transition) -> bool:
   return "seed" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
-def expand_tree(cfg: TreeConfig, policy: PolicySampler, transition: Transition,
+class _NodeRun:
+  """A node while its samples and actions are under way."""
+
+  def __init__(self, node: Node, joint_BxN: np.ndarray, g: int, level_key):
+    self.node, self.joint, self.g, self.level_key = node, joint_BxN, g, level_key
+    n = joint_BxN.shape[1]
+    self.comps = [[None] * g for _ in range(n)]
+    self.handles = [[None] * g for _ in range(n)]
+    self.left = n * g  # samples not yet finished
+    self.uses = np.zeros((n, g), np.int64)  # unresolved actions per sample
+    for i in range(n):
+      np.add.at(self.uses[i], joint_BxN[:, i], 1)
+    self.acts = [_ActRun(self, j) for j in range(joint_BxN.shape[0])]
+    self.first_steps = len(self.acts)  # first steps not yet returned
+    self.unresolved = len(self.acts)
+
+
+class _ActRun:
+  """A joint action while its (sub-)steps are under way."""
+
+  def __init__(self, nr: _NodeRun, j: int):
+    self.nr, self.j = nr, j
+    self.waiting = nr.joint.shape[1]  # its samples not yet finished
+    self.steps: list = []
+    self.next_state = None
+    self.limit_reached = False
+    self.context = None  # the tokens between the last segment and the next (a continuation)
+    self.segment = None  # the latest continuation segment
+
+  @property
+  def samples(self):
+    return [(i, int(self.nr.joint[self.j, i])) for i in range(self.nr.joint.shape[1])]
+
+  def completions(self):
+    return [self.nr.comps[i][g] for i, g in self.samples]
+
+
+@dataclasses.dataclass
+class RolloutTimes:
+  """Wall-clock split of one `expand_tree` call (seconds).
+
+  generation: in engine steps (admission + decode chunks);
+  environment: with at least one environment step in flight;
+  overlap: engine steps while environment steps were in flight;
+  device_idle: the engine had nothing to run, waiting for environments;
+  env_waiting: engine steps while no environment step was in flight.
+  """
+
+  total: float = 0.0
+  generation: float = 0.0
+  environment: float = 0.0
+  overlap: float = 0.0
+  device_idle: float = 0.0
+  env_waiting: float = 0.0
+
+
+class _Rollout:
+  """One `expand_tree` call (see the module docstring)."""
+
+  def __init__(self, cfg: TreeConfig, policy: RolloutPolicy, transition: Transition, key,
+               executor: concurrent.futures.Executor):
+    self.cfg, self.policy, self.transition, self.key = cfg, policy, transition, key
+    self.barrier = cfg.schedule == "barrier"
+    self.executor = executor
+    self.tree = Tree(cfg)
+    self.close = getattr(transition, "close", None) or (lambda state: None)
+    self.seeded = _takes_seed(transition)
+    self.done_q: queue.Queue = queue.Queue()
+    self.in_flight = 0
+    self.held_steps: list = []  # barrier: (act, substep) waiting for the engine to idle
+    self.held_conts: list = []  # barrier: continuation requests waiting for the round
+    self.held_nodes: dict = {}  # barrier: level -> requests of its nodes
+    self.held_releases: list = []  # barrier: handles released once the held requests are in
+    self.open_actions = [0] * cfg.num_turns  # unresolved actions per level
+    self.times = RolloutTimes()
+    self._keys: dict = {}
+
+  # ------------------------------------------------------------ keys
+  def level_key(self, turn: int):
+    if turn not in self._keys:
+      self._keys[turn] = jax.random.fold_in(self.key, turn)
+    return self._keys[turn]
+
+  def env_seed(self, turn: int) -> int:
+    if ("env", turn) not in self._keys:
+      self._keys[("env", turn)] = call_seed(self.level_key(turn), "env")
+    return self._keys[("env", turn)]
+
+  def round_key(self, turn: int, rnd: int):
+    if (turn, rnd) not in self._keys:
+      self._keys[(turn, rnd)] = jax.random.fold_in(self.level_key(turn), rnd)
+    return self._keys[(turn, rnd)]
+
+  def level_sizes(self, total_roots: int) -> list[int]:
+    """Nodes per level of the complete tree, over every process's roots."""
+    sizes, width = [], total_roots
+    for t in range(self.cfg.num_turns):
+      sizes.append(width)
+      width *= self.cfg.branching_at(t)
+    return sizes
+
+  # ------------------------------------------------------------ nodes and requests
+  def add_node(self, node: Node) -> None:
+    cfg = self.cfg
+    g = cfg.generations_at(node.turn)
+    nr = _NodeRun(node, self.tree.node_joint(node), g, self.level_key(node.turn))
+    self.open_actions[node.turn] += len(nr.acts)
+    index = node.full_id - self.offsets[node.turn]
+    parent = self.runs.get(node.parent_id)
+    for i, prompt in enumerate(node.prompts):
+      key, rows = request_keys(nr.level_key, i, index, cfg.num_agents, g, self.policy.separate)
+      handle = None
+      if parent is not None:
+        handle = parent.handles[i][int(parent.joint[node.parent_action, i])]
+      req = Request(("node", nr, i), prompt, key, rows, agent=i, parent=handle)
+      if self.barrier and node.turn > 0:
+        self.held_nodes.setdefault(node.turn, []).append(req)
+      else:
+        self.policy.submit(req)
+    self.runs[node.node_id] = nr
+
+  def on_sample(self, s: Sample) -> None:
+    kind = s.tag[0]
+    comp = Completion(ids=s.ids, logprobs=s.logprobs, finish_reason=s.finish_reason)
+    if kind == "node":
+      _, nr, i = s.tag
+      nr.comps[i][s.index], nr.handles[i][s.index] = comp, s.handle
+      nr.left -= 1
+      if nr.left == 0:
+        self.tree.set_completions(nr.node, nr.comps)
+      for act in nr.acts:
+        if (i, s.index) in act.samples:
+          act.waiting -= 1
+          if act.waiting == 0:
+            self.ready_step(act)
+      return
+    _, act = s.tag  # a tool continuation of `act` (one agent)
+    nr, g = act.nr, act.samples[0][1]
+    nr.comps[0][g] = nr.node.completions[0][g] = nr.comps[0][g].continued(act.context, comp)
+    nr.handles[0][g] = s.handle
+    act.segment = comp
+    self.ready_step(act)
+
+  # ------------------------------------------------------------ environment steps
+  def ready_step(self, act: _ActRun) -> None:
+    if self.barrier:
+      self.held_steps.append(act)
+    else:
+      self.dispatch_step(act)
+
+  def dispatch_step(self, act: _ActRun) -> None:
+    nr = act.nr
+    node, substep = nr.node, len(act.steps)
+    state = node.state if substep == 0 else act.next_state
+    comps = act.completions() if substep == 0 else [act.segment]
+    kw = {}
+    if self.seeded:
+      kw["seed"] = action_seed(self.env_seed(node.turn), self.root_base + node.root,
+                               node.full_id, act.j, substep)
+    if self.in_flight == 0:
+      self._env_since = time.perf_counter()
+    self.in_flight += 1
+    future = self.executor.submit(self.transition.step, state, comps, **kw)
+    future.add_done_callback(lambda f, a=act, st=state: self.done_q.put((a, st, f)))
+
+  def on_step_done(self, act: _ActRun, state, future) -> None:
+    self.in_flight -= 1
+    if self.in_flight == 0:
+      self.times.environment += time.perf_counter() - self._env_since
+    out = future.result()  # a transition reports environment faults in its record
+    nr = act.nr
+    record = step_record(out)
+    answered = act.segment if act.steps else act.completions()[-1]
+    finish = answered.finish_reason
+    act.steps.append(dataclasses.replace(record, done=out.next_state is None,
+                                         finish_reason=finish))
+    if len(act.steps) == 1:
+      nr.first_steps -= 1
+      if nr.first_steps == 0:
+        self.close(nr.node.state)  # every action has forked its own state from it
+    else:
+      self.close(state)  # an intermediate state belongs to its one action
+    act.next_state = out.next_state
+    if self.cfg.substeps and record.valid and record.continues_turn:
+      if len(act.steps) > self.cfg.max_substeps:
+        act.limit_reached = True
+      else:
+        self.continue_action(act)
+        return
+    self.resolve(act)
+
+  def continue_action(self, act: _ActRun) -> None:
+    """Samples ONE more segment of the action's turn from its own cache."""
+    nr = act.nr
+    prompts = self.transition.prompts(act.next_state)
+    if len(prompts) != 1:
+      raise ValueError(f"sub-steps need one agent; the transition gave {len(prompts)} prompts")
+    prompt = [int(t) for t in prompts[0]]
+    g = act.samples[0][1]
+    comp = nr.comps[0][g]
+    done = nr.node.prompts[0] + [int(t) for t in comp.ids]
+    if prompt[:len(done)] != done:
+      raise ValueError(
+          f"node {nr.node.full_id} action {act.j}: the sub-step context does not extend the "
+          "node's prompt and the sampled tokens verbatim (token-in, token-out)")
+    act.context = prompt[len(done):]
+    rnd = len(act.steps)
+    index = nr.node.full_id - self.offsets[nr.node.turn]
+    key, rows = request_keys(self.round_key(nr.node.turn, rnd), 0,
+                             index * self.cfg.branching_at(nr.node.turn) + act.j, 1, 1,
+                             self.policy.separate)
+    handle = nr.handles[0][g]
+    req = Request(("cont", act), prompt, key, rows, agent=0, parent=handle)
+    if self.barrier:
+      self.held_conts.append(req)
+    else:
+      self.policy.submit(req)
+    self.release(handle)  # the continuation takes the slot over
+
+  # ------------------------------------------------------------ resolution
+  def resolve(self, act: _ActRun) -> None:
+    nr = act.nr
+    node = nr.node
+    self.tree.record_action(node, act.j, ActionRecord(tuple(act.steps), act.limit_reached))
+    self.open_actions[node.turn] -= 1
+    nr.unresolved -= 1
+    if self.cfg.termination_threshold is None:
+      self.follow(act, self.tree.may_expand(node))
+    if nr.unresolved == 0:
+      may_expand = self.tree.close_node(node)
+      if self.cfg.termination_threshold is not None:
+        for a in nr.acts:
+          self.follow(a, may_expand)
+
+  def follow(self, act: _ActRun, may_expand: bool) -> None:
+    """The action's child (or the end of its branch), then its samples' caches."""
+    nr = act.nr
+    nxt = act.next_state
+    if nxt is not None:
+      record = nr.node.actions[act.j]
+      if may_expand and record.valid and not act.limit_reached:
+        b = self.cfg.branching_at(nr.node.turn)
+        index = nr.node.full_id - self.offsets[nr.node.turn]
+        child = self.tree.add_child(nr.node, act.j, self.transition.prompts(nxt), nxt,
+                                    full_id=self.offsets[nr.node.turn + 1] + index * b + act.j)
+        self.add_node(child)
+      else:  # terminated node, last turn, masked or truncated action: the branch ends here
+        self.close(nxt)
+    for i, g in act.samples:
+      nr.uses[i, g] -= 1
+      if nr.uses[i, g] == 0:
+        self.release(nr.handles[i][g])
+
+  def release(self, handle) -> None:
+    """No later request names `handle`. Under the barrier schedule the release waits
+    until the held requests that may name it are submitted."""
+    if self.barrier:
+      self.held_releases.append(handle)
+    else:
+      self.policy.release(handle)
+
+  # ------------------------------------------------------------ the loop
+  def gate(self) -> None:
+    """Barrier schedule: lets the next phase's work go once the current one is done."""
+    if not self.barrier:
+      return
+    if self.held_steps and not self.policy.busy:  # a round's samples are all finished
+      steps, self.held_steps = self.held_steps, []
+      for act in steps:
+        self.dispatch_step(act)
+    if self.held_conts and self.in_flight == 0 and not self.held_steps:
+      conts, self.held_conts = self.held_conts, []
+      for req in conts:
+        self.policy.submit(req)
+    for level in sorted(self.held_nodes):
+      if any(self.open_actions[:level]) or self.in_flight or self.held_steps or self.held_conts:
+        break
+      for req in self.held_nodes.pop(level):
+        self.policy.submit(req)
+    if not (self.held_conts or self.held_nodes):  # every request that may name them is in
+      releases, self.held_releases = self.held_releases, []
+      for handle in releases:
+        self.policy.release(handle)
+
+  def run(self, root_states: Sequence[Any]) -> Tree:
+    t_start = time.perf_counter()
+    counts = distributed.allgather(len(root_states))
+    self.root_base = sum(counts[:jax.process_index()])
+    sizes = self.level_sizes(sum(counts))
+    self.offsets = list(np.cumsum([0] + sizes))
+    self.runs: dict = {}
+    multi = distributed.process_count() > 1
+    self.policy.start(self.cfg.num_generations)
+    for r, state in enumerate(root_states):
+      self.add_node(self.tree.add_root(self.transition.prompts(state), state,
+                                       full_id=self.root_base + r))
+    while True:
+      self.drain(block=False)
+      self.gate()
+      if not self.policy.busy and self.in_flight:  # nothing to decode: wait for a step
+        t0 = time.perf_counter()
+        self.drain(block=True, timeout=0.002 if multi else None)
+        self.times.device_idle += time.perf_counter() - t0
+        if not multi:
+          continue
+      expect = bool(self.in_flight or self.held_steps or self.held_conts or self.held_nodes)
+      if not multi and not (self.policy.busy or expect):
+        break
+      t0 = time.perf_counter()
+      stepping_envs = self.in_flight > 0
+      samples, go_on = self.policy.step(expect)
+      spent = time.perf_counter() - t0
+      self.times.generation += spent
+      if stepping_envs:
+        self.times.overlap += spent
+      else:
+        self.times.env_waiting += spent
+      for s in samples:
+        self.on_sample(s)
+      if multi and not go_on:  # no process has work left
+        break
+    self.stats = self.policy.finish()
+    self.times.total = time.perf_counter() - t_start
+    self.tree.renumber()
+    return self.tree.finalize()
+
+  def drain(self, block: bool, timeout: Optional[float] = None) -> None:
+    try:
+      item = self.done_q.get(block=block, timeout=timeout)
+    except queue.Empty:
+      return
+    while True:
+      self.on_step_done(*item)
+      try:
+        item = self.done_q.get_nowait()
+      except queue.Empty:
+        return
+
+
+def expand_tree(cfg: TreeConfig, policy: RolloutPolicy, transition: Transition,
                 root_states: Sequence[Any], key: jax.Array, *,
                 executor: Optional[concurrent.futures.Executor] = None,
                 max_workers: int = 32) -> Tree:
-  """Rolls out one tree per root state and computes returns and advantages.
+  """Rolls out one tree per root state; returns the finalized tree.
 
   Args:
     cfg: tree semantics (T, G, N, joint mode, termination, discount, baseline,
-      branch_on).
-    policy: answers one batched request per level (and per sub-step round).
+      branch_on, shape) and the engine's schedule.
+    policy: the decode engine with the policy's parameters (`RolloutPolicy`).
     transition: prompts of a state; steps a joint action.
     root_states: one initial state per task; the engine takes ownership and
-      closes them (`transition.close`) once their level is stepped.
-    key: PRNG key; level t samples with `fold_in(key, t)`, its sub-step
-      round k >= 1 with `fold_in(fold_in(key, t), k)`.
+      closes them (`transition.close`) once every action has stepped from them.
+    key: PRNG key of the rollout (see the module docstring).
     executor: thread pool for environment steps (default: a pool of
       `max_workers` threads created for this call).
     max_workers: size of the default pool.
 
   Returns:
-    The finalized `Tree` (every node recorded, returns and advantages set).
+    The finalized `Tree` (canonical node order, returns and advantages set);
+    `tree.times` (`RolloutTimes`) and `tree.engine` (the engine's counters)
+    describe how the rollout went.
   """
-  tree = Tree(cfg)
-  for state in root_states:
-    tree.add_root(transition.prompts(state), state)
   own_pool = executor is None
   if own_pool:
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers)
   try:
-    frontier = list(tree.nodes)
-    for turn in range(cfg.num_turns):
-      # Several processes sample each level together (one global sampler
-      # call): a process whose trees ended still takes part while any has nodes.
-      if not distributed.any_process(bool(frontier)):
-        break
-      level_key = _level_key(key, turn)
-      sample_level(tree, frontier, policy, level_key, turn)
-      frontier = step_level(tree, frontier, transition, executor, policy=policy, key=level_key)
+    run = _Rollout(cfg, policy, transition, key, executor)
+    tree = run.run(root_states)
   finally:
     if own_pool:
       executor.shutdown(wait=True)
-  return tree.finalize()
-
-
-def sample_level(tree: Tree, frontier: Sequence[Node], policy: PolicySampler,
-                 key: jax.Array, turn: Optional[int] = None) -> None:
-  """Samples G completions for every (node, agent) of a level in ONE policy call
-  (one each below a chain's root: `TreeConfig.generations_at`); `turn` names the
-  level when this process's `frontier` may be empty (other processes' is not)."""
-  turn = frontier[0].turn if turn is None else turn
-  n, g = tree.cfg.num_agents, tree.cfg.generations_at(turn)
-  prompts = [p for node in frontier for p in node.prompts]
-  agent_ids = [i for _ in frontier for i in range(n)]
-  results = policy.sample(prompts, agent_ids, g, key)
-  if len(results) != len(prompts):
-    raise ValueError(f"policy returned {len(results)} results for {len(prompts)} prompts")
-  for k, node in enumerate(frontier):
-    tree.set_completions(node, results[k * n:(k + 1) * n])
-
-
-@dataclasses.dataclass
-class _Action:
-  """One joint action of a level while its (sub-)steps run."""
-
-  node: Node
-  j: int
-  outcome: Optional[ActionOutcome] = None  # of the last step
-  reward: float = 0.0
-  valid: bool = True
-  steps: list = dataclasses.field(default_factory=list)  # every step's info
-  substeps: int = 0
-  limit_reached: bool = False
-
-  def absorb(self, out: ActionOutcome, finish_reason: str) -> None:
-    if not isinstance(out, ActionOutcome):
-      raise TypeError(f"Transition.step returned {type(out).__name__}; expected ActionOutcome")
-    if out.continues_turn and out.next_state is None:
-      raise ValueError("Transition.step returned continues_turn=True without a next_state")
-    self.outcome = out
-    self.reward += float(out.reward)
-    self.valid = self.valid and bool(out.valid)
-    self.steps.append({**(out.info or {}), "step_reward": float(out.reward),
-                       "valid": bool(out.valid), "continues_turn": bool(out.continues_turn),
-                       "finish_reason": finish_reason})
-
-  @property
-  def wants_more(self) -> bool:
-    """The environment waits for a continuation of this (valid) action."""
-    return self.valid and self.outcome.continues_turn and not self.limit_reached
-
-  def info(self, substeps: bool) -> dict:
-    if not substeps:  # 'every_turn': the step's own info, unchanged
-      return dict(self.outcome.info or {})
-    out = dict(self.steps[-1])
-    out.pop("step_reward")
-    if self.limit_reached:
-      out["done"] = out["truncated"] = True
-      out["faults"] = list(out.get("faults", [])) + [
-          {"kind": "truncation", "source": "framework", "retries": 0,
-           "message": f"sub-step limit reached ({self.substeps} continuations): the "
-                      "environment still waited for the policy"}]
-    out["action_reward"] = self.reward
-    out["substeps"] = self.steps
-    return out
-
-
-def _run_steps(transition: Transition, executor: concurrent.futures.Executor,
-               jobs: Sequence[tuple], key: Optional[jax.Array] = None,
-               substep: int = 0) -> None:
-  """Runs `(action, state, completions)` steps concurrently; each action absorbs its outcome.
-
-  With a level `key` and a transition that takes seeds, each step gets its
-  `action_seed`.
-  """
-  seeded = key is not None and _takes_seed(transition)
-  level_seed = call_seed(key, "env") if seeded else None
-  futures = []
-  for action, state, comps in jobs:
-    kw = {"seed": action_seed(level_seed, action.node, action.j, substep)} if seeded else {}
-    futures.append(executor.submit(transition.step, state, comps, **kw))
-  for (action, _, comps), future in zip(jobs, futures):
-    action.absorb(future.result(), comps[-1].finish_reason)
-
-
-def step_level(tree: Tree, frontier: Sequence[Node], transition: Transition,
-               executor: concurrent.futures.Executor, *, policy: Optional[PolicySampler] = None,
-               key: Optional[jax.Array] = None) -> list[Node]:
-  """Steps every joint action of a level concurrently; records rewards; adds children.
-
-  Under branch_on='user_turn' the actions' sub-steps run here too, which
-  needs the `policy` and the level's `key`. The key also seeds the
-  environments' model calls (`action_seed`); without it they get no seed.
-
-  Returns:
-    The next level's nodes, in (node, joint action) order.
-  """
-  if frontier:
-    joint_BxN = tree.node_joint(frontier[0])  # a level's nodes share their depth
-  else:  # this process's trees ended; its sub-step rounds still meet the others'
-    joint_BxN = np.zeros((0, tree.cfg.num_agents), np.int64)
-  b, n = joint_BxN.shape
-  close = getattr(transition, "close", None) or (lambda state: None)
-  actions = [_Action(node, j) for node in frontier for j in range(b)]
-  _run_steps(transition, executor, [
-      (a, a.node.state, [a.node.completions[i][joint_BxN[a.j, i]] for i in range(n)])
-      for a in actions], key)
-  for node in frontier:
-    close(node.state)  # every branch stepped from it has forked its own state
-  if tree.cfg.substeps:
-    if policy is None or key is None:
-      raise ValueError("step_level with branch_on='user_turn' needs the policy and the key")
-    _continue_actions(tree, actions, policy, transition, executor, key)
-
-  children = []
-  for k, node in enumerate(frontier):
-    node_actions = actions[k * b:(k + 1) * b]
-    may_expand = tree.record(node, [a.reward for a in node_actions],
-                             [a.valid for a in node_actions],
-                             [a.info(tree.cfg.substeps) for a in node_actions],
-                             [a.substeps for a in node_actions])
-    for a in node_actions:
-      nxt = a.outcome.next_state
-      if nxt is None:
-        continue
-      if may_expand and a.valid and not a.limit_reached:
-        children.append(tree.add_child(node, a.j, transition.prompts(nxt), nxt))
-      else:  # terminated node, last turn, masked or truncated action: the branch ends here
-        close(nxt)
-  return children
-
-
-def _continue_actions(tree: Tree, actions: Sequence[_Action], policy: PolicySampler,
-                     transition: Transition, executor: concurrent.futures.Executor,
-                     key: jax.Array) -> None:
-  """Sub-steps: continues every action whose environment waits for the policy.
-
-  Round k samples ONE segment for each waiting action of the level in one
-  policy call (key `fold_in(key, k)`), appends it (after the context the
-  environment rendered) to the action's completion and steps the action's
-  own state again. An action still waiting after `max_substeps` rounds ends
-  as a truncation.
-  """
-  cfg = tree.cfg
-  close = getattr(transition, "close", None) or (lambda state: None)
-  for rnd in range(1, cfg.max_substeps + 2):
-    waiting = [a for a in actions if a.wants_more]
-    if not distributed.any_process(bool(waiting)):  # every process's rounds together
-      return
-    if rnd > cfg.max_substeps:
-      for a in waiting:
-        a.limit_reached = True  # its next state is closed by step_level
-      return
-    prompts = []
-    for a in waiting:
-      agent_prompts = transition.prompts(a.outcome.next_state)
-      if len(agent_prompts) != 1:
-        raise ValueError(f"sub-steps need one agent; the transition gave {len(agent_prompts)} "
-                         "prompts")
-      prompts.append(list(agent_prompts[0]))
-    results = policy.sample(prompts, [0] * len(prompts), 1, jax.random.fold_in(key, rnd))
-    if len(results) != len(prompts) or any(len(r) != 1 for r in results):
-      raise ValueError(f"policy returned {[len(r) for r in results]} completions for "
-                       f"{len(prompts)} prompts x 1 generation (sub-step round {rnd})")
-    jobs = []
-    for a, prompt, (segment,) in zip(waiting, prompts, results):
-      g = int(tree.node_joint(a.node)[a.j, 0])
-      comp = a.node.completions[0][g]
-      done = a.node.prompts[0] + [int(t) for t in comp.ids]
-      if prompt[:len(done)] != done:
-        raise ValueError(
-            f"node {a.node.node_id} action {a.j}: the sub-step context does not extend the "
-            "node's prompt and the sampled tokens verbatim (token-in, token-out)")
-      a.node.completions[0][g] = comp.continued(prompt[len(done):], segment)
-      a.substeps += 1
-      jobs.append((a, a.outcome.next_state, [segment]))
-    _run_steps(transition, executor, jobs, key, rnd)
-    for _, state, _ in jobs:
-      close(state)  # an intermediate state belongs to its one action
+  tree.times, tree.engine = run.times, run.stats
+  return tree

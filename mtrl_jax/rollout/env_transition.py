@@ -41,7 +41,7 @@ from mtrl_jax.envs import StepLimits, StepOutcome, Turn, step_environment
 from mtrl_jax.envs.runner import render_thread
 from mtrl_jax.envs.faults import Fault, FaultKind
 from mtrl_jax.envs.reward import RewardBreakdown, RewardConfig, compose_reward
-from mtrl_jax.rollout.engine import ActionOutcome
+from mtrl_jax.rollout.records import ActionOutcome, StepRecord
 from mtrl_jax.rollout.tree import Completion
 from mtrl_jax.seeds import call_seed
 from mtrl_jax.text import ChatRenderer
@@ -61,6 +61,15 @@ class EnvState:
   env: Any
   threads: tuple
   steps: int = 0
+
+
+def _record(out: StepOutcome, details: dict, continues_turn: bool = False) -> StepRecord:
+  """The engine's record of one `step_environment` outcome."""
+  parts = out.reward.metrics(prefix="")
+  parts.pop("total")
+  return StepRecord(reward=out.reward.total, valid=not out.masked, continues_turn=continues_turn,
+                    truncated=out.truncated, parts=parts, faults=tuple(out.faults),
+                    details=details)
 
 
 class EnvTransition:
@@ -128,18 +137,18 @@ class EnvTransition:
           Turn("assistant", text, name=name)))
     out = step_environment(env, acted, self.limits, reward_cfg=self.reward_cfg,
                            renderer=self.renderer, step_index=state.steps)
-    info = out.to_dict()
+    details = {"grades": {k: g.to_dict() for k, g in out.grades.items()},
+               "invalid_calls": out.invalid_calls, "history_rewrites": out.history_rewrites}
     if out.done:
       env.close()
-      return ActionOutcome(None, out.reward.total, valid=not out.masked, info=info)
+      return ActionOutcome(None, _record(out, details))
     new_turns = [nxt.turns[len(old.turns):] for old, nxt in zip(acted, out.next_threads)]
-    info["env_turns"] = [[t.content for t in turns] for turns in new_turns]
-    info["env_roles"] = [[t.role for t in turns] for turns in new_turns]
+    details["env_turns"] = [[t.content for t in turns] for turns in new_turns]
+    details["env_roles"] = [[t.role for t in turns] for turns in new_turns]
     waits = (not out.history_rewrites
              and all(turns and turns[-1].role == "tool" for turns in new_turns))
     return ActionOutcome(EnvState(env, tuple(out.next_threads), state.steps + 1),
-                         out.reward.total, valid=not out.masked, info=info,
-                         continues_turn=waits)
+                         _record(out, details, continues_turn=waits))
 
   def _undecodable(self, agent: int, bad: list, vocab: int) -> ActionOutcome:
     """The outcome of a message with ids outside the tokenizer: a model format fault."""
@@ -152,7 +161,7 @@ class EnvTransition:
     reward = (RewardBreakdown.zero() if masked else
               compose_reward(self.reward_cfg or RewardConfig(), steps=1, invalid_calls=invalid))
     out = StepOutcome(None, {}, reward, (fault,), masked=masked, invalid_calls=invalid)
-    return ActionOutcome(None, reward.total, valid=not masked, info=out.to_dict())
+    return ActionOutcome(None, _record(out, {"invalid_calls": invalid}))
 
   def close(self, state: Optional[EnvState]) -> None:
     """Releases a state's environment once no branch will step it again."""

@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from mtrl_jax.rollout.config import TreeConfig
+from mtrl_jax.rollout.records import ActionRecord, StepRecord
 
 _STD_FLOOR = 1e-6
 
@@ -129,12 +130,18 @@ class Node:
   """One tree node: N agents x G samples, B joint actions and their outcomes.
 
   Attributes:
-    node_id: index in `Tree.nodes` (creation order).
+    node_id: index in `Tree.nodes`: level by level, a level in (parent,
+      action) order, roots by task (`Tree.renumber` fixes it whatever order
+      the engine created the nodes in).
     root: index of the task this tree belongs to.
     parent_id: parent node id, -1 for a root.
     parent_action: joint action of the parent that spawned this node, -1 for a root.
     turn: depth t (0 at the root).
     prompts: per agent, the prompt token ids (full context) the samples continue.
+    full_id: the node's id in the complete tree of the rollout (every branch
+      continued to depth T, roots of every process counted): a name that does
+      not depend on which other branches ended, so sampling keys and
+      environment seeds derived from it do not depend on timing.
     state: opaque environment state of the node (per-agent threads), used by
       the engine only.
     completions: per agent, G Completions (None until sampled); under
@@ -143,7 +150,7 @@ class Node:
     valid_B: False where the joint action hit an infrastructure fault.
     children_B: child node id per joint action, -1 when none.
     terminated: the mean reward exceeded the termination threshold.
-    infos: per joint action, a JSON-able dict from the environment (grades, faults).
+    actions: per joint action, its `ActionRecord` (None until stepped).
     substeps_B: continuation segments sampled per joint action (sub-steps
       within the turn; always 0 under branch_on='every_turn').
     returns_B, agent_returns_NxG, advantages_NxG, weight_NxG: set by `Tree.finalize`.
@@ -155,18 +162,20 @@ class Node:
   parent_action: int
   turn: int
   prompts: list
+  full_id: int = -1
   state: Any = None
   completions: Optional[list] = None
   rewards_B: Optional[np.ndarray] = None
   valid_B: Optional[np.ndarray] = None
   children_B: Optional[np.ndarray] = None
   terminated: bool = False
-  infos: Optional[list] = None
+  actions: Optional[list] = None
   substeps_B: Optional[np.ndarray] = None
   returns_B: Optional[np.ndarray] = None
   agent_returns_NxG: Optional[np.ndarray] = None
   advantages_NxG: Optional[np.ndarray] = None
   weight_NxG: Optional[np.ndarray] = None
+  recorded: bool = False
 
 
 def should_terminate(cfg: TreeConfig, rewards_B: np.ndarray, valid_B: np.ndarray) -> bool:
@@ -263,32 +272,40 @@ class Tree:
     return self.joint_BxN
 
   # ------------------------------------------------------------ building
-  def add_root(self, prompts: Sequence[Sequence[int]], state: Any = None) -> Node:
+  def add_root(self, prompts: Sequence[Sequence[int]], state: Any = None,
+               full_id: Optional[int] = None) -> Node:
     """Adds the root of a new task with one prompt per agent."""
-    node = self._new_node(self.num_roots, -1, -1, 0, prompts, state)
+    node = self._new_node(self.num_roots, -1, -1, 0, prompts, state,
+                          self.num_roots if full_id is None else full_id)
     self.num_roots += 1
     return node
 
   def add_child(self, parent: Node, action: int, prompts: Sequence[Sequence[int]],
-                state: Any = None) -> Node:
-    """Adds the child spawned by joint action `action` of `parent`."""
-    if parent.children_B is None:
-      raise ValueError(f"node {parent.node_id} has no recorded outcomes; call record() first")
+                state: Any = None, full_id: int = -1) -> Node:
+    """Adds the child spawned by joint action `action` of `parent` (once it is stepped)."""
+    if parent.actions is None or parent.actions[action] is None:
+      raise ValueError(f"node {parent.node_id} action {action} has no recorded outcome; "
+                       "record it first")
     if parent.children_B[action] >= 0:
       raise ValueError(f"node {parent.node_id} action {action} already has a child")
-    node = self._new_node(parent.root, parent.node_id, action, parent.turn + 1, prompts, state)
+    node = self._new_node(parent.root, parent.node_id, action, parent.turn + 1, prompts, state,
+                          full_id)
     parent.children_B[action] = node.node_id
     return node
 
-  def _new_node(self, root, parent_id, parent_action, turn, prompts, state) -> Node:
+  def _new_node(self, root, parent_id, parent_action, turn, prompts, state, full_id) -> Node:
     if len(prompts) != self.cfg.num_agents:
       raise ValueError(f"a node needs one prompt per agent ({self.cfg.num_agents}), "
                        f"got {len(prompts)}")
     if turn >= self.cfg.num_turns:
       raise ValueError(f"turn {turn} is past num_turns={self.cfg.num_turns}")
+    b = self.cfg.branching_at(turn)
     node = Node(node_id=len(self.nodes), root=root, parent_id=parent_id,
                 parent_action=parent_action, turn=turn,
-                prompts=[list(map(int, p)) for p in prompts], state=state)
+                prompts=[list(map(int, p)) for p in prompts], full_id=int(full_id), state=state,
+                rewards_B=np.zeros(b, np.float64), valid_B=np.ones(b, bool),
+                children_B=np.full(b, -1, np.int64), actions=[None] * b,
+                substeps_B=np.zeros(b, np.int64))
     self.nodes.append(node)
     return node
 
@@ -299,19 +316,51 @@ class Tree:
       raise ValueError(f"node {node.node_id}: expected {n} agents x {g} completions")
     node.completions = [list(c) for c in completions]
 
-  def record(self, node: Node, rewards_B: Sequence[float], valid_B: Optional[Sequence[bool]] = None,
-             infos: Optional[list] = None, substeps_B: Optional[Sequence[int]] = None) -> bool:
-    """Stores the joint actions' rewards and decides termination.
+  def record_action(self, node: Node, action: int, record: ActionRecord) -> None:
+    """Stores joint action `action`'s outcome (reward, validity, sub-steps)."""
+    if not isinstance(record, ActionRecord):
+      raise TypeError(f"record_action: {type(record).__name__}; expected ActionRecord")
+    if node.actions[action] is not None:
+      raise ValueError(f"node {node.node_id} action {action} is already recorded")
+    reward = record.reward
+    if record.valid and not np.isfinite(reward):
+      raise ValueError(f"node {node.node_id} action {action}: non-finite reward {reward}")
+    node.actions[action] = record
+    node.rewards_B[action] = reward
+    node.valid_B[action] = record.valid
+    node.substeps_B[action] = record.substeps
 
-    Args:
-      node: the node whose actions were stepped.
-      rewards_B: reward of each joint action (summed over its sub-steps).
-      valid_B: False where an action hit an infrastructure fault (default: all valid).
-      infos: per joint action, a JSON-able dict for the dump.
-      substeps_B: continuation segments of each action (default: none).
+  def close_node(self, node: Node) -> bool:
+    """Decides termination once every joint action of `node` is recorded.
 
     Returns:
       True when the node may have children: turn < T - 1 and not terminated.
+    """
+    missing = [j for j, a in enumerate(node.actions) if a is None]
+    if missing:
+      raise ValueError(f"node {node.node_id}: actions {missing} are not recorded")
+    node.terminated = should_terminate(self.cfg, node.rewards_B, node.valid_B)
+    node.recorded = True
+    return self.may_expand(node)
+
+  def may_expand(self, node: Node) -> bool:
+    """Children are allowed: not the last turn, and (once recorded) not terminated."""
+    return node.turn < self.cfg.num_turns - 1 and not node.terminated
+
+  def record(self, node: Node, rewards_B: Sequence[float], valid_B: Optional[Sequence[bool]] = None,
+             actions: Optional[Sequence[ActionRecord]] = None) -> bool:
+    """Records every joint action of `node` at once and decides termination.
+
+    Args:
+      node: the node whose actions were stepped.
+      rewards_B: reward of each joint action.
+      valid_B: False where an action hit an infrastructure fault (default: all valid).
+      actions: per joint action its `ActionRecord` (default: one step each, with
+        the given reward and validity); its rewards and validity must be the
+        given ones.
+
+    Returns:
+      True when the node may have children (`close_node`).
     """
     b = self.cfg.branching_at(node.turn)
     rewards_B = np.asarray(rewards_B, np.float64)
@@ -319,23 +368,46 @@ class Tree:
     if rewards_B.shape != (b,) or valid_B.shape != (b,):
       raise ValueError(f"node {node.node_id}: expected {b} rewards/valid flags, got "
                        f"{rewards_B.shape}/{valid_B.shape}")
+    if actions is None:
+      actions = [ActionRecord((StepRecord(float(r), bool(v)),)) for r, v in zip(rewards_B, valid_B)]
     if not np.isfinite(rewards_B[valid_B]).all():
       raise ValueError(f"node {node.node_id}: non-finite reward {rewards_B.tolist()}")
-    node.rewards_B, node.valid_B = rewards_B, valid_B
-    node.children_B = np.full(b, -1, np.int64)
-    node.infos = infos if infos is not None else [{} for _ in range(b)]
-    node.substeps_B = (np.zeros(b, np.int64) if substeps_B is None
-                       else np.asarray(substeps_B, np.int64).reshape(b))
-    node.terminated = should_terminate(self.cfg, rewards_B, valid_B)
-    return node.turn < self.cfg.num_turns - 1 and not node.terminated
+    if [a.valid for a in actions] != valid_B.tolist():
+      raise ValueError(f"node {node.node_id}: valid_B {valid_B.tolist()} differs from the "
+                       f"actions' validity {[a.valid for a in actions]}")
+    for j, record in enumerate(actions):
+      self.record_action(node, j, record)
+    return self.close_node(node)
+
+  def renumber(self) -> None:
+    """Puts the nodes in canonical order: level by level, roots by task, a level's
+    nodes by (parent, action). The engine creates nodes as their parents' steps
+    return, in an order that depends on timing; this order does not."""
+    order, by_parent = [], {}
+    for node in self.nodes:
+      by_parent.setdefault(node.parent_id, []).append(node)
+    level = sorted(by_parent.get(-1, []), key=lambda n: n.root)
+    while level:
+      order.extend(level)
+      level = [c for n in level
+               for c in sorted(by_parent.get(n.node_id, []), key=lambda c: c.parent_action)]
+    if len(order) != len(self.nodes):
+      raise ValueError("Tree.renumber: some nodes are not reachable from a root")
+    new_id = {n.node_id: k for k, n in enumerate(order)}
+    for n in order:
+      n.node_id = new_id[n.node_id]
+      if n.parent_id >= 0:
+        n.parent_id = new_id[n.parent_id]
+      n.children_B = np.asarray([new_id[c] if c >= 0 else -1 for c in n.children_B], np.int64)
+    self.nodes = order
 
   # ------------------------------------------------------------ returns
   def finalize(self) -> "Tree":
     """Computes returns (post-order), per-agent returns, advantages and weights."""
     cfg = self.cfg
     for node in self.nodes:
-      if node.rewards_B is None:
-        raise ValueError(f"node {node.node_id} has no rewards; record() every node first")
+      if not node.recorded:
+        raise ValueError(f"node {node.node_id} is not recorded; record() every node first")
     for node in reversed(self.nodes):  # children always have larger ids
       returns_B = node.rewards_B.copy()
       valid_B = node.valid_B.copy()
@@ -395,7 +467,7 @@ class Tree:
     return {"nodes": len(self.nodes),
             "generations": sampled + substeps,
             "reward_calls": int(sum(np.size(n.rewards_B) for n in self.nodes
-                                    if n.rewards_B is not None)) + substeps}
+                                    if n.recorded)) + substeps}
 
   def sampled_tokens(self) -> int:
     """Tokens the policy generated over the whole rollout (context tokens excluded):
@@ -405,18 +477,18 @@ class Tree:
 
   def num_substeps(self) -> int:
     """Continuation segments sampled over the whole tree."""
-    return int(sum(n.substeps_B.sum() for n in self.nodes if n.substeps_B is not None))
+    return int(sum(n.substeps_B.sum() for n in self.nodes if n.recorded))
 
   def metrics(self) -> dict[str, float]:
     """Per-turn mean reward / return and tree counts, for logging."""
     out = {"tree/nodes": float(len(self.nodes)),
            "tree/terminated": float(sum(n.terminated for n in self.nodes)),
            "tree/masked_actions": float(sum((~n.valid_B).sum() for n in self.nodes
-                                            if n.valid_B is not None)),
+                                            if n.recorded)),
            "tree/substeps": float(self.num_substeps()),
            "tree/sampled_tokens": float(self.sampled_tokens())}
     for t in range(self.cfg.num_turns):
-      nodes = [n for n in self.level(t) if n.rewards_B is not None]
+      nodes = [n for n in self.level(t) if n.recorded]
       if not nodes:
         continue
       r = np.concatenate([n.rewards_B[n.valid_B] for n in nodes])

@@ -1,15 +1,18 @@
-"""Jitted prefill + decode with a KV cache: one prefill per prompt, G branches.
+"""The rollout engine (decode slots whose KV cache persists) and how tokens are chosen.
 
-`Sampler.generate(state, prompts, G, SamplingConfig(...), key, stop_ids, pad_id)`
-returns tokens, behaviour log-probs, lengths and finish reasons as numpy.
+`DecodeEngine(model_cfg, EngineConfig(...))` samples requests (a prompt, G
+samples, per-sample keys, optionally the cache of a finished sample the
+prompt extends) in jitted admit / decode programs over a pool of KV slots;
+`SamplingConfig` says how tokens are chosen (`filters`).
 
 `mtrl_jax.sampling.generation` (not imported here) holds the text-generation
 services judges and user simulators share: `TextGenerator`, `LocalLLM` (a
-local model on this sampler), `BatchingGenerator`, `ScriptedGenerator`.
+local model on its own engine), `BatchingGenerator`, `ScriptedGenerator`.
 """
 
+from mtrl_jax.sampling.config import SamplingConfig
+from mtrl_jax.sampling.engine import DecodeEngine, EngineConfig, Handle, Request, Sample
 from mtrl_jax.sampling.filters import choose_tokens, filtered_logits, inverse_cdf
-from mtrl_jax.sampling.sampler import SampleResult, Sampler, SamplingConfig
 
-__all__ = ["SamplingConfig", "Sampler", "SampleResult", "choose_tokens", "filtered_logits",
-           "inverse_cdf"]
+__all__ = ["SamplingConfig", "DecodeEngine", "EngineConfig", "Request", "Sample", "Handle",
+           "choose_tokens", "filtered_logits", "inverse_cdf"]

@@ -1,4 +1,4 @@
-"""What a sampler call is asked for (`SamplingConfig`) and what it returns (`SampleResult`)."""
+"""How tokens are chosen: `SamplingConfig`."""
 
 from __future__ import annotations
 
@@ -42,21 +42,3 @@ class SamplingConfig:
       raise bad("max_new_tokens", "an int >= 1")
     if not isinstance(self.greedy, bool):
       raise bad("greedy", "True or False")
-
-
-@dataclasses.dataclass
-class SampleResult:
-  """Completions of one `generate` call; row p * G + g is branch g of prompt p.
-
-  Attributes:
-    tokens: int32 [P*G, max_new_tokens], `pad_id` after each row's end.
-    logprobs: float32 [P*G, max_new_tokens], log q(token) under the sampling
-      distribution (see `filters`), 0 after the end.
-    lengths: int32 [P*G], tokens in each completion (stop token included).
-    finish_reason: per row 'stop' (a stop id was sampled) or 'length'.
-  """
-
-  tokens: np.ndarray
-  logprobs: np.ndarray
-  lengths: np.ndarray
-  finish_reason: list

@@ -7,8 +7,9 @@ and debugging.
 
 `LocalLLM(model, tokenizer)` renders each prompt as one user turn of the
 model's chat format and
-  * `generate` samples the assistant reply with `mtrl_jax.sampling.Sampler`
-    (one batched call for all prompts; stops on the format's stop ids);
+  * `generate` samples the assistant reply on its own rollout engine
+    (`mtrl_jax.sampling.engine.DecodeEngine`: every prompt one request with
+    its own key; stops on the format's stop ids);
   * `score_choices` runs one batched full forward over every
     (prompt, choice) pair and sums the log-probs of the choice's tokens after
     the assistant header: log p(choice | prompt), which the judges turn into
@@ -39,11 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtrl_jax.buckets import next_pow2
+from mtrl_jax.buckets import next_pow2, round_up
 from mtrl_jax.resources import SharedResource
 from mtrl_jax.sampling.batching import BatchingGenerator, _check_seeds  # noqa: F401
 from mtrl_jax.seeds import call_seed  # noqa: F401  re-exported
-from mtrl_jax.sampling.sampler import Sampler, SamplingConfig
+from mtrl_jax.sampling.config import SamplingConfig
+from mtrl_jax.sampling.engine import DecodeEngine, EngineConfig, Request
 from mtrl_jax.text import ChatRenderer, TokenLedger, chatml, compact
 
 
@@ -143,14 +145,16 @@ class LocalLLM(SharedResource):
     sampling: default `SamplingConfig` of `generate`.
     seed: PRNG seed of `generate`: the base key that per-prompt `seeds` are
       folded into; calls without seeds use fresh subkeys of it in call order.
-    sampler: a `Sampler` for the model's config (default: a new one).
-    fixed_rows: None: each call is one model call padded to power-of-two
-      shapes (fastest). An int R: every model call has exactly R rows of one
-      length bucket, grouped by each row's own length, so a prompt's reply
-      and scores are a function of that prompt (and its seed) alone, never of
-      what else shares the call: float rounding depends on array shapes,
-      and a `BatchingGenerator` merges whatever calls arrive together. The
-      rollouts' reproducibility across thread counts needs this.
+    max_len: cache columns of a slot (prompt + reply + 1; default: the
+      model's max_seq_len, at most 2048).
+    slots: decode slots (prompts decoded at once).
+    fixed_rows: None: scoring calls padded to power-of-two shapes (fastest).
+      An int R: every scoring call has exactly R rows of one length bucket, so
+      a prompt's scores are a function of that prompt alone, never of what
+      else shares the call: float rounding depends on array shapes, and a
+      `BatchingGenerator` merges whatever calls arrive together. (Replies are
+      always so: the engine's calls have fixed row counts.) The rollouts'
+      reproducibility across thread counts needs this.
   """
 
   # What a fault raised inside a generator call is attributed to
@@ -158,7 +162,7 @@ class LocalLLM(SharedResource):
   fault_source = "judge"
 
   def __init__(self, model, tokenizer, fmt=None, *, sampling: Optional[SamplingConfig] = None,
-               seed: int = 0, sampler: Optional[Sampler] = None,
+               seed: int = 0, max_len: Optional[int] = None, slots: int = 64,
                fixed_rows: Optional[int] = None):
     if fixed_rows is not None and (isinstance(fixed_rows, bool) or not isinstance(fixed_rows, int)
                                    or fixed_rows < 1):
@@ -170,7 +174,10 @@ class LocalLLM(SharedResource):
     self.fmt = fmt if fmt is not None else _default_format(tokenizer)
     self.renderer = ChatRenderer(tokenizer, self.fmt)
     self.sampling = sampling or SamplingConfig(temperature=1.0, max_new_tokens=128)
-    self.sampler = sampler or Sampler(self.cfg)
+    capacity = round_up(max_len or min(self.cfg.max_seq_len, 2048), 16)
+    self.engine = DecodeEngine(self.cfg, EngineConfig(
+        slots=fixed_rows or slots, capacity=capacity, decode_rows=fixed_rows or 0,
+        admit_rows=fixed_rows or 8))
     self._base_key = jax.random.key(seed)
     self._key = self._base_key
     self._lock = threading.Lock()
@@ -225,28 +232,34 @@ class LocalLLM(SharedResource):
       return []
     sampling = sampling or self.sampling
     ids = [self.prompt_ids(p) for p in prompts]
+    too_long = [len(x) for x in ids if len(x) + sampling.max_new_tokens + 1 > self.engine.cfg.capacity]
+    if too_long:
+      raise ValueError(f"LocalLLM.generate: a prompt of {max(too_long)} tokens plus "
+                       f"{sampling.max_new_tokens} new ones exceeds max_len="
+                       f"{self.engine.cfg.capacity}")
     prompt_keys = None
     if seeds is not None:
       halves = np.zeros((next_pow2(len(seeds), 1), 2), np.uint32)  # one program per bucket
       halves[:len(seeds)] = [[s >> 32, s & 0xFFFFFFFF] for s in seeds]
       prompt_keys = _seed_keys(self._base_key, halves)[:len(seeds)]
-    out = [""] * len(prompts)
     with self._lock:
-      key = self._base_key  # not used when every prompt has its own key
       if prompt_keys is None:
         self._key, key = jax.random.split(self._key)
-        if self.fixed_rows is not None:  # rows keep their keys whatever call they land in
-          prompt_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(
-              np.arange(len(prompts), dtype=np.uint32))
-      for rows, size in self._groups([len(x) for x in ids]):
-        pad = rows + [rows[-1]] * (size - len(rows) if self.fixed_rows else 0)
-        res = self.sampler.generate(
-            self.state, [ids[i] for i in pad], 1, sampling, key, self.fmt.stop_ids,
-            self.tokenizer.pad_id,
-            prompt_keys=None if prompt_keys is None else prompt_keys[np.asarray(pad)])
-        for row, i in enumerate(rows):
-          n = int(res.lengths[row]) - (res.finish_reason[row] == "stop")
-          out[i] = self.tokenizer.decode(res.tokens[row, :n].tolist())
+        prompt_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(
+            np.arange(len(prompts), dtype=np.uint32))
+      data = np.asarray(jax.random.key_data(prompt_keys), np.uint32)
+      self.engine.start(self.state, sampling, self.fmt.stop_ids, self.tokenizer.pad_id,
+                        fanout=1)
+      for p, prompt in enumerate(ids):
+        self.engine.submit(Request(p, prompt, data[p], [0]))
+      out = [""] * len(prompts)
+      busy = True
+      while busy:
+        samples, busy = self.engine.step()
+        for s in samples:
+          n = len(s.ids) - (s.finish_reason == "stop")
+          out[s.tag] = self.tokenizer.decode(s.ids[:n].tolist())
+          self.engine.release(s.handle)
     return out
 
   # ----------------------------------------------------------- choice scores

@@ -1,9 +1,9 @@
 """The composition root of a run: every long-lived part, built once from an `Experiment`.
 
 `build(exp)` makes the mesh, tokenizer and renderer, model, environment
-factory, task sources, sampler (and the timed policy over it), transition,
-train step, shape plan, batch config and the `Evaluator` shared by the SFT
-stop check and held-out evaluation. The RL loop (`train.rl`), the SFT warm-up
+factory, task sources, the rollout engine (and the policy over it),
+transition, train step, shape plan, batch config and the `Evaluator` shared
+by the SFT stop check and held-out evaluation. The RL loop (`train.rl`), the SFT warm-up
 (`train.sft.warm_up`) and the saved-policy tools (`train.saved`) all take
 their parts from here, so a part is built one way only.
 
@@ -22,13 +22,13 @@ from mtrl_jax import distributed, metrics as metrics_lib, sharding
 from mtrl_jax.rollout.batching import (BatchConfig, global_batch, make_agent_batches,
                                        make_train_batch)
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.policy import StackedStates, TimedPolicy
-from mtrl_jax.sampling import Sampler
+from mtrl_jax.rollout.policy import EnginePolicy, StackedStates
+from mtrl_jax.sampling import DecodeEngine
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train import shapes as shapes_lib
 from mtrl_jax.train.evaluate import Evaluator
 from mtrl_jax.train.objectives import PolicyObjective
-from mtrl_jax.train.stacked import StackedTrainStep, agent_slice
+from mtrl_jax.train.stacked import StackedTrainStep, agent_slice, stack_trees
 from mtrl_jax.train.step import TrainStep
 
 
@@ -48,8 +48,8 @@ class Components:
   train_step: Any  # TrainStep (shared policy) or StackedTrainStep (one policy per agent)
   shapes: shapes_lib.ShapePlan
   batch_cfg: BatchConfig
-  sampler: Sampler
-  policy: TimedPolicy  # the sampler as the rollout's policy, timing generation
+  engine: DecodeEngine  # decode slots shared by training rollouts and evaluations
+  policy: EnginePolicy  # the engine with the policy's parameters (training rollouts)
   transition: EnvTransition
   evaluator: Evaluator
   census: metrics_lib.CompileCensus  # compile counts of the run's jitted programs
@@ -74,11 +74,18 @@ class Components:
     return self.train_step.init_state(starts, seed=seed)
 
   def policy_states(self, params):
-    """What the sampler acts with: the shared params, or every agent's stacked (one
-    sampler call per tree level for all agents)."""
+    """What the engine samples with: the shared params, or every agent's stacked (one
+    engine program for all agents)."""
     if not self.separate:
       return params
     return StackedStates(params, len(self.models))
+
+  def policy_states_of_one(self, params):
+    """`policy_states` of one policy's params acting for every agent (the SFT warm-up's
+    check, before the agents part ways)."""
+    if not self.separate:
+      return params
+    return StackedStates(stack_trees([params] * len(self.models)), len(self.models))
 
   def make_batch(self, tree):
     """The train batch of a tree: one batch, or one per agent stacked on axis 0.
@@ -174,21 +181,21 @@ def build(exp: exp_lib.Experiment) -> Components:
       packing=exp.rl.packing, length_buckets=exp.rl.length_buckets,
       row_buckets=shapes.train_rows, row_multiple=rows, pad_id=tokenizer.pad_id,
       zero_variance_filter=exp.rl.zero_variance_filter, keep_kl=exp.loss.kl_coef > 0)
-  sampler = Sampler(exp.model, mesh=mesh, batch_buckets=shapes.sampler_rows,
-                    prompt_buckets=shapes.prompt_lens)
-  policy = TimedPolicy(sampler, None, exp.sampling, stop_ids=renderer.fmt.stop_ids,
-                       pad_id=tokenizer.pad_id)
+  engine = DecodeEngine(exp.model, shapes.engine, mesh=mesh,
+                        num_agents=1 if exp.agents.share_policy else exp.tree.num_agents)
+  policy = EnginePolicy(engine, None, exp.sampling, stop_ids=renderer.fmt.stop_ids,
+                        pad_id=tokenizer.pad_id, fanout=shapes.fanout)
   transition = EnvTransition(renderer, exp.tree.num_agents, limits=exp.limits,
                              reward_cfg=exp.reward)
-  evaluator = Evaluator(sampler, renderer, transition, factory, exp.tree, exp.sampling,
+  evaluator = Evaluator(engine, renderer, transition, factory, exp.tree, exp.sampling,
                         success_threshold=exp.eval.success_threshold)
   census = metrics_lib.CompileCensus()
-  census.register("sampler", sampler)
+  census.register("engine", engine)
   census.register("train_step", train_step)
   return Components(
       exp=exp, mesh=mesh, tokenizer=tokenizer, renderer=renderer, model=model, models=models,
       factory=factory, train_tasks=exp_lib.make_task_source(exp, exp.train_split),
       eval_tasks=exp_lib.make_task_source(exp, exp.eval_split), train_step=train_step,
-      shapes=shapes, batch_cfg=batch_cfg, sampler=sampler, policy=policy,
+      shapes=shapes, batch_cfg=batch_cfg, engine=engine, policy=policy,
       transition=transition, evaluator=evaluator, census=census,
       key=jax.random.PRNGKey(exp.seed))

@@ -1,4 +1,5 @@
-"""The run's own config groups as frozen, validated dataclasses: rl, sft, eval, checkpoint, agents.
+"""The run's own config groups as frozen, validated dataclasses: rl, sft, eval, checkpoint,
+agents, engine.
 
 Each dataclass mirrors one group of the ConfigDict (`train/defaults.py`),
 field for field and under the same names, so `config.sft.check_every` is
@@ -174,3 +175,35 @@ class AgentsConfig:
       if v and len(v) != num_agents:
         raise ValueError(f"config agents.{name}={v!r} has {len(v)} entries; allowed: "
                          f"{num_agents} (tree.num_agents) or none")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineGroup:
+  """The rollout engine's KV budget and decode chunk (`config.engine`).
+
+  Attributes:
+    slots: KV slots per agent per batch shard; 0: the widest tree level's
+      samples (or the evaluation's roots, if more), so a level never waits
+      for slots.
+    capacity: cache columns per slot; 0: the largest prompt bucket plus
+      `sampling.max_new_tokens` plus one.
+    chunk: decode steps between admissions of new requests.
+    decode_rows: rows of one decode call (fixed, so rounding never depends on
+      which requests share a call; 0: min(slots, 64) on CPU, 256 elsewhere).
+    admit_rows: requests prefilled by one admit call (fixed likewise).
+    reuse: continue each request from its parent's cache (False: prefill
+      every prompt whole, the level-synchronous baseline).
+  """
+
+  slots: int = 0
+  capacity: int = 0
+  chunk: int = 8
+  decode_rows: int = 0
+  admit_rows: int = 8
+  reuse: bool = True
+
+  def __post_init__(self):
+    _int_at_least("engine", self, ("slots", "capacity", "decode_rows"), 0)
+    _int_at_least("engine", self, ("chunk", "admit_rows"), 1)
+    if not isinstance(self.reuse, bool):
+      raise ValueError(f"config engine.reuse={self.reuse!r}; allowed: True or False")

@@ -61,12 +61,23 @@ def base_config() -> ml_collections.ConfigDict:
       # 'tree' | 'chain' (G independent trajectories per root, branching only at the root;
       # equal sampled segments per root: G_chain = (G + ... + G^T) / T, see TreeConfig)
       shape="tree",
+      # 'continuous' (no level barrier: a step starts when its own samples are done, a
+      # child's requests when the step returns) | 'barrier' (level by level). Same trees.
+      schedule="continuous",
   )
   c.sampling = dict(
       temperature=1.0,
       top_p=1.0,
       top_k=0,  # 0 disables
       max_new_tokens=48,  # per policy message
+  )
+  c.engine = dict(
+      slots=0,  # KV slots per agent per batch shard (0: the widest level's samples)
+      capacity=0,  # cache columns per slot (0: largest prompt bucket + max_new_tokens + 1)
+      chunk=8,  # decode steps between admissions of new requests
+      decode_rows=0,  # rows per decode call, fixed (0: min(slots, 64) on CPU, 256 on GPU)
+      admit_rows=8,  # requests per prefill call, fixed
+      reuse=True,  # continue requests from their parent's KV (False: prefill whole prompts)
   )
   c.reward = dict(
       outcome_weight=1.0,  # multiplies final grades (the outcome must dominate)

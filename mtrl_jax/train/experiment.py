@@ -25,8 +25,8 @@ from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EvalConfig, RLConfig,
-                                   SFTConfig)
+from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EngineGroup, EvalConfig,
+                                   RLConfig, SFTConfig)
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import StepConfig
 
@@ -61,6 +61,7 @@ class Experiment:
   eval: EvalConfig
   checkpoint: CheckpointConfig
   agents: AgentsConfig
+  engine: EngineGroup = EngineGroup()
   strip_thinking: bool = False
   curriculum: data.CurriculumConfig = data.CurriculumConfig()
   distributed: distributed.DistributedConfig = distributed.DistributedConfig()
@@ -132,7 +133,8 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       tree=tree, sampling=sampling, reward=reward, loss=loss, optim=optim, sft_optim=sft_optim,
       step=_fields(c.step, StepConfig), seed=c.seed, rl=rl, sft=sft,
       eval=_fields(c.eval, EvalConfig), checkpoint=_fields(c.checkpoint, CheckpointConfig),
-      agents=_fields(c.agents, AgentsConfig), strip_thinking=c.tokenizer.strip_thinking,
+      agents=_fields(c.agents, AgentsConfig), engine=_fields(c.get("engine"), EngineGroup),
+      strip_thinking=c.tokenizer.strip_thinking,
       curriculum=_fields(c.get("curriculum"), data.CurriculumConfig),
       distributed=distributed_config(c))
   check_agents(exp)

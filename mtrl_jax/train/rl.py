@@ -6,7 +6,8 @@
   resume from workdir/ckpt if a checkpoint exists, else SFT warm-up (optional)
   for each RL step:
     tasks from a seeded, resumable stream -> one environment per root
-    tree expansion (one sampler call per level, env steps on a thread pool)
+    tree expansion on the rollout engine (decode slots whose KV cache persists;
+      env steps on a thread pool, no level barrier)
     returns / advantages -> fixed-shape batch (`rollout.batching`: zero-variance
       groups dropped; tree-packed, every token once, or one row per action)
     train step (GRPO / GSPO / REINFORCE, KL to the frozen reference)
@@ -20,8 +21,8 @@ position is checkpointed, so a run killed at any point resumes exactly
 
 Several processes (`config.distributed`, docs/multihost.md): every process
 runs this same loop; each takes its `distributed.share` of the step's roots
-and runs their environments, the sampler and train step run on global arrays
-(`Sampler`, `rollout.batching.global_batch`), the finalized trees are merged
+and runs their environments, the engine and train step run on global arrays
+(`DecodeEngine`, `rollout.batching.global_batch`), the finalized trees are merged
 for metrics and the dump (`rollout.gather`), and process 0 alone writes files.
 Checkpoints are saved and restored by every process.
 """
@@ -40,6 +41,7 @@ from mtrl_jax import checkpoint, distributed, metrics as metrics_lib
 from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout import expand_tree
 from mtrl_jax.rollout.gather import gather_tree
+from mtrl_jax.rollout.stats import engine_metrics, rollout_metrics
 from mtrl_jax.train import components as components_lib
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
@@ -49,7 +51,7 @@ from mtrl_jax.train import sft as sft_lib
 
 PLOT_KEYS = ("eval/*/success", "rollout/path_success", "rollout/return", "turn_*/mean_reward",
              "train/loss", "train/kl", "train/clip_frac", "train/entropy", "faults/*",
-             "curriculum/level")
+             "curriculum/level", "engine/kv_reuse", "engine/slot_occupancy")
 
 
 class _TextCounters:
@@ -67,16 +69,21 @@ class _TextCounters:
     return out
 
 
-def across_processes(text: dict, times: dict) -> dict:
-  """This step's text counters summed and its wall times maxed over processes
-  (the identity with one process); compile counts stay per process."""
+def across_processes(text: dict, times: dict, engine: dict = None) -> dict:
+  """This step's text counters and engine token counts summed, engine ratios averaged
+  and wall times maxed over processes (the identity with one process); compile counts
+  stay per process."""
+  engine = engine or {}
   if distributed.process_count() == 1:
-    return {**text, **times}
-  parts = distributed.allgather((text, times))
-  out = {k: sum(t.get(k, 0) for t, _ in parts) for k in text}
+    return {**text, **times, **engine}
+  parts = distributed.allgather((text, times, engine))
+  out = {k: sum(t.get(k, 0) for t, _, _ in parts) for k in text}
+  for k in engine:
+    vals = [e[k] for _, _, e in parts]
+    out[k] = sum(vals) if k.endswith(("tokens", "evictions")) else sum(vals) / len(vals)
   out["text/retokenize_mismatch_rate"] = (out.get("text/retokenize_mismatches", 0)
                                           / max(out.get("text/completions_checked", 0), 1))
-  out.update({k: max(tm[k] for _, tm in parts) for k in times})
+  out.update({k: max(tm[k] for _, tm, _ in parts) for k in times})
   return out
 
 
@@ -154,11 +161,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   writer = (metrics_lib.MetricsWriter(workdir, resume_step=start if resumed else None)
             if writes else metrics_lib.NullWriter())
   if exp.rl.precompile:
-    info = shapes_lib.precompile(parts.shapes, parts.sampler,
+    info = shapes_lib.precompile(parts.shapes, parts.engine,
                                  parts.policy_states(state.params), parts.train_step,
                                  len(parts.renderer.fmt.stop_ids))
-    print(f"precompiled {info['sampler_programs']} sampler programs in "
-          f"{info['sampler_seconds']} s and {info['train_programs']} train-step programs in "
+    print(f"precompiled {info['engine_programs']} engine programs in "
+          f"{info['engine_seconds']} s and {info['train_programs']} train-step programs in "
           f"{info['train_seconds']} s", flush=True)
     if mix is not None:
       mix.precompile(exp.sft.batch_size)
@@ -187,6 +194,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
       roots = parts.transition.root_states(parts.factory, tasks[distributed.share(len(tasks))])
       tree = expand_tree(exp.tree, parts.policy, parts.transition, roots, key)
     batch, batch_m = parts.make_batch(tree)
+    engine_m = engine_metrics(tree)  # this process's rollout
     tree = gather_tree(tree)  # every process's roots, for metrics and the dump
     train_m = {}
     with timer.section("train"):
@@ -201,7 +209,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
         train_m.update({f"sft_mix/{k}": mix_m[k] for k in ("nll", "grad_norm", "tokens")})
     if exp.rl.ref_reset_every and step % exp.rl.ref_reset_every == 0:
       ref = parts.train_step.copy_params(state.params)
-    m = {**tree.metrics(), **eval_lib.rollout_metrics(tree, exp.eval.success_threshold),
+    m = {**tree.metrics(), **rollout_metrics(tree, exp.eval.success_threshold),
          **batch_m, **train_m, **parts.census.counts()}
     if exp.curriculum.enabled:  # may move the level of the next step's tasks
       m.update(stream.observe(m["rollout/success"]))
@@ -211,13 +219,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     if step % exp.eval.every == 0 or step == exp.rl.steps:
       with timer.section("eval"):
         m.update(evaluate(step, state))
-    times = timer.split()
-    # Generation is timed inside the rollout; the rest of it is environment
-    # work (react_to, tools, graders, user simulators, rendering).
-    times["time/generation"] = parts.policy.pop_seconds()
-    times["time/environment"] = times.pop("time/rollout") - times["time/generation"]
+    times = timer.split()  # time/rollout, time/train, time/eval
+    times.update({k: v for k, v in engine_m.items() if k.startswith("time/")})
+    engine_m = {k: v for k, v in engine_m.items() if k.startswith("engine/")}
     # Text counters after eval: this step's evaluation counts too.
-    m.update(across_processes(text_counters.step(), times))
+    m.update(across_processes(text_counters.step(), times, engine_m))
     writer.write(step, m)
     if step % exp.checkpoint.every == 0 or step == exp.rl.steps:
       save(step, state, ref)

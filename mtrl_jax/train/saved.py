@@ -81,7 +81,7 @@ class SavedPolicy:
 
   @property
   def params(self):
-    """What the sampler acts with: the policy's params, or every agent's stacked."""
+    """What the engine samples with: the policy's params, or every agent's stacked."""
     if self.saved_params is None:
       return nnx.state(self.parts.model, nnx.Param)
     return self.parts.policy_states(self.saved_params)

@@ -293,8 +293,8 @@ def warm_up(parts) -> tuple[Any, list[dict]]:
       continue
     row = {"sft_step": i, **step_fn.fetch_metrics(m)}
     if cfg.until_success > 0 and check:
-      row["check_success"] = parts.evaluator(state.params, check, greedy=True,
-                                             key=parts.key)["success"]
+      row["check_success"] = parts.evaluator(parts.policy_states_of_one(state.params), check,
+                                             greedy=True, key=parts.key)["success"]
     history.append(row)
     if row.get("check_success", 0.0) >= cfg.until_success > 0:
       break

@@ -1,15 +1,16 @@
 """The fixed set of array shapes an RL run uses, and compiling all of them up front.
 
-A jitted function compiles once per shape bucket (DESIGN.md invariant 5). With
-power-of-two buckets the set of shapes an RL run meets depends on the policy
-(how many actions are still calling tools, how long the prompts grew), so new
-programs keep appearing late in a run. `plan_shapes` instead derives a small
-set of buckets from the config alone:
+A jitted function compiles once per shape bucket (DESIGN.md invariant 5), so
+`plan_shapes` derives every bucket from the config alone:
 
-  sampler rows      the sizes of the tree's levels (roots * B^t prompts, times
-                    N agents and G samples), the tool-call sub-step rounds
-                    (one prompt per action) and the evaluation batches;
-  sampler prompts   `rl.prompt_buckets` (default: `rl.length_buckets`);
+  engine slots      KV slots per agent per batch shard (`config.engine.slots`;
+                    0: the widest tree level's samples, or the evaluation's
+                    roots, if more, split over the process's shards);
+  engine capacity   cache columns per slot (`config.engine.capacity`; 0: the
+                    largest prompt bucket + max_new_tokens + 1);
+  engine programs   admit (new-token buckets) and decode (window buckets) of
+                    `sampling.engine.EngineConfig`, for the training sampling
+                    and the evaluations' (greedy, sampled);
   train rows        rl.packing='rows': a quarter, a half and all of the
                     tree's rows (the zero-variance filter keeps a
                     policy-dependent subset); 'tree': all of the tree's rows
@@ -20,9 +21,8 @@ set of buckets from the config alone:
   trained tokens    'tree' only: a quarter, a half or all of the row length
                     (`tree_packing.logit_buckets`): the LM head runs there.
 
-`precompile` then compiles every (call kind, row bucket, prompt bucket) of the
-sampler and every (rows, length) of the train step before the first RL step,
-so the compile census stays flat for the rest of the run.
+`precompile` then compiles every engine and train-step program before the
+first RL step, so the compile census stays flat for the rest of the run.
 """
 
 from __future__ import annotations
@@ -32,42 +32,24 @@ import time
 
 import jax
 
-from mtrl_jax.buckets import bucket, round_up
+from mtrl_jax.buckets import round_up
 from mtrl_jax.rollout import plan_tree
 from mtrl_jax.rollout.packing import batch_spec
 from mtrl_jax.rollout.policy import StackedStates
 from mtrl_jax.rollout.tree_packing import logit_buckets, tree_batch_spec
-from mtrl_jax.sampling import SamplingConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerCall:
-  """One kind of sampler call: its sampling settings, G and the largest prompt count."""
-
-  sampling: SamplingConfig
-  num_generations: int
-  max_prompts: int
+from mtrl_jax.sampling import EngineConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class ShapePlan:
   """Buckets of one RL run (see the module docstring)."""
 
-  sampler_rows: tuple
-  prompt_lens: tuple
+  engine: EngineConfig
+  samplings: tuple  # SamplingConfig of every kind of rollout (training, evaluations)
+  fanout: int  # the most samples one request asks for (G)
   train_rows: tuple
   train_lens: tuple
-  calls: tuple  # SamplerCall
   packing: str = "rows"
-
-  def sampler_programs(self) -> list[tuple[SamplerCall, int, int]]:
-    """(call, prompt-row bucket, prompt-length bucket) of every sampler program."""
-    out = []
-    for call in self.calls:
-      for p in self.sampler_rows:
-        if p <= bucket(call.max_prompts, self.sampler_rows, "sampler prompt rows"):
-          out.extend((call, p, lp) for lp in self.prompt_lens)
-    return out
 
   def train_shapes(self) -> list[tuple[int, ...]]:
     """(rows, length) of every train program, plus trained tokens per row for 'tree'."""
@@ -82,54 +64,38 @@ class ShapePlan:
     return [spec(*shape) for shape in self.train_shapes()]
 
 
-def plan_shapes(exp, row_multiple: int, sampler_shards: int) -> ShapePlan:
-  """The buckets of an experiment (`train.experiment.Experiment`)."""
+def plan_shapes(exp, row_multiple: int, local_shards: int) -> ShapePlan:
+  """The buckets of an experiment (`train.experiment.Experiment`) as one process plans
+  them (`per_process`); `local_shards`: the process's batch shards."""
   rl, sft, ev, tree = exp.rl, exp.sft, exp.eval, exp.tree
-  g, n = tree.num_generations, tree.num_agents
+  n = tree.num_agents
   plan = plan_tree(tree, rl.roots_per_step, rl.max_length, exp.sampling.max_new_tokens)
+  # Samples in flight at once, per parameter set: a level's, or an evaluation's roots.
+  agents_per_set = n if exp.agents.share_policy else 1
+  widest = max(plan.max_level_generations * agents_per_set // n, ev.num_tasks * agents_per_set,
+               sft.check_tasks * agents_per_set if sft.steps else 0)
+  slots = exp.engine.slots or round_up(-(-widest // local_shards), 8)
+  slots = max(slots, tree.num_generations)
+  prompt = max(rl.prompt_buckets or rl.length_buckets)
+  capacity = exp.engine.capacity or round_up(prompt + exp.sampling.max_new_tokens + 1, 16)
+  engine = EngineConfig(slots=slots, capacity=capacity, chunk=exp.engine.chunk,
+                        decode_rows=exp.engine.decode_rows, admit_rows=exp.engine.admit_rows,
+                        reuse=exp.engine.reuse)
   greedy = dataclasses.replace(exp.sampling, greedy=True)
-  # Prompt counts of each kind of call: a level's first call (all its nodes'
-  # prompts, per agent state or all agents in one call), a sub-step round (one
-  # prompt per action), the evaluations (G = 1). Separate policies sample every
-  # agent in one stacked call whose rows count one agent's prompts.
-  m = 1 if not exp.agents.share_policy else n
-  calls = []
-  first = sorted({nodes * m for nodes in plan.level_nodes} | set(plan.level_nodes))
-  calls.append(SamplerCall(exp.sampling, g, max(first)))
-  if tree.shape == "chain" and tree.num_turns > 1:  # below the roots: G = 1 per node
-    calls.append(SamplerCall(exp.sampling, 1, max(first)))
-  counts = set(first)
-  if tree.substeps:  # one continuation per action: G = 1 over up to a level's samples
-    calls.append(SamplerCall(exp.sampling, 1, plan.max_level_generations))
-    counts.update(c * g for c in first)
-  eval_sizes = [ev.num_tasks * m]
-  counts.update(eval_sizes)
-  if sft.steps and sft.until_success > 0:
-    check = sft.check_tasks * m
-    eval_sizes.append(check)
-    if check > max(counts):  # else padded up to a bucket above: no program of its own
-      counts.add(check)
+  samplings = [exp.sampling]
   if ev.greedy or (sft.steps and sft.until_success > 0):
-    calls.append(SamplerCall(greedy, 1, max(eval_sizes)))
+    samplings.append(greedy)
   if ev.sampled:
-    sampled = dataclasses.replace(exp.sampling, greedy=False, temperature=1.0, top_p=1.0,
-                                  top_k=0)
-    calls.append(SamplerCall(sampled, 1, max(eval_sizes)))
-  prompt_rows = {round_up(c, sampler_shards) for c in counts}
-  # Decode rows are the bucket of (prompt-row bucket) x G.
-  decode_rows = {round_up(p * c.num_generations, sampler_shards) for c in calls
-                 for p in prompt_rows if p <= bucket(c.max_prompts, prompt_rows, "sampler prompt rows")}
-  sampler_rows = tuple(sorted(prompt_rows | decode_rows))
-  prompt_lens = rl.prompt_buckets or rl.length_buckets
+    samplings.append(dataclasses.replace(exp.sampling, greedy=False, temperature=1.0,
+                                         top_p=1.0, top_k=0))
   total = plan.rows
   if rl.packing == "tree":
     fractions, train_lens = (32, 16, 8, 4, 2, 1), (rl.max_length,)
   else:
     fractions, train_lens = (4, 2, 1), tuple(rl.length_buckets)
   train_rows = tuple(sorted({round_up(max(total // d, 1), row_multiple) for d in fractions}))
-  return ShapePlan(sampler_rows=sampler_rows, prompt_lens=tuple(prompt_lens),
-                   train_rows=train_rows, train_lens=train_lens, calls=tuple(calls),
-                   packing=rl.packing)
+  return ShapePlan(engine=engine, samplings=tuple(samplings), fanout=tree.num_generations,
+                   train_rows=train_rows, train_lens=train_lens, packing=rl.packing)
 
 
 def per_process(exp, num_processes: int):
@@ -144,21 +110,13 @@ def per_process(exp, num_processes: int):
       sft=dataclasses.replace(exp.sft, check_tasks=share(exp.sft.check_tasks)))
 
 
-def precompile(shapes: ShapePlan, sampler, sampler_state, train_step, num_stop_ids: int) -> dict:
-  """Compiles every sampler and train-step program of `shapes`; returns counts and seconds.
+def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids: int) -> dict:
+  """Compiles every engine and train-step program of `shapes`; returns counts and seconds.
 
-  `sampler_state`: the shared policy's params, or `StackedStates` (separate
-  policies: the stacked programs of `Sampler.generate_stacked`)."""
+  `policy_state`: the shared policy's params, or `StackedStates` (separate policies)."""
   t0 = time.perf_counter()
-  programs = shapes.sampler_programs()
-  stacked = isinstance(sampler_state, StackedStates)
-  for call, p, lp in programs:
-    if stacked:  # separate policies: every call samples all agents at once
-      sampler.precompile_stacked(sampler_state.params, p, lp, call.num_generations,
-                                 call.sampling, num_stop_ids=num_stop_ids)
-    else:
-      sampler.precompile(sampler_state, p, lp, call.num_generations, call.sampling,
-                         num_stop_ids=num_stop_ids)
+  params = policy_state.params if isinstance(policy_state, StackedStates) else policy_state
+  engine_programs = engine.precompile(params, shapes.samplings, num_stop_ids, shapes.fanout)
   t1 = time.perf_counter()
   agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
   for spec in shapes.train_specs():
@@ -166,5 +124,5 @@ def precompile(shapes: ShapePlan, sampler, sampler_state, train_step, num_stop_i
       spec = {k: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype) for k, v in spec.items()}
     train_step.precompile(spec)
   t2 = time.perf_counter()
-  return {"sampler_programs": len(programs), "sampler_seconds": round(t1 - t0, 1),
+  return {"engine_programs": engine_programs, "engine_seconds": round(t1 - t0, 1),
           "train_programs": len(shapes.train_shapes()), "train_seconds": round(t2 - t1, 1)}

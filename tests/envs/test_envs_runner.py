@@ -14,7 +14,7 @@ import pytest
 
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.tree import Completion
+from mtrl_jax.testing import FakePolicy
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 from mtrl_jax.envs import (Environment, FaultCounter, FaultKind, FaultPolicy, Grade,
                            InfrastructureError, ModelFormatError, RewardConfig, StepLimits, Thread,
@@ -195,22 +195,17 @@ def test_tool_timeout_tell_mode_shows_the_policy_and_goes_on(slow_tool):
   assert outs[1].done and outs[1].reward.outcome == 1.0
 
 
-class _ScriptedPolicy:
+class _ScriptedPolicy(FakePolicy):
   """Sample g of every prompt says texts[g] (then the stop id)."""
 
   def __init__(self, renderer, texts):
+    super().__init__()
     self.renderer, self.texts = renderer, texts
 
-  def sample(self, prompts, agent_ids, num_generations, key):
+  def completion(self, req, g):
     stop = self.renderer.fmt.stop_ids[0]
-    out = []
-    for _ in prompts:
-      comps = []
-      for g in range(num_generations):
-        ids = np.asarray(self.renderer.tokenizer.encode(self.texts[g]) + [stop], np.int32)
-        comps.append(Completion(ids, np.full(len(ids), -0.5, np.float32), "stop"))
-      out.append(comps)
-    return out
+    ids = np.asarray(self.renderer.tokenizer.encode(self.texts[g]) + [stop], np.int32)
+    return ids, np.full(len(ids), -0.5, np.float32), "stop"
 
 
 @pytest.mark.parametrize("mode", ["mask", "tell"])
@@ -223,8 +218,8 @@ def test_tool_timeout_in_the_tree_engine(renderer, slow_tool, mode):
   tree = expand_tree(TreeConfig(num_turns=2, num_generations=2), policy, transition, [root],
                      jax.random.key(0))
   node = tree.nodes[0]
-  assert [f["kind"] for f in node.infos[0]["faults"]] == ["timeout"]
-  assert node.infos[0]["masked"] == (mode == "mask")
+  assert [f.kind.value for f in node.actions[0].faults] == ["timeout"]
+  assert node.actions[0].valid == (mode == "tell")
   if mode == "mask":  # no reward, no child, weight 0, out of the baseline
     assert not node.valid_B[0] and node.children_B[0] < 0 and node.rewards_B[0] == 0.0
     assert node.weight_NxG[0, 0] == 0.0 and node.advantages_NxG[0, 1] == 0.0

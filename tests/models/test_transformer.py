@@ -40,8 +40,10 @@ def _forward(graphdef, state, tokens, positions, mask):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _step(graphdef, state, tokens, positions, attn, cache, index):
-  return nnx.merge(graphdef, state).forward_cached(tokens, positions, attn, cache, index)
+def _step(graphdef, state, tokens, positions, attn, cache, first_slot):
+  """Writes the new tokens' keys/values into consecutive slots from `first_slot`."""
+  write = jnp.broadcast_to(first_slot + jnp.arange(tokens.shape[1]), tokens.shape)
+  return nnx.merge(graphdef, state).forward_cached(tokens, positions, attn, cache, write)
 
 
 def _cached_logits(model, tokens, mask, positions, prompt_len, cache_size, cache):

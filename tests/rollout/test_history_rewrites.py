@@ -1,4 +1,4 @@
-"""History rewrites (issue 16 item 4): a Qwen3-style template strips earlier thinking.
+"""History rewrites: a Qwen3-style template strips earlier thinking.
 
 Once a new user turn arrives, the policy's earlier `<think>...</think>` is no
 longer shown, so the next context does not extend the sampled tokens. The
@@ -15,9 +15,8 @@ from mtrl_jax.envs import Environment, Grade, Turn
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.batching import BatchConfig, make_train_batch
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.tree import Completion
 from mtrl_jax.text import ChatRenderer, compact, strip_thinking
-from mtrl_jax.testing import byte_tokenizer
+from mtrl_jax.testing import FakePolicy, byte_tokenizer
 
 LOGP = -0.5
 
@@ -45,23 +44,17 @@ class AskTwice(Environment):
     return None, Grade(len(strip_thinking(thread.last_assistant)) / 10.0)
 
 
-class ThinkingPolicy:
+class ThinkingPolicy(FakePolicy):
   """Sample g of every prompt: '<think>plan g</think>' then an answer of g + 1 letters."""
 
   def __init__(self, renderer):
+    super().__init__()
     self.renderer = renderer
 
-  def sample(self, prompts, agent_ids, num_generations, key):
-    del agent_ids, key
-    out = []
-    for _ in prompts:
-      comps = []
-      for g in range(num_generations):
-        ids = (self.renderer.tokenizer.encode(f"<think>plan {g}</think>" + "x" * (g + 1))
-               + [self.renderer.fmt.stop_ids[0]])
-        comps.append(Completion(np.asarray(ids, np.int32), np.full(len(ids), LOGP, np.float32)))
-      out.append(comps)
-    return out
+  def completion(self, req, g):
+    ids = (self.renderer.tokenizer.encode(f"<think>plan {g}</think>" + "x" * (g + 1))
+           + [self.renderer.fmt.stop_ids[0]])
+    return np.asarray(ids, np.int32), np.full(len(ids), LOGP, np.float32), "stop"
 
 
 @pytest.mark.parametrize("packing", ["tree", "rows"])
@@ -77,7 +70,7 @@ def test_rewritten_history_starts_a_new_segment_and_keeps_earlier_actions(packin
   for child in children:
     parent = tree.nodes[child.parent_id]
     comp = parent.completions[0][child.parent_action]
-    assert parent.infos[child.parent_action]["history_rewrites"] == 1
+    assert parent.actions[child.parent_action].steps[-1].details["history_rewrites"] == 1
     sampled = parent.prompts[0] + comp.ids.tolist()
     assert child.prompts[0][:len(sampled)] != sampled  # not an extension: a new segment
     text = tok.decode(child.prompts[0])

@@ -8,9 +8,9 @@ import pytest
 
 from mtrl_jax.envs import RewardConfig, StepLimits, resolve_factory
 from mtrl_jax.tasks import calculator
-from mtrl_jax.rollout import Completion, TreeConfig, expand_tree, pack_tree, write_rollout_dump
+from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree, write_rollout_dump
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.testing import byte_renderer, byte_tokenizer
+from mtrl_jax.testing import FakePolicy, byte_renderer, byte_tokenizer
 from mtrl_jax.text import compact
 
 TOK = byte_tokenizer(calculator.EXTRA_SPECIALS)
@@ -19,7 +19,7 @@ END = "<|end|>"
 REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.05, tool_penalty=-0.2)
 
 
-class GoldenPolicy:
+class GoldenPolicy(FakePolicy):
   """Answers every prompt with the golden assistant message of its stage.
 
   The stage is the number of assistant headers in the prompt (minus one, and
@@ -29,9 +29,9 @@ class GoldenPolicy:
   """
 
   def __init__(self, tasks, bad_first_call=False):
+    super().__init__()
     self.tasks = tasks
     self.bad_first_call = bad_first_call
-    self.calls = []
 
   def message(self, prompt):
     text = TOK.decode(prompt)
@@ -41,14 +41,9 @@ class GoldenPolicy:
       return msgs[0].replace(self.tasks[0]["expression"], self.tasks[0]["expression"] + "+")
     return msgs[text.count("<|assistant|>") - 1 - text.count("<|tool|>error:")]
 
-  def sample(self, prompts, agent_ids, num_generations, key):
-    self.calls.append(len(prompts))
-    out = []
-    for p in prompts:
-      ids = np.asarray(TOK.encode(self.message(p)) + [FMT.stop_ids[0]], np.int32)
-      lps = (-0.01 * np.arange(1, len(ids) + 1)).astype(np.float32)
-      out.append([Completion(ids, lps) for _ in range(num_generations)])
-    return out
+  def completion(self, req, g):
+    ids = np.asarray(TOK.encode(self.message(req.prompt)) + [FMT.stop_ids[0]], np.int32)
+    return ids, (-0.01 * np.arange(1, len(ids) + 1)).astype(np.float32), "stop"
 
 
 def tool_results(task):
@@ -69,23 +64,24 @@ def test_golden_episodes_as_two_user_turns(tmp_path):
   tree, transition = _tree(policy, tasks)
   # T=2, G=2: 1 + 2 nodes per root (not 1 + 2 + 4 + 8 as with a turn per message).
   assert tree.counts() == {"nodes": 6, "generations": 6 * 2 * 2, "reward_calls": 6 * 2 * 2}
-  # Level 0: 2 roots, then one round for their 4 actions; level 1: 4 nodes, 8 actions.
-  assert policy.calls == [2, 4, 4, 8]
+  # Requests: 2 roots and 4 children of G = 2, one tool continuation per action (12).
+  assert sorted(len(r.rows) for r in policy.requests) == [1] * 12 + [2] * 6
   for node in tree.nodes:
     task = tasks[node.root]
     for g in range(2):
-      info = node.infos[g]
-      assert [s["continues_turn"] for s in info["substeps"]] == [True, False]
-      assert info["substeps"][0]["env_roles"] == [["tool"]]
+      action = node.actions[g]
+      assert [s.continues_turn for s in action.steps] == [True, False]
+      assert action.steps[0].details["env_roles"] == [["tool"]]
       if node.turn == 0:  # hands over to the user's follow-up: a child, step penalties only
-        assert info["env_roles"] == [["user"]] and not info["done"]
+        assert action.steps[-1].details["env_roles"] == [["user"]] and not action.ended
         assert node.rewards_B[g] == pytest.approx(-0.1, abs=1e-12)
         kid = tree.nodes[node.children_B[g]]
         assert TOK.decode(kid.prompts[0]).endswith(
             f"<|user|>{task['followups'][0]}{END}<|assistant|>")
       else:  # the last answer: outcome +1 on the step that stops
-        assert info["done"] and info["reward"]["outcome"] == 1.0
-        assert info["grades"] and node.rewards_B[g] == pytest.approx(0.9, abs=1e-12)
+        assert action.ended and action.outcome == 1.0
+        assert action.steps[-1].details["grades"]
+        assert node.rewards_B[g] == pytest.approx(0.9, abs=1e-12)
     np.testing.assert_array_equal(node.substeps_B, [1, 1])
   np.testing.assert_allclose(tree.nodes[0].returns_B, -0.1 + 0.9 * 0.9, atol=1e-12)
 
@@ -113,7 +109,7 @@ def test_golden_episodes_as_two_user_turns(tmp_path):
   segs = rec["segments"][0][0]
   assert [s["sampled"] for s in segs] == [True, False, True]
   assert segs[1]["text"] == f"<|tool|>{tool_results(tasks[0])[0]}{END}<|assistant|>"
-  assert rec["infos"][0]["substeps"][0]["env_turns"] == [[tool_results(tasks[0])[0]]]
+  assert rec["actions"][0]["steps"][0]["env_turns"] == [[tool_results(tasks[0])[0]]]
 
 
 def test_invalid_tool_call_penalty_accumulates_over_substeps():
@@ -124,9 +120,9 @@ def test_invalid_tool_call_penalty_accumulates_over_substeps():
   # Root 0: bad call (tool error, -0.2 - 0.05), good call (-0.05), answer (-0.05).
   np.testing.assert_allclose(root0.rewards_B, [-0.35, -0.35], atol=1e-12)
   np.testing.assert_array_equal(root0.substeps_B, [2, 2])
-  steps = root0.infos[0]["substeps"]
-  assert [s["invalid_calls"] for s in steps] == [1, 0, 0]
-  assert steps[0]["faults"][0]["kind"] == "tool_error"
+  steps = root0.actions[0].steps
+  assert [s.details["invalid_calls"] for s in steps] == [1, 0, 0]
+  assert steps[0].faults[0].kind.value == "tool_error"
   assert root0.completions[0][0].num_segments == 3 and (root0.weight_NxG == 1).all()
   np.testing.assert_allclose(root1.rewards_B, [-0.1, -0.1], atol=1e-12)
   assert (root0.children_B >= 0).all()  # the episode recovered and handed over

@@ -7,16 +7,16 @@ import pytest
 from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree, plan_tree
 from mtrl_jax.rollout.config import generations_per_root
 from mtrl_jax.rollout.dump import node_records
-from mtrl_jax.testing import FakePolicySampler, ScriptedTransition
+from mtrl_jax.testing import FakePolicy, ScriptedTransition
 
 KEY = jax.random.key(3)
 
 
 def _run(cfg, num_roots=2, transition=None):
-  sampler = FakePolicySampler(vocab=64, max_new_tokens=5, stop_id=2)
+  policy = FakePolicy(vocab=64, max_new_tokens=5, stop_id=2)
   transition = transition or ScriptedTransition()
-  tree = expand_tree(cfg, sampler, transition, transition.roots(num_roots, cfg.num_agents), KEY)
-  return tree, sampler
+  tree = expand_tree(cfg, policy, transition, transition.roots(num_roots, cfg.num_agents), KEY)
+  return tree, policy
 
 
 def _chains(tree, root):
@@ -59,7 +59,7 @@ def _reference_advantages(returns_G, valid_G, mode, std_norm):
 @pytest.mark.parametrize("num_agents", [1, 2])
 def test_chain_has_g_leaves_per_root_each_with_t_turns(num_agents):
   cfg = TreeConfig(num_turns=3, num_generations=4, num_agents=num_agents, shape="chain")
-  tree, sampler = _run(cfg, num_roots=2)
+  tree, policy = _run(cfg, num_roots=2)
   roots = [n for n in tree.nodes if n.parent_id < 0]
   assert len(roots) == 2
   for root in roots:
@@ -72,9 +72,9 @@ def test_chain_has_g_leaves_per_root_each_with_t_turns(num_agents):
         node = tree.nodes[k]
         assert [len(c) for c in node.completions] == [1] * num_agents
         assert node.rewards_B.shape == (1,)
-  # Per level one sampler call: the roots fork G, every later node samples one.
-  assert [(c["prompts"], c["num_generations"]) for c in sampler.calls] == [
-      (2 * num_agents, 4), (8 * num_agents, 1), (8 * num_agents, 1)]
+  # Per (node, agent) one request: the roots' for G samples, every later node's for one.
+  assert sorted(len(r.rows) for r in policy.requests) == (
+      [1] * 16 * num_agents + [4] * 2 * num_agents)
   counts = tree.counts()
   plan = plan_tree(cfg, 2, 64, 8)
   assert counts["nodes"] == plan.nodes == 2 * (1 + 4 + 4)
@@ -165,10 +165,9 @@ def test_config_tree_shape_reaches_the_experiment_and_bad_values_fail():
   c.tree.shape = "chain"
   exp = experiment.validate(c)
   assert exp.tree.shape == "chain"
-  # The plan has the chain's one-sample sampler call (below the roots) besides the roots' G.
-  plan = shapes.plan_shapes(exp, row_multiple=2, sampler_shards=2)
-  assert {(call.num_generations, call.sampling.greedy) for call in plan.calls} >= {
-      (exp.tree.num_generations, False), (1, False)}
+  # The engine is planned for the roots' G samples per request.
+  plan = shapes.plan_shapes(exp, row_multiple=2, local_shards=2)
+  assert plan.fanout == exp.tree.num_generations and plan.engine.slots >= plan.fanout
   c.tree.shape = "forest"
   with pytest.raises(experiment.ConfigError) as err:
     experiment.validate(c)

@@ -1,4 +1,4 @@
-"""Level-by-level expansion with the deterministic fake sampler and scripted envs."""
+"""Tree expansion on a deterministic fake engine (`testing.FakePolicy`) and scripted envs."""
 
 import time
 
@@ -8,37 +8,43 @@ import pytest
 
 from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree, plan_tree
 from mtrl_jax.rollout.dump import node_records
-from mtrl_jax.testing import FEEDBACK, FakePolicySampler, ScriptedTransition
+from mtrl_jax.testing import FEEDBACK, FakePolicy, ScriptedTransition
 
 KEY = jax.random.key(0)
 
 
-def _run(cfg, num_roots=1, transition=None, key=KEY, sampler=None):
-  sampler = sampler or FakePolicySampler(vocab=64, max_new_tokens=5, stop_id=2)
+def _run(cfg, num_roots=1, transition=None, key=KEY, policy=None):
+  policy = policy or FakePolicy(vocab=64, max_new_tokens=5, stop_id=2)
   transition = transition or ScriptedTransition()
-  tree = expand_tree(cfg, sampler, transition, transition.roots(num_roots, cfg.num_agents), key)
-  return tree, sampler
+  tree = expand_tree(cfg, policy, transition, transition.roots(num_roots, cfg.num_agents), key)
+  return tree, policy
 
 
 @pytest.mark.parametrize("joint, nodes, gens, calls", [("align", 5, 40, 20),
                                                        ("cross", 17, 136, 272)])
 def test_counts_match_formula(joint, nodes, gens, calls):
   cfg = TreeConfig(num_turns=2, num_generations=4, num_agents=2, joint_mode=joint)
-  tree, sampler = _run(cfg)
+  tree, policy = _run(cfg)
   assert tree.counts() == {"nodes": nodes, "generations": gens, "reward_calls": calls}
   plan = plan_tree(cfg, 1, 64, 8)
   assert (plan.nodes, plan.generations, plan.reward_calls) == (nodes, gens, calls)
-  # One sampler call per level, every (node, agent) of the level in it.
-  assert [c["prompts"] for c in sampler.calls] == [2, 2 * (nodes - 1)]
-  assert sampler.calls[1]["agent_ids"] == [0, 1] * (nodes - 1)
+  # One request per (node, agent) for its G samples.
+  assert len(policy.requests) == 2 * nodes
+  assert all(len(r.rows) == 4 for r in policy.requests)
+  assert [r.agent for r in policy.requests].count(1) == nodes
 
 
-def test_many_roots_share_each_level_call():
+def test_children_continue_their_parent_samples_cache():
   cfg = TreeConfig(num_turns=3, num_generations=2, num_agents=2, joint_mode="cross")
-  tree, sampler = _run(cfg, num_roots=3)
+  tree, policy = _run(cfg, num_roots=3)
   plan = plan_tree(cfg, 3, 64, 8)
   assert tree.counts()["nodes"] == plan.nodes == 3 * (1 + 4 + 16)
-  assert [c["prompts"] for c in sampler.calls] == [n * 2 for n in plan.level_nodes]
+  children = [r for r in policy.requests if r.parent is not None]
+  assert len(children) == 2 * (plan.nodes - 3) and policy.misses == 0
+  # Every child's request extends the cache of the sample its joint action took.
+  assert policy.reused == sum(len(r.parent.ids) for r in children)
+  # Every sample's cache is released once no later request names it.
+  assert policy.released == tree.counts()["generations"]
 
 
 def test_counts_with_termination_and_stops():
@@ -131,10 +137,27 @@ def test_reproducible_bit_for_bit():
   assert other["tokens_BxL"].tobytes() != b0["tokens_BxL"].tobytes()
 
 
-def test_policy_result_count_is_checked():
-  class Short(FakePolicySampler):
-    def sample(self, prompts, agent_ids, g, key):
-      return super().sample(prompts, agent_ids, g, key)[:-1]
 
-  with pytest.raises(ValueError, match="results for"):
-    _run(TreeConfig(num_turns=1, num_generations=2, num_agents=2), sampler=Short())
+@pytest.mark.parametrize("schedule", ["continuous", "barrier"])
+def test_arrival_order_never_changes_the_tree(schedule):
+  # Requests finish after random numbers of engine steps (another order per seed):
+  # node ids, samples, rewards and advantages are the same bit for bit.
+  cfg = TreeConfig(num_turns=3, num_generations=2, num_agents=2, joint_mode="cross",
+                   termination_threshold=0.6, schedule=schedule)
+  stop = lambda s, a: int(a[1].ids[0]) % 5 == 0
+  trees = [_run(cfg, num_roots=3, transition=ScriptedTransition(stop=stop),
+                policy=FakePolicy(vocab=64, max_new_tokens=5, stop_id=2, max_latency=4,
+                                  latency_seed=seed))[0] for seed in range(3)]
+  base = _run(cfg.replace(schedule="continuous"), num_roots=3,
+              transition=ScriptedTransition(stop=stop))[0]
+  for tree in trees:
+    assert node_records(tree) == node_records(base)
+
+
+def test_a_transition_must_answer_with_an_action_outcome():
+  class Broken(ScriptedTransition):
+    def step(self, state, actions):
+      return super().step(state, actions).step  # a StepRecord, not an ActionOutcome
+
+  with pytest.raises(TypeError, match="ActionOutcome"):
+    _run(TreeConfig(num_turns=1, num_generations=2), transition=Broken())

@@ -7,7 +7,7 @@ import pytest
 from mtrl_jax.envs import RewardConfig, StepLimits
 from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.testing import (CLOSED, DuoEnv, FakePolicySampler, SoloEnv, ToolThenUserEnv,
+from mtrl_jax.testing import (CLOSED, DuoEnv, FakePolicy, SoloEnv, ToolThenUserEnv,
                               byte_renderer, byte_tokenizer)
 from mtrl_jax.text import compact
 
@@ -20,17 +20,17 @@ def _setup(n, **env_kw):
   # CoMLRL scores every joint action, continuing ones included: per-turn grades
   # (shaping) weigh as much as final ones.
   transition = EnvTransition(renderer, num_agents=n, reward_cfg=RewardConfig(shaping_weight=1.0))
-  sampler = FakePolicySampler(vocab=128, low=32, max_new_tokens=6, stop_id=FMT.stop_ids[0])
+  policy = FakePolicy(vocab=128, low=32, max_new_tokens=6, stop_id=FMT.stop_ids[0])
   env_cls = DuoEnv if n == 2 else SoloEnv
   roots = [transition.root_state(env_cls({"prompt": f"task {r}"}, **env_kw)) for r in range(2)]
-  return transition, sampler, roots
+  return transition, policy, roots
 
 
 def test_two_agent_tree_histories_and_rewards():
   cfg = TreeConfig(num_turns=3, num_generations=2, num_agents=2)
-  transition, sampler, roots = _setup(2)
+  transition, policy, roots = _setup(2)
   CLOSED.clear()
-  tree = expand_tree(cfg, sampler, transition, roots, jax.random.key(0))
+  tree = expand_tree(cfg, policy, transition, roots, jax.random.key(0))
   assert tree.counts() == {"nodes": 2 * 7, "generations": 2 * 7 * 4, "reward_calls": 2 * 7 * 2}
   # Every state is closed exactly once: the 2 roots and one fork per env step.
   assert len(CLOSED) == len(set(CLOSED)) == 2 + tree.counts()["reward_calls"]
@@ -67,18 +67,18 @@ def test_stop_and_infrastructure_faults():
   # Stop when both texts are under 3 chars; agent 0 writing exactly 4 chars
   # raises an InfrastructureError (retried, then masked).
   cfg = TreeConfig(num_turns=2, num_generations=4, num_agents=2, joint_mode="cross")
-  transition, sampler, roots = _setup(2, stop_below=3, broken_len=4)
-  tree = expand_tree(cfg, sampler, transition, roots, jax.random.key(1))
+  transition, policy, roots = _setup(2, stop_below=3, broken_len=4)
+  tree = expand_tree(cfg, policy, transition, roots, jax.random.key(1))
   saw_mask = saw_stop = False
   for node in tree.nodes[:2]:
     for j in range(16):
-      info = node.infos[j]
-      if info["masked"]:
+      action = node.actions[j]
+      if not action.valid:
         saw_mask = True
         assert not node.valid_B[j] and node.children_B[j] < 0
-        assert info["faults"][0]["kind"] == "infrastructure"
+        assert action.faults[0].kind.value == "infrastructure"
         assert node.weight_NxG[0, tree.joint_BxN[j, 0]] == 0
-      elif info["done"]:
+      elif action.ended:
         saw_stop = True
         assert node.children_B[j] < 0 and node.returns_B[j] == node.rewards_B[j]
       else:
@@ -90,12 +90,12 @@ def test_single_agent_and_limits():
   cfg = TreeConfig(num_turns=3, num_generations=2)
   renderer = byte_renderer()
   transition = EnvTransition(renderer, limits=StepLimits(max_turns=2))
-  sampler = FakePolicySampler(vocab=128, low=32, max_new_tokens=4, stop_id=FMT.stop_ids[0])
-  tree = expand_tree(cfg, sampler, transition,
+  policy = FakePolicy(vocab=128, low=32, max_new_tokens=4, stop_id=FMT.stop_ids[0])
+  tree = expand_tree(cfg, policy, transition,
                      [transition.root_state(SoloEnv({"prompt": "go"}))], jax.random.key(2))
   # The turn cap (2 policy turns) truncates every branch at turn 1.
   assert [n.turn for n in tree.nodes] == [0, 1, 1]
-  assert all(info["truncated"] for info in tree.nodes[1].infos)
+  assert all(action.steps[-1].truncated for action in tree.nodes[1].actions)
   with pytest.raises(ValueError, match="num_agents=1 but the tree has num_agents=2"):
     EnvTransition(renderer, num_agents=2).root_state(SoloEnv({"prompt": "go"}))
 
@@ -105,37 +105,38 @@ def test_ids_past_the_tokenizer_are_a_penalised_format_fault():
   # [268, 300), past ByteTokenizer()'s 268 ids, so no message can be decoded.
   reward_cfg = RewardConfig(step_penalty=-0.05, tool_penalty=-0.2)
   transition = EnvTransition(byte_renderer(), reward_cfg=reward_cfg)
-  sampler = FakePolicySampler(vocab=300, low=TOK.vocab_size, max_new_tokens=3)
+  policy = FakePolicy(vocab=300, low=TOK.vocab_size, max_new_tokens=3)
   cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
-  tree = expand_tree(cfg, sampler, transition, [transition.root_state(SoloEnv({"prompt": "go"}))],
+  tree = expand_tree(cfg, policy, transition, [transition.root_state(SoloEnv({"prompt": "go"}))],
                      jax.random.key(3))
   root = tree.nodes[0]
   assert len(tree.nodes) == 1 and (root.children_B < 0).all() and root.valid_B.all()
-  for info in root.infos:
-    assert info["done"] and info["invalid_calls"] == 1
-    assert info["faults"][0]["kind"] == "model_format" and "outside" in info["faults"][0]["message"]
+  for action in root.actions:
+    step = action.steps[-1]
+    assert step.done and step.details["invalid_calls"] == 1
+    assert step.faults[0].kind.value == "model_format" and "outside" in step.faults[0].message
   np.testing.assert_allclose(root.rewards_B, -0.25, atol=1e-12)
 
 
 def test_user_turn_substeps_close_every_state_once():
   transition = EnvTransition(byte_renderer(), limits=StepLimits(max_turns=8))
-  sampler = FakePolicySampler(vocab=128, low=32, max_new_tokens=4, stop_id=FMT.stop_ids[0])
+  policy = FakePolicy(vocab=128, low=32, max_new_tokens=4, stop_id=FMT.stop_ids[0])
   cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
   CLOSED.clear()
-  tree = expand_tree(cfg, sampler, transition,
+  tree = expand_tree(cfg, policy, transition,
                      [transition.root_state(ToolThenUserEnv({"prompt": "go"}))], jax.random.key(4))
   # 3 nodes; every action is a tool call then a message the user answers: 2 steps each.
   assert tree.counts() == {"nodes": 3, "generations": 12, "reward_calls": 12}
   assert len(CLOSED) == len(set(CLOSED)) == 1 + 12  # the root and one fork per step
   for node in tree.nodes:
     for g in range(2):
-      steps = node.infos[g]["substeps"]
-      assert [s["env_roles"] for s in steps] == [[["tool"]], [["user"]]]
-      assert [s["continues_turn"] for s in steps] == [True, False]
+      steps = node.actions[g].steps
+      assert [s.details["env_roles"] for s in steps] == [[["tool"]], [["user"]]]
+      assert [s.continues_turn for s in steps] == [True, False]
   # Sub-steps count as policy turns for the turn cap: with max_turns=3 the
   # child's first step is the 3rd policy message and truncates.
   capped = EnvTransition(byte_renderer(), limits=StepLimits(max_turns=3))
-  tree = expand_tree(cfg, sampler, capped,
+  tree = expand_tree(cfg, policy, capped,
                      [capped.root_state(ToolThenUserEnv({"prompt": "go"}))], jax.random.key(4))
   for kid in tree.nodes[1:]:
-    assert all(i["truncated"] and len(i["substeps"]) == 1 for i in kid.infos)
+    assert all(a.steps[-1].truncated and len(a.steps) == 1 for a in kid.actions)

@@ -9,7 +9,7 @@ import pytest
 from mtrl_jax.rollout import (BATCH_KEYS, Completion, Tree, TreeConfig, expand_tree, pack_tree,
                               write_rollout_dump)
 from mtrl_jax.rollout.dump import dump_path
-from mtrl_jax.testing import FakePolicySampler, ScriptedTransition
+from mtrl_jax.testing import FakePolicy, ScriptedTransition
 
 
 def _comp(ids, lps):
@@ -71,9 +71,9 @@ def test_padding_rows_and_buckets():
 
 def test_masks_cover_only_policy_tokens_in_engine_run():
   cfg = TreeConfig(num_turns=3, num_generations=2, num_agents=2, joint_mode="cross")
-  sampler = FakePolicySampler(vocab=64, max_new_tokens=4, stop_id=2, low=8)
+  policy = FakePolicy(vocab=64, max_new_tokens=4, stop_id=2, low=8)
   tr = ScriptedTransition()
-  tree = expand_tree(cfg, sampler, tr, tr.roots(2, 2), jax.random.key(3))
+  tree = expand_tree(cfg, policy, tr, tr.roots(2, 2), jax.random.key(3))
   batch = pack_tree(tree, length_buckets=(64,))
   rows = [(n, i, g) for n in tree.nodes for i in range(2) for g in range(2)]
   for b, (node, i, g) in enumerate(rows):

@@ -1,95 +1,246 @@
-"""A tree rollout with the real tiny model, byte tokenizer and branching sampler."""
+"""Tree rollouts with the real tiny model on the rollout engine.
+
+* Same trees as before: the trees of the level-by-level sampler this engine
+  replaced, recorded as fixtures (`fixtures/level_sampler_trees.json`, made by
+  `fixtures/record_level_sampler_trees.py` at the commit that still had
+  `Sampler.generate`), come back token for token under both schedules.
+* Schedule independence: continuous and barrier scheduling give identical
+  trees, bit for bit, when environment steps take random times (so requests
+  arrive in another order every run), for tool sub-steps, align and cross,
+  and separate policies.
+* A forced tiny KV budget (evictions every level) gives the same tree.
+"""
+
+import json
+import os
+import random
+import time
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from mtrl_jax.envs import RewardConfig
 from mtrl_jax.models import create_model
-from mtrl_jax.rollout import SamplerPolicy, StackedStates, TreeConfig, expand_tree, pack_tree
+from mtrl_jax.rollout import (EnginePolicy, StackedStates, TreeConfig, expand_tree, pack_tree)
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.sampling import Sampler, SamplingConfig
+from mtrl_jax.sampling import DecodeEngine, EngineConfig, SamplingConfig
+from mtrl_jax.sampling.generation import LocalLLM
 from mtrl_jax.tasks import calculator
-from mtrl_jax.testing import DuoEnv, ToolThenUserEnv, byte_renderer
+from mtrl_jax.testing import (DuoEnv, ScriptedTransition, ToolThenUserEnv, byte_renderer,
+                              tiny_model)
 from mtrl_jax.train.stacked import stack_trees
 
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "level_sampler_trees.json")
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6)
+STOP = tuple(range(100, 124))
+KEY = jax.random.fold_in(jax.random.PRNGKey(0), 1)  # the RL loop's key of step 1
+# Same float32 math in another layout (per-slot caches, other batch shapes and
+# windows): a logprob is a logit minus a log-sum-exp of logits up to ~16, whose
+# float32 spacing is ~2e-6, so logprobs differ by a few of those.
+LOGP_TOL = 1e-5
 
-def test_tiny_model_tree_shared_and_separate_policies(tiny_model, renderer):
-  cfg = tiny_model.cfg
-  tok, fmt = renderer.tokenizer, renderer.fmt
-  _, state0 = nnx.split(tiny_model)
-  _, state1 = nnx.split(create_model(cfg, seed=1))
-  # Fixed buckets: every level of both runs fits one compiled program.
-  sampler = Sampler(cfg, batch_buckets=(16,), prompt_buckets=(64,), decode_buckets=(16,),
-                    agent_map="map")
-  sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
-  tree_cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2)
-  transition = EnvTransition(renderer, num_agents=2,
+
+@pytest.fixture(scope="module")
+def states():
+  model = tiny_model()
+  return model.cfg, nnx.split(model)[1], nnx.split(create_model(model.cfg, seed=1))[1]
+
+
+@pytest.fixture(scope="module")
+def fixtures():
+  with open(FIXTURES) as f:
+    return json.load(f)
+
+
+def _policy(cfg, states, sampling=SAMPLING, stop=STOP, pad=0, slots=32, **engine_kw):
+  agents = states.num_agents if isinstance(states, StackedStates) else 1
+  engine = DecodeEngine(cfg, EngineConfig(slots=slots, capacity=128, chunk=4, **engine_kw),
+                        num_agents=agents)
+  return EnginePolicy(engine, states, sampling, stop_ids=stop, pad_id=pad)
+
+
+def _assert_same_nodes(want, tree, exact_logprobs=False):
+  assert len(want) == len(tree.nodes)
+  for w, n in zip(want, tree.nodes):
+    assert (w["node_id"], w["parent_id"], w["parent_action"], w["turn"], w["root"]) == (
+        n.node_id, n.parent_id, n.parent_action, n.turn, n.root)
+    assert w["prompts"] == n.prompts and w["children"] == n.children_B.tolist()
+    for wa, na in zip(w["completions"], n.completions):
+      for wc, nc in zip(wa, na):
+        assert wc["ids"] == nc.ids.tolist() and wc["finish_reason"] == nc.finish_reason
+        assert wc["trainable"] == nc.sampled_mask.tolist()
+        np.testing.assert_allclose(nc.logprobs, wc["logprobs"], rtol=0,
+                                   atol=0 if exact_logprobs else LOGP_TOL)
+    np.testing.assert_array_equal(n.rewards_B, w["rewards"])
+    np.testing.assert_array_equal(n.valid_B, w["valid"])
+    assert n.terminated == w["terminated"] and n.substeps_B.tolist() == w["substeps"]
+    np.testing.assert_allclose(n.returns_B, w["returns"], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(n.advantages_NxG, w["advantages"], rtol=0, atol=1e-9)
+
+
+def _tree_json(tree):
+  return [{"node_id": n.node_id, "parent_id": n.parent_id, "parent_action": n.parent_action,
+           "turn": n.turn, "root": n.root, "prompts": n.prompts, "children": n.children_B.tolist(),
+           "completions": [[{"ids": c.ids.tolist(), "logprobs": c.logprobs.tolist(),
+                             "finish_reason": c.finish_reason,
+                             "trainable": c.sampled_mask.tolist()} for c in a]
+                           for a in n.completions],
+           "rewards": n.rewards_B.tolist(), "valid": n.valid_B.tolist(),
+           "terminated": n.terminated, "substeps": n.substeps_B.tolist(),
+           "returns": n.returns_B.tolist(), "advantages": n.advantages_NxG.tolist()}
+          for n in tree.nodes]
+
+
+SCRIPTED = {
+    "scripted_T3_G2": (TreeConfig(num_turns=3, num_generations=2), False, {}),
+    "scripted_N2_align": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), False, {}),
+    "scripted_N2_cross": (TreeConfig(num_turns=2, num_generations=2, num_agents=2,
+                                     joint_mode="cross"), False, {}),
+    "scripted_N2_stacked": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), True, {}),
+    "scripted_chain": (TreeConfig(num_turns=3, num_generations=2, shape="chain"), False, {}),
+    "scripted_substeps": (TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
+                          False, {"continues": lambda s, a: s.sub == 0}),
+}
+
+
+@pytest.mark.parametrize("schedule", ["continuous", "barrier"])
+@pytest.mark.parametrize("name", sorted(SCRIPTED))
+def test_same_trees_as_the_level_sampler(name, schedule, states, fixtures):
+  cfg, separate, kw = SCRIPTED[name]
+  model_cfg, s0, s1 = states
+  params = StackedStates(stack_trees([s0, s1]), 2) if separate else s0
+  transition = ScriptedTransition(**kw)
+  tree = expand_tree(cfg.replace(schedule=schedule), _policy(model_cfg, params), transition,
+                     transition.roots(2, cfg.num_agents), KEY)
+  _assert_same_nodes(fixtures[name]["nodes"], tree)
+
+
+def test_same_greedy_trees_and_local_llm_replies_as_before(states, fixtures):
+  model_cfg, s0, _ = states
+  greedy = SamplingConfig(greedy=True, max_new_tokens=6)
+  renderer = byte_renderer()
+  duo = EnvTransition(renderer, num_agents=2, reward_cfg=RewardConfig(shaping_weight=1.0))
+  roots = [duo.root_state(DuoEnv({"prompt": p})) for p in ("a", "bb", "ccc")]
+  tree = expand_tree(TreeConfig(num_turns=3, num_generations=1, num_agents=2),
+                     _policy(model_cfg, s0, greedy, renderer.fmt.stop_ids,
+                             renderer.tokenizer.pad_id), duo, roots, KEY)
+  _assert_same_nodes(fixtures["greedy_duo"]["nodes"], tree)
+  calc_renderer = byte_renderer(calculator.EXTRA_SPECIALS)
+  calc = EnvTransition(calc_renderer, reward_cfg=RewardConfig(shaping_weight=0.2))
+  roots = calc.root_states(calculator.CalculatorFactory(),
+                           [calculator.make_task("eval", i) for i in range(4)])
+  tree = expand_tree(TreeConfig(num_turns=2, num_generations=1, branch_on="user_turn"),
+                     _policy(model_cfg, s0, greedy, calc_renderer.fmt.stop_ids,
+                             calc_renderer.tokenizer.pad_id), calc, roots, KEY)
+  _assert_same_nodes(fixtures["greedy_calculator"]["nodes"], tree)
+  tok = renderer.tokenizer
+  want = fixtures["local_llm"]
+  llm = LocalLLM(create_model(model_cfg.replace(vocab_size=tok.vocab_size), seed=3), tok,
+                 sampling=SamplingConfig(temperature=3.0, max_new_tokens=6), fixed_rows=4)
+  assert llm.generate(want["prompts"], seeds=want["seeds"]) == want["replies"]
+
+
+class _Jittery:
+  """Wraps a transition: every step first sleeps a random 0-30 ms (thread-local draws)."""
+
+  def __init__(self, inner, seed):
+    self.inner, self.rng = inner, random.Random(seed)
+
+  def prompts(self, state):
+    return self.inner.prompts(state)
+
+  def step(self, state, actions, seed=None):
+    time.sleep(self.rng.random() * 0.03)
+    return self.inner.step(state, actions, seed=seed)
+
+  def close(self, state):
+    self.inner.close(state)
+
+
+def _env_tree(cfg, params, model_cfg, env_cls, renderer, jitter_seed, **policy_kw):
+  transition = EnvTransition(renderer, num_agents=cfg.num_agents,
                              reward_cfg=RewardConfig(shaping_weight=1.0))
-
-  def run(states):
-    policy = SamplerPolicy(sampler, states, sampling, stop_ids=fmt.stop_ids, pad_id=tok.pad_id)
-    roots = [transition.root_state(DuoEnv({"prompt": p})) for p in ("a", "bb")]
-    tree = expand_tree(tree_cfg, policy, transition, roots, jax.random.key(0))
-    return tree, policy
-
-  shared, shared_policy = run(state0)
-  separate, separate_policy = run([state0, state1])
-  stacked, stacked_policy = run(StackedStates(stack_trees([state0, state1]), 2))
-  assert shared_policy.num_generate_calls == 2  # one call per level
-  assert separate_policy.num_generate_calls == 4  # one call per level per agent state
-  assert stacked_policy.num_generate_calls == 2  # one call per level for both agents
-  assert sampler.num_compiles == 2  # generate's program, and generate_stacked's
-  # One stacked call per level samples exactly what one call per agent does.
-  for a, b in zip(separate.nodes, stacked.nodes):
-    for ca, cb in zip(a.completions, b.completions):
-      for x, y in zip(ca, cb):
-        np.testing.assert_array_equal(x.ids, y.ids)
-        np.testing.assert_array_equal(x.logprobs, y.logprobs)
-  for tree in (shared, separate, stacked):
-    assert tree.counts() == {"nodes": 6, "generations": 24, "reward_calls": 12}
-    for node in tree.nodes:
-      for comps in node.completions:
-        for c in comps:
-          assert 1 <= len(c.ids) <= 6 and (c.logprobs <= 0).all()
-          assert (c.finish_reason == "stop") == (c.ids[-1] in fmt.stop_ids)
-    batch = pack_tree(tree, length_buckets=(128,))
-    assert np.isfinite(batch["old_logp_BxL"]).all() and batch["row_weight_B"].sum() == 24
-  # Root 0's agent-0 prompt is row block 0 of a call keyed fold_in(level key, 0)
-  # with state0 in both runs, so its samples agree exactly; agent 1 samples
-  # with other parameters and another key in the separate run.
-  root_ids = lambda t, i: [c.ids.tolist() for c in t.nodes[0].completions[i]]
-  assert root_ids(shared, 0) == root_ids(separate, 0)
-  assert root_ids(shared, 1) != root_ids(separate, 1)
+  roots = [transition.root_state(env_cls({"prompt": p})) for p in ("12+3=", "7*8=", "x")]
+  policy = _policy(model_cfg, params, SAMPLING, renderer.fmt.stop_ids,
+                   renderer.tokenizer.pad_id, **policy_kw)
+  tree = expand_tree(cfg, policy, _Jittery(transition, jitter_seed), roots, KEY)
+  return tree, policy
 
 
-def test_tiny_model_user_turn_tree_with_tool_substeps(tiny_model):
+CASES = {
+    "tool_substeps": (TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
+                      ToolThenUserEnv, False),
+    "duo_align": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), DuoEnv, False),
+    "duo_cross": (TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross"),
+                  DuoEnv, False),
+    "duo_separate": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), DuoEnv, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_continuous_and_barrier_schedules_give_identical_trees(case):
+  cfg, env_cls, separate = CASES[case]
+  renderer = byte_renderer(calculator.EXTRA_SPECIALS)
+  # The tokenizer's vocabulary exactly: every sampled id decodes, episodes go on.
+  model_cfg = tiny_model().cfg.replace(vocab_size=renderer.tokenizer.vocab_size)
+  s0, s1 = (nnx.split(create_model(model_cfg, seed=s))[1] for s in (0, 1))
+  params = StackedStates(stack_trees([s0, s1]), 2) if separate else s0
+  barrier, _ = _env_tree(cfg.replace(schedule="barrier"), params, model_cfg, env_cls,
+                         renderer, 0)
+  for jitter in (1, 2):
+    want = _tree_json(barrier)
+    tree, policy = _env_tree(cfg, params, model_cfg, env_cls, renderer, jitter)
+    got = _tree_json(tree)
+    # Bit for bit, logprobs included: every engine call has fixed rows, so a
+    # sample's arithmetic does not depend on which requests shared its calls.
+    assert got == want
+    if len(tree.nodes) > len(roots := [n for n in tree.nodes if n.parent_id < 0]):
+      assert policy.engine.stats["reused_tokens"] > 0  # children continued cached samples
+  assert len(barrier.nodes) > len(roots)
+
+
+def test_a_tiny_kv_budget_evicts_and_gives_the_same_tree(states):
+  model_cfg, s0, _ = states
+  cfg = TreeConfig(num_turns=3, num_generations=2)
+  transition = ScriptedTransition()
+  roots = transition.roots(4, 1)
+  roomy = _policy(model_cfg, s0)
+  tight = _policy(model_cfg, s0, slots=2)  # a request's G samples, nothing more
+  want = expand_tree(cfg, roomy, transition, roots, KEY)
+  got = expand_tree(cfg, tight, transition, transition.roots(4, 1), KEY)
+  assert tight.engine.stats["evictions"] > 0
+  assert tight.engine.stats["prefill_tokens"] > roomy.engine.stats["prefill_tokens"]
+  _assert_same_nodes(_tree_json(want), got)
+
+
+def test_tool_substeps_continue_from_the_sample_cache(tiny_model):
   # The calculator tokenizer (270 ids) under a 300-id model: ids past the
   # tokenizer end the episode as a model format fault instead of crashing.
-  cfg = tiny_model.cfg
   renderer = byte_renderer(calculator.EXTRA_SPECIALS)
-  tok, fmt = renderer.tokenizer, renderer.fmt
-  _, state = nnx.split(tiny_model)
-  sampler = Sampler(cfg, batch_buckets=(16,), prompt_buckets=(64,), decode_buckets=(16,))
-  policy = SamplerPolicy(sampler, state, SamplingConfig(temperature=1.0, max_new_tokens=6),
-                         stop_ids=fmt.stop_ids, pad_id=tok.pad_id)
+  policy = _policy(tiny_model.cfg, nnx.split(tiny_model)[1], SAMPLING, renderer.fmt.stop_ids,
+                   renderer.tokenizer.pad_id)
   transition = EnvTransition(renderer, reward_cfg=RewardConfig(shaping_weight=1.0))
   roots = [transition.root_state(ToolThenUserEnv({"prompt": p})) for p in ("12+3=", "7*8=")]
-  tree_cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
-  tree = expand_tree(tree_cfg, policy, transition, roots, jax.random.key(0))
-  assert sampler.num_compiles == 1
+  tree = expand_tree(TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
+                     policy, transition, roots, jax.random.key(0))
   nodes = tree.counts()["nodes"]
   assert 2 <= nodes <= 2 * 3 and tree.num_substeps() > 0
-  # Each level: its first segments, then one round for the tool continuations.
-  assert policy.num_generate_calls == 2 * (2 if nodes > 2 else 1)
+  stats = policy.engine.stats
+  # A level sampler prefilled every node's whole prompt; the engine prefills the
+  # roots' and then only what the environment added.
+  assert stats["reused_tokens"] > 0
+  assert stats["prefill_tokens"] < sum(len(n.prompts[0]) for n in tree.nodes)
+  assert policy.engine.num_compiles <= 8
   batch = pack_tree(tree, length_buckets=(128,))
   rows = [(n, g) for n in tree.nodes for g in range(2)]
   for b, (node, g) in enumerate(rows):
-    comp, info = node.completions[0][g], node.infos[g]
-    if info["faults"] and info["faults"][0]["kind"] == "model_format":
+    comp, action = node.completions[0][g], node.actions[g]
+    if action.faults and action.faults[0].kind.value == "model_format":
       continue  # an id past the tokenizer: the environment never answered
     assert comp.num_segments == 1 + node.substeps_B[g] == 2
-    assert info["substeps"][0]["env_roles"] == [["tool"]]
+    assert action.steps[0].details["env_roles"] == [["tool"]]
     mask = batch["loss_mask_BxL"][b]
     assert mask.sum() == comp.sampled_mask.sum() and (batch["old_logp_BxL"][b, mask] <= 0).all()
   assert np.isfinite(batch["old_logp_BxL"]).all() and batch["row_weight_B"].sum() == 2 * nodes

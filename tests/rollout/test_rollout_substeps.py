@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.rollout import (ActionOutcome, Completion, Tree, TreeConfig, expand_tree, pack_tree,
-                              plan_tree, write_rollout_dump)
-from mtrl_jax.testing import FEEDBACK, TOOL, FakePolicySampler, ScriptedTransition
+from mtrl_jax.rollout import (ActionOutcome, ActionRecord, Completion, StepRecord, Tree,
+                              TreeConfig, expand_tree, pack_tree, plan_tree, write_rollout_dump)
+from mtrl_jax.testing import FEEDBACK, TOOL, FakePolicy, ScriptedTransition
 
 KEY = jax.random.key(0)
 
@@ -29,22 +29,30 @@ def _transition(**kw):
 
 
 def _run(cfg, transition, num_roots=2):
-  sampler = FakePolicySampler(vocab=64, low=8, max_new_tokens=4, stop_id=2)
-  tree = expand_tree(cfg, sampler, transition, transition.roots(num_roots, 1), KEY)
-  return tree, sampler
+  policy = FakePolicy(vocab=64, low=8, max_new_tokens=4, stop_id=2)
+  tree = expand_tree(cfg, policy, transition, transition.roots(num_roots, 1), KEY)
+  return tree, policy
+
+
+def _samples_per_request(policy):
+  """How many requests asked for each number of samples."""
+  counts = {}
+  for r in policy.requests:
+    counts[len(r.rows)] = counts.get(len(r.rows), 0) + 1
+  return counts
 
 
 def test_user_turn_tree_counts_calls_and_summed_rewards():
   cfg = TreeConfig(num_turns=2, num_generations=4, branch_on="user_turn")
-  tree, sampler = _run(cfg, _transition())
+  tree, policy = _run(cfg, _transition())
   # T=2 user turns, G=4: 1 + 4 nodes per root, whatever the tool calls inside the turns.
   assert len(tree.nodes) == 2 * 5
   assert [n.turn for n in tree.nodes] == [0, 0] + [1] * 8
-  # Level 0: the first segments (2 roots x G=4), then round 1 continues all 8
-  # actions and round 2 only root 1's 4 (it needs two tool calls). Level 1:
-  # 8 nodes x G=4 first segments, then one round over their 32 actions.
-  assert [(c["prompts"], c["num_generations"]) for c in sampler.calls] == [
-      (2, 4), (8, 1), (4, 1), (8, 4), (32, 1)]
+  # G = 4 requests for the 2 roots and 8 children; one-sample continuations: all 8
+  # root actions once, root 1's 4 a second time (it needs two tool calls), the
+  # children's 32 actions once. Each continuation extends its action's own cache.
+  assert _samples_per_request(policy) == {4: 2 + 8, 1: 8 + 4 + 32}
+  assert policy.misses == 0
   substeps = 4 * 1 + 4 * 2 + 32 * 1
   assert tree.counts() == {"nodes": 10, "generations": 10 * 4 + substeps,
                            "reward_calls": 10 * 4 + substeps}
@@ -58,11 +66,11 @@ def test_user_turn_tree_counts_calls_and_summed_rewards():
                                atol=1e-12)
     np.testing.assert_array_equal(node.substeps_B, k)
     for j in range(4):
-      comp, info = node.completions[0][j], node.infos[j]
+      comp, action = node.completions[0][j], node.actions[j]
       assert comp.num_segments == steps
-      assert [s["step_reward"] for s in info["substeps"]] == pytest.approx(
+      assert [s.reward for s in action.steps] == pytest.approx(
           [0.1 * (i + 1) for i in range(steps)], abs=1e-12)
-      assert [s["continues_turn"] for s in info["substeps"]] == [True] * k + [False]
+      assert [s.continues_turn for s in action.steps] == [True] * k + [False]
       # Context between segments is exactly the tool token, never trainable.
       context = [comp.ids[a:b].tolist() for a, b, sampled in comp.spans() if not sampled]
       assert context == [[TOOL]] * k
@@ -77,32 +85,32 @@ def test_user_turn_tree_counts_calls_and_summed_rewards():
 
 def test_every_turn_branches_at_tool_turns_as_before():
   cfg = TreeConfig(num_turns=2, num_generations=4)
-  tree, sampler = _run(cfg, _transition())
+  tree, policy = _run(cfg, _transition())
   # continues_turn is ignored: every step that goes on is a child (CoMLRL).
   assert tree.counts() == {"nodes": 10, "generations": 40, "reward_calls": 40}
-  assert [c["prompts"] for c in sampler.calls] == [2, 8]
+  assert _samples_per_request(policy) == {4: 10}
   kid = tree.nodes[tree.nodes[0].children_B[0]]
   assert kid.prompts[0][-1] == TOOL and kid.state.sub == 1
   assert all(n.substeps_B.sum() == 0 for n in tree.nodes)
-  assert "substeps" not in tree.nodes[0].infos[0]
+  assert len(tree.nodes[0].actions[0].steps) == 1
 
 
 def test_substep_limit_truncates_the_action():
   cfg = TreeConfig(num_turns=2, num_generations=4, branch_on="user_turn", max_substeps=1)
-  tree, sampler = _run(cfg, _transition())
+  tree, policy = _run(cfg, _transition())
   root0, root1 = tree.nodes[:2]
   # Root 1 needs 2 continuations, 1 is allowed: its actions end, truncated, no child.
   assert (root0.children_B >= 0).all() and (root1.children_B < 0).all()
   for j in range(4):
-    info = root1.infos[j]
-    assert info["truncated"] and info["done"]
-    assert info["faults"][-1]["kind"] == "truncation"
-    assert len(info["substeps"]) == 2 and root1.completions[0][j].num_segments == 2
+    action = root1.actions[j]
+    assert action.limit_reached and action.ended
+    assert action.faults[-1].kind.value == "truncation"
+    assert len(action.steps) == 2 and root1.completions[0][j].num_segments == 2
   np.testing.assert_allclose(root1.rewards_B, 0.1 + 0.2, atol=1e-12)  # the steps taken
   np.testing.assert_array_equal(root1.substeps_B, 1)
   assert (root1.weight_NxG == 1).all()  # model-caused truncation: still trained on
-  # No round 2: the limit is checked before sampling.
-  assert [c["prompts"] for c in sampler.calls] == [2, 8, 4, 16]
+  # No second continuation: the limit is checked before sampling.
+  assert _samples_per_request(policy) == {4: 2 + 4, 1: 8 + 16}
 
 
 def test_masked_substep_masks_the_whole_action():
@@ -117,9 +125,9 @@ def test_masked_substep_masks_the_whole_action():
       masked += bad
       assert root.valid_B[j] == (not bad) and (root.children_B[j] < 0) == bad
       assert root.weight_NxG[0, j] == (0.0 if bad else 1.0)
-      steps = root.infos[j]["substeps"]
+      steps = root.actions[j].steps
       if bad:  # both steps recorded, the faulted one last; no further sub-step
-        assert [s["valid"] for s in steps] == [True, False]
+        assert [s.valid for s in steps] == [True, False]
         assert root.advantages_NxG[0, j] == 0.0
   assert 0 < masked < 12
   batch = pack_tree(tree, length_buckets=(64,))
@@ -132,7 +140,9 @@ def test_packing_masks_exactly_the_sampled_tokens():
   tree = Tree(TreeConfig(num_turns=1, num_generations=2, branch_on="user_turn"))
   root = tree.add_root([[3, 4]])
   tree.set_completions(root, [[comp, _comp([11], [-0.6])]])
-  tree.record(root, [1.0, 0.0], substeps_B=[1, 0])
+  two_steps = ActionRecord((StepRecord(0.5, continues_turn=True), StepRecord(0.5)))
+  tree.record(root, [1.0, 0.0], actions=[two_steps, ActionRecord((StepRecord(0.0),))])
+  np.testing.assert_array_equal(root.substeps_B, [1, 0])
   tree.finalize()
   batch = pack_tree(tree, length_buckets=(10,))
   np.testing.assert_array_equal(batch["tokens_BxL"], [[3, 4, 7, 8, 2, 6, 9, 5, 2, 0],
@@ -177,7 +187,7 @@ def test_dump_shows_segments_and_tool_turns(tmp_path):
     assert [s["sampled"] for s in segs] == [True, False, True]
     assert segs[1]["text"] == str(TOOL)
     assert " ".join(s["text"] for s in segs) == rec["completions"][0][g]
-    assert [s["r"] for s in rec["infos"][g]["substeps"]] == pytest.approx([0.1, 0.2])
+    assert [s["r"] for s in rec["actions"][g]["steps"]] == pytest.approx([0.1, 0.2])
 
 
 def test_continuation_must_extend_the_context():
@@ -191,9 +201,9 @@ def test_continuation_must_extend_the_context():
 
   class Broken(ScriptedTransition):
     def step(self, state, actions):
-      return ActionOutcome(None, 0.0, continues_turn=True)
+      return ActionOutcome(None, StepRecord(0.0, continues_turn=True))
 
-  with pytest.raises(ValueError, match="continues_turn=True without a next_state"):
+  with pytest.raises(ValueError, match="continues_turn=True needs a next_state"):
     _run(cfg, Broken())
 
 

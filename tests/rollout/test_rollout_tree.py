@@ -212,5 +212,5 @@ def test_record_rejects_bad_input():
     tree.add_child(root, 0, [[1]])
   with pytest.raises(ValueError, match="one prompt per agent"):
     tree.add_root([[1], [2]])
-  with pytest.raises(ValueError, match="no rewards"):
+  with pytest.raises(ValueError, match="not recorded"):
     tree.finalize()

@@ -17,6 +17,7 @@ from mtrl_jax.tasks.code import env as code_env
 from mtrl_jax.tasks.code import feedback, prompts
 from mtrl_jax.tasks.code.data import load_humaneval
 from mtrl_jax.graders import ScriptedGenerator
+from mtrl_jax.testing import FakePolicy
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.tree import Completion
@@ -191,20 +192,20 @@ def test_forks_are_isolated_and_the_expert_is_shared():
   a = transition.step(state, [_completion(AUX), _completion(COOP)])
   b = transition.step(state, [_completion(""), _completion(WRONG)])
   assert [len(t.ledger) for t in state.threads] == lengths and len(state.threads[0]) == 1
-  assert a.reward == 0.0 and b.reward == pytest.approx(0.6 + 0.5 + 1 / 3 - 4)
+  assert a.step.reward == 0.0 and b.step.reward == pytest.approx(0.6 + 0.5 + 1 / 3 - 4)
   assert a.next_state.env is not b.next_state.env is not state.env
   assert "count = aux(string)" in TOK.decode(a.next_state.threads[1].ledger.ids)
   assert "count = aux(string)" not in TOK.decode(b.next_state.threads[1].ledger.ids)
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(FakePolicy):
   """Agent i's sample g is always TEXTS[i][g], whatever the prompt."""
 
   TEXTS = [[AUX, ""], [COOP, CANONICAL]]
 
-  def sample(self, prompts_, agent_ids, num_generations, key):
-    del prompts_, key
-    return [[_completion(self.TEXTS[a][g]) for g in range(num_generations)] for a in agent_ids]
+  def completion(self, req, g):
+    c = _completion(self.TEXTS[req.agent][g])
+    return c.ids, c.logprobs, c.finish_reason
 
 
 def test_tree_rewards_returns_and_termination():

@@ -9,8 +9,7 @@ from mtrl_jax.envs import RewardConfig, Turn, resolve_factory, rollout_scripted,
 from mtrl_jax.tasks import coop
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.tree import Completion
-from mtrl_jax.testing import byte_renderer
+from mtrl_jax.testing import FakePolicy, byte_renderer
 
 PER_TURN = RewardConfig(outcome_weight=1.0, shaping_weight=1.0)
 RENDERER = byte_renderer()
@@ -117,22 +116,18 @@ def test_feedback_text_success_flag_and_format_faults():
   assert grades["joint"].score == 1.0 and nxt[0].turns[-1].content == f"B:{x}{y} ok"
 
 
-class ThreadPolicy:
-  """A PolicySampler that plays `cooperative_policy` on the decoded prompt (G equal samples)."""
+class ThreadPolicy(FakePolicy):
+  """Plays `cooperative_policy` on the decoded prompt (G equal samples)."""
 
   def __init__(self, reveal_agent0=True):
+    super().__init__()
     self.reveal_agent0 = reveal_agent0
 
-  def sample(self, prompts, agent_ids, num_generations, key):
-    del key
-    out = []
-    for p, a in zip(prompts, agent_ids):
-      users = re.findall(r"<\|user\|>(.*?)<\|end\|>", TOK.decode(p))
-      text = cooperative_policy(users, a, reveal=self.reveal_agent0 or a == 1)
-      ids = TOK.encode(text) + [RENDERER.fmt.stop_ids[0]]
-      comp = Completion(np.asarray(ids, np.int32), np.zeros(len(ids), np.float32), "stop")
-      out.append([comp] * num_generations)
-    return out
+  def completion(self, req, g):
+    users = re.findall(r"<\|user\|>(.*?)<\|end\|>", TOK.decode(list(req.prompt)))
+    text = cooperative_policy(users, req.agent, reveal=self.reveal_agent0 or req.agent == 1)
+    ids = TOK.encode(text) + [RENDERER.fmt.stop_ids[0]]
+    return np.asarray(ids, np.int32), np.zeros(len(ids), np.float32), "stop"
 
 
 @pytest.mark.parametrize("reveal,root_return", [(True, 0.9), (False, 0.0)])

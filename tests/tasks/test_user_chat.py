@@ -17,10 +17,9 @@ import pytest
 from configs import calculator as calc_config
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.policy import FakePolicySampler
 from mtrl_jax.seeds import call_seed
 from mtrl_jax.tasks.user_chat import UserChatFactory, user_chat_tasks
-from mtrl_jax.testing import byte_renderer
+from mtrl_jax.testing import FakePolicy, byte_renderer
 from mtrl_jax.train import rl
 
 PROCESS_KEYS = ("compiles/", "time/")
@@ -35,15 +34,15 @@ def factory():
 def _rollout(factory, workers, key=7):
   renderer = byte_renderer()
   transition = EnvTransition(renderer)
-  policy = FakePolicySampler(vocab=123, low=97, max_new_tokens=5,
-                             stop_id=renderer.fmt.stop_ids[0])
+  policy = FakePolicy(vocab=123, low=97, max_new_tokens=5, stop_id=renderer.fmt.stop_ids[0])
   tasks = [user_chat_tasks("train")[i] for i in range(3)]
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     tree = expand_tree(TreeConfig(num_turns=2, num_generations=2), policy, transition,
                        transition.root_states(factory, tasks), jax.random.key(key),
                        executor=pool)
   return [(n.node_id, n.prompts, n.rewards_B.tolist(),
-           [(i.get("env_turns"), i.get("grades")) for i in n.infos]) for n in tree.nodes]
+           [(a.steps[-1].details.get("env_turns"), a.steps[-1].details.get("grades"))
+            for a in n.actions]) for n in tree.nodes]
 
 
 def test_call_seed_is_a_stable_hash_of_its_parts():
@@ -122,9 +121,9 @@ def test_rl_steps_with_llm_user_and_judge_resume_exactly(tmp_path, compile_cache
   rl.run(_config(2), full, progress=False)
   judged = 0
   for node in _dump(full, 1):
-    for reward, info in zip(node["rewards"], node["infos"]):
-      steps = info.get("substeps", [info])
-      scores = [s["grades"]["judge"]["score"] for s in steps if "judge" in s.get("grades", {})]
+    for reward, action in zip(node["rewards"], node["actions"]):
+      scores = [s["grades"]["judge"]["score"] for s in action["steps"]
+                if "judge" in s.get("grades", {})]
       if scores:
         judged += 1
         assert reward == pytest.approx(sum(scores), abs=1e-6)
@@ -162,9 +161,10 @@ def test_rl_steps_with_qwen3_style_thinking_rewrites(tmp_path, compile_cache):
   rows = _rows(workdir)
   assert [r["step"] for r in rows] == [0, 1, 2]
   assert sum(r["text/history_rewrites"] for r in rows[1:]) > 0
-  rewritten = [info for node in _dump(workdir, 1) + _dump(workdir, 2)
-               for info in node["infos"] if info.get("history_rewrites")]
-  assert rewritten and not any(info["masked"] for info in rewritten)
+  rewritten = [step for node in _dump(workdir, 1) + _dump(workdir, 2)
+               for action in node["actions"] for step in action["steps"]
+               if step.get("history_rewrites")]
+  assert rewritten and all(step["valid"] for step in rewritten)
   for r in rows[1:]:
     assert np.isfinite(r["train/loss"]) and r["batch/actions"] > 0
     assert 0 < r["train/is_weight_mean"] <= 2.0 and r["train/sampler_gap"] < 1e-3

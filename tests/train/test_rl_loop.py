@@ -78,7 +78,7 @@ def test_smoke_run_writes_every_artifact(tmp_path):
     assert key in rows[1], key
   # Compile count is flat after warm-up (DESIGN.md invariant 5).
   assert rows[1]["compiles/train_step"] == rows[3]["compiles/train_step"] == 1
-  assert rows[1]["compiles/sampler"] == rows[3]["compiles/sampler"]
+  assert rows[1]["compiles/engine"] == rows[3]["compiles/engine"]
   assert summary["best"]["step"] in (0, 2, 3)
   table = report.summary_table([workdir])
   assert "| run |" in table and "run |" in table.splitlines()[2]
@@ -120,7 +120,7 @@ def test_precompiled_run_never_compiles_after_warmup(tmp_path):
   summary = rl.run(c, str(tmp_path / "run"), progress=False)
   rows = _rows(str(tmp_path / "run"))
   pre = summary["precompile"]
-  assert pre["sampler_programs"] > 0 and pre["train_programs"] > 0
+  assert pre["engine_programs"] > 0 and pre["train_programs"] > 0
   assert "sft_mix/nll" in rows[2] and "sft_mix/nll" not in rows[1]
   for r in rows[1:]:
     assert r["compiles/after_warmup"] == 0, r
@@ -129,44 +129,50 @@ def test_precompiled_run_never_compiles_after_warmup(tmp_path):
   assert summary["compiles"]["compiles/after_warmup"] == 0
 
 
-def test_shape_plan_covers_every_sampler_call_of_the_config():
+def test_shape_plan_sizes_the_engine_from_the_config():
+  from mtrl_jax.rollout import plan_tree
   from mtrl_jax.rollout.tree_packing import logit_buckets
   from mtrl_jax.train import shapes
   c = smoke_config()
   c.sft.until_success = 0.5
   c.sft.check_tasks = 40  # larger than every tree level and the eval batch
   exp = experiment.build(c)
-  plan = shapes.plan_shapes(exp, row_multiple=2, sampler_shards=2)
-  assert all(r % 2 == 0 for r in plan.sampler_rows + plan.train_rows)
-  top = max(plan.sampler_rows)
-  for call in plan.calls:
-    assert call.max_prompts <= top  # no call can overflow the bucket list
-  programs = plan.sampler_programs()
-  assert len(programs) == len(set((id(c), p, lp) for c, p, lp in programs))
+  plan = shapes.plan_shapes(exp, row_multiple=2, local_shards=2)
+  tree = plan_tree(exp.tree, exp.rl.roots_per_step, exp.rl.max_length,
+                   exp.sampling.max_new_tokens)
+  # Slots per shard hold the widest level's samples, the held-out tasks and the
+  # SFT check tasks; capacity the largest prompt plus a completion.
+  widest = max(tree.max_level_generations, exp.eval.num_tasks, 40)
+  assert plan.engine.slots * 2 >= widest and plan.engine.slots % 8 == 0
+  prompt = max(exp.rl.prompt_buckets or exp.rl.length_buckets)
+  assert plan.engine.capacity >= prompt + exp.sampling.max_new_tokens + 1
+  assert plan.fanout == exp.tree.num_generations
+  assert {s.greedy for s in plan.samplings} == {False, True}  # training and evaluation
+  assert all(r % 2 == 0 for r in plan.train_rows)
   assert plan.packing == "tree" and plan.train_lens == (exp.rl.max_length,)
   assert plan.train_shapes() == [(b, l, k) for b in plan.train_rows for l in plan.train_lens
                                  for k in logit_buckets(l)]
   c.rl.packing = "rows"
-  plan = shapes.plan_shapes(experiment.build(c), row_multiple=2, sampler_shards=2)
+  c.engine.slots, c.engine.capacity = 24, 512
+  plan = shapes.plan_shapes(experiment.build(c), row_multiple=2, local_shards=2)
   assert plan.train_shapes() == [(b, l) for b in plan.train_rows for l in plan.train_lens]
+  assert (plan.engine.slots, plan.engine.capacity) == (24, 512)
 
 
-def test_precompile_takes_the_stacked_sampler_and_agent_axis_for_separate_policies():
-  """`shapes.precompile` with `StackedStates`: every sampler program through
-  `precompile_stacked` on the stacked params, every train spec with a leading
-  agent axis; shared params: `precompile` and plain specs (recording fakes, no compile)."""
+def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policies():
+  """`shapes.precompile` with `StackedStates`: the engine compiles on the stacked
+  params, every train spec gets a leading agent axis; shared params: plain specs
+  (recording fakes, no compile)."""
   from mtrl_jax.rollout.policy import StackedStates
   from mtrl_jax.train import shapes
 
-  class Sampler:
+  class Engine:
     def __init__(self):
       self.calls = []
 
-    def precompile(self, state, *a, **k):
-      self.calls.append(("plain", state))
-
-    def precompile_stacked(self, states, *a, **k):
-      self.calls.append(("stacked", states))
+    def precompile(self, params, samplings, num_stop_ids, fanout):
+      self.calls.append((params, len(samplings), fanout))
+      return 7
 
   class Step:
     def __init__(self, num_agents=None):
@@ -175,15 +181,15 @@ def test_precompile_takes_the_stacked_sampler_and_agent_axis_for_separate_polici
     def precompile(self, spec):
       self.specs.append(spec)
 
-  plan = shapes.plan_shapes(experiment.build(smoke_config()), row_multiple=2, sampler_shards=2)
-  n_programs, n_specs = len(plan.sampler_programs()), len(plan.train_specs())
+  plan = shapes.plan_shapes(experiment.build(smoke_config()), row_multiple=2, local_shards=2)
+  n_specs = len(plan.train_specs())
   for states, step, kind in ((StackedStates("params_AxP", 2), Step(2), "stacked"),
                              ("params_P", Step(), "plain")):
-    sampler = Sampler()
-    info = shapes.precompile(plan, sampler, states, step, num_stop_ids=1)
+    engine = Engine()
+    info = shapes.precompile(plan, engine, states, step, num_stop_ids=1)
     expected = "params_AxP" if kind == "stacked" else "params_P"
-    assert sampler.calls == [(kind, expected)] * n_programs == [(kind, expected)] * info[
-        "sampler_programs"]
+    assert engine.calls == [(expected, len(plan.samplings), plan.fanout)]
+    assert info["engine_programs"] == 7
     assert len(step.specs) == n_specs
     for spec, plain in zip(step.specs, plan.train_specs()):
       lead = (2,) if kind == "stacked" else ()

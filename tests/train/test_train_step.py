@@ -297,19 +297,28 @@ def test_policy_objective_at_the_sampler_temperature_is_on_policy():
   # An objective at the same temperature recomputes exactly those logprobs:
   # no gap, every ratio 1, nothing clipped. At temperature 1 the step scores
   # the untempered model instead and the gap is the temperature's effect.
-  from mtrl_jax.sampling import Sampler, SamplingConfig
+  from mtrl_jax.sampling import DecodeEngine, EngineConfig, Request, SamplingConfig
   from mtrl_jax.train import PolicyObjective
   tau, g, n_new = 1.7, 2, L - 4
   model = testing.tiny_model()
   prompts = np.random.RandomState(3).randint(1, CFG.vocab_size, (B // g, 4)).tolist()
-  res = Sampler(CFG).generate(nnx.state(model), prompts, g,
-                              SamplingConfig(temperature=tau, max_new_tokens=n_new),
-                              jax.random.key(0), stop_ids=[], pad_id=0)
-  tokens = np.concatenate([np.repeat(np.asarray(prompts), g, 0), res.tokens], 1)
+  engine = DecodeEngine(CFG, EngineConfig(slots=B, capacity=2 * L))
+  engine.start(nnx.state(model), SamplingConfig(temperature=tau, max_new_tokens=n_new), [], 0,
+               fanout=g)
+  key = np.asarray(jax.random.key_data(jax.random.key(0)), np.uint32)
+  for p, prompt in enumerate(prompts):
+    engine.submit(Request(p, prompt, key, [p * g, p * g + 1]))
+  samples, busy = [], True
+  while busy:
+    out, busy = engine.step()
+    samples += out
+  samples.sort(key=lambda s: (s.tag, s.index))  # row p * g + k
+  tokens = np.concatenate([np.repeat(np.asarray(prompts), g, 0),
+                           np.stack([s.ids for s in samples])], 1)
   mask = np.zeros((B, L), bool)
   mask[:, 4:] = True
   old_logp = np.zeros((B, L), np.float32)
-  old_logp[:, 4:] = res.logprobs
+  old_logp[:, 4:] = np.stack([s.logprobs for s in samples])
   batch = {"tokens_BxL": tokens.astype(np.int32), "loss_mask_BxL": mask,
            "old_logp_BxL": old_logp, "adv_B": np.random.RandomState(4).randn(B).astype(
                np.float32), "row_weight_B": np.ones(B, np.float32)}

@@ -381,10 +381,10 @@ def samples_from_tree(tree, turn: Optional[int] = None) -> list[list[dict]]:
   roots = sorted({n.root for n in tree.nodes})
   out = {r: [] for r in roots}
   for node in tree.nodes:
-    if node.turn != turn or not node.infos:
+    if node.turn != turn:
       continue
-    for info in node.infos:
-      grade = (info or {}).get("grades", {}).get(GRADE_NAME)
+    for action in node.actions:
+      grade = action.steps[-1].details.get("grades", {}).get(GRADE_NAME) if action else None
       if grade is not None:
         out[node.root].append(dict(grade["components"]))
   return [out[r] for r in roots]

@@ -1,0 +1,126 @@
+"""Statistics of a finalized tree: success, returns, reward parts, faults, the engine's work.
+
+Every function reads the typed `ActionRecord`s of the nodes
+(`rollout.records`). A trajectory succeeds when the action that ended it has
+an outcome above the success threshold.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from mtrl_jax.rollout.records import REWARD_PARTS
+
+
+def _valid_actions(node):
+  for b, action in enumerate(node.actions or []):
+    if action is not None and node.valid_B[b]:
+      yield b, action
+
+
+def fault_counts(tree) -> dict[str, float]:
+  """`faults/<kind>`: faults over every step of every action (masked ones included)."""
+  counts = collections.Counter(f"faults/{f.kind.value}" for node in tree.nodes
+                               for action in node.actions or [] if action is not None
+                               for f in action.faults)
+  return {k: float(v) for k, v in sorted(counts.items())}
+
+
+def reward_metrics(tree) -> dict[str, float]:
+  """Mean reward components per valid joint action: `reward/outcome`, `reward/step_penalty`,
+  `reward/tool_penalty`, `reward/shaping` (weighted as composed; an action's sub-steps
+  summed, so the four add up to the mean action reward). Shows whether the outcome
+  dominates the penalties and shaping; {} when no action composed a reward."""
+  parts = [action.parts() for node in tree.nodes for _, action in _valid_actions(node)]
+  parts = [p for p in parts if p]
+  if not parts:
+    return {}
+  return {f"reward/{k}": float(np.mean([p[k] for p in parts])) for k in REWARD_PARTS}
+
+
+def path_success(tree, success_threshold: float) -> float:
+  """The chance that one trajectory sampled from a root succeeds within the tree's turns,
+  averaged over roots: at every node each valid joint action is an equally likely sample,
+  an ended action counts its outcome, a continuing one its child's chance, and one that
+  neither ended nor has a child (cut at turn T, early termination) counts as no success.
+  Unlike `rollout/success` (the share of ended actions that succeed, where a tree lists
+  an early success once and a late one G times per level), it is comparable with the
+  held-out success of single-path evaluation. NaN when no root has a valid action."""
+  chance = {}
+  for node in reversed(tree.nodes):  # children always have larger ids
+    vals = []
+    for b, action in _valid_actions(node):
+      child = int(node.children_B[b])
+      if action.ended:
+        vals.append(float(action.outcome > success_threshold))
+      elif child < 0:
+        vals.append(0.0)
+      elif chance[child] is not None:
+        vals.append(chance[child])
+    chance[node.node_id] = float(np.mean(vals)) if vals else None
+  roots = [chance[n.node_id] for n in tree.nodes
+           if n.parent_id < 0 and chance[n.node_id] is not None]
+  return float(np.mean(roots)) if roots else float("nan")
+
+
+def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
+  """Training-rollout statistics: success of ended actions and of sampled paths
+  (`path_success`), returns, reward components, faults."""
+  ended = [a for node in tree.nodes for a in node.actions or [] if a is not None and a.ended]
+  roots = [n for n in tree.nodes if n.parent_id < 0]
+  return {"rollout/success": sum(a.outcome > success_threshold for a in ended)
+                             / max(len(ended), 1),
+          "rollout/path_success": path_success(tree, success_threshold),
+          "rollout/return": float(np.mean([n.returns_B[n.valid_B].mean() for n in roots
+                                           if n.valid_B.any()] or [np.nan])),
+          **reward_metrics(tree), **fault_counts(tree)}
+
+
+def path_results(tree) -> list[dict]:
+  """Per root of a single-path tree (G = 1): outcome, return, turns, success inputs."""
+  by_id = {n.node_id: n for n in tree.nodes}
+  out = []
+  for root in (n for n in tree.nodes if n.parent_id < 0):
+    node, total, turns = root, 0.0, 0
+    while True:
+      total += float(node.rewards_B[0])
+      turns += 1
+      action = node.actions[0]
+      child = int(node.children_B[0])
+      if child < 0:
+        break
+      node = by_id[child]
+    out.append({"return": total, "outcome": action.outcome, "ended": action.ended,
+                "turns": turns, "masked": not bool(node.valid_B[0])})
+  return out
+
+
+def engine_metrics(tree) -> dict[str, float]:
+  """`engine/*` and `time/*` of the rollout that built `tree` (`expand_tree`):
+
+  engine/slot_occupancy   decoding slots / all slots, mean over decode chunks
+  engine/prefill_tokens   prompt tokens prefilled (new tokens only where a cache was reused)
+  engine/decode_tokens    tokens sampled
+  engine/kv_reuse         share of the requests' context tokens served from a cache
+  engine/decode_efficiency  sampled tokens / decoded slot-steps (padding and finished rows cost)
+  engine/evictions        parked caches dropped for lack of slots
+  time/generation, time/environment, time/overlap, time/device_idle, time/env_waiting
+                          see `rollout.engine.RolloutTimes`
+  """
+  stats, times = getattr(tree, "engine", None), getattr(tree, "times", None)
+  out = {}
+  if stats:
+    ctx = stats["prefill_tokens"] + stats["reused_tokens"]
+    out.update({
+        "engine/slot_occupancy": stats["occupancy_sum"] / max(stats["chunks"], 1),
+        "engine/prefill_tokens": float(stats["prefill_tokens"]),
+        "engine/decode_tokens": float(stats["decode_tokens"]),
+        "engine/kv_reuse": stats["reused_tokens"] / max(ctx, 1),
+        "engine/decode_efficiency": stats["decode_tokens"] / max(stats["slot_steps"], 1),
+        "engine/evictions": float(stats["evictions"])})
+  if times is not None:
+    out.update({f"time/{k}": float(getattr(times, k)) for k in
+                ("generation", "environment", "overlap", "device_idle", "env_waiting")})
+  return out

@@ -1,0 +1,684 @@
+"""The rollout engine: a pool of decode slots whose KV cache persists between calls.
+
+Callers `submit` requests (a prompt, G samples, per-sample keys, optionally
+the `Handle` of a finished sample whose cache holds a prefix of the prompt)
+and call `step` repeatedly; each step admits queued requests into free slots
+(one prefill of the prompt's uncached tail, forked into G slots) and runs one
+decode chunk of `EngineConfig.chunk` steps over every decoding slot. A
+finished sample keeps its slot (parked) and comes back with a `Handle`; a
+request that names it continues from that cache: a child node of a tree, or
+a tool continuation, prefills only the environment's new tokens. The caller
+`release`s a handle when no more requests will name it.
+
+Correctness never depends on the cache being there. A request extends its
+parent's cache from the longest common prefix of the cached ids and its
+prompt (a history rewrite, a truncated ledger), and when slots run short the
+least recently used parked slots are evicted: a request whose parent was
+evicted is prefilled from scratch. Only speed changes.
+
+Randomness is per sample: token t of a sample with key k and row r is chosen
+with `uniform(fold_in(fold_in(k, r), t))` (`programs.sample_uniform`), so a
+sample depends on its request alone, never on its slot, its batch-mates or
+when it was admitted.
+
+Several processes (`mtrl_jax.distributed`): each process owns the slots on
+its devices and schedules its own requests; every `step` is collective (the
+processes agree on the shapes of the step's admit and decode calls through a
+host all-gather and run them together, a process without work bringing
+padding rows), so `step` must be called in lockstep until it reports that no
+process has work left.
+
+Compilation and rounding: every decode call has `EngineConfig.rows` rows per
+(shard, agent) and every admit call `admit_rows` (padded; more work takes more
+calls), so a sample's arithmetic is the same whoever shares its call: which
+requests do depends on when environments answer, and float rounding depends
+on shapes. Windows (columns attended) and new-token counts are bucketed:
+masked columns add exact zeros, and a request's new tokens are its own.
+Admit programs are keyed by the new-token bucket, decode programs by the
+window bucket and the static sampling choices; `precompile` compiles them up
+front.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from mtrl_jax.models.config import ModelConfig
+from mtrl_jax.models.transformer import KVCache, Transformer
+from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
+from mtrl_jax import distributed
+from mtrl_jax.buckets import bucket, next_pow2
+from mtrl_jax.sampling.config import SamplingConfig
+from mtrl_jax.sampling.programs import Programs
+
+
+def _geometric(lo: int, hi: int, factor: int) -> tuple:
+  """lo, lo * factor, ... below hi, then hi."""
+  out, b = [], min(lo, hi)
+  while b < hi:
+    out.append(b)
+    b *= factor
+  return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Sizes and policy of a `DecodeEngine`; hashable.
+
+  Attributes:
+    slots: KV slots per agent per batch shard (the KV budget: slots x
+      capacity tokens). At least the most samples one request asks for.
+    capacity: cache columns per slot; a request's prompt plus its token
+      budget must fit in capacity - 1.
+    chunk: decode steps per `step` (admission happens between chunks).
+    decode_rows: rows of one decode call per (shard, agent); more decoding
+      slots take several calls. Every call has exactly this many rows (padded),
+      so a sample's arithmetic never depends on how many others decode beside
+      it: float rounding depends on shapes, and which requests share a call
+      depends on when environments answer. 0: min(slots, 64) on CPU,
+      min(slots, 256) elsewhere.
+    admit_rows: requests of one admit call per (shard, agent), likewise fixed.
+    reuse: continue a request from its parent's cache; False prefills every
+      request's whole prompt (the level-synchronous baseline).
+    agent_map: separate policies: 'map' (each agent's rows through its own
+      parameters in turn, inside one program) or 'vmap' (agents batched into
+      each op); None: 'map' on CPU, 'vmap' elsewhere. Either samples what an
+      agent alone samples, up to float rounding.
+    window_buckets: decode windows (columns attended); None: a quarter, a
+      half and all of `capacity` (multiples of 16). Masked columns add exact
+      zeros, so the window changes cost, not results.
+    extend_buckets: admitted new-token counts; None: 16, 64, 256, ... up to
+      `capacity`. A request's bucket is a function of its own tokens.
+  """
+
+  slots: int
+  capacity: int
+  chunk: int = 8
+  decode_rows: int = 0
+  admit_rows: int = 8
+  reuse: bool = True
+  agent_map: Optional[str] = None
+  window_buckets: Optional[tuple] = None
+  extend_buckets: Optional[tuple] = None
+
+  def __post_init__(self):
+    for name, low in (("slots", 1), ("capacity", 16), ("chunk", 1), ("decode_rows", 0),
+                      ("admit_rows", 1)):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"EngineConfig.{name}={v!r}; allowed: an int >= {low}")
+    if self.agent_map not in (None, "map", "vmap"):
+      raise ValueError(f"EngineConfig.agent_map={self.agent_map!r}; allowed: None, 'map', "
+                       "'vmap'")
+    for name in ("window_buckets", "extend_buckets"):
+      b = getattr(self, name)
+      if b is not None and (not b or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
+                                         for x in b) or max(b) < self.capacity):
+        raise ValueError(f"EngineConfig.{name}={b!r}; allowed: None or ints >= 1 whose "
+                         f"largest is at least capacity={self.capacity}")
+
+  @property
+  def rows(self) -> int:
+    """Rows of every decode call per (shard, agent)."""
+    if self.decode_rows:
+      return min(self.decode_rows, self.slots)
+    return min(self.slots, 64 if jax.default_backend() == "cpu" else 256)
+
+  @property
+  def windows(self) -> tuple:
+    c = self.capacity
+    return tuple(sorted(self.window_buckets or {max(16, -(-c // k // 16) * 16) for k in (4, 2)}
+                        | {c}))
+
+  @property
+  def extends(self) -> tuple:
+    return tuple(sorted(self.extend_buckets or _geometric(16, self.capacity, 4)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """G samples of one prompt.
+
+  Attributes:
+    tag: the caller's name for the request; comes back with each sample.
+    prompt: the full context's token ids (int).
+    key: raw key data (uint32 [2]) shared by the request's samples.
+    rows: uint32 [G]: sample g draws token t with uniform(fold_in(fold_in(key, rows[g]), t)).
+    agent: whose parameters sample it (0 for a shared policy).
+    parent: a finished sample's `Handle` whose cache may hold a prefix of `prompt`.
+    max_new: token budget of each sample (None: the session's `max_new_tokens`).
+  """
+
+  tag: Any
+  prompt: Any
+  key: Any
+  rows: Any
+  agent: int = 0
+  parent: Optional["Handle"] = None
+  max_new: Optional[int] = None
+
+
+class Handle:
+  """A finished sample's parked cache: slot `slot` of (shard, agent) holds `ids`."""
+
+  __slots__ = ("shard", "agent", "slot", "ids", "alive", "released", "refs")
+
+  def __init__(self, shard, agent, slot, ids):
+    self.shard, self.agent, self.slot, self.ids = shard, agent, slot, ids
+    self.alive, self.released, self.refs = True, False, 0
+
+
+@dataclasses.dataclass
+class Sample:
+  """One finished sample: tokens exactly as sampled with their log q, and its cache."""
+
+  tag: Any
+  index: int
+  ids: np.ndarray
+  logprobs: np.ndarray
+  finish_reason: str
+  handle: Handle
+
+
+class _Row:
+  """A decoding slot."""
+
+  __slots__ = ("req", "g", "shard", "agent", "slot", "ctx", "token", "pos", "t", "max_new",
+               "ids", "logps")
+
+  def __init__(self, req, g, shard, agent, slot, ctx, max_new):
+    self.req, self.g, self.shard, self.agent, self.slot = req, g, shard, agent, slot
+    self.ctx, self.max_new = ctx, max_new
+    self.token, self.pos, self.t = int(req.prompt[-1]), len(ctx), 0
+    self.ids, self.logps = [], []
+
+
+class _Slots:
+  """Host bookkeeping of one (shard, agent) pool: free, parked (LRU) and decoding slots."""
+
+  def __init__(self, n):
+    self.free = list(range(n - 1, -1, -1))  # pop() hands out the lowest first
+    self.parked: collections.OrderedDict = collections.OrderedDict()  # slot -> Handle
+
+  def available(self, protect=frozenset()) -> int:
+    return len(self.free) + sum(1 for s in self.parked if s not in protect)
+
+  def take(self, count: int, protect, stats) -> Optional[list]:
+    """`count` slots, evicting least recently used parked slots (unreferenced first)
+    but none in `protect` (caches this step still reads)."""
+    if self.available(protect) < count:
+      return None
+    while len(self.free) < count:
+      victims = [s for s, h in self.parked.items() if s not in protect and h.refs == 0]
+      victim = victims[0] if victims else next(s for s in self.parked if s not in protect)
+      self.parked.pop(victim).alive = False
+      self.free.append(victim)
+      stats["evictions"] += 1
+    return [self.free.pop() for _ in range(count)]
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+  n = min(len(a), len(b))
+  diff = np.flatnonzero(a[:n] != b[:n])
+  return int(diff[0]) if diff.size else n
+
+
+STAT_KEYS = ("requests", "prefill_tokens", "reused_tokens", "decode_tokens", "slot_steps",
+             "chunks", "occupancy_sum", "evictions", "admit_calls", "decode_calls",
+             "device_seconds")
+
+
+class DecodeEngine:
+  """Decode slots over one model graph; parameters and sampling settings per session.
+
+  Args:
+    model_cfg: the model's hyper-parameters (fixes the graph).
+    cfg: slots, capacity, chunk and buckets (`EngineConfig`).
+    mesh: optional (data, fsdp, tensor) mesh (its axes are used as Auto);
+      slots are split over data x fsdp, parameters placed with `rules`.
+    num_agents: parameter sets (A): 1 for a shared policy, N for separate
+      policies stacked on an agent axis.
+    rules: logical-axis rules of the parameters while sampling.
+  """
+
+  def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, *,
+               mesh: Optional[jax.sharding.Mesh] = None, num_agents: int = 1,
+               rules=sharding.SAMPLE_RULES):
+    self.model_cfg = model_cfg = model_cfg.replace(attention="xla")
+    self.cfg = cfg
+    # Without a mesh the engine is this process's own (a judge's or user
+    # simulator's model): one local device, no collectives.
+    self.process_local = mesh is None
+    if mesh is None:
+      mesh = sharding.make_mesh((1, 1, 1), devices=jax.local_devices()[:1])
+    if any(t != AxisType.Auto for t in mesh.axis_types):
+      mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                               axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    self.mesh = mesh
+    self.num_agents = int(num_agents)
+    self.num_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    procs = 1 if self.process_local else jax.process_count()
+    if self.num_shards % procs:
+      raise ValueError(f"DecodeEngine: {self.num_shards} batch shards do not split over "
+                       f"{procs} processes")
+    self.local_shards = self.num_shards // procs
+    model_rules = sharding.rules_for(model_cfg, mesh, rules)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(model_rules):
+      abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+      graphdef, abstract_state = nnx.split(abstract)
+      self._state_shardings = nnx.get_named_sharding(abstract_state, mesh)
+    agent_map = cfg.agent_map or ("map" if jax.default_backend() == "cpu" else "vmap")
+    self.programs = Programs(graphdef, mesh, dict(model_rules).get("kv_heads"), agent_map)
+    self._pool: Optional[KVCache] = None
+    self._params = None
+    self._session = None
+    self.stats = dict.fromkeys(STAT_KEYS, 0)
+
+  @property
+  def num_compiles(self) -> int:
+    """Programs traced and compiled so far."""
+    return self.programs.num_traces
+
+  # ------------------------------------------------------------ sessions
+  def start(self, params, sampling: SamplingConfig, stop_ids: Sequence[int], pad_id: int, *,
+            fanout: int) -> None:
+    """Begins a session: parameters (stacked on a leading agent axis when the engine
+    has several agents), how tokens are chosen, stop ids, pad id, and `fanout`, the
+    most samples a request of this session asks for."""
+    if not isinstance(sampling, SamplingConfig):
+      raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    vocab = self.model_cfg.vocab_size
+    stop = [int(s) for s in stop_ids]
+    if any(not 0 <= s < vocab for s in stop):
+      raise ValueError(f"stop_ids={stop}; allowed: ids in [0, {vocab})")
+    if not isinstance(pad_id, (int, np.integer)) or not 0 <= pad_id < vocab:
+      raise ValueError(f"pad_id={pad_id!r}; allowed: an int in [0, {vocab})")
+    if not 1 <= fanout <= self.cfg.slots:
+      raise ValueError(f"fanout={fanout}: a request's samples need as many slots; the "
+                       f"engine has {self.cfg.slots} per shard (EngineConfig.slots)")
+    if sampling.max_new_tokens + 2 > self.cfg.capacity:
+      raise ValueError(f"max_new_tokens={sampling.max_new_tokens} does not fit a slot of "
+                       f"{self.cfg.capacity} columns (EngineConfig.capacity)")
+    if self._session is not None and self.busy:
+      raise RuntimeError("DecodeEngine.start: the previous session still has work")
+    leading = {np.shape(x)[0] for x in jax.tree.leaves(params)}
+    stacked = self.num_agents > 1
+    if stacked and leading != {self.num_agents}:
+      raise ValueError(f"DecodeEngine.start: {self.num_agents} agents but parameters with "
+                       f"leading sizes {sorted(leading)}")
+    self._params = self._put_params(params, stacked)
+    stop_arr = np.full((next_pow2(len(stop), 4),), -1, np.int32)
+    stop_arr[:len(stop)] = stop
+    rep = self._replicated
+    self._session = dict(
+        sampling=sampling, pad=int(pad_id), fanout=int(fanout), stacked=stacked,
+        scalars=(rep(stop_arr), rep(np.float32(sampling.temperature)),
+                 rep(np.float32(sampling.top_p)), rep(np.int32(pad_id))),
+        static=dict(greedy=sampling.greedy, top_k=sampling.top_k,
+                    use_top_p=sampling.top_p < 1.0))
+    if self._pool is None:
+      self._pool = self._new_pool()
+    self._slots = {(d, a): _Slots(self.cfg.slots) for d in range(self.local_shards)
+                   for a in range(self.num_agents)}
+    self._rows: dict = {}  # (shard, agent, slot) -> _Row
+    self._queue: list[Request] = []
+    self._deferred_free: list = []
+    self._reading = collections.defaultdict(set)
+    self.stats = dict.fromkeys(STAT_KEYS, 0)
+
+  def free(self) -> None:
+    """Drops the KV pool (device memory) until the next session."""
+    self._pool = None
+
+  @property
+  def busy(self) -> bool:
+    """This process has queued or decoding requests."""
+    return bool(self._queue or self._rows)
+
+  # ------------------------------------------------------------ requests
+  def submit(self, req: Request) -> None:
+    """Queues `req`; its samples come back from later `step` calls."""
+    s = self._session
+    if s is None:
+      raise RuntimeError("DecodeEngine.submit before start()")
+    prompt = np.asarray(req.prompt, np.int64).reshape(-1)
+    if prompt.size == 0:
+      raise ValueError(f"request {req.tag!r}: empty prompt; every prompt needs a token")
+    if prompt.min() < 0 or prompt.max() >= self.model_cfg.vocab_size:
+      raise ValueError(f"request {req.tag!r}: ids outside [0, {self.model_cfg.vocab_size})")
+    rows = np.asarray(req.rows, np.uint32).reshape(-1)
+    if not 1 <= rows.size <= s["fanout"]:
+      raise ValueError(f"request {req.tag!r}: {rows.size} samples; allowed: 1 .. "
+                       f"{s['fanout']} (the session's fanout)")
+    max_new = s["sampling"].max_new_tokens if req.max_new is None else int(req.max_new)
+    if prompt.size + max_new + 1 > self.cfg.capacity:
+      raise ValueError(f"request {req.tag!r}: a prompt of {prompt.size} tokens plus "
+                       f"{max_new} new ones does not fit a slot of {self.cfg.capacity} "
+                       "columns (EngineConfig.capacity)")
+    if not 0 <= req.agent < self.num_agents:
+      raise ValueError(f"request {req.tag!r}: agent {req.agent}; the engine has "
+                       f"{self.num_agents} parameter sets")
+    key = np.asarray(req.key, np.uint32).reshape(2)
+    if req.parent is not None:
+      req.parent.refs += 1
+    self._queue.append(dataclasses.replace(req, prompt=prompt.astype(np.int32), rows=rows,
+                                           key=key, max_new=max_new))
+    self.stats["requests"] += 1
+
+  def release(self, handle: Handle) -> None:
+    """The caller will name `handle` in no further request; its slot frees once no
+    queued request names it."""
+    handle.released = True
+    self._maybe_free(handle)
+
+  def _maybe_free(self, h: Handle) -> None:
+    if h.alive and h.released and h.refs == 0:
+      h.alive = False
+      self._slots[(h.shard, h.agent)].parked.pop(h.slot)
+      self._deferred_free.append((h.shard, h.agent, h.slot))
+
+  # ------------------------------------------------------------ one step
+  def step(self, expect_more: bool = False) -> tuple[list[Sample], bool]:
+    """Admits what fits, then runs one decode chunk.
+
+    Args:
+      expect_more: this process will submit more requests later (it waits on
+        environments); with several processes it keeps the others stepping.
+    Returns:
+      (samples finished in this step, whether any process has work left or
+      expects more: the caller steps again while it is True).
+    """
+    self._flush_frees()  # released since the last step: nothing reads them any more
+    self._reading = collections.defaultdict(set)  # (shard, agent) -> slots read as sources
+    plans = self._plan_admissions()
+    groups: dict = collections.defaultdict(list)
+    for plan in plans:
+      groups[bucket(len(plan["ext"]), self.cfg.extends, "admitted tokens")].append(plan)
+    calls = {x: self._admit_calls(g) for x, g in groups.items()}
+    for plan in plans:  # the rows now decode
+      for g, slot in enumerate(plan["dst"]):
+        key = (plan["shard"], plan["agent"], slot)
+        self._rows[key] = _Row(plan["req"], g, plan["shard"], plan["agent"], slot,
+                               plan["ctx"], plan["req"].max_new)
+    decode = self._decode_calls()
+    mine = {"admit": {x: len(c) for x, c in calls.items()},
+            "decode": [max(r.pos for r in rows) + self.cfg.chunk + 1 for rows in decode],
+            "more": bool(expect_more or self._queue or self._rows)}
+    everyone = [mine] if self.process_local else distributed.allgather(mine)
+    t0 = time.perf_counter()
+    for x in sorted({x for m in everyone for x in m["admit"]}):
+      for k in range(max(m["admit"].get(x, 0) for m in everyone)):
+        own = calls.get(x, [])
+        self._admit(own[k] if k < len(own) else [], x)
+    self._flush_frees()  # sources this step's admits have read
+    done: list[Sample] = []
+    for k in range(max(len(m["decode"]) for m in everyone)):
+      need = max(m["decode"][k] for m in everyone if k < len(m["decode"]))
+      win = bucket(min(need, self.cfg.capacity), self.cfg.windows, "decode window")
+      done += self._decode(decode[k] if k < len(decode) else [], win)
+    if decode:
+      self.stats["chunks"] += 1
+      self.stats["occupancy_sum"] += sum(map(len, decode)) / (
+          self.local_shards * self.num_agents * self.cfg.slots)
+    self.stats["device_seconds"] += time.perf_counter() - t0
+    go_on = any(m["more"] for m in everyone) or bool(self._queue or self._rows)
+    return done, go_on
+
+  def _admit_calls(self, plans: list[dict]) -> list[list[dict]]:
+    """`plans` split into admit calls of at most `admit_rows` per (shard, agent)."""
+    per: dict = collections.defaultdict(list)
+    for p in plans:
+      per[(p["shard"], p["agent"])].append(p)
+    n, e = max(len(v) for v in per.values()), self.cfg.admit_rows
+    return [[p for v in per.values() for p in v[k:k + e]] for k in range(0, n, e)]
+
+  def _decode_calls(self) -> list[list[_Row]]:
+    """The decoding rows split into calls of `rows` per (shard, agent)."""
+    per: dict = collections.defaultdict(list)
+    for row in self._rows.values():
+      per[(row.shard, row.agent)].append(row)
+    if not per:
+      return []
+    n, r = max(len(v) for v in per.values()), self.cfg.rows
+    return [[row for v in per.values() for row in v[k:k + r]] for k in range(0, n, r)]
+
+  def _flush_frees(self) -> None:
+    for shard, agent, slot in self._deferred_free:
+      self._slots[(shard, agent)].free.append(slot)
+    self._deferred_free = []
+
+  def _plan_admissions(self) -> list[dict]:
+    """Chooses slots for queued requests (FIFO; one that does not fit waits)."""
+    plans, waiting = [], []
+    for req in self._queue:
+      plan = self._plan(req)
+      (plans if plan is not None else waiting).append(plan if plan is not None else req)
+    self._queue = waiting
+    return plans
+
+  def _plan(self, req: Request) -> Optional[dict]:
+    g = len(req.rows)
+    ctx = req.prompt[:-1]
+    h = req.parent
+    if h is not None and h.alive and self.cfg.reuse:
+      pool = self._slots[(h.shard, h.agent)]
+      reading = self._reading[(h.shard, h.agent)]
+      takeover = h.released and h.refs == 1
+      fresh = pool.take(g - 1 if takeover else g, reading | {h.slot}, self.stats)
+      if fresh is None:
+        return None
+      lcp = _lcp(h.ids, ctx)
+      h.refs -= 1
+      if takeover:
+        h.alive = False
+        pool.parked.pop(h.slot)
+        dst = [h.slot] + fresh
+      else:
+        dst = fresh
+        reading.add(h.slot)  # no later plan of this step may evict and overwrite it
+        pool.parked.move_to_end(h.slot)  # recently used
+        self._maybe_free(h)
+      plan = dict(shard=h.shard, src=h.slot, dst=dst, start=lcp)
+    else:
+      shard = max(range(self.local_shards),
+                  key=lambda d: (self._slots[(d, req.agent)].available(
+                      self._reading[(d, req.agent)]), -d))
+      dst = self._slots[(shard, req.agent)].take(g, self._reading[(shard, req.agent)],
+                                                 self.stats)
+      if dst is None:
+        return None
+      if h is not None:
+        h.refs -= 1
+        self._maybe_free(h)
+      plan = dict(shard=shard, src=dst[0], dst=dst, start=0)
+    plan.update(req=req, agent=req.agent, ctx=ctx, ext=ctx[plan["start"]:])
+    self.stats["prefill_tokens"] += len(plan["ext"])
+    self.stats["reused_tokens"] += plan["start"]
+    return plan
+
+  # ------------------------------------------------------------ device calls
+  def _admit(self, plans: list[dict], x: int) -> None:
+    d, a, f = self.local_shards, self.num_agents, self._session["fanout"]
+    e = self.cfg.admit_rows
+    scratch = self.cfg.slots
+    src = np.full((d, a, e), scratch, np.int32)
+    dst = np.full((d, a, e, f), scratch, np.int32)
+    tokens = np.full((d, a, e, x), self._session["pad"], np.int32)
+    start = np.zeros((d, a, e), np.int32)
+    count = np.zeros((d, a, e), np.int32)
+    used = collections.Counter()
+    for p in plans:
+      sa = (p["shard"], p["agent"])
+      i = used[sa]
+      used[sa] += 1
+      src[sa + (i,)] = p["src"]
+      dst[sa + (i,)][:len(p["dst"])] = p["dst"]
+      tokens[sa + (i,)][:len(p["ext"])] = p["ext"]
+      start[sa + (i,)] = p["start"]
+      count[sa + (i,)] = len(p["ext"])
+    put = self._put_rows
+    self._pool = self.programs.admit(self._params, self._pool, put(src), put(dst), put(tokens),
+                                     put(start), put(count), stacked=self._session["stacked"])
+    self.stats["admit_calls"] += 1
+
+  def _decode(self, rows: list, window: int) -> list[Sample]:
+    """One decode call over `rows` (at most `cfg.rows` per (shard, agent)), padded."""
+    d, a, r = self.local_shards, self.num_agents, self.cfg.rows
+    s = self._session
+    slot = np.full((d, a, r), self.cfg.slots, np.int32)
+    token = np.full((d, a, r), s["pad"], np.int32)
+    pos = np.zeros((d, a, r), np.int32)
+    key = np.zeros((d, a, r, 2), np.uint32)
+    keyrow = np.zeros((d, a, r), np.uint32)
+    t = np.zeros((d, a, r), np.int32)
+    max_new = np.ones((d, a, r), np.int32)
+    live = np.zeros((d, a, r), bool)
+    placed = []
+    used = collections.Counter()
+    for row in rows:
+      sa = (row.shard, row.agent)
+      i = used[sa]
+      used[sa] += 1
+      idx = sa + (i,)
+      slot[idx], token[idx], pos[idx], t[idx] = row.slot, row.token, row.pos, row.t
+      key[idx], keyrow[idx] = row.req.key, row.req.rows[row.g]
+      max_new[idx], live[idx] = row.max_new, True
+      placed.append((idx, row))
+    put = self._put_rows
+    out = self.programs.decode(
+        self._params, self._pool, put(slot), put(token), put(pos), put(key), put(keyrow),
+        put(t), put(max_new), put(live), *s["scalars"], stacked=s["stacked"], window=window,
+        steps=self.cfg.chunk, **s["static"])
+    self._pool = out[0]
+    tokens, logps, counts, stopped = (distributed.local_rows(x) for x in out[1:5])
+    ran = int(out[5])
+    st = self.stats
+    st["decode_calls"] += 1
+    st["slot_steps"] += d * a * r * ran
+    finished = []
+    for idx, row in placed:
+      n = int(counts[idx])
+      if n:
+        row.ids.extend(tokens[idx][:n].tolist())
+        row.logps.extend(logps[idx][:n].tolist())
+        row.token, row.pos, row.t = int(tokens[idx][n - 1]), row.pos + n, row.t + n
+        st["decode_tokens"] += n
+      if stopped[idx] or row.t >= row.max_new:
+        finished.append(self._finish(row, bool(stopped[idx])))
+    return finished
+
+  def _finish(self, row: _Row, stopped: bool) -> Sample:
+    del self._rows[(row.shard, row.agent, row.slot)]
+    ids = np.asarray(row.ids, np.int32)
+    cached = np.concatenate([row.ctx, row.req.prompt[-1:], ids[:-1]]).astype(np.int32)
+    h = Handle(row.shard, row.agent, row.slot, cached)
+    self._slots[(row.shard, row.agent)].parked[row.slot] = h
+    return Sample(row.req.tag, row.g, ids, np.asarray(row.logps, np.float32),
+                  "stop" if stopped else "length", h)
+
+  # ------------------------------------------------------------ compilation
+  def programs_for(self, samplings: Sequence[SamplingConfig]) -> list[tuple]:
+    """Every (kind, sizes..., static choices) an engine of this config compiles for
+    sessions with these sampling settings: admit (rows, new tokens bucket) and
+    decode (rows, window bucket, greedy, top_k, top_p < 1)."""
+    out = [("admit", self.cfg.admit_rows, x) for x in self.cfg.extends]
+    statics = sorted({(sp.greedy, sp.top_k, sp.top_p < 1.0) for sp in samplings})
+    out += [("decode", self.cfg.rows, w) + st for w in self.cfg.windows for st in statics]
+    return out
+
+  def precompile(self, params, samplings: Sequence[SamplingConfig], num_stop_ids: int,
+                 fanout: int, threads: int = 2) -> int:
+    """Compiles `programs_for(samplings)` without running them (`threads` at once:
+    XLA compiles off the Python lock). Returns how many."""
+    import concurrent.futures  # pylint: disable=g-import-not-at-top
+    stacked = self.num_agents > 1
+    # Concrete params are placed as a session places them (moving them onto the
+    # sampling layout compiles reshard programs of its own), then made abstract.
+    params = self._put_params(params, stacked)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                         sharding=x.sharding), params)
+    pool = self.abstract_pool()
+    d, a = self.num_shards, self.num_agents
+    def spec(shape, dtype=np.int32):
+      return jax.ShapeDtypeStruct(shape, dtype,
+                                  sharding=sharding.batch_sharding(self.mesh, len(shape), d))
+
+    rep = self._replicated
+    scalars = (rep(np.zeros((next_pow2(num_stop_ids, 4),), np.int32)), rep(np.float32(1)),
+               rep(np.float32(1)), rep(np.int32(0)))
+
+    def compile_one(program):
+      if program[0] == "admit":
+        _, e, x = program
+        self.programs.admit.lower(params, pool, spec((d, a, e)), spec((d, a, e, fanout)),
+                                  spec((d, a, e, x)), spec((d, a, e)), spec((d, a, e)),
+                                  stacked=stacked).compile()
+        return
+      _, r, w, greedy, top_k, use_top_p = program
+      rows = spec((d, a, r))
+      self.programs.decode.lower(
+          params, pool, rows, rows, rows, spec((d, a, r, 2), np.uint32),
+          spec((d, a, r), np.uint32), rows, rows, spec((d, a, r), bool), *scalars,
+          stacked=stacked, window=w, steps=self.cfg.chunk, greedy=greedy, top_k=top_k,
+          use_top_p=use_top_p).compile()
+
+    programs = self.programs_for(samplings)
+    with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+      list(ex.map(compile_one, programs))
+    if self._pool is None:  # allocating it compiles a program of its own
+      self._pool = self._new_pool()
+    return len(programs)
+
+  # ------------------------------------------------------------ placement
+  def _pool_shapes(self):
+    c = self.model_cfg
+    shape = (self.num_shards, self.num_agents, self.cfg.slots + 1, self.cfg.capacity,
+             c.num_kv_heads, c.head_dim)
+    return shape, c.jnp_dtype
+
+  def _pool_sharding(self):
+    return NamedSharding(self.mesh, P(sharding.BATCH_AXES, None, None, None,
+                                      self.programs.kv_axis, None))
+
+  def _new_pool(self) -> KVCache:
+    shape, dtype = self._pool_shapes()
+    layers = self.model_cfg.num_layers
+    make = jax.jit(lambda: KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+                                   v=tuple(jnp.zeros(shape, dtype) for _ in range(layers))),
+                   out_shardings=self._pool_sharding())
+    return make()
+
+  def abstract_pool(self) -> KVCache:
+    shape, dtype = self._pool_shapes()
+    s = jax.ShapeDtypeStruct(shape, dtype, sharding=self._pool_sharding())
+    return KVCache(k=(s,) * self.model_cfg.num_layers, v=(s,) * self.model_cfg.num_layers)
+
+  def _put_params(self, params, stacked: bool):
+    sh = self._state_shardings
+    if stacked:
+      sh = jax.tree.map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), sh)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+      return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          params, sh)
+    return jax.device_put(params, sh)
+
+  def _put_rows(self, x):
+    """This process's [local shards, ...] block as a global array split on its shard axis."""
+    if self.process_local:
+      return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim, x.shape[0]))
+    return distributed.global_rows(x, sharding.batch_sharding(
+        self.mesh, x.ndim, x.shape[0] * jax.process_count()))
+
+  def _replicated(self, x):
+    if self.process_local:
+      return jax.device_put(x, sharding.replicated(self.mesh))
+    return distributed.replicated_value(x, sharding.replicated(self.mesh))

@@ -1,0 +1,223 @@
+"""The rollout engine's device programs: admit (prefill into slots) and decode (k steps).
+
+The KV pool of `DecodeEngine` is one array per layer for keys and one for
+values, each [D, A, S1, C, K, Dh]: D batch shards (data x fsdp; one block per
+device, so a shard's slots never leave its device), A parameter sets (1 for a
+shared policy, N for separate policies stacked on an agent axis), S1 = S
+slots + 1 scratch slot per (shard, agent), C cache columns, K key/value
+heads, Dh head width. A slot's cache is contiguous from column 0: the token
+at column c has RoPE position c. Column C - 1 is never valid content: writes
+that must land nowhere (padding tokens, rows that already finished) go there.
+
+Both programs gather the rows they work on ([D, A, R] slot indices; padding
+rows name the scratch slot S1 - 1), run the model on them, and scatter the
+rows back, so the pool (donated) is updated in place:
+
+  admit   rows `src` read, E new tokens each written at columns
+          [start, start + n) (prefill of a prompt's tail on top of a cached
+          prefix; n may be 0), then the row is written to up to F `dst`
+          slots (a fork: G siblings share one prefill; src may be one of them).
+          No LM head: the last prompt token is fed by the first decode step.
+  decode  up to `steps` decode steps for every row: feed the row's input token
+          at column `pos`, sample the next token from the logits with the
+          uniform of (key, row, t) (`sample_uniform`), stop on a stop id or
+          the row's token budget. Runs over the first `window` columns only
+          (a bucket of the longest live context), so attention costs what the
+          contexts are long, not what the pool can hold.
+
+Separate policies: with agent_map 'map' each agent's rows run through its own
+parameters one agent after another inside the program; 'vmap' batches the
+agents into each op.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mtrl_jax import sharding
+from mtrl_jax.models.transformer import KVCache
+from mtrl_jax.sampling.filters import choose_tokens
+
+
+def sample_uniform(key_2, row, t):
+  """The uniform that picks token t of a sample: uniform(fold_in(fold_in(key, row), t)).
+
+  `key_2` is raw key data (uint32 [2]); a request's samples differ by `row`.
+  """
+  return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key_2, row), t))
+
+
+class Programs:
+  """Jitted admit / decode over a KV pool for one model graph (see the module docstring).
+
+  Args:
+    graphdef: the model's graph (`nnx.split(model)[0]`).
+    mesh: the sampling mesh (Auto axes).
+    kv_axis: the mesh axis of the pool's K axis (the `kv_heads` rule), or None.
+    agent_map: 'map' or 'vmap' (separate policies; see the module docstring).
+  """
+
+  def __init__(self, graphdef, mesh, kv_axis, agent_map: str):
+    self.graphdef, self.mesh, self.kv_axis, self.agent_map = graphdef, mesh, kv_axis, agent_map
+    self.num_traces = 0
+    self.admit = jax.jit(self._admit, static_argnames=("stacked",), donate_argnums=(1,))
+    self.decode = jax.jit(self._decode, donate_argnums=(1,),
+                          static_argnames=("stacked", "window", "steps", "greedy", "top_k",
+                                           "use_top_p"))
+
+  # ------------------------------------------------------------ layout helpers
+  def _shard(self, x):
+    """Constrains `x` to be split over data x fsdp on axis 0 (the shard axis D)."""
+    spec = [sharding.BATCH_AXES] + [None] * (x.ndim - 1)
+    if x.ndim == 6:  # pool layers [D, A, S1, C, K, Dh] and gathered rows [D, A, R, W, K, Dh]
+      spec[4] = self.kv_axis
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
+
+  @staticmethod
+  def _gather(pool_layer, rows_DxAxR, window):
+    """[D, A, R, window, K, Dh]: the rows' first `window` columns (a per-shard gather)."""
+    def one_shard(p_AxSxCxKxE, r_AxR):
+      agents = jnp.arange(r_AxR.shape[0])[:, None]
+      return p_AxSxCxKxE[agents, r_AxR, :window]
+    return jax.vmap(one_shard)(pool_layer, rows_DxAxR)
+
+  @staticmethod
+  def _scatter(pool_layer, rows_DxAxR, window, vals):
+    """`pool_layer` with the rows' first `window` columns set to `vals` [D, A, R, window, ...]."""
+    def one_shard(p, r_AxR, v):
+      agents = jnp.arange(r_AxR.shape[0])[:, None]
+      return p.at[agents, r_AxR, :window].set(v, mode="promise_in_bounds")
+    return jax.vmap(one_shard)(pool_layer, rows_DxAxR, vals)
+
+  def _per_agent(self, fn, params, stacked: bool, *args):
+    """Runs fn(params_a, *args_a) for every agent; args are [A, ...] arrays (or pytrees).
+
+    Returns fn's outputs stacked on a leading agent axis.
+    """
+    if not stacked:
+      out = fn(params, *jax.tree.map(lambda x: x[0], args))
+      return jax.tree.map(lambda x: x[None], out)
+    if self.agent_map == "vmap":
+      return jax.vmap(fn)(params, *args)
+    num = jax.tree.leaves(args)[0].shape[0]
+    outs = [fn(jax.tree.map(lambda x, a=a: x[a], params), *jax.tree.map(lambda x, a=a: x[a], args))
+            for a in range(num)]
+    return jax.tree.map(lambda *x: jnp.stack(x), *outs)
+
+  def _rows_cache(self, pool: KVCache, rows_DxAxR, window) -> KVCache:
+    """The gathered rows as one cache per agent: [A, D * R, window, K, Dh] per layer."""
+    def flat(layer):
+      g = self._shard(self._gather(layer, rows_DxAxR, window))
+      d, a, r = g.shape[:3]
+      return jnp.swapaxes(g, 0, 1).reshape((a, d * r) + g.shape[3:])
+    return KVCache(k=tuple(flat(x) for x in pool.k), v=tuple(flat(x) for x in pool.v))
+
+  def _put_back(self, pool: KVCache, rows_DxAxR, window, cache: KVCache) -> KVCache:
+    d, a, r = rows_DxAxR.shape
+
+    def unflat(layer, vals):
+      vals = jnp.swapaxes(vals.reshape((a, d, r) + vals.shape[2:]), 0, 1)
+      return self._shard(self._scatter(layer, rows_DxAxR, window, vals))
+    return KVCache(k=tuple(unflat(x, y) for x, y in zip(pool.k, cache.k)),
+                   v=tuple(unflat(x, y) for x, y in zip(pool.v, cache.v)))
+
+  @staticmethod
+  def _flat(x_DxAx):
+    """[D, A, R, ...] -> [A, D * R, ...] (the model's batch is every shard's rows)."""
+    d, a = x_DxAx.shape[:2]
+    return jnp.swapaxes(x_DxAx, 0, 1).reshape((a, d * x_DxAx.shape[2]) + x_DxAx.shape[3:])
+
+  @staticmethod
+  def _unflat(x_AxN, d):
+    a, n = x_AxN.shape[:2]
+    return jnp.swapaxes(x_AxN.reshape((a, d, n // d) + x_AxN.shape[2:]), 0, 1)
+
+  # ------------------------------------------------------------ admit
+  def _admit(self, params, pool: KVCache, src_DxAxE, dst_DxAxExF, tokens_DxAxExX, start_DxAxE,
+             count_DxAxE, *, stacked: bool):
+    """Prefills `tokens` (the first `count` of each row) on top of `src`'s columns
+    [0, start) and writes the rows to their `dst` slots."""
+    self.num_traces += 1
+    d = src_DxAxE.shape[0]
+    width = pool.k[0].shape[3]
+    x = tokens_DxAxExX.shape[-1]
+    cache = self._rows_cache(pool, src_DxAxE, width)
+    tokens, start, count = (self._flat(v) for v in (tokens_DxAxExX, start_DxAxE, count_DxAxE))
+
+    def one(params_a, cache_a, tokens_NxX, start_N, count_N):
+      model = nnx.merge(self.graphdef, params_a)
+      q = jnp.arange(x, dtype=jnp.int32)
+      pos_NxX = start_N[:, None] + q[None, :]
+      cols = jnp.arange(width, dtype=jnp.int32)
+      mask = cols[None, None, :] <= pos_NxX[:, :, None]
+      write = jnp.where(q[None, :] < count_N[:, None], pos_NxX, width - 1)
+      _, cache_a = model.forward_cached(tokens_NxX, pos_NxX, mask, cache_a, write, head="none")
+      return cache_a
+
+    cache = self._per_agent(one, params, stacked, cache, tokens, start, count)
+    for f in range(dst_DxAxExF.shape[-1]):  # one scatter per fork target, no repeated copy
+      pool = self._put_back(pool, dst_DxAxExF[..., f], width, cache)
+    return pool
+
+  # ------------------------------------------------------------ decode
+  def _decode(self, params, pool: KVCache, rows_DxAxR, token_DxAxR, pos_DxAxR, key_DxAxRx2,
+              keyrow_DxAxR, t_DxAxR, max_new_DxAxR, live_DxAxR, stop_ids, temperature, top_p,
+              pad_id, *, stacked: bool, window: int, steps: int, greedy: bool, top_k: int,
+              use_top_p: bool):
+    """Up to `steps` decode steps of every live row; returns (pool, tokens [D, A, R, steps],
+    logprobs, sampled counts [D, A, R], stopped [D, A, R], steps run)."""
+    self.num_traces += 1
+    d = rows_DxAxR.shape[0]
+    cache = self._rows_cache(pool, rows_DxAxR, window)
+    flat = [self._flat(v) for v in (token_DxAxR, pos_DxAxR, key_DxAxRx2, keyrow_DxAxR,
+                                    t_DxAxR, max_new_DxAxR, live_DxAxR)]
+    choose = functools.partial(choose_tokens, temperature=temperature, top_p=top_p,
+                               greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+    cols = jnp.arange(window, dtype=jnp.int32)
+
+    def one(params_a, cache_a, tok_N, pos_N, key_Nx2, keyrow_N, t_N, max_new_N, live_N):
+      model = nnx.merge(self.graphdef, params_a)
+      n = tok_N.shape[0]
+
+      def cond(c):
+        i, _, _, _, _, done_N, _, _, _, _ = c
+        return (i < steps) & ~jnp.all(done_N)
+
+      def body(c):
+        i, cache_a, tok_N, pos_N, t_N, done_N, stopped_N, count_N, out_tok, out_lp = c
+        go_N = ~done_N
+        mask = (cols[None, :] <= pos_N[:, None])[:, None, :]
+        write = jnp.where(go_N, pos_N, window - 1)[:, None]
+        logits_NxV, cache_a = model.forward_cached(tok_N[:, None], pos_N[:, None], mask,
+                                                   cache_a, write, head="last")
+        u_N = jax.vmap(sample_uniform)(key_Nx2, keyrow_N, t_N)
+        new_N, logq_N = choose(logits_NxV, u_N)
+        new_N = jnp.where(go_N, new_N, pad_id)
+        logq_N = jnp.where(go_N, logq_N, 0.0)
+        out_tok = jax.lax.dynamic_update_index_in_dim(out_tok, new_N, i, axis=1)
+        out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, logq_N, i, axis=1)
+        hit_N = jnp.any(new_N[:, None] == stop_ids[None, :], axis=-1) & go_N
+        step_N = go_N.astype(jnp.int32)
+        t_N, pos_N, count_N = t_N + step_N, pos_N + step_N, count_N + step_N
+        stopped_N = stopped_N | hit_N
+        done_N = done_N | hit_N | (t_N >= max_new_N)
+        tok_N = jnp.where(go_N, new_N, tok_N)
+        return (i + 1, cache_a, tok_N, pos_N, t_N, done_N, stopped_N, count_N, out_tok, out_lp)
+
+      zeros = jnp.zeros((n,), jnp.int32)
+      init = (jnp.int32(0), cache_a, tok_N, pos_N, t_N, ~live_N, jnp.zeros((n,), bool), zeros,
+              jnp.full((n, steps), pad_id, jnp.int32), jnp.zeros((n, steps), jnp.float32))
+      i, cache_a, _, _, _, _, stopped_N, count_N, out_tok, out_lp = jax.lax.while_loop(
+          cond, body, init)
+      return cache_a, out_tok, out_lp, count_N, stopped_N, i
+
+    cache, out_tok, out_lp, count, stopped, ran = self._per_agent(one, params, stacked, cache,
+                                                                  *flat)
+    pool = self._put_back(pool, rows_DxAxR, window, cache)
+    outs = tuple(self._shard(self._unflat(x, d)) for x in (out_tok, out_lp, count, stopped))
+    return (pool,) + outs + (jnp.max(ran),)
