@@ -14,7 +14,8 @@ environments to the engine's `Transition` and is imported from its module.
 
 from mtrl_jax.rollout.config import TreeConfig, TreePlan, plan_tree
 from mtrl_jax.rollout.dump import dump_path, node_records, write_rollout_dump
-from mtrl_jax.rollout.engine import RolloutTimes, expand_tree
+from mtrl_jax.rollout.engine import expand_tree
+from mtrl_jax.rollout.inflight import RolloutTimes
 from mtrl_jax.rollout.packing import BATCH_KEYS, pack_tree
 from mtrl_jax.rollout.policy import EnginePolicy, RolloutPolicy, StackedStates
 from mtrl_jax.rollout.records import ActionOutcome, ActionRecord, StepRecord, Transition

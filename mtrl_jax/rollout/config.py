@@ -21,8 +21,10 @@ import dataclasses
 import math
 from typing import Optional
 
+from mtrl_jax.rollout.returns import BASELINES
+
 JOINT_MODES = ("align", "cross")
-ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
+ADVANTAGE_MODES = tuple(BASELINES)
 CROSS_RETURNS = ("sum", "mean")
 BRANCH_ON = ("every_turn", "user_turn")
 SHAPES = ("tree", "chain")

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import inspect
 import queue
 import time
 from typing import Any, Optional, Sequence
@@ -50,85 +49,13 @@ import numpy as np
 
 from mtrl_jax import distributed
 from mtrl_jax.rollout.config import TreeConfig
-from mtrl_jax.rollout.policy import RolloutPolicy, key_data, request_keys
+from mtrl_jax.rollout.inflight import (ActRun, NodeRun, RolloutTimes, action_seed,
+                                       takes_seed)
+from mtrl_jax.rollout.policy import RolloutPolicy, request_keys
 from mtrl_jax.rollout.records import ActionRecord, Transition, step_record
-from mtrl_jax.rollout.tree import Completion, Node, Tree
+from mtrl_jax.rollout.tree import Completion, Tree
 from mtrl_jax.sampling.engine import Request, Sample
 from mtrl_jax.seeds import call_seed
-
-def action_seed(level_seed: int, root: int, full_id: int, action: int, substep: int = 0) -> int:
-  """Seed of one environment step: (level seed, root, node, joint action, sub-step).
-
-  `level_seed` is `call_seed(level_key, 'env')`; the node is named by its
-  `full_id`, so the seed names the same step in every run with the same key,
-  whatever the worker threads and the engine's schedule do.
-  """
-  return call_seed(level_seed, root, full_id, action, substep)
-
-
-def _takes_seed(transition) -> bool:
-  try:
-    params = inspect.signature(transition.step).parameters
-  except (TypeError, ValueError):
-    return False
-  return "seed" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
-
-
-class _NodeRun:
-  """A node while its samples and actions are under way."""
-
-  def __init__(self, node: Node, joint_BxN: np.ndarray, g: int, level_key):
-    self.node, self.joint, self.g, self.level_key = node, joint_BxN, g, level_key
-    n = joint_BxN.shape[1]
-    self.comps = [[None] * g for _ in range(n)]
-    self.handles = [[None] * g for _ in range(n)]
-    self.left = n * g  # samples not yet finished
-    self.uses = np.zeros((n, g), np.int64)  # unresolved actions per sample
-    for i in range(n):
-      np.add.at(self.uses[i], joint_BxN[:, i], 1)
-    self.acts = [_ActRun(self, j) for j in range(joint_BxN.shape[0])]
-    self.first_steps = len(self.acts)  # first steps not yet returned
-    self.unresolved = len(self.acts)
-
-
-class _ActRun:
-  """A joint action while its (sub-)steps are under way."""
-
-  def __init__(self, nr: _NodeRun, j: int):
-    self.nr, self.j = nr, j
-    self.waiting = nr.joint.shape[1]  # its samples not yet finished
-    self.steps: list = []
-    self.next_state = None
-    self.limit_reached = False
-    self.context = None  # the tokens between the last segment and the next (a continuation)
-    self.segment = None  # the latest continuation segment
-
-  @property
-  def samples(self):
-    return [(i, int(self.nr.joint[self.j, i])) for i in range(self.nr.joint.shape[1])]
-
-  def completions(self):
-    return [self.nr.comps[i][g] for i, g in self.samples]
-
-
-@dataclasses.dataclass
-class RolloutTimes:
-  """Wall-clock split of one `expand_tree` call (seconds).
-
-  generation: in engine steps (admission + decode chunks);
-  environment: with at least one environment step in flight;
-  overlap: engine steps while environment steps were in flight;
-  device_idle: the engine had nothing to run, waiting for environments;
-  env_waiting: engine steps while no environment step was in flight.
-  """
-
-  total: float = 0.0
-  generation: float = 0.0
-  environment: float = 0.0
-  overlap: float = 0.0
-  device_idle: float = 0.0
-  env_waiting: float = 0.0
-
 
 class _Rollout:
   """One `expand_tree` call (see the module docstring)."""
@@ -140,7 +67,7 @@ class _Rollout:
     self.executor = executor
     self.tree = Tree(cfg)
     self.close = getattr(transition, "close", None) or (lambda state: None)
-    self.seeded = _takes_seed(transition)
+    self.seeded = takes_seed(transition)
     self.done_q: queue.Queue = queue.Queue()
     self.in_flight = 0
     self.held_steps: list = []  # barrier: (act, substep) waiting for the engine to idle
@@ -176,10 +103,10 @@ class _Rollout:
     return sizes
 
   # ------------------------------------------------------------ nodes and requests
-  def add_node(self, node: Node) -> None:
+  def add_node(self, node) -> None:
     cfg = self.cfg
     g = cfg.generations_at(node.turn)
-    nr = _NodeRun(node, self.tree.node_joint(node), g, self.level_key(node.turn))
+    nr = NodeRun(node, self.tree.node_joint(node), g, self.level_key(node.turn))
     self.open_actions[node.turn] += len(nr.acts)
     index = node.full_id - self.offsets[node.turn]
     parent = self.runs.get(node.parent_id)
@@ -218,13 +145,13 @@ class _Rollout:
     self.ready_step(act)
 
   # ------------------------------------------------------------ environment steps
-  def ready_step(self, act: _ActRun) -> None:
+  def ready_step(self, act: ActRun) -> None:
     if self.barrier:
       self.held_steps.append(act)
     else:
       self.dispatch_step(act)
 
-  def dispatch_step(self, act: _ActRun) -> None:
+  def dispatch_step(self, act: ActRun) -> None:
     nr = act.nr
     node, substep = nr.node, len(act.steps)
     state = node.state if substep == 0 else act.next_state
@@ -239,7 +166,7 @@ class _Rollout:
     future = self.executor.submit(self.transition.step, state, comps, **kw)
     future.add_done_callback(lambda f, a=act, st=state: self.done_q.put((a, st, f)))
 
-  def on_step_done(self, act: _ActRun, state, future) -> None:
+  def on_step_done(self, act: ActRun, state, future) -> None:
     self.in_flight -= 1
     if self.in_flight == 0:
       self.times.environment += time.perf_counter() - self._env_since
@@ -265,7 +192,7 @@ class _Rollout:
         return
     self.resolve(act)
 
-  def continue_action(self, act: _ActRun) -> None:
+  def continue_action(self, act: ActRun) -> None:
     """Samples ONE more segment of the action's turn from its own cache."""
     nr = act.nr
     prompts = self.transition.prompts(act.next_state)
@@ -294,7 +221,7 @@ class _Rollout:
     self.release(handle)  # the continuation takes the slot over
 
   # ------------------------------------------------------------ resolution
-  def resolve(self, act: _ActRun) -> None:
+  def resolve(self, act: ActRun) -> None:
     nr = act.nr
     node = nr.node
     self.tree.record_action(node, act.j, ActionRecord(tuple(act.steps), act.limit_reached))
@@ -308,7 +235,7 @@ class _Rollout:
         for a in nr.acts:
           self.follow(a, may_expand)
 
-  def follow(self, act: _ActRun, may_expand: bool) -> None:
+  def follow(self, act: ActRun, may_expand: bool) -> None:
     """The action's child (or the end of its branch), then its samples' caches."""
     nr = act.nr
     nxt = act.next_state

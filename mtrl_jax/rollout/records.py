@@ -158,7 +158,7 @@ class Transition(Protocol):
     Must not mutate `state`: siblings branch from the same state. It runs on
     a worker thread, concurrently with other steps. A transition whose `step`
     accepts a `seed` keyword gets the step's seed (an int named by (step key,
-    root, node, action, sub-step); see `rollout.engine.action_seed`) for the
+    root, node, action, sub-step); see `rollout.inflight.action_seed`) for the
     model calls its environment makes.
     """
     ...

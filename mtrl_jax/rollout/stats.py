@@ -107,7 +107,7 @@ def engine_metrics(tree) -> dict[str, float]:
   engine/decode_efficiency  sampled tokens / decoded slot-steps (padding and finished rows cost)
   engine/evictions        parked caches dropped for lack of slots
   time/generation, time/environment, time/overlap, time/device_idle, time/env_waiting
-                          see `rollout.engine.RolloutTimes`
+                          see `rollout.inflight.RolloutTimes`
   """
   stats, times = getattr(tree, "engine", None), getattr(tree, "times", None)
   out = {}

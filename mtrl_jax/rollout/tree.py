@@ -1,4 +1,4 @@
-"""Tree bookkeeping: nodes, joint actions, returns and advantages (pure numpy).
+"""Tree bookkeeping: nodes, their recorded actions, returns and advantages (pure numpy).
 
 A tree rollout has one root per task. At every node each of the N agents has G
 sampled completions; joint actions combine one sample per agent (`align`: the
@@ -11,7 +11,8 @@ joint action j has a reward r_j and possibly a child node. Post-order:
 
 Per agent the G sample returns are the joint returns (align) or the sum / mean
 over the G^(N-1) joint actions containing the sample (cross); advantages use
-the sibling baseline of `TreeConfig.advantage_mode`, optionally standardised.
+the sibling baseline of `TreeConfig.advantage_mode`, optionally standardised
+(`rollout.returns`).
 
 Under `branch_on='user_turn'` a joint action may span several environment
 steps (tool sub-steps): r_j is the sum of their rewards and the action's
@@ -25,104 +26,25 @@ and every action of trajectory j carries the root's advantage of j.
 
 Infrastructure faults make a joint action invalid: it is excluded from child
 means and baselines, and every sample in it gets weight 0 (never rewarded,
-never penalised). Node ids follow creation order, so parents precede children
-and a reverse sweep is a post-order.
+never penalised). Node ids are canonical (`Tree.renumber`: level by level), so
+parents precede children and a reverse sweep is a post-order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.rollout.config import TreeConfig
 from mtrl_jax.rollout.records import ActionRecord, StepRecord
+from mtrl_jax.rollout.returns import (advantages, agent_returns, joint_actions,
+                                      should_terminate)
 
-_STD_FLOOR = 1e-6
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-  """One action of one agent: the sampled tokens exactly as sampled, with their logprobs.
-
-  Under `branch_on='every_turn'` an action is one sampled segment. Under
-  'user_turn' an action continues after the environment's tool turns: each
-  continuation appends the context the environment rendered (the end of the
-  previous message, the tool turns, the next assistant header) and the next
-  sampled segment (`continued`). Only sampled tokens are trainable.
-
-  Attributes:
-    ids: int32 [n] tokens (each segment's stop token included when it stopped).
-    logprobs: float32 [n] sampling log-probability of each sampled token; 0.0
-      on context tokens.
-    finish_reason: 'stop' | 'length' of the last segment.
-    trainable: bool [n], True where the token was sampled; None when every
-      token was (a one-segment completion).
-  """
-
-  ids: np.ndarray
-  logprobs: np.ndarray
-  finish_reason: str = "stop"
-  trainable: Optional[np.ndarray] = None
-
-  def __post_init__(self):
-    if len(self.ids) != len(self.logprobs):
-      raise ValueError(f"Completion ids ({len(self.ids)}) and logprobs "
-                       f"({len(self.logprobs)}) differ in length")
-    if self.trainable is not None:
-      mask = np.asarray(self.trainable, bool)
-      if mask.shape != (len(self.ids),):
-        raise ValueError(f"Completion trainable has shape {mask.shape}; expected "
-                         f"({len(self.ids)},)")
-      if np.any(np.asarray(self.logprobs)[~mask] != 0):
-        raise ValueError("Completion context tokens (trainable False) must have logprob 0")
-      object.__setattr__(self, "trainable", mask)
-
-  @property
-  def sampled_mask(self) -> np.ndarray:
-    """bool [n]: True on sampled (trainable) tokens."""
-    if self.trainable is None:
-      return np.ones(len(self.ids), bool)
-    return self.trainable
-
-  def spans(self) -> list[tuple[int, int, bool]]:
-    """Maximal runs `(start, stop, sampled)` of sampled and context tokens, in order."""
-    mask = self.sampled_mask
-    cuts = [0] + [k for k in range(1, len(mask)) if mask[k] != mask[k - 1]] + [len(mask)]
-    return [(a, b, bool(mask[a])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
-
-  @property
-  def num_segments(self) -> int:
-    """Sampled segments (runs of sampled tokens)."""
-    return sum(sampled for _, _, sampled in self.spans())
-
-  def continued(self, context_ids: Sequence[int], segment: "Completion") -> "Completion":
-    """This completion + non-trainable `context_ids` + the sampled `segment`."""
-    if segment.trainable is not None and not segment.trainable.all():
-      raise ValueError("Completion.continued: the new segment must be sampled tokens only")
-    context = np.asarray(context_ids, np.int32).reshape(-1)
-    return Completion(
-        ids=np.concatenate([np.asarray(self.ids, np.int32), context,
-                            np.asarray(segment.ids, np.int32)]),
-        logprobs=np.concatenate([np.asarray(self.logprobs, np.float32),
-                                 np.zeros(len(context), np.float32),
-                                 np.asarray(segment.logprobs, np.float32)]),
-        finish_reason=segment.finish_reason,
-        trainable=np.concatenate([self.sampled_mask, np.zeros(len(context), bool),
-                                  np.ones(len(segment.ids), bool)]))
-
-
-def joint_actions(cfg: TreeConfig) -> np.ndarray:
-  """Sample index of every agent in every joint action, int [B, N].
-
-  align: row g is (g, ..., g); cross: itertools.product order (agent 0 slowest).
-  """
-  g, n = cfg.num_generations, cfg.num_agents
-  if cfg.joint_mode == "cross":
-    return np.asarray(list(itertools.product(range(g), repeat=n)), np.int64).reshape(-1, n)
-  return np.repeat(np.arange(g, dtype=np.int64)[:, None], n, axis=1)
+__all__ = ["Completion", "Node", "Tree", "advantages", "agent_returns", "joint_actions",
+           "should_terminate"]
 
 
 @dataclasses.dataclass
@@ -176,81 +98,6 @@ class Node:
   advantages_NxG: Optional[np.ndarray] = None
   weight_NxG: Optional[np.ndarray] = None
   recorded: bool = False
-
-
-def should_terminate(cfg: TreeConfig, rewards_B: np.ndarray, valid_B: np.ndarray) -> bool:
-  """Early termination: mean reward of the node's valid joint actions > tau (strict)."""
-  if cfg.termination_threshold is None or not valid_B.any():
-    return False
-  return bool(rewards_B[valid_B].mean() > cfg.termination_threshold)
-
-
-def agent_returns(cfg: TreeConfig, joint_BxN: np.ndarray, returns_B: np.ndarray,
-                  valid_B: np.ndarray, num_generations: Optional[int] = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
-  """Per-agent sample returns and sample validity.
-
-  Args:
-    cfg: tree config (joint_mode, cross_return).
-    joint_BxN: sample index of each agent in each joint action.
-    returns_B: return of each joint action.
-    valid_B: validity of each joint action.
-    num_generations: samples per agent at this node (default: cfg.num_generations).
-
-  Returns:
-    (returns_NxG float64, valid_NxG bool). A sample is valid iff every joint
-    action containing it is valid. Cross: sum (or mean) over the joint actions
-    containing the sample; align / N = 1: the joint return itself.
-  """
-  g = cfg.num_generations if num_generations is None else num_generations
-  n = cfg.num_agents
-  out_NxG = np.zeros((n, g), np.float64)
-  valid_NxG = np.ones((n, g), bool)
-  for i in range(n):
-    # onehot_GxB[k, j]: joint action j contains sample k of agent i.
-    onehot_GxB = joint_BxN[:, i][None, :] == np.arange(g)[:, None]
-    valid_NxG[i] = ~(onehot_GxB & ~valid_B[None, :]).any(axis=1)
-    total_G = (onehot_GxB * np.where(valid_B, returns_B, 0.0)[None, :]).sum(axis=1)
-    if cfg.joint_mode == "cross" and cfg.cross_return == "mean":
-      total_G = total_G / onehot_GxB.sum(axis=1)
-    out_NxG[i] = np.where(valid_NxG[i], total_G, 0.0)
-  return out_NxG, valid_NxG
-
-
-def advantages(returns_G: np.ndarray, valid_G: np.ndarray, mode: str,
-               std_norm: bool) -> np.ndarray:
-  """Sibling-baseline advantages of one agent at one node (invalid samples get 0).
-
-  Args:
-    returns_G: per-sample returns.
-    valid_G: samples that take part (baselines are computed over these only).
-    mode: 'mean' (R - mean), 'raw' (R), 'max' (R - max), 'rloo' ((n R - sum R) / (n - 1)).
-    std_norm: then (A - mean A) / max(std_pop(A), 1e-6) when more than one sample.
-
-  Returns:
-    float64 [G].
-  """
-  out = np.zeros(returns_G.shape, np.float64)
-  r = returns_G[valid_G].astype(np.float64)
-  count = r.size
-  if count == 0:
-    return out
-  if mode != "raw" and np.all(r == r[0]):
-    return out  # equal returns: exactly zero (r - mean(r) can be off by an ulp)
-  if mode == "mean":
-    a = r - r.mean()
-  elif mode == "raw":
-    a = r.copy()
-  elif mode == "max":
-    a = r - r.max()
-  elif mode == "rloo":
-    a = (count * r - r.sum()) / (count - 1) if count > 1 else np.zeros_like(r)
-  else:
-    raise ValueError(f"advantage mode {mode!r}; allowed: ['mean', 'raw', 'max', 'rloo']")
-  if std_norm and count > 1:
-    a = (a - a.mean()) / max(a.std(), _STD_FLOOR)
-  out[valid_G] = a
-  return out
 
 
 class Tree:

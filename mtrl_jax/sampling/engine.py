@@ -42,199 +42,26 @@ front.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from mtrl_jax.models.config import ModelConfig
-from mtrl_jax.models.transformer import KVCache, Transformer
+from mtrl_jax.models.transformer import KVCache
 from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
 from mtrl_jax import distributed
 from mtrl_jax.buckets import bucket, next_pow2
 from mtrl_jax.sampling.config import SamplingConfig
+from mtrl_jax.sampling.layout import DeviceLayout
 from mtrl_jax.sampling.programs import Programs
+from mtrl_jax.sampling.slots import (STAT_KEYS, EngineConfig, Handle, Request, Row, Sample,
+                                     SlotPool, lcp)
 
-
-def _geometric(lo: int, hi: int, factor: int) -> tuple:
-  """lo, lo * factor, ... below hi, then hi."""
-  out, b = [], min(lo, hi)
-  while b < hi:
-    out.append(b)
-    b *= factor
-  return tuple(out) + (hi,)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """Sizes and policy of a `DecodeEngine`; hashable.
-
-  Attributes:
-    slots: KV slots per agent per batch shard (the KV budget: slots x
-      capacity tokens). At least the most samples one request asks for.
-    capacity: cache columns per slot; a request's prompt plus its token
-      budget must fit in capacity - 1.
-    chunk: decode steps per `step` (admission happens between chunks).
-    decode_rows: rows of one decode call per (shard, agent); more decoding
-      slots take several calls. Every call has exactly this many rows (padded),
-      so a sample's arithmetic never depends on how many others decode beside
-      it: float rounding depends on shapes, and which requests share a call
-      depends on when environments answer. 0: min(slots, 64) on CPU,
-      min(slots, 256) elsewhere.
-    admit_rows: requests of one admit call per (shard, agent), likewise fixed.
-    reuse: continue a request from its parent's cache; False prefills every
-      request's whole prompt (the level-synchronous baseline).
-    agent_map: separate policies: 'map' (each agent's rows through its own
-      parameters in turn, inside one program) or 'vmap' (agents batched into
-      each op); None: 'map' on CPU, 'vmap' elsewhere. Either samples what an
-      agent alone samples, up to float rounding.
-    window_buckets: decode windows (columns attended); None: a quarter, a
-      half and all of `capacity` (multiples of 16). Masked columns add exact
-      zeros, so the window changes cost, not results.
-    extend_buckets: admitted new-token counts; None: 16, 64, 256, ... up to
-      `capacity`. A request's bucket is a function of its own tokens.
-  """
-
-  slots: int
-  capacity: int
-  chunk: int = 8
-  decode_rows: int = 0
-  admit_rows: int = 8
-  reuse: bool = True
-  agent_map: Optional[str] = None
-  window_buckets: Optional[tuple] = None
-  extend_buckets: Optional[tuple] = None
-
-  def __post_init__(self):
-    for name, low in (("slots", 1), ("capacity", 16), ("chunk", 1), ("decode_rows", 0),
-                      ("admit_rows", 1)):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"EngineConfig.{name}={v!r}; allowed: an int >= {low}")
-    if self.agent_map not in (None, "map", "vmap"):
-      raise ValueError(f"EngineConfig.agent_map={self.agent_map!r}; allowed: None, 'map', "
-                       "'vmap'")
-    for name in ("window_buckets", "extend_buckets"):
-      b = getattr(self, name)
-      if b is not None and (not b or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
-                                         for x in b) or max(b) < self.capacity):
-        raise ValueError(f"EngineConfig.{name}={b!r}; allowed: None or ints >= 1 whose "
-                         f"largest is at least capacity={self.capacity}")
-
-  @property
-  def rows(self) -> int:
-    """Rows of every decode call per (shard, agent)."""
-    if self.decode_rows:
-      return min(self.decode_rows, self.slots)
-    return min(self.slots, 64 if jax.default_backend() == "cpu" else 256)
-
-  @property
-  def windows(self) -> tuple:
-    c = self.capacity
-    return tuple(sorted(self.window_buckets or {max(16, -(-c // k // 16) * 16) for k in (4, 2)}
-                        | {c}))
-
-  @property
-  def extends(self) -> tuple:
-    return tuple(sorted(self.extend_buckets or _geometric(16, self.capacity, 4)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  """G samples of one prompt.
-
-  Attributes:
-    tag: the caller's name for the request; comes back with each sample.
-    prompt: the full context's token ids (int).
-    key: raw key data (uint32 [2]) shared by the request's samples.
-    rows: uint32 [G]: sample g draws token t with uniform(fold_in(fold_in(key, rows[g]), t)).
-    agent: whose parameters sample it (0 for a shared policy).
-    parent: a finished sample's `Handle` whose cache may hold a prefix of `prompt`.
-    max_new: token budget of each sample (None: the session's `max_new_tokens`).
-  """
-
-  tag: Any
-  prompt: Any
-  key: Any
-  rows: Any
-  agent: int = 0
-  parent: Optional["Handle"] = None
-  max_new: Optional[int] = None
-
-
-class Handle:
-  """A finished sample's parked cache: slot `slot` of (shard, agent) holds `ids`."""
-
-  __slots__ = ("shard", "agent", "slot", "ids", "alive", "released", "refs")
-
-  def __init__(self, shard, agent, slot, ids):
-    self.shard, self.agent, self.slot, self.ids = shard, agent, slot, ids
-    self.alive, self.released, self.refs = True, False, 0
-
-
-@dataclasses.dataclass
-class Sample:
-  """One finished sample: tokens exactly as sampled with their log q, and its cache."""
-
-  tag: Any
-  index: int
-  ids: np.ndarray
-  logprobs: np.ndarray
-  finish_reason: str
-  handle: Handle
-
-
-class _Row:
-  """A decoding slot."""
-
-  __slots__ = ("req", "g", "shard", "agent", "slot", "ctx", "token", "pos", "t", "max_new",
-               "ids", "logps")
-
-  def __init__(self, req, g, shard, agent, slot, ctx, max_new):
-    self.req, self.g, self.shard, self.agent, self.slot = req, g, shard, agent, slot
-    self.ctx, self.max_new = ctx, max_new
-    self.token, self.pos, self.t = int(req.prompt[-1]), len(ctx), 0
-    self.ids, self.logps = [], []
-
-
-class _Slots:
-  """Host bookkeeping of one (shard, agent) pool: free, parked (LRU) and decoding slots."""
-
-  def __init__(self, n):
-    self.free = list(range(n - 1, -1, -1))  # pop() hands out the lowest first
-    self.parked: collections.OrderedDict = collections.OrderedDict()  # slot -> Handle
-
-  def available(self, protect=frozenset()) -> int:
-    return len(self.free) + sum(1 for s in self.parked if s not in protect)
-
-  def take(self, count: int, protect, stats) -> Optional[list]:
-    """`count` slots, evicting least recently used parked slots (unreferenced first)
-    but none in `protect` (caches this step still reads)."""
-    if self.available(protect) < count:
-      return None
-    while len(self.free) < count:
-      victims = [s for s, h in self.parked.items() if s not in protect and h.refs == 0]
-      victim = victims[0] if victims else next(s for s in self.parked if s not in protect)
-      self.parked.pop(victim).alive = False
-      self.free.append(victim)
-      stats["evictions"] += 1
-    return [self.free.pop() for _ in range(count)]
-
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-  n = min(len(a), len(b))
-  diff = np.flatnonzero(a[:n] != b[:n])
-  return int(diff[0]) if diff.size else n
-
-
-STAT_KEYS = ("requests", "prefill_tokens", "reused_tokens", "decode_tokens", "slot_steps",
-             "chunks", "occupancy_sum", "evictions", "admit_calls", "decode_calls",
-             "device_seconds")
+__all__ = ["DecodeEngine", "EngineConfig", "Handle", "Request", "Sample"]
 
 
 class DecodeEngine:
@@ -255,29 +82,11 @@ class DecodeEngine:
                rules=sharding.SAMPLE_RULES):
     self.model_cfg = model_cfg = model_cfg.replace(attention="xla")
     self.cfg = cfg
-    # Without a mesh the engine is this process's own (a judge's or user
-    # simulator's model): one local device, no collectives.
-    self.process_local = mesh is None
-    if mesh is None:
-      mesh = sharding.make_mesh((1, 1, 1), devices=jax.local_devices()[:1])
-    if any(t != AxisType.Auto for t in mesh.axis_types):
-      mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                               axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    self.mesh = mesh
-    self.num_agents = int(num_agents)
-    self.num_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    procs = 1 if self.process_local else jax.process_count()
-    if self.num_shards % procs:
-      raise ValueError(f"DecodeEngine: {self.num_shards} batch shards do not split over "
-                       f"{procs} processes")
-    self.local_shards = self.num_shards // procs
-    model_rules = sharding.rules_for(model_cfg, mesh, rules)
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(model_rules):
-      abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-      graphdef, abstract_state = nnx.split(abstract)
-      self._state_shardings = nnx.get_named_sharding(abstract_state, mesh)
+    self.layout = layout = DeviceLayout(model_cfg, mesh, num_agents, rules)
+    self.mesh, self.num_agents = layout.mesh, layout.num_agents
+    self.num_shards, self.local_shards = layout.num_shards, layout.local_shards
     agent_map = cfg.agent_map or ("map" if jax.default_backend() == "cpu" else "vmap")
-    self.programs = Programs(graphdef, mesh, dict(model_rules).get("kv_heads"), agent_map)
+    self.programs = Programs(layout.graphdef, layout.mesh, layout.kv_axis, agent_map)
     self._pool: Optional[KVCache] = None
     self._params = None
     self._session = None
@@ -315,10 +124,10 @@ class DecodeEngine:
     if stacked and leading != {self.num_agents}:
       raise ValueError(f"DecodeEngine.start: {self.num_agents} agents but parameters with "
                        f"leading sizes {sorted(leading)}")
-    self._params = self._put_params(params, stacked)
+    self._params = self.layout.put_params(params, stacked)
     stop_arr = np.full((next_pow2(len(stop), 4),), -1, np.int32)
     stop_arr[:len(stop)] = stop
-    rep = self._replicated
+    rep = self.layout.replicated
     self._session = dict(
         sampling=sampling, pad=int(pad_id), fanout=int(fanout), stacked=stacked,
         scalars=(rep(stop_arr), rep(np.float32(sampling.temperature)),
@@ -326,8 +135,8 @@ class DecodeEngine:
         static=dict(greedy=sampling.greedy, top_k=sampling.top_k,
                     use_top_p=sampling.top_p < 1.0))
     if self._pool is None:
-      self._pool = self._new_pool()
-    self._slots = {(d, a): _Slots(self.cfg.slots) for d in range(self.local_shards)
+      self._pool = self.layout.new_pool(self.cfg.slots, self.cfg.capacity)
+    self._slots = {(d, a): SlotPool(self.cfg.slots) for d in range(self.local_shards)
                    for a in range(self.num_agents)}
     self._rows: dict = {}  # (shard, agent, slot) -> _Row
     self._queue: list[Request] = []
@@ -407,13 +216,13 @@ class DecodeEngine:
     for plan in plans:  # the rows now decode
       for g, slot in enumerate(plan["dst"]):
         key = (plan["shard"], plan["agent"], slot)
-        self._rows[key] = _Row(plan["req"], g, plan["shard"], plan["agent"], slot,
+        self._rows[key] = Row(plan["req"], g, plan["shard"], plan["agent"], slot,
                                plan["ctx"], plan["req"].max_new)
     decode = self._decode_calls()
     mine = {"admit": {x: len(c) for x, c in calls.items()},
             "decode": [max(r.pos for r in rows) + self.cfg.chunk + 1 for rows in decode],
             "more": bool(expect_more or self._queue or self._rows)}
-    everyone = [mine] if self.process_local else distributed.allgather(mine)
+    everyone = [mine] if self.layout.process_local else distributed.allgather(mine)
     t0 = time.perf_counter()
     for x in sorted({x for m in everyone for x in m["admit"]}):
       for k in range(max(m["admit"].get(x, 0) for m in everyone)):
@@ -441,7 +250,7 @@ class DecodeEngine:
     n, e = max(len(v) for v in per.values()), self.cfg.admit_rows
     return [[p for v in per.values() for p in v[k:k + e]] for k in range(0, n, e)]
 
-  def _decode_calls(self) -> list[list[_Row]]:
+  def _decode_calls(self) -> list[list[Row]]:
     """The decoding rows split into calls of `rows` per (shard, agent)."""
     per: dict = collections.defaultdict(list)
     for row in self._rows.values():
@@ -476,7 +285,7 @@ class DecodeEngine:
       fresh = pool.take(g - 1 if takeover else g, reading | {h.slot}, self.stats)
       if fresh is None:
         return None
-      lcp = _lcp(h.ids, ctx)
+      start = lcp(h.ids, ctx)
       h.refs -= 1
       if takeover:
         h.alive = False
@@ -487,7 +296,7 @@ class DecodeEngine:
         reading.add(h.slot)  # no later plan of this step may evict and overwrite it
         pool.parked.move_to_end(h.slot)  # recently used
         self._maybe_free(h)
-      plan = dict(shard=h.shard, src=h.slot, dst=dst, start=lcp)
+      plan = dict(shard=h.shard, src=h.slot, dst=dst, start=start)
     else:
       shard = max(range(self.local_shards),
                   key=lambda d: (self._slots[(d, req.agent)].available(
@@ -525,7 +334,7 @@ class DecodeEngine:
       tokens[sa + (i,)][:len(p["ext"])] = p["ext"]
       start[sa + (i,)] = p["start"]
       count[sa + (i,)] = len(p["ext"])
-    put = self._put_rows
+    put = self.layout.put_rows
     self._pool = self.programs.admit(self._params, self._pool, put(src), put(dst), put(tokens),
                                      put(start), put(count), stacked=self._session["stacked"])
     self.stats["admit_calls"] += 1
@@ -553,7 +362,7 @@ class DecodeEngine:
       key[idx], keyrow[idx] = row.req.key, row.req.rows[row.g]
       max_new[idx], live[idx] = row.max_new, True
       placed.append((idx, row))
-    put = self._put_rows
+    put = self.layout.put_rows
     out = self.programs.decode(
         self._params, self._pool, put(slot), put(token), put(pos), put(key), put(keyrow),
         put(t), put(max_new), put(live), *s["scalars"], stacked=s["stacked"], window=window,
@@ -576,7 +385,7 @@ class DecodeEngine:
         finished.append(self._finish(row, bool(stopped[idx])))
     return finished
 
-  def _finish(self, row: _Row, stopped: bool) -> Sample:
+  def _finish(self, row: Row, stopped: bool) -> Sample:
     del self._rows[(row.shard, row.agent, row.slot)]
     ids = np.asarray(row.ids, np.int32)
     cached = np.concatenate([row.ctx, row.req.prompt[-1:], ids[:-1]]).astype(np.int32)
@@ -599,20 +408,18 @@ class DecodeEngine:
                  fanout: int, threads: int = 2) -> int:
     """Compiles `programs_for(samplings)` without running them (`threads` at once:
     XLA compiles off the Python lock). Returns how many."""
-    import concurrent.futures  # pylint: disable=g-import-not-at-top
     stacked = self.num_agents > 1
     # Concrete params are placed as a session places them (moving them onto the
     # sampling layout compiles reshard programs of its own), then made abstract.
-    params = self._put_params(params, stacked)
+    params = self.layout.put_params(params, stacked)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
                                                          sharding=x.sharding), params)
-    pool = self.abstract_pool()
+    pool = self.layout.abstract_pool(self.cfg.slots, self.cfg.capacity)
     d, a = self.num_shards, self.num_agents
     def spec(shape, dtype=np.int32):
-      return jax.ShapeDtypeStruct(shape, dtype,
-                                  sharding=sharding.batch_sharding(self.mesh, len(shape), d))
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=self.layout.rows_sharding(len(shape)))
 
-    rep = self._replicated
+    rep = self.layout.replicated
     scalars = (rep(np.zeros((next_pow2(num_stop_ids, 4),), np.int32)), rep(np.float32(1)),
                rep(np.float32(1)), rep(np.int32(0)))
 
@@ -635,50 +442,5 @@ class DecodeEngine:
     with concurrent.futures.ThreadPoolExecutor(threads) as ex:
       list(ex.map(compile_one, programs))
     if self._pool is None:  # allocating it compiles a program of its own
-      self._pool = self._new_pool()
+      self._pool = self.layout.new_pool(self.cfg.slots, self.cfg.capacity)
     return len(programs)
-
-  # ------------------------------------------------------------ placement
-  def _pool_shapes(self):
-    c = self.model_cfg
-    shape = (self.num_shards, self.num_agents, self.cfg.slots + 1, self.cfg.capacity,
-             c.num_kv_heads, c.head_dim)
-    return shape, c.jnp_dtype
-
-  def _pool_sharding(self):
-    return NamedSharding(self.mesh, P(sharding.BATCH_AXES, None, None, None,
-                                      self.programs.kv_axis, None))
-
-  def _new_pool(self) -> KVCache:
-    shape, dtype = self._pool_shapes()
-    layers = self.model_cfg.num_layers
-    make = jax.jit(lambda: KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
-                                   v=tuple(jnp.zeros(shape, dtype) for _ in range(layers))),
-                   out_shardings=self._pool_sharding())
-    return make()
-
-  def abstract_pool(self) -> KVCache:
-    shape, dtype = self._pool_shapes()
-    s = jax.ShapeDtypeStruct(shape, dtype, sharding=self._pool_sharding())
-    return KVCache(k=(s,) * self.model_cfg.num_layers, v=(s,) * self.model_cfg.num_layers)
-
-  def _put_params(self, params, stacked: bool):
-    sh = self._state_shardings
-    if stacked:
-      sh = jax.tree.map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), sh)
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
-      return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          params, sh)
-    return jax.device_put(params, sh)
-
-  def _put_rows(self, x):
-    """This process's [local shards, ...] block as a global array split on its shard axis."""
-    if self.process_local:
-      return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim, x.shape[0]))
-    return distributed.global_rows(x, sharding.batch_sharding(
-        self.mesh, x.ndim, x.shape[0] * jax.process_count()))
-
-  def _replicated(self, x):
-    if self.process_local:
-      return jax.device_put(x, sharding.replicated(self.mesh))
-    return distributed.replicated_value(x, sharding.replicated(self.mesh))

@@ -1,11 +1,12 @@
 """The rollout engine's device programs: admit (prefill into slots) and decode (k steps).
 
 The KV pool of `DecodeEngine` is one array per layer for keys and one for
-values, each [D, A, S1, C, K, Dh]: D batch shards (data x fsdp; one block per
+values, each [D, A, S1, K, C, Dh]: D batch shards (data x fsdp; one block per
 device, so a shard's slots never leave its device), A parameter sets (1 for a
 shared policy, N for separate policies stacked on an agent axis), S1 = S
-slots + 1 scratch slot per (shard, agent), C cache columns, K key/value
-heads, Dh head width. A slot's cache is contiguous from column 0: the token
+slots + 1 scratch slot per (shard, agent), K key/value heads, C cache
+columns, Dh head width (heads before columns: a decode step reads each
+head's columns in place). A slot's cache is contiguous from column 0: the token
 at column c has RoPE position c. Column C - 1 is never valid content: writes
 that must land nowhere (padding tokens, rows that already finished) go there.
 
@@ -74,24 +75,24 @@ class Programs:
   def _shard(self, x):
     """Constrains `x` to be split over data x fsdp on axis 0 (the shard axis D)."""
     spec = [sharding.BATCH_AXES] + [None] * (x.ndim - 1)
-    if x.ndim == 6:  # pool layers [D, A, S1, C, K, Dh] and gathered rows [D, A, R, W, K, Dh]
-      spec[4] = self.kv_axis
+    if x.ndim == 6:  # pool layers [D, A, S1, K, C, Dh] and gathered rows [D, A, R, K, W, Dh]
+      spec[3] = self.kv_axis
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
 
   @staticmethod
   def _gather(pool_layer, rows_DxAxR, window):
-    """[D, A, R, window, K, Dh]: the rows' first `window` columns (a per-shard gather)."""
-    def one_shard(p_AxSxCxKxE, r_AxR):
+    """[D, A, R, K, window, Dh]: the rows' first `window` columns (a per-shard gather)."""
+    def one_shard(p_AxSxKxCxE, r_AxR):
       agents = jnp.arange(r_AxR.shape[0])[:, None]
-      return p_AxSxCxKxE[agents, r_AxR, :window]
+      return p_AxSxKxCxE[agents, r_AxR, :, :window]
     return jax.vmap(one_shard)(pool_layer, rows_DxAxR)
 
   @staticmethod
   def _scatter(pool_layer, rows_DxAxR, window, vals):
-    """`pool_layer` with the rows' first `window` columns set to `vals` [D, A, R, window, ...]."""
+    """`pool_layer` with the rows' first `window` columns set to `vals` [D, A, R, K, window, Dh]."""
     def one_shard(p, r_AxR, v):
       agents = jnp.arange(r_AxR.shape[0])[:, None]
-      return p.at[agents, r_AxR, :window].set(v, mode="promise_in_bounds")
+      return p.at[agents, r_AxR, :, :window].set(v, mode="promise_in_bounds")
     return jax.vmap(one_shard)(pool_layer, rows_DxAxR, vals)
 
   def _per_agent(self, fn, params, stacked: bool, *args):
@@ -110,7 +111,7 @@ class Programs:
     return jax.tree.map(lambda *x: jnp.stack(x), *outs)
 
   def _rows_cache(self, pool: KVCache, rows_DxAxR, window) -> KVCache:
-    """The gathered rows as one cache per agent: [A, D * R, window, K, Dh] per layer."""
+    """The gathered rows as one cache per agent: [A, D * R, K, window, Dh] per layer."""
     def flat(layer):
       g = self._shard(self._gather(layer, rows_DxAxR, window))
       d, a, r = g.shape[:3]
@@ -144,7 +145,7 @@ class Programs:
     [0, start) and writes the rows to their `dst` slots."""
     self.num_traces += 1
     d = src_DxAxE.shape[0]
-    width = pool.k[0].shape[3]
+    width = pool.k[0].shape[4]
     x = tokens_DxAxExX.shape[-1]
     cache = self._rows_cache(pool, src_DxAxE, width)
     tokens, start, count = (self._flat(v) for v in (tokens_DxAxExX, start_DxAxE, count_DxAxE))

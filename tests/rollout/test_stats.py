@@ -10,7 +10,7 @@ from mtrl_jax.envs.runner import StepOutcome
 from mtrl_jax.graders.reward import RewardConfig, compose_reward
 from mtrl_jax.rollout import ActionRecord, TreeConfig
 from mtrl_jax.rollout import stats
-from mtrl_jax.rollout.engine import RolloutTimes
+from mtrl_jax.rollout import RolloutTimes
 from mtrl_jax.rollout.env_transition import _record
 from mtrl_jax.rollout.tree import Completion, Tree
 
