@@ -12,11 +12,11 @@ filter), GRPO with KL to each agent's frozen reference (beta 0.05), AdamW.
 
 Arms, run side by side (each timed step runs every arm once, in turn, on the
 same tree key, so machine load drifts over all arms alike):
-  stacked (map)    `Sampler.generate_stacked` with agent_map='map' (one call
-                   per tree level for both agents) + `StackedTrainStep` (one
-                   vmapped update of both agents);
+  stacked (map)    one `DecodeEngine` with a KV pool per agent, agent_map='map'
+                   (both agents' rows in one program per engine call) +
+                   `StackedTrainStep` (one vmapped update of both agents);
   stacked (vmap)   the same with agent_map='vmap' (agents batched into each op);
-  per agent        one `Sampler.generate` call per agent per level + one
+  per agent        one engine per agent (each call one agent's program) + one
                    `TrainStep` per agent (two programs), the fallback that
                    agents of different architectures would need.
 Columns: medians over the timed steps of the rollout (generation, tree
@@ -32,9 +32,9 @@ from absl import app, flags
 
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.models import create_model, get_preset
-from mtrl_jax.rollout import SamplerPolicy, StackedStates, TreeConfig, expand_tree
+from mtrl_jax.rollout import EnginePolicy, StackedStates, TreeConfig, expand_tree
 from mtrl_jax.rollout.batching import BatchConfig, make_agent_batches
-from mtrl_jax.sampling import Sampler, SamplingConfig
+from mtrl_jax.sampling import DecodeEngine, EngineConfig, SamplingConfig
 from mtrl_jax.testing import TokenTransition
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.stacked import StackedTrainStep
@@ -49,16 +49,62 @@ _WARMUP = flags.DEFINE_integer("warmup", 1, "untimed first steps per arm (compil
 AGENTS, ROOTS, G, PROMPT_LEN, BETA, LR = 2, 4, 4, 32, 0.05, 1e-5
 
 
+def _engine_cfg(new: int) -> EngineConfig:
+  return EngineConfig(slots=ROOTS * G * G, capacity=PROMPT_LEN + 2 * new + 8 + 16)
+
+
+class PerAgentPolicy:
+  """A `RolloutPolicy` over one single-agent engine per agent (agent a's requests to engine a)."""
+
+  separate = True
+
+  def __init__(self, engines):
+    self.engines = engines
+    self.owner = {}
+    self.engine_calls = 0
+
+  def start(self, fanout):
+    for e in self.engines:
+      e.start(fanout)
+
+  def submit(self, req):
+    self.engines[req.agent].submit(req)
+
+  def step(self, expect_more=False):
+    out, more = [], False
+    for e in self.engines:
+      if e.busy:
+        samples, _ = e.step()
+        self.engine_calls += 1
+        for s in samples:
+          self.owner[id(s.handle)] = e
+        out += samples
+      more = more or e.busy
+    return out, more or expect_more
+
+  def release(self, handle):
+    self.owner.pop(id(handle)).release(handle)
+
+  @property
+  def busy(self):
+    return any(e.busy for e in self.engines)
+
+  def finish(self):
+    return {}
+
+
 class Stacked:
-  """Both agents in one sampler program per level and one train program."""
+  """Both agents in one engine (a pool per agent, one program per call) and one train program."""
 
   def __init__(self, cfg, models, sampling, agent_map):
     self.train = StackedTrainStep(models[0], LossConfig(kl_coef=BETA),
                                   OptimConfig(learning_rate=LR), (LR,) * AGENTS)
     self.state = self.train.init_state(models)
     self.ref = self.train.copy_params(self.state.params)
-    self.policy = SamplerPolicy(Sampler(cfg, agent_map=agent_map), None, sampling,
-                                stop_ids=(), pad_id=0)
+    engine = DecodeEngine(cfg, EngineConfig(**{**vars(_engine_cfg(sampling.max_new_tokens)),
+                                               "agent_map": agent_map}), num_agents=AGENTS)
+    self.policy = EnginePolicy(engine, StackedStates(self.state.params, AGENTS), sampling,
+                               stop_ids=(), pad_id=0, fanout=G)
 
   def set_policy(self):
     self.policy.set_states(StackedStates(self.state.params, AGENTS))
@@ -69,17 +115,21 @@ class Stacked:
 
 
 class PerAgent:
-  """One sampler call per agent per level and one train program per agent."""
+  """One engine and one train program per agent."""
 
   def __init__(self, cfg, models, sampling):
     self.train = [TrainStep(m, LossConfig(kl_coef=BETA), OptimConfig(learning_rate=LR))
                   for m in models]
     self.states = [t.init_state(m) for t, m in zip(self.train, models)]
     self.refs = [t.copy_params(s.params) for t, s in zip(self.train, self.states)]
-    self.policy = SamplerPolicy(Sampler(cfg), None, sampling, stop_ids=(), pad_id=0)
+    self.engines = [EnginePolicy(DecodeEngine(cfg, _engine_cfg(sampling.max_new_tokens)),
+                                 s.params, sampling, stop_ids=(), pad_id=0, fanout=G)
+                    for s in self.states]
+    self.policy = PerAgentPolicy(self.engines)
 
   def set_policy(self):
-    self.policy.set_states([s.params for s in self.states])
+    for e, s in zip(self.engines, self.states):
+      e.set_states(s.params)
 
   def update(self, batch):
     out = []
@@ -99,8 +149,7 @@ def step(arm, tree_cfg, transition, batch_cfg, seed: int) -> dict:
   jax.block_until_ready(arm.update(batch))
   t2 = time.perf_counter()
   return {"rollout": t1 - t0, "train": t2 - t1, "step": t2 - t0,
-          "shape": "x".join(map(str, batch["tokens_BxL"].shape)),
-          "sampler_calls": arm.policy.num_generate_calls}
+          "shape": "x".join(map(str, batch["tokens_BxL"].shape))}
 
 
 def main(argv):
@@ -117,12 +166,9 @@ def main(argv):
           "stacked (vmap)": Stacked(cfg, models, sampling, "vmap"),
           "per agent": PerAgent(cfg, models, sampling)}
   rows = {name: [] for name in arms}
-  calls = {}
   for s in range(_WARMUP.value + _STEPS.value):
     for name, arm in arms.items():
-      before = arm.policy.num_generate_calls
       r = step(arm, tree_cfg, transition, batch_cfg, seed=s)
-      calls[name] = r["sampler_calls"] - before
       if s >= _WARMUP.value:
         rows[name].append(r)
     print(f"step {s}: " + ", ".join(f"{n} {rows[n][-1]['step']:.2f} s" if rows[n] else n
@@ -135,12 +181,12 @@ def main(argv):
         f"{jax.device_count()} device(s); preset {_PRESET.value} ({cfg.dtype}); N = {AGENTS}, "
         f"{ROOTS} roots, T = 2, G = {G}, {_NEW.value} new tokens; medians of {_STEPS.value} "
         f"steps after {_WARMUP.value} warm-up, arms interleaved")
-  print("| arm | sampler calls / step | compiled programs per shape (sampler + train) | rollout s | train s | "
+  print("| arm | programs per shape (engine + train) | rollout s | train s | "
         "rollout + train s | ratio to per agent |")
-  print("|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|")
   for n, m in med.items():
-    programs = "1 + 1" if n.startswith("stacked") else f"1 (called per agent) + {AGENTS}"
-    print(f"| {n} | {calls[n]} | {programs} | {m['rollout']:.3f} | {m['train']:.3f} | "
+    programs = "1 + 1" if n.startswith("stacked") else f"{AGENTS} engines + {AGENTS}"
+    print(f"| {n} | {programs} | {m['rollout']:.3f} | {m['train']:.3f} | "
           f"{m['step']:.3f} | {m['step'] / base['step']:.2f} (rollout "
           f"{m['rollout'] / base['rollout']:.2f}, train {m['train'] / base['train']:.2f}) |")
   print(f"train batch [A, B, L]: {rows['per agent'][-1]['shape']}")

@@ -10,7 +10,7 @@ disabled so every completion is 64 tokens, temperature 1, KL to a frozen referen
 with beta = 0.05, Adam lr 1e-5, one update per step on every sampled sequence):
 
   grpo     one turn: 16 sequences of 32 + 64 tokens. Ours: `expand_tree` with T = 1
-           (one sampler call, each prompt prefilled once and forked G ways), rewards
+           (the rollout engine: each prompt prefilled once and forked G ways), rewards
            from `mtrl_jax.testing.TokenTransition` (parity of the first token),
            `pack_tree`, one jitted `TrainStep` (reference logprobs inside). Tunix:
            its GRPOLearner (`benchmarks/tunix_rl_worker.py`).
@@ -21,12 +21,17 @@ with beta = 0.05, Adam lr 1e-5, one update per step on every sampled sequence):
   agentic  two turns with an 8-token observation between them. Ours: the tree with
            T = 2, G = 4: each of the 16 turn-1 samples branches into G = 4 turn-2
            samples from its shared prefix (4 + 16 nodes, 80 completions of 64 tokens,
-           two sampler calls per step, 80 training rows). Tunix: its agentic GRPO
+           each child continuing its parent sample's cache, 80 training rows). Tunix: its agentic GRPO
            learner, 16 independent 2-turn episodes (32 completions), one generate call
            per turn per episode, every turn re-tokenised and prefilled from scratch.
            The trees differ by design, so the comparison is generated tokens per
            second of whole training steps (Tunix's structure is what the issue's 3x
            target is about).
+
+Rollout: `--rollout=engine,level-sync` runs our side with the engine (continuous
+schedule, children extending their parents' caches) and with the level-synchronous
+baseline (barrier schedule, every node's prompt prefilled whole, as the sampler the
+engine replaced did).
 
 Packing: `--packing=tree,rows` runs our side with both layouts of the train batch
 (`rollout.batching`, every sampled sequence trained: no zero-variance filter); the
@@ -34,9 +39,9 @@ table gives trained tokens (non-padding tokens in the batch) and XLA's memory fo
 train step (arguments + temporaries of the compiled program; on a GPU also the
 process's peak bytes in use so far, which grows down the table).
 
-Time split of our step (median over the timed steps): generation (sampler calls),
+Time split of our step (median over the timed steps): generation (engine steps),
 environment (rewards, tree bookkeeping), packing (host), train (one jitted call:
-reference forward + policy forward/backward + Adam). Compile census: the sampler and
+reference forward + policy forward/backward + Adam). Compile census: the engine and
 train-step compile counts after the --warmup steps and after all steps; DESIGN.md
 invariant 5 wants them equal. Runtime on 2 CPU cores: ~2 min ours + ~1 min Tunix.
 """
@@ -54,11 +59,10 @@ from absl import app, flags
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.metrics import CompileCensus
 from mtrl_jax.models import create_model, get_preset
-from mtrl_jax.rollout import TreeConfig, expand_tree, plan_tree
+from mtrl_jax.rollout import EnginePolicy, TreeConfig, expand_tree, plan_tree
 from mtrl_jax.rollout.batching import BatchConfig, make_train_batch
-from mtrl_jax.rollout.policy import TimedPolicy
 from mtrl_jax.testing import TokenTransition
-from mtrl_jax.sampling import Sampler, SamplingConfig
+from mtrl_jax.sampling import DecodeEngine, EngineConfig, SamplingConfig
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import TrainStep
 
@@ -69,6 +73,7 @@ _TUNIX = flags.DEFINE_string("tunix_python", None,
 _WORKLOADS = flags.DEFINE_list("workloads", ["grpo", "agentic", "longctx"],
                                 "grpo, agentic and/or longctx")
 _PACKING = flags.DEFINE_list("packing", ["tree", "rows"], "our train-batch layouts: tree, rows")
+_ROLLOUT = flags.DEFINE_list("rollout", ["engine"], "our rollouts: engine, level-sync")
 _ATTENTION = flags.DEFINE_string("attention", "xla", "ModelConfig.attention: xla | cudnn")
 _REMAT = flags.DEFINE_bool("remat", False, "rematerialise blocks in the backward pass")
 _LONG_STEPS = flags.DEFINE_integer("long_steps", 3, "timed steps of the longctx workload")
@@ -99,26 +104,29 @@ def _memory(train_step, state, ref, batch) -> dict:
   return out
 
 
-def bench_ours(cfg, workload: str, steps: int, warmup: int, packing: str) -> dict:
+def bench_ours(cfg, workload: str, steps: int, warmup: int, packing: str, rollout: str) -> dict:
   turns, roots, system, tree_len = WORKLOADS[workload]
-  tree_cfg = TreeConfig(num_turns=turns, num_generations=GENERATIONS)
+  level_sync = rollout == "level-sync"
+  tree_cfg = TreeConfig(num_turns=turns, num_generations=GENERATIONS,
+                        schedule="barrier" if level_sync else "continuous")
   plan = plan_tree(tree_cfg, roots, system + PROMPT_LEN + (turns - 1) * (NEW + OBS), NEW)
   model = create_model(cfg, seed=0)
   train_step = TrainStep(model, LossConfig(kl_coef=BETA), OptimConfig(learning_rate=1e-5))
   state = train_step.init_state(model)
   ref = train_step.copy_params(state.params)
   del model
-  sampler = Sampler(cfg)
-  policy = TimedPolicy(sampler, None, SamplingConfig(temperature=1.0, max_new_tokens=NEW),
-                        stop_ids=(), pad_id=0)
-  transition = TokenTransition(cfg.vocab_size, obs_len=OBS)
   length = system + PROMPT_LEN + turns * NEW + (turns - 1) * OBS
+  engine = DecodeEngine(cfg, EngineConfig(slots=plan.max_level_generations,
+                                          capacity=length + 16, reuse=not level_sync))
+  policy = EnginePolicy(engine, None, SamplingConfig(temperature=1.0, max_new_tokens=NEW),
+                        stop_ids=(), pad_id=0, fanout=GENERATIONS)
+  transition = TokenTransition(cfg.vocab_size, obs_len=OBS)
   batch_cfg = BatchConfig(packing=packing,
                           length_buckets=(tree_len,) if packing == "tree" else (length,),
                           row_buckets=None if packing == "tree" else (plan.rows,),
                           zero_variance_filter=False)
   census = CompileCensus()
-  census.register("sampler", sampler)
+  census.register("engine", engine)
   census.register("train_step", train_step)
   rows, warm = [], None
   for step in range(warmup + steps):
@@ -140,8 +148,9 @@ def bench_ours(cfg, workload: str, steps: int, warmup: int, packing: str) -> dic
     t3 = time.perf_counter()
     tokens = sum(len(c.ids) for n in tree.nodes for a in n.completions for c in a)
     assert tokens == plan.generations * NEW, (tokens, plan.generations)
-    generation = policy.pop_seconds()
+    generation = tree.times.generation
     rows.append({"step": t3 - t0, "generation": generation,
+                 "prefill": tree.engine["prefill_tokens"],
                  "environment": t1 - t0 - generation, "packing": t2 - t1,
                  "train": t3 - t2, "tokens": tokens,
                  "trained": batch_m["batch/tokens_trained"],
@@ -185,19 +194,21 @@ def main(argv):
   cfg = get_preset(_PRESET.value, dtype=_DTYPE.value, attention=_ATTENTION.value,
                    remat=_REMAT.value)
   ours = {}
+  arms = [(p, r) for p in _PACKING.value for r in _ROLLOUT.value]
   for w in _WORKLOADS.value:
     steps = _LONG_STEPS.value if w == "longctx" else _STEPS.value
-    for packing in _PACKING.value:
+    for packing, rollout in arms:
       try:
-        ours[(w, packing)] = o = bench_ours(cfg, w, steps, _WARMUP.value, packing)
+        ours[(w, packing, rollout)] = o = bench_ours(cfg, w, steps, _WARMUP.value, packing,
+                                                     rollout)
       except Exception as e:  # pylint: disable=broad-except
         # e.g. out of memory: the row layout's full logits of a long-context batch
-        print(f"{w} ({packing}): failed: {str(e).splitlines()[0][:200]}", flush=True)
+        print(f"{w} ({packing}, {rollout}): failed: {str(e).splitlines()[0][:200]}", flush=True)
         continue
       # As it finishes, so a run cut short keeps what it measured.
-      print(f"{w} ({packing}): step {o['step']:.3f} s, train {o['train']:.3f} s, batch "
-            f"{o['shape']}, trained tokens {o['trained']:.0f}, gen tok/s {o['tok_s']:.0f}",
-            flush=True)
+      print(f"{w} ({packing}, {rollout}): step {o['step']:.3f} s, generation "
+            f"{o['generation']:.3f} s, train {o['train']:.3f} s, batch {o['shape']}, trained "
+            f"tokens {o['trained']:.0f}, gen tok/s {o['tok_s']:.0f}", flush=True)
   tunix_workloads = [w for w in _WORKLOADS.value if w != "longctx"]
   theirs = (bench_tunix(_TUNIX.value, cfg, _TUNIX_STEPS.value, tunix_workloads)
             if _TUNIX.value and tunix_workloads else {})
@@ -208,19 +219,19 @@ def main(argv):
         f"beta={BETA}; ours: median of {_STEPS.value} steps after {_WARMUP.value} warm-up"
         + (f"; Tunix 0.1.7: median of {_TUNIX_STEPS.value} after 1" if theirs else ""))
   mib = lambda b: "n/a" if b is None else f"{b / 2**20:.0f}"
-  print("| workload | system | completions | step s | generation s | environment s | "
-        "packing s | train s (ref + update) | batch B x L | trained tokens | "
+  print("| workload | system | completions | step s | generation s | prefilled tokens | "
+        "environment s | packing s | train s (ref + update) | batch B x L | trained tokens | "
         "train-step memory MiB (XLA / peak) | gen tokens/step | gen tok/s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for w in _WORKLOADS.value:
-    for packing in _PACKING.value:
-      if (w, packing) not in ours:
-        print(f"| {w} | mtrl_jax ({packing}) | failed (see above) |")
+    for packing, rollout in arms:
+      if (w, packing, rollout) not in ours:
+        print(f"| {w} | mtrl_jax ({packing}, {rollout}) | failed (see above) |")
         continue
-      o = ours[(w, packing)]
-      print(f"| {w} | mtrl_jax ({packing}) | {o['completions']} | {o['step']:.3f} | "
-            f"{o['generation']:.3f} | {o['environment']:.3f} | {o['packing']:.3f} | "
-            f"{o['train']:.3f} | {o['shape']} | {o['trained']:.0f} | "
+      o = ours[(w, packing, rollout)]
+      print(f"| {w} | mtrl_jax ({packing}, {rollout}) | {o['completions']} | {o['step']:.3f} | "
+            f"{o['generation']:.3f} | {o['prefill']:.0f} | {o['environment']:.3f} | "
+            f"{o['packing']:.3f} | {o['train']:.3f} | {o['shape']} | {o['trained']:.0f} | "
             f"{mib(o['xla_bytes'])} / {mib(o['peak_bytes'])} | {o['tokens']:.0f} | "
             f"{o['tok_s']:.0f} |")
     t = theirs.get(w)
@@ -234,21 +245,28 @@ def main(argv):
             f"{t['generated_tokens_per_step']} | {t['tokens_per_s']:.0f} |")
     elif t:
       print(f"| {w} | Tunix 0.1.7 | error: {t['error']} |")
-  for (w, packing), o in ours.items():
+  for (w, packing, rollout), o in ours.items():
     t = theirs.get(w)
     if t and "error" not in t:
-      print(f"{w} ({packing}): step time ours/Tunix = {o['step'] / t['step_s_median']:.2f}; "
-            f"generated tok/s ours/Tunix = {o['tok_s'] / t['tokens_per_s']:.2f}")
+      print(f"{w} ({packing}, {rollout}): step time ours/Tunix = "
+            f"{o['step'] / t['step_s_median']:.2f}; generated tok/s ours/Tunix = "
+            f"{o['tok_s'] / t['tokens_per_s']:.2f}")
   for w in _WORKLOADS.value:
-    if (w, "tree") in ours and (w, "rows") in ours:
-      tr, ro = ours[(w, "tree")], ours[(w, "rows")]
-      print(f"{w}: rows/tree trained tokens = {ro['trained'] / tr['trained']:.2f}x; "
-            f"train step rows/tree = {ro['train'] / tr['train']:.2f}x")
-  for (w, packing), o in ours.items():
+    for r in _ROLLOUT.value:
+      if (w, "tree", r) in ours and (w, "rows", r) in ours:
+        tr, ro = ours[(w, "tree", r)], ours[(w, "rows", r)]
+        print(f"{w} ({r}): rows/tree trained tokens = {ro['trained'] / tr['trained']:.2f}x; "
+              f"train step rows/tree = {ro['train'] / tr['train']:.2f}x")
+    for p in _PACKING.value:
+      if (w, p, "engine") in ours and (w, p, "level-sync") in ours:
+        e, l = ours[(w, p, "engine")], ours[(w, p, "level-sync")]
+        print(f"{w} ({p}): generation level-sync/engine = {l['generation'] / e['generation']:.2f}x;"
+              f" prefilled tokens {l['prefill'] / max(e['prefill'], 1):.1f}x fewer")
+  for (w, packing, rollout), o in ours.items():
     warm, end = o["census"]
     grew = {k: end[k] - warm[k] for k in end if end[k] != warm[k]}
-    print(f"compile census {w} ({packing}): after warm-up {warm}; after the timed steps "
-          f"{'unchanged' if not grew else grew}")
+    print(f"compile census {w} ({packing}, {rollout}): after warm-up {warm}; after the timed "
+          f"steps {'unchanged' if not grew else grew}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-r"""Sampler throughput: generated tokens/s, mtrl_jax beside Google's Tunix sampler.
+r"""Decode throughput of the rollout engine: generated tokens/s, beside Google's Tunix sampler.
 
 Command (the Tunix column needs a separate venv with google-tunix==0.1.7):
   python3 -m venv /tmp/tunix_venv && /tmp/tunix_venv/bin/pip install google-tunix==0.1.7
@@ -9,9 +9,12 @@ heads, MLP 768, vocab 8192, tied, float32), random weights; Tunix builds its own
 `tunix.models.qwen3` model of the same shape. Cases: batch 8 and 16 of
 32-token prompts, 64 new tokens, temperature 1, no filters, EOS disabled (every
 row generates 64 tokens); and branching: 4 prompts x G=4 with one prefill per
-prompt vs the same 16 rows as 16 separate prompts. Each figure is the median
-of --repeats timed calls after one warm-up call (compilation), taken round
-robin over the cases, wall clock of the whole host-to-numpy `generate` call. Runtime: ~1-2 minutes on 2 CPU cores.
+prompt forked into 4 slots vs the same 16 rows as 16 separate prompts. Ours is
+`DecodeEngine` (16 slots, decode calls of 16 rows): submit the requests, step
+until every sample is back. Each figure is the median of --repeats timed calls
+after one warm-up call (compilation), taken round robin over the cases, wall
+clock from submission to the last sample on the host. Runtime: ~1-2 minutes on
+2 CPU cores.
 """
 
 import json
@@ -28,9 +31,9 @@ _TUNIX = flags.DEFINE_string("tunix_python", None,
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per case (median reported)")
 _PRESET = flags.DEFINE_string("preset", "bench", "model preset")
 _DTYPE = flags.DEFINE_string("dtype", None, "override param and compute dtype (e.g. bfloat16)")
-_CHUNKS = flags.DEFINE_list("decode_chunks", ["default"],
-                            "Sampler.decode_chunk values to compare ('default': the "
-                            "platform's); adds a decode-step vs memory-floor table")
+_CHUNKS = flags.DEFINE_list("decode_chunks", ["8"],
+                            "EngineConfig.chunk values to compare (decode steps per engine "
+                            "step); adds a decode-step vs memory-floor table")
 
 PROMPT_LEN, NEW_TOKENS = 32, 64
 # (label, number of distinct prompts, generations per prompt)
@@ -98,16 +101,18 @@ def measure_bandwidth(n_bytes: int = 1 << 30) -> float:
   return 2 * n_bytes / statistics.median(times)
 
 
-def bench_mtrl(preset: str, repeats: int, decode_chunk=None) -> dict:
+def bench_mtrl(preset: str, repeats: int, chunk: int) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from mtrl_jax import models  # pylint: disable=g-import-not-at-top
-  from mtrl_jax.sampling import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
+  from mtrl_jax.sampling import (DecodeEngine, EngineConfig, Request,  # pylint: disable=g-import-not-at-top
+                                 SamplingConfig)
 
   cfg = models.get_preset(preset, dtype=_DTYPE.value)
   _, state = nnx.split(models.create_model(cfg, seed=0))
-  sampler = Sampler(cfg, decode_chunk=decode_chunk)
+  engine = DecodeEngine(cfg, EngineConfig(slots=16, capacity=PROMPT_LEN + NEW_TOKENS + 16,
+                                          chunk=chunk, decode_rows=16))
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=NEW_TOKENS)
   rng = np.random.default_rng(0)
   calls = {}
@@ -115,9 +120,18 @@ def bench_mtrl(preset: str, repeats: int, decode_chunk=None) -> dict:
     prompts = [rng.integers(1, cfg.vocab_size, PROMPT_LEN).tolist() for _ in range(n_prompts)]
 
     def call(seed, prompts=prompts, g=g):
-      res = sampler.generate(state, prompts, g, sampling, jax.random.key(seed), stop_ids=[],
-                             pad_id=0)
-      assert (res.lengths == NEW_TOKENS).all()
+      key = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+      engine.start(state, sampling, (), 0, fanout=4)
+      for p, prompt in enumerate(prompts):
+        engine.submit(Request(p, prompt, key, np.arange(g) + p * g))
+      got, busy = 0, True
+      while busy:
+        samples, busy = engine.step()
+        for s in samples:
+          assert len(s.ids) == NEW_TOKENS
+          engine.release(s.handle)
+        got += len(samples)
+      assert got == len(prompts) * g
 
     call(0)  # warm-up: compiles
     calls[label] = (call, n_prompts * g)
@@ -129,8 +143,8 @@ def bench_mtrl(preset: str, repeats: int, decode_chunk=None) -> dict:
       times[label].append(time.perf_counter() - t0)
   out = {label: rows * NEW_TOKENS / statistics.median(times[label])
          for label, (_, rows) in calls.items()}
-  out["_compiles"] = sampler.num_compiles
-  out["_chunk"] = sampler.decode_chunk
+  out["_compiles"] = engine.num_compiles
+  out["_chunk"] = chunk
   # Per decode step of the 16-row batch (the prefill is a small part of the call).
   out["_step_ms"] = 1e3 * statistics.median(times["batch 16"]) / NEW_TOKENS
   return out
@@ -154,7 +168,7 @@ def bench_tunix(python: str, preset: str, repeats: int) -> dict:
 
 def main(argv):
   del argv
-  chunks = [None if c == "default" else int(c) for c in _CHUNKS.value]
+  chunks = [int(c) for c in _CHUNKS.value]
   runs = [bench_mtrl(_PRESET.value, _REPEATS.value, c) for c in chunks]
   ours = runs[0]
   theirs = bench_tunix(_TUNIX.value, _PRESET.value, _REPEATS.value) if _TUNIX.value else {}
@@ -183,7 +197,7 @@ def main(argv):
   floor_ms = 1e3 * (weights + cache) / bw
   print(f"\ndecode step, batch 16: memory floor = (weights {weights / 2**20:.0f} MiB + KV cache "
         f"{cache / 2**20:.1f} MiB) / measured bandwidth {bw / 1e9:.0f} GB/s = {floor_ms:.3f} ms")
-  print("| decode_chunk | step ms (call / new tokens) | x floor | batch 16 tok/s |")
+  print("| chunk | step ms (call / new tokens) | x floor | batch 16 tok/s |")
   print("|---|---|---|---|")
   for r in runs:
     print(f"| {r['_chunk']} | {r['_step_ms']:.3f} | {r['_step_ms'] / floor_ms:.2f} | "

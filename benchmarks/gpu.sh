@@ -17,7 +17,6 @@ run train_bf16 python3 -m benchmarks.bench_train --presets=qwen2-0.5b --dtype=bf
   --rows=64 --peak_n=8192 --repeats=10
 run sampler_f32 python3 -m benchmarks.bench_sampler --preset=bench --repeats=10
 run sampler_bf16 python3 -m benchmarks.bench_sampler --preset=qwen2-0.5b --dtype=bfloat16 --repeats=10
-run rollout_f32 python3 -m benchmarks.bench_rollout --preset=bench --repeats=5
-run rollout_bf16 python3 -m benchmarks.bench_rollout --preset=qwen2-0.5b --dtype=bfloat16 --repeats=3
+run engine_bf16 python3 -m benchmarks.bench_engine --preset=qwen2-0.5b --dtype=bfloat16
 run rl_f32 python3 -m benchmarks.bench_rl --preset=bench --steps=20
 run rl_bf16 python3 -m benchmarks.bench_rl --preset=qwen2-0.5b --dtype=bfloat16 --steps=10

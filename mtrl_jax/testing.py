@@ -165,9 +165,10 @@ class FakePolicy:
   Sample g of a request draws its length and tokens from a numpy generator
   seeded by a hash of (prompt, agent, key, rows[g]), so samples do not depend
   on batching, slots or timing, and two runs with the same key agree bit for
-  bit. Scripted policies override `completion(req, g)`. Each request finishes after a random number of steps (from
-  `latency_seed`; 0 steps when `max_latency` is 0), so the order in which
-  samples come back changes with the latency seed while the samples do not.
+  bit. Scripted policies override `completion(req, g)`. Each sample
+  finishes after a random number of steps (from `latency_seed`; 0 steps when
+  `max_latency` is 0), so the order in which samples come back changes with
+  the latency seed while the samples do not.
 
   Counters: `requests` (every request, in submission order), `reused` (prompt
   tokens a named parent's cache held: the prompt extends it), `misses`
@@ -226,8 +227,9 @@ class FakePolicy:
       else:
         self.misses += 1
     self.requests.append(req)
-    wait = int(self._latency.integers(0, self.max_latency + 1)) if self.max_latency else 0
-    self._pending.append([wait, req])
+    for g in range(np.asarray(req.rows).size):
+      wait = int(self._latency.integers(0, self.max_latency + 1)) if self.max_latency else 0
+      self._pending.append([wait, req, g])
 
   def step(self, expect_more: bool = False):
     done, still = [], []
@@ -236,11 +238,10 @@ class FakePolicy:
         item[0] -= 1
         still.append(item)
         continue
-      req = item[1]
-      for g in range(np.asarray(req.rows).size):
-        ids, logprobs, reason = self.completion(req, g)
-        cached = np.concatenate([np.asarray(req.prompt, np.int64), ids[:-1]])
-        done.append(Sample(req.tag, g, ids, logprobs, reason, _FakeHandle(cached)))
+      _, req, g = item
+      ids, logprobs, reason = self.completion(req, g)
+      cached = np.concatenate([np.asarray(req.prompt, np.int64), ids[:-1]])
+      done.append(Sample(req.tag, g, ids, logprobs, reason, _FakeHandle(cached)))
     self._pending = still
     return done, bool(still or expect_more)
 

@@ -139,7 +139,9 @@ class _Rollout:
       return
     _, act = s.tag  # a tool continuation of `act` (one agent)
     nr, g = act.nr, act.samples[0][1]
-    nr.comps[0][g] = nr.node.completions[0][g] = nr.comps[0][g].continued(act.context, comp)
+    nr.comps[0][g] = nr.comps[0][g].continued(act.context, comp)
+    if nr.node.completions is not None:  # else set once the node's last sample is back
+      nr.node.completions[0][g] = nr.comps[0][g]
     nr.handles[0][g] = s.handle
     act.segment = comp
     self.ready_step(act)

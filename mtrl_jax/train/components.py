@@ -125,31 +125,41 @@ class Components:
     one = self.train_step.inner.abstract_state()
     return {f"agent_{a}": one for a in range(len(self.models))}
 
+  def _param_trees(self) -> list[str]:
+    """Parameter trees a latest-N checkpoint holds beside the train state: the frozen
+    reference (KL on) and the next rollout's behaviour parameters (max_staleness 1)."""
+    return (["ref"] * (self.exp.loss.kl_coef > 0)
+            + ["behaviour"] * (self.exp.rl.max_staleness > 0))
+
   def checkpoint_target(self) -> dict:
-    """Abstract tree of a latest-N checkpoint: {"train": state[, "ref": params]}."""
+    """Abstract tree of a latest-N checkpoint: {"train": state[, "ref"][, "behaviour"]}."""
     target = {"train": self.state_target()}
-    if self.exp.loss.kl_coef > 0:
-      target["ref"] = jax.tree.map(lambda s: s.params, self.state_target(),
-                                   is_leaf=lambda x: hasattr(x, "opt_state"))
+    params = jax.tree.map(lambda s: s.params, self.state_target(),
+                          is_leaf=lambda x: hasattr(x, "opt_state"))
+    target.update({name: params for name in self._param_trees()})
     return target
 
-  def checkpoint_tree(self, state, ref) -> dict:
+  def checkpoint_tree(self, state, ref, behaviour=None) -> dict:
     tree = {"train": self.to_saved(state)}
-    if self.exp.loss.kl_coef > 0:
-      saved_ref = ref if not self.separate else {
-          f"agent_{a}": agent_slice(ref, a) for a in range(len(self.models))}
-      tree["ref"] = saved_ref
+    for name, params in (("ref", ref), ("behaviour", behaviour)):
+      if name in self._param_trees():
+        tree[name] = params if not self.separate else {
+            f"agent_{a}": agent_slice(params, a) for a in range(len(self.models))}
     return tree
 
-  def from_checkpoint(self, restored) -> tuple[Any, Any]:
-    """(train state, reference params or None) of a restored latest-N checkpoint."""
+  def from_checkpoint(self, restored) -> tuple[Any, Any, Any]:
+    """(train state, reference params, behaviour params; None where not kept) of a
+    restored latest-N checkpoint."""
     state = self.from_saved(restored["train"])
-    ref = restored.get("ref")
-    if ref is not None and self.separate:
-      ref = self.train_step.copy_params(
-          jax.tree.map(lambda *x: jax.numpy.stack(x),
-                       *[ref[f"agent_{a}"] for a in range(len(self.models))]))
-    return state, ref
+    out = []
+    for name in ("ref", "behaviour"):
+      params = restored.get(name)
+      if params is not None and self.separate:
+        params = self.train_step.copy_params(
+            jax.tree.map(lambda *x: jax.numpy.stack(x),
+                         *[params[f"agent_{a}"] for a in range(len(self.models))]))
+      out.append(params)
+    return (state, *out)
 
 
 def build(exp: exp_lib.Experiment) -> Components:
@@ -161,10 +171,12 @@ def build(exp: exp_lib.Experiment) -> Components:
   exp = exp_lib.fit_vocab(exp, tokenizer)
   model = exp_lib.make_model(exp, mesh)
   factory = exp_lib.make_factory(exp)
-  # Several updates per batch: the clipped ratio uses the trainer's own old
-  # logprobs (the loop adds them), the sampler's enter only loss.is_correction.
+  # Several updates per batch, or rollouts a step behind: the clipped ratio uses
+  # the trainer's own old logprobs (the loop adds them), the sampler's enter only
+  # loss.is_correction.
   objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature,
-                              recompute_old=exp.rl.updates_per_step > 1)
+                              recompute_old=exp.rl.updates_per_step > 1
+                              or exp.rl.max_staleness > 0)
   if exp.agents.share_policy:
     models = [model]
     train_step = TrainStep(model, objective, exp.optim, mesh=mesh, step_cfg=exp.step)

@@ -48,9 +48,13 @@ class RLConfig:
   precompile: bool = True
   max_generations: int = 200_000
   dump_every: int = 10
+  max_staleness: int = 0
 
   def __post_init__(self):
     _int_at_least("rl", self, ("steps", "ref_reset_every", "dump_every"), 0)
+    if self.max_staleness not in (0, 1) or isinstance(self.max_staleness, bool):
+      raise ValueError(f"config rl.max_staleness={self.max_staleness!r}; allowed: 0 (on-policy) "
+                       "or 1 (the next rollout samples during the update)")
     _int_at_least("rl", self, ("roots_per_step", "max_generations"), 1)
     _int_at_least("rl", self, ("updates_per_step",), 0)  # 0: a control without RL updates
     object.__setattr__(self, "length_buckets",

@@ -140,6 +140,9 @@ def base_config() -> ml_collections.ConfigDict:
       precompile=True,  # compile every shape bucket before step 1 (none after)
       max_generations=200_000,  # planning budget: generations per step
       dump_every=10,  # rollout dump every k steps (0: never)
+      # 0: on-policy. 1: step t+1's rollout runs during update t, sampling with the
+      # parameters update t started from (one update stale; pair with loss.is_correction).
+      max_staleness=0,
   )
   c.eval = dict(
       every=10,  # held-out evaluation every k RL steps (and at 0 and the end)

@@ -248,6 +248,9 @@ def check_processes(exp: Experiment):
   if not exp.agents.share_policy:
     raise ValueError(f"config agents.share_policy=False with {n} processes; allowed: True "
                      "(stacked per-agent batches are not assembled across processes yet)")
+  if exp.rl.max_staleness:
+    raise ValueError(f"config rl.max_staleness={exp.rl.max_staleness} with {n} processes; "
+                     "allowed: 0 (a rollout's collectives must not interleave with the update's)")
 
 
 def check_agents(exp: Experiment):

@@ -7,7 +7,8 @@
   for each RL step:
     tasks from a seeded, resumable stream -> one environment per root
     tree expansion on the rollout engine (decode slots whose KV cache persists;
-      env steps on a thread pool, no level barrier)
+      env steps on a thread pool, no level barrier); with rl.max_staleness=1 the
+      next step's rollout runs during this step's update (`train.rollouts`)
     returns / advantages -> fixed-shape batch (`rollout.batching`: zero-variance
       groups dropped; tree-packed, every token once, or one row per action)
     train step (GRPO / GSPO / REINFORCE, KL to the frozen reference)
@@ -39,13 +40,13 @@ import ml_collections
 
 from mtrl_jax import checkpoint, distributed, metrics as metrics_lib
 from mtrl_jax.rollout import dump as dump_lib
-from mtrl_jax.rollout import expand_tree
 from mtrl_jax.rollout.gather import gather_tree
-from mtrl_jax.rollout.stats import engine_metrics, rollout_metrics
+from mtrl_jax.rollout.stats import rollout_metrics
 from mtrl_jax.train import components as components_lib
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train import shapes as shapes_lib
+from mtrl_jax.train.rollouts import RolloutProducer, text_counts
 from mtrl_jax.train import sft as sft_lib
 
 
@@ -54,19 +55,11 @@ PLOT_KEYS = ("eval/*/success", "rollout/path_success", "rollout/return", "turn_*
              "curriculum/level", "engine/kv_reuse", "engine/slot_occupancy")
 
 
-class _TextCounters:
-  """This step's re-tokenisation counts (the renderer's counters are cumulative)."""
-
-  def __init__(self, renderer):
-    self.renderer, self.prev = renderer, {}
-
-  def step(self) -> dict:
-    now = self.renderer.metrics()
-    out = {k: v - self.prev.get(k, 0) for k, v in now.items() if not k.endswith("_rate")}
-    self.prev = now
-    checked = out.get("text/completions_checked", 0)
-    out["text/retokenize_mismatch_rate"] = out.get("text/retokenize_mismatches", 0) / max(checked, 1)
-    return out
+def add_counts(a: dict, b: dict) -> dict:
+  out = {k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b) if not k.endswith("_rate")}
+  out["text/retokenize_mismatch_rate"] = (out.get("text/retokenize_mismatches", 0)
+                                          / max(out.get("text/completions_checked", 0), 1))
+  return out
 
 
 def across_processes(text: dict, times: dict, engine: dict = None) -> dict:
@@ -119,12 +112,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None
   start = ckpt.latest_step()
   resumed = start is not None
+  behaviour = None  # max_staleness 1: the parameters the next rollout samples with
   if resumed:
     target = parts.checkpoint_target()
     if mix is not None:
       target["sft_mix"] = mix.abstract_opt_state()
     restored, meta = ckpt.restore(target)
-    state, ref = parts.from_checkpoint(restored)
+    state, ref, behaviour = parts.from_checkpoint(restored)
     stream.restore(meta["stream"])
     if mix is not None:
       mix.restore(restored["sft_mix"], meta["sft_mix"])
@@ -141,16 +135,22 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     else:
       state = parts.init_state()
     ref = parts.train_step.copy_params(state.params) if keep_ref else None
+    if exp.rl.max_staleness:  # the first rollouts sample with the start's parameters
+      behaviour = parts.train_step.copy_params(state.params)
     if mix is not None:
       mix.init(state.params)
 
+  stream_mark = stream.state()  # the stream before the in-flight rollout took its tasks
+
   def save(step, state, ref):
-    tree, meta = parts.checkpoint_tree(state, ref), {"stream": stream.state(), "summary": summary}
+    tree = parts.checkpoint_tree(state, ref, behaviour if producer.ahead else None)
+    meta = {"stream": stream_mark if producer.pending else stream.state(), "summary": summary}
     if mix is not None:
       tree["sft_mix"], meta["sft_mix"] = mix.opt_state, mix.stream_state()
     ckpt.save(step, tree, meta=meta)
 
   def evaluate(step, state) -> dict:
+    producer.wait()  # an in-flight rollout shares the engine
     m = held_out(parts, parts.policy_states(state.params), step)
     score = m.get("eval/greedy/success", m.get("eval/sampled/success"))
     if score is not None:
@@ -170,9 +170,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     if mix is not None:
       mix.precompile(exp.sft.batch_size)
     summary["precompile"] = info
-  text_counters = _TextCounters(parts.renderer)
+  producer = RolloutProducer(parts, stream)
   if not resumed:
-    m = {**evaluate(0, state), **across_processes(text_counters.step(), {})}
+    before = parts.renderer.metrics()
+    m = evaluate(0, state)
+    m.update(across_processes(text_counts(parts.renderer, before), {}))
     writer.write(0, m)
     summary["eval_start"] = m
     save(0, state, ref)
@@ -187,15 +189,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   # ---- the RL loop: rollout -> batch -> update -> metrics, eval, checkpoint
   for step in range(start + 1, exp.rl.steps + 1):
     timer = metrics_lib.StepTimer()
-    key = jax.random.fold_in(parts.key, step)
-    parts.policy.set_states(parts.policy_states(state.params))
     with timer.section("rollout"):
-      tasks = stream.next(exp.rl.roots_per_step)  # every process: the same stream
-      roots = parts.transition.root_states(parts.factory, tasks[distributed.share(len(tasks))])
-      tree = expand_tree(exp.tree, parts.policy, parts.transition, roots, key)
-    batch, batch_m = parts.make_batch(tree)
-    engine_m = engine_metrics(tree)  # this process's rollout
-    tree = gather_tree(tree)  # every process's roots, for metrics and the dump
+      if not producer.pending:  # on time, or the first step after a start or a resume
+        producer.submit(step, state.params if behaviour is None else behaviour,
+                        version=step - 1 if behaviour is None else max(step - 2, 0))
+      rollout, waited = producer.result()
+    if producer.ahead:  # the next rollout samples during the update, with its parameters
+      stream_mark = stream.state()
+      behaviour = parts.train_step.copy_params(state.params)
+      if step < exp.rl.steps:
+        producer.submit(step + 1, behaviour, version=step - 1)
+    batch, batch_m, engine_m = rollout.batch, rollout.batch_metrics, rollout.engine_metrics
+    tree = gather_tree(rollout.tree)  # every process's roots, for metrics and the dump
     train_m = {}
     with timer.section("train"):
       if batch is not None and exp.rl.updates_per_step:
@@ -210,20 +215,25 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     if exp.rl.ref_reset_every and step % exp.rl.ref_reset_every == 0:
       ref = parts.train_step.copy_params(state.params)
     m = {**tree.metrics(), **rollout_metrics(tree, exp.eval.success_threshold),
-         **batch_m, **train_m, **parts.census.counts()}
+         **batch_m, **train_m, **parts.census.counts(),
+         "rollout/staleness": float(rollout.staleness)}
     if exp.curriculum.enabled:  # may move the level of the next step's tasks
       m.update(stream.observe(m["rollout/success"]))
     if writes and exp.rl.dump_every and step % exp.rl.dump_every == 0:
       dump_lib.write_rollout_dump(tree, dump_lib.dump_path(workdir, step),
                                   parts.transition.decode)
+    text = rollout.text_counts  # the rollout's own, counted while it ran
     if step % exp.eval.every == 0 or step == exp.rl.steps:
       with timer.section("eval"):
+        producer.wait()  # the next rollout's renderer counts stay its own
+        before = parts.renderer.metrics()
         m.update(evaluate(step, state))
+        text = add_counts(text, text_counts(parts.renderer, before))
     times = timer.split()  # time/rollout, time/train, time/eval
+    times["time/rollout_wait"] = waited  # the loop waiting for the step's rollout
     times.update({k: v for k, v in engine_m.items() if k.startswith("time/")})
     engine_m = {k: v for k, v in engine_m.items() if k.startswith("engine/")}
-    # Text counters after eval: this step's evaluation counts too.
-    m.update(across_processes(text_counters.step(), times, engine_m))
+    m.update(across_processes(text, times, engine_m))
     writer.write(step, m)
     if step % exp.checkpoint.every == 0 or step == exp.rl.steps:
       save(step, state, ref)
@@ -233,6 +243,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
       bar.update(1)
 
   # ---- end: flush, summary, curves
+  producer.close()
   if bar is not None:
     bar.close()
   writer.close()

@@ -142,7 +142,7 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
     else:
       step = steps[-1] if which == "latest" else which
       restored, _ = ckpt.restore(parts.checkpoint_target(), step=step)
-      state, _ = parts.from_checkpoint(restored)
+      state = parts.from_checkpoint(restored)[0]
   finally:
     ckpt.close()
   kind = "step" if isinstance(which, int) else which

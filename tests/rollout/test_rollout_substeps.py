@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from mtrl_jax.rollout import (ActionOutcome, ActionRecord, Completion, StepRecord, Tree,
-                              TreeConfig, expand_tree, pack_tree, plan_tree, write_rollout_dump)
+                              TreeConfig, expand_tree, node_records, pack_tree, plan_tree,
+                              write_rollout_dump)
 from mtrl_jax.testing import FEEDBACK, TOOL, FakePolicy, ScriptedTransition
 
 KEY = jax.random.key(0)
@@ -28,8 +29,8 @@ def _transition(**kw):
                             continues=lambda s, a: s.sub < _need(s), **kw)
 
 
-def _run(cfg, transition, num_roots=2):
-  policy = FakePolicy(vocab=64, low=8, max_new_tokens=4, stop_id=2)
+def _run(cfg, transition, num_roots=2, max_latency=0):
+  policy = FakePolicy(vocab=64, low=8, max_new_tokens=4, stop_id=2, max_latency=max_latency)
   tree = expand_tree(cfg, policy, transition, transition.roots(num_roots, 1), KEY)
   return tree, policy
 
@@ -81,6 +82,15 @@ def test_user_turn_tree_counts_calls_and_summed_rewards():
   np.testing.assert_allclose(tree.nodes[0].returns_B, 0.3 + 0.9 * 0.3, atol=1e-12)
   np.testing.assert_allclose(tree.nodes[1].returns_B, 0.6 + 0.9 * 0.3, atol=1e-12)
   assert tree.metrics()["tree/substeps"] == substeps
+
+
+def test_arrival_order_never_changes_a_user_turn_tree():
+  # Samples come back after random numbers of engine steps, so an action's tool
+  # continuations finish before its siblings' first segments: the same tree.
+  cfg = TreeConfig(num_turns=2, num_generations=4, branch_on="user_turn")
+  want = node_records(_run(cfg, _transition())[0])
+  for latency in (3, 7):
+    assert node_records(_run(cfg, _transition(), max_latency=latency)[0]) == want
 
 
 def test_every_turn_branches_at_tool_turns_as_before():

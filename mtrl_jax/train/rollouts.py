@@ -1,0 +1,112 @@
+"""The RL loop's rollouts: on time (`rl.max_staleness=0`) or one step ahead of the update (1).
+
+With max_staleness 0 step t's rollout runs when step t begins, with the
+parameters after update t - 1: on-policy, the loop exactly as it always ran.
+With 1 the rollout of step t + 1 starts on a background thread as soon as
+step t's rollout is back, with the parameters update t starts from (so rollout
+t + 1 samples with the parameters of update t - 1), and runs while update t
+trains: the device and the environments work on the next batch during the
+update. The samples' behaviour logprobs are the sampler's; the update's
+clipped ratio takes the trainer's own old logprobs and `loss.is_correction`
+(TIS / MIS) corrects for the one step between them. Which parameters sample
+which step is fixed by the step alone, so the run is deterministic and a
+resumed run (the checkpoint keeps the behaviour parameters and the task
+stream as it was before the in-flight rollout took its tasks) continues as if
+never stopped. Evaluation waits for an in-flight rollout (they share the
+engine).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Optional
+
+import jax
+
+from mtrl_jax import distributed
+from mtrl_jax.rollout import expand_tree
+from mtrl_jax.rollout.stats import engine_metrics
+
+
+def text_counts(renderer, since: dict) -> dict:
+  """The renderer's re-tokenisation counters since the snapshot `since` (they are
+  cumulative), with this span's mismatch rate."""
+  now = renderer.metrics()
+  out = {k: v - since.get(k, 0) for k, v in now.items() if not k.endswith("_rate")}
+  checked = out.get("text/completions_checked", 0)
+  out["text/retokenize_mismatch_rate"] = out.get("text/retokenize_mismatches", 0) / max(checked, 1)
+  return out
+
+
+@dataclasses.dataclass
+class Rollout:
+  """One step's rollout: this process's tree, its train batch and metrics."""
+
+  step: int
+  tree: Any
+  batch: Optional[dict]
+  batch_metrics: dict
+  engine_metrics: dict  # `rollout.stats.engine_metrics` of this process's rollout
+  staleness: int  # updates between the sampling parameters and the update they feed
+  text_counts: dict  # the renderer's re-tokenisation counts during this rollout
+
+
+class RolloutProducer:
+  """Starts step rollouts (`submit`) and hands them back in order (`result`)."""
+
+  def __init__(self, parts, stream):
+    self.parts, self.stream = parts, stream
+    self.ahead = parts.exp.rl.max_staleness > 0
+    self._pool = concurrent.futures.ThreadPoolExecutor(1) if self.ahead else None
+    self._pending: Optional[concurrent.futures.Future] = None
+
+  @property
+  def pending(self) -> bool:
+    return self._pending is not None
+
+  def submit(self, step: int, params, version: int) -> None:
+    """Starts step `step`'s rollout with `params` (the policy after `version` updates).
+
+    Takes the step's tasks from the stream now, on the calling thread, so the
+    stream advances in step order.
+    """
+    exp = self.parts.exp
+    tasks = self.stream.next(exp.rl.roots_per_step)  # every process: the same stream
+    key = jax.random.fold_in(self.parts.key, step)
+    staleness = step - 1 - version
+
+    def produce():
+      parts = self.parts
+      before = parts.renderer.metrics()  # nothing else renders while a rollout runs
+      parts.policy.set_states(parts.policy_states(params))
+      roots = parts.transition.root_states(parts.factory, tasks[distributed.share(len(tasks))])
+      tree = expand_tree(exp.tree, parts.policy, parts.transition, roots, key)
+      batch, batch_m = parts.make_batch(tree)
+      return Rollout(step, tree, batch, batch_m, engine_metrics(tree), staleness,
+                     text_counts(parts.renderer, before))
+
+    future = concurrent.futures.Future()
+    if self._pool is None:
+      future.set_result(produce())
+    else:
+      future = self._pool.submit(produce)
+    self._pending = future
+
+  def result(self) -> tuple[Rollout, float]:
+    """The submitted rollout and how long the caller waited for it."""
+    t0 = time.perf_counter()
+    out = self._pending.result()
+    self._pending = None
+    return out, time.perf_counter() - t0
+
+  def wait(self) -> None:
+    """Blocks until an in-flight rollout is done (the engine is then free)."""
+    if self._pending is not None:
+      concurrent.futures.wait([self._pending])
+
+  def close(self) -> None:
+    self.wait()
+    if self._pool is not None:
+      self._pool.shutdown()
