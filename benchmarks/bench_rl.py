@@ -42,7 +42,7 @@ process's peak bytes in use so far, which grows down the table).
 Time split of our step (median over the timed steps): generation (engine steps),
 environment (rewards, tree bookkeeping), packing (host), train (one jitted call:
 reference forward + policy forward/backward + Adam). Compile census: the engine and
-train-step compile counts after the --warmup steps and after all steps; DESIGN.md
+train-step compile counts after the --warmup steps and after all steps; docs/design.md
 invariant 5 wants them equal. Runtime on 2 CPU cores: ~2 min ours + ~1 min Tunix.
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark session behind docs/performance.md (one call on a lent GPU machine).
+# The GPU benchmark run behind docs/performance.md (one call on a lent GPU machine).
 #
 #   bash benchmarks/gpu.sh [OUTDIR]
 #

@@ -7,7 +7,7 @@
   python -m experiments.train --config=configs/humaneval.py:smoke=True --workdir=/tmp/he_smoke
 
 Reproduces the published multi-turn HumanEval setting (HE-MAGRPO-MT, V2 tree;
-comlrl_spec.md 1 and 2.2 @ e9f0098): Qwen2.5-Coder-3B in bfloat16 with its
+docs/comlrl.md 1 and 2.2 @ e9f0098): Qwen2.5-Coder-3B in bfloat16 with its
 own tokenizer and ChatML, train test[33:163] (130 problems, one task per
 step, 6 epochs = 780 steps), eval test[:32] (4 tasks every 4 steps); T=2,
 G=4, aligned joint actions, gamma 0.9, tau -0.2 (single agent -0.1) on the

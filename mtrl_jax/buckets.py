@@ -1,6 +1,6 @@
 """Shape buckets: the few sizes a jitted function is compiled for.
 
-A jitted function compiles once per input shape (DESIGN.md invariant 5), so
+A jitted function compiles once per input shape (docs/design.md invariant 5), so
 every variable size (rows, prompt length, decode length, stop ids) is rounded
 up to a bucket: the smallest configured bucket that holds it, or else the
 next power of two, then to a multiple of the mesh axis the rows are split on.

@@ -8,7 +8,7 @@ A checkpoint holds two items:
   * `meta`: a JSON-able dict of host state (data-iterator position,
     curriculum, best score, anything the loop needs to resume exactly).
 
-Resuming (DESIGN.md invariant 6) is `latest_step()` + `restore(...)`.
+Resuming (docs/design.md invariant 6) is `latest_step()` + `restore(...)`.
 """
 
 from __future__ import annotations

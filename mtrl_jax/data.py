@@ -5,7 +5,7 @@ A `TaskSource` serves tasks of one split by index (generated on the fly from a
 seed, or read from a TFDS / array_record data source). The `TaskStream` walks a
 source in a seeded, per-epoch shuffled order; its whole state is two integers
 (epoch, position), saved with every checkpoint so a resumed run sees exactly
-the same tasks in the same order (DESIGN.md invariant 6). A
+the same tasks in the same order (docs/design.md invariant 6). A
 `CurriculumStream` keeps one such stream per difficulty level and moves
 between levels by the rolling rollout success of the last k RL steps; its
 state (level, window, positions) is checkpointed the same way.
@@ -53,7 +53,7 @@ def resolve_task_source(spec: str, split: str, **kwargs) -> TaskSource:
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
   """The order in which epoch `epoch` visits indices 0..n-1: a permutation seeded by
   (seed, epoch), or 0..n-1 when not shuffling. A pure function of its arguments, so a
-  resumed run walks the same order (DESIGN.md invariant 6)."""
+  resumed run walks the same order (docs/design.md invariant 6)."""
   if not shuffle:
     return np.arange(n)
   return np.random.default_rng([seed, epoch]).permutation(n)
@@ -180,7 +180,7 @@ class CurriculumStream:
   `lower_below`: down one, never past the ends), and the window empties, so
   every decision rests on `window` steps at one level. The whole state
   (level, window, each level's position) is plain JSON for the checkpoint
-  meta, so a resumed run draws the same tasks (DESIGN.md invariant 6).
+  meta, so a resumed run draws the same tasks (docs/design.md invariant 6).
   """
 
   def __init__(self, make_source: Callable[[int], TaskSource], cfg: CurriculumConfig,

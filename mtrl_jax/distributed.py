@@ -1,7 +1,7 @@
 """Multi-host runs on JAX's own multi-controller runtime (`jax.distributed`).
 
 One process per host; the mesh spans every device of every process
-(DESIGN.md section 7). This module is the whole of what a process needs to
+(docs/design.md section 7). This module is the whole of what a process needs to
 know about the others:
 
   * `DistributedConfig` (`config.distributed`) and `initialize`: off by

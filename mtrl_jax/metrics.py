@@ -285,7 +285,7 @@ class CompileCensus:
     out["compiles/backend_total"] = _BACKEND.count - self._base
     if self._warm is not None:
       # Traces of the registered functions plus every backend compilation since
-      # warm-up ended; DESIGN.md invariant 5 wants this at 0.
+      # warm-up ended; docs/design.md invariant 5 wants this at 0.
       out["compiles/after_warmup"] = self._total() - self._warm
     return out
 

@@ -1,4 +1,4 @@
-"""The package's layers (DESIGN.md section 2): nothing imports upward, no package cycles.
+"""The package's layers (docs/design.md section 2): nothing imports upward, no package cycles.
 
 Walks every module of `mtrl_jax` with `ast`, collects every import it makes
 (module level and inside functions, plus `importlib.import_module("...")`

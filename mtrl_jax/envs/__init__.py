@@ -1,6 +1,6 @@
 """Environments: turns and threads, the react_to API, tools, user simulators, faults.
 
-The researcher-facing API (DESIGN.md section 4). An environment subclasses
+The researcher-facing API (docs/design.md section 4). An environment subclasses
 `Environment` and implements `react_to(thread)`; a factory makes one per
 trajectory and is named in the config by registry name or import path
 (`resolve_factory`). The framework runs each step through

@@ -3,7 +3,7 @@
 Every error raised while an environment reacts to the policy is caught by the
 framework (`mtrl_jax.envs.runner.step_environment`), classified into a
 `FaultKind`, counted and logged with the trajectory. What happens next depends
-on who caused it (DESIGN.md invariant 7):
+on who caused it (docs/design.md invariant 7):
 
   model_format    the policy's text could not be parsed (malformed tool call,
                   missing answer tag). Model-caused: may be penalised.

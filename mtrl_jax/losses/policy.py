@@ -9,7 +9,7 @@ micro-batches, then divide once. `policy_loss` is that division for one batch.
 
 Masked positions may hold anything (prompt tokens with logprob 0, padding,
 1e4, NaN): they are replaced by 0 before any arithmetic, so they reach neither
-the loss nor its gradient (DESIGN.md invariant 2).
+the loss nor its gradient (docs/design.md invariant 2).
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
 
 def policy_loss(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None,
                 action_ids=None, sampler_logp=None):
-  """The policy loss of one batch (DESIGN.md section 4).
+  """The policy loss of one batch (docs/design.md section 4).
 
   Args:
     logp: [B, L] policy logprobs of the batch's tokens (differentiated).

@@ -8,7 +8,7 @@ context between its segments (tool turns, headers) is part of the row but not
 trainable (logprob 0). Rows are right-padded to a bucketed length and the batch to a
 bucketed row count so the jitted train step compiles once per bucket.
 
-Batch fields (DESIGN.md / docs/internals.md "rollout"):
+Batch fields (docs/design.md / docs/internals.md "rollout"):
   tokens_BxL int32, loss_mask_BxL bool, old_logp_BxL float32, adv_B float32,
   row_weight_B float32 (0 for padding rows and fault-masked samples),
   turn_B, agent_B, node_B int32 (-1 on padding rows).

@@ -1,6 +1,6 @@
 """The policy as the tree engine drives it: a `DecodeEngine` with the run's parameters.
 
-`RolloutPolicy` is what `rollout.engine.expand_tree` needs: sessions of
+`RolloutPolicy` is what `rollout.engine.expand_tree` needs: runs of
 requests over decode slots (`start`, `submit`, `step`, `release`,
 `finish`), and `separate`, whether each agent samples with its own
 parameters (which decides how sampling keys are named, `request_keys`).
@@ -40,7 +40,7 @@ class RolloutPolicy(Protocol):
   def busy(self) -> bool: ...
 
   def finish(self) -> dict:
-    """Ends the rollout; returns the session's counters (`DecodeEngine.stats`)."""
+    """Ends the rollout; returns the run's counters (`DecodeEngine.stats`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ class EnginePolicy:
     sampling: the `SamplingConfig` of every request.
     stop_ids: token ids that end a completion (kept in it).
     pad_id: padding id.
-    fanout: the fanout every session is started with (at least what a
+    fanout: the fanout every run is started with (at least what a
       rollout asks for): a run passes its G, so its evaluations (G = 1) use
       the training rollouts' compiled admit programs.
   """

@@ -65,7 +65,7 @@ __all__ = ["DecodeEngine", "EngineConfig", "Handle", "Request", "Sample"]
 
 
 class DecodeEngine:
-  """Decode slots over one model graph; parameters and sampling settings per session.
+  """Decode slots over one model graph; parameters and sampling settings per run (`start`).
 
   Args:
     model_cfg: the model's hyper-parameters (fixes the graph).
@@ -89,7 +89,7 @@ class DecodeEngine:
     self.programs = Programs(layout.graphdef, layout.mesh, layout.kv_axis, agent_map)
     self._pool: Optional[KVCache] = None
     self._params = None
-    self._session = None
+    self._run = None
     self.stats = dict.fromkeys(STAT_KEYS, 0)
 
   @property
@@ -97,12 +97,12 @@ class DecodeEngine:
     """Programs traced and compiled so far."""
     return self.programs.num_traces
 
-  # ------------------------------------------------------------ sessions
+  # ------------------------------------------------------------ runs
   def start(self, params, sampling: SamplingConfig, stop_ids: Sequence[int], pad_id: int, *,
             fanout: int) -> None:
-    """Begins a session: parameters (stacked on a leading agent axis when the engine
+    """Begins a run of requests: parameters (stacked on a leading agent axis when the engine
     has several agents), how tokens are chosen, stop ids, pad id, and `fanout`, the
-    most samples a request of this session asks for."""
+    most samples a request of this run asks for."""
     if not isinstance(sampling, SamplingConfig):
       raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     vocab = self.model_cfg.vocab_size
@@ -117,8 +117,8 @@ class DecodeEngine:
     if sampling.max_new_tokens + 2 > self.cfg.capacity:
       raise ValueError(f"max_new_tokens={sampling.max_new_tokens} does not fit a slot of "
                        f"{self.cfg.capacity} columns (EngineConfig.capacity)")
-    if self._session is not None and self.busy:
-      raise RuntimeError("DecodeEngine.start: the previous session still has work")
+    if self._run is not None and self.busy:
+      raise RuntimeError("DecodeEngine.start: the previous run still has work")
     leading = {np.shape(x)[0] for x in jax.tree.leaves(params)}
     stacked = self.num_agents > 1
     if stacked and leading != {self.num_agents}:
@@ -128,7 +128,7 @@ class DecodeEngine:
     stop_arr = np.full((next_pow2(len(stop), 4),), -1, np.int32)
     stop_arr[:len(stop)] = stop
     rep = self.layout.replicated
-    self._session = dict(
+    self._run = dict(
         sampling=sampling, pad=int(pad_id), fanout=int(fanout), stacked=stacked,
         scalars=(rep(stop_arr), rep(np.float32(sampling.temperature)),
                  rep(np.float32(sampling.top_p)), rep(np.int32(pad_id))),
@@ -145,7 +145,7 @@ class DecodeEngine:
     self.stats = dict.fromkeys(STAT_KEYS, 0)
 
   def free(self) -> None:
-    """Drops the KV pool (device memory) until the next session."""
+    """Drops the KV pool (device memory) until the next run."""
     self._pool = None
 
   @property
@@ -156,7 +156,7 @@ class DecodeEngine:
   # ------------------------------------------------------------ requests
   def submit(self, req: Request) -> None:
     """Queues `req`; its samples come back from later `step` calls."""
-    s = self._session
+    s = self._run
     if s is None:
       raise RuntimeError("DecodeEngine.submit before start()")
     prompt = np.asarray(req.prompt, np.int64).reshape(-1)
@@ -167,7 +167,7 @@ class DecodeEngine:
     rows = np.asarray(req.rows, np.uint32).reshape(-1)
     if not 1 <= rows.size <= s["fanout"]:
       raise ValueError(f"request {req.tag!r}: {rows.size} samples; allowed: 1 .. "
-                       f"{s['fanout']} (the session's fanout)")
+                       f"{s['fanout']} (the run's fanout)")
     max_new = s["sampling"].max_new_tokens if req.max_new is None else int(req.max_new)
     if prompt.size + max_new + 1 > self.cfg.capacity:
       raise ValueError(f"request {req.tag!r}: a prompt of {prompt.size} tokens plus "
@@ -316,12 +316,12 @@ class DecodeEngine:
 
   # ------------------------------------------------------------ device calls
   def _admit(self, plans: list[dict], x: int) -> None:
-    d, a, f = self.local_shards, self.num_agents, self._session["fanout"]
+    d, a, f = self.local_shards, self.num_agents, self._run["fanout"]
     e = self.cfg.admit_rows
     scratch = self.cfg.slots
     src = np.full((d, a, e), scratch, np.int32)
     dst = np.full((d, a, e, f), scratch, np.int32)
-    tokens = np.full((d, a, e, x), self._session["pad"], np.int32)
+    tokens = np.full((d, a, e, x), self._run["pad"], np.int32)
     start = np.zeros((d, a, e), np.int32)
     count = np.zeros((d, a, e), np.int32)
     used = collections.Counter()
@@ -336,13 +336,13 @@ class DecodeEngine:
       count[sa + (i,)] = len(p["ext"])
     put = self.layout.put_rows
     self._pool = self.programs.admit(self._params, self._pool, put(src), put(dst), put(tokens),
-                                     put(start), put(count), stacked=self._session["stacked"])
+                                     put(start), put(count), stacked=self._run["stacked"])
     self.stats["admit_calls"] += 1
 
   def _decode(self, rows: list, window: int) -> list[Sample]:
     """One decode call over `rows` (at most `cfg.rows` per (shard, agent)), padded."""
     d, a, r = self.local_shards, self.num_agents, self.cfg.rows
-    s = self._session
+    s = self._run
     slot = np.full((d, a, r), self.cfg.slots, np.int32)
     token = np.full((d, a, r), s["pad"], np.int32)
     pos = np.zeros((d, a, r), np.int32)
@@ -397,7 +397,7 @@ class DecodeEngine:
   # ------------------------------------------------------------ compilation
   def programs_for(self, samplings: Sequence[SamplingConfig]) -> list[tuple]:
     """Every (kind, sizes..., static choices) an engine of this config compiles for
-    sessions with these sampling settings: admit (rows, new tokens bucket) and
+    runs with these sampling settings: admit (rows, new tokens bucket) and
     decode (rows, window bucket, greedy, top_k, top_p < 1)."""
     out = [("admit", self.cfg.admit_rows, x) for x in self.cfg.extends]
     statics = sorted({(sp.greedy, sp.top_k, sp.top_p < 1.0) for sp in samplings})
@@ -409,7 +409,7 @@ class DecodeEngine:
     """Compiles `programs_for(samplings)` without running them (`threads` at once:
     XLA compiles off the Python lock). Returns how many."""
     stacked = self.num_agents > 1
-    # Concrete params are placed as a session places them (moving them onto the
+    # Concrete params are placed as a run places them (moving them onto the
     # sampling layout compiles reshard programs of its own), then made abstract.
     params = self.layout.put_params(params, stacked)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,

@@ -111,7 +111,7 @@ class Request:
     rows: uint32 [G]: sample g draws token t with uniform(fold_in(fold_in(key, rows[g]), t)).
     agent: whose parameters sample it (0 for a shared policy).
     parent: a finished sample's `Handle` whose cache may hold a prefix of `prompt`.
-    max_new: token budget of each sample (None: the session's `max_new_tokens`).
+    max_new: token budget of each sample (None: the run's `max_new_tokens`).
   """
 
   tag: Any

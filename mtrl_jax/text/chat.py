@@ -1,7 +1,7 @@
 """Chat formats and the renderer that appends conversation turns to a `TokenLedger`.
 
 Rendering is incremental: each turn is tokenised once, when it is appended,
-and a policy completion is stored exactly as sampled (DESIGN.md invariant 1).
+and a policy completion is stored exactly as sampled (docs/design.md invariant 1).
 The renderer checks whether the sampled ids would come back unchanged from
 `encode(decode(ids))` and counts the completions where they would not; the
 stored ids are never touched, since re-tokenising would train the policy on

@@ -1,7 +1,7 @@
 """The token ledger: the exact token sequence of a conversation, one record per token.
 
 A ledger is the single source of truth for what the policy saw and produced
-(DESIGN.md invariant 1): sampled tokens are stored as sampled with their
+(docs/design.md invariant 1): sampled tokens are stored as sampled with their
 logprobs, everything else is tokenised once when appended, and nothing already
 appended ever changes. Training rows are packed straight from `to_arrays()`.
 

@@ -3,7 +3,7 @@
 Both map special-token strings found in the text to their single id, never add
 a BOS unless asked, and decode without skipping anything, so that
 `encode(decode(ids)) == ids` is the round-trip property the chat renderer
-checks on every policy completion (DESIGN.md invariant 1).
+checks on every policy completion (docs/design.md invariant 1).
 """
 
 from __future__ import annotations

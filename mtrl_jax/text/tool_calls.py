@@ -1,7 +1,7 @@
 """Tool-call syntax: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and answer tags.
 
 Parsing is strict on purpose: a malformed call is a model format error
-(DESIGN.md invariant 7), so `ToolCallError` says exactly what is wrong and the
+(docs/design.md invariant 7), so `ToolCallError` says exactly what is wrong and the
 environment can report it back to the policy or penalise it.
 """
 

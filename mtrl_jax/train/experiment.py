@@ -1,6 +1,6 @@
 """From a ConfigDict to validated frozen configs and the run's components.
 
-Only this module and the entry points read the ConfigDict (STYLE.md): `build`
+Only this module and the entry points read the ConfigDict (docs/design.md, Conventions): `build`
 turns it into small frozen dataclasses and fails with a message naming the
 field on any invalid value or unsafe combination, before any compute. The
 `make_*` functions then build the tokenizer, model, environment factory and

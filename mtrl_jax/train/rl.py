@@ -18,7 +18,7 @@
 
 The per-step RNG key is `fold_in(PRNGKey(seed), step)` and the task stream's
 position is checkpointed, so a run killed at any point resumes exactly
-(DESIGN.md invariant 6).
+(docs/design.md invariant 6).
 
 Several processes (`config.distributed`, docs/multihost.md): every process
 runs this same loop; each takes its `distributed.share` of the step's roots

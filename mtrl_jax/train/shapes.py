@@ -1,6 +1,6 @@
 """The fixed set of array shapes an RL run uses, and compiling all of them up front.
 
-A jitted function compiles once per shape bucket (DESIGN.md invariant 5), so
+A jitted function compiles once per shape bucket (docs/design.md invariant 5), so
 `plan_shapes` derives every bucket from the config alone:
 
   engine slots      KV slots per agent per batch shard (`config.engine.slots`;

@@ -306,7 +306,7 @@ def test_environment_misuse_is_infrastructure():
 
 def test_environment_rewriting_earlier_turns_is_a_history_rewrite_not_misuse(renderer):
   """The next thread drops the system turn: rendered anew into a fresh ledger,
-  counted, never masked (issue 16 item 4)."""
+  counted, never masked."""
 
   class Rewrites(Environment):
     def react_to(self, thread):

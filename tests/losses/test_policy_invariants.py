@@ -1,5 +1,5 @@
 """Invariants of the policy losses: masked positions carry no gradient
-(DESIGN.md invariant 2), exact micro-batch accumulation, and the identities
+(docs/design.md invariant 2), exact micro-batch accumulation, and the identities
 that tie GRPO, GSPO and REINFORCE together."""
 
 import itertools

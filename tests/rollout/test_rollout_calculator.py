@@ -1,6 +1,8 @@
 """The calculator demo task as a user-turn tree: tool calls are sub-steps of one action."""
 
 import json
+import random
+import time
 
 import jax
 import numpy as np
@@ -8,7 +10,8 @@ import pytest
 
 from mtrl_jax.envs import RewardConfig, StepLimits, resolve_factory
 from mtrl_jax.tasks import calculator
-from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree, write_rollout_dump
+from mtrl_jax.rollout import (TreeConfig, expand_tree, node_records, pack_tree,
+                              write_rollout_dump)
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.testing import FakePolicy, byte_renderer, byte_tokenizer
 from mtrl_jax.text import compact
@@ -28,8 +31,8 @@ class GoldenPolicy(FakePolicy):
   Logprob of token k of a message: -0.01 (k + 1), so alignment is checkable.
   """
 
-  def __init__(self, tasks, bad_first_call=False):
-    super().__init__()
+  def __init__(self, tasks, bad_first_call=False, **latency):
+    super().__init__(**latency)
     self.tasks = tasks
     self.bad_first_call = bad_first_call
 
@@ -126,3 +129,33 @@ def test_invalid_tool_call_penalty_accumulates_over_substeps():
   assert root0.completions[0][0].num_segments == 3 and (root0.weight_NxG == 1).all()
   np.testing.assert_allclose(root1.rewards_B, [-0.1, -0.1], atol=1e-12)
   assert (root0.children_B >= 0).all()  # the episode recovered and handed over
+
+
+class _Jittery(EnvTransition):
+  """Every environment step first sleeps a random 0-20 ms (another order every run)."""
+
+  def __init__(self, *a, seed=0, **k):
+    super().__init__(*a, **k)
+    self.rng = random.Random(seed)
+
+  def step(self, state, actions, seed=None):
+    time.sleep(self.rng.random() * 0.02)
+    return super().step(state, actions, seed=seed)
+
+
+@pytest.mark.parametrize("schedule", ["continuous", "barrier"])
+def test_schedules_and_arrival_order_never_change_a_calculator_tree(schedule):
+  # One bad first call on task 0 (three steps in its first turn), samples and
+  # steps finishing in random order: the same tree, record for record.
+  tasks = [calculator.make_task("eval", i) for i in range(3)]
+  cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn", schedule=schedule)
+  want = None
+  for jitter in range(3):
+    policy = GoldenPolicy(tasks, bad_first_call=True, max_latency=4, latency_seed=jitter)
+    transition = _Jittery(byte_renderer(calculator.EXTRA_SPECIALS), reward_cfg=REWARD,
+                          limits=StepLimits(max_turns=8), seed=jitter)
+    roots = transition.root_states(resolve_factory("calculator"), tasks)
+    got = node_records(expand_tree(cfg, policy, transition, roots, jax.random.key(0)),
+                       transition.decode)
+    assert len(got) == 3 * 3 and want in (None, got)
+    want = got

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtrl_jax.envs import RewardConfig
+from mtrl_jax.envs import RewardConfig, StepLimits, resolve_factory
 from mtrl_jax.models import create_model
 from mtrl_jax.rollout import (EnginePolicy, StackedStates, TreeConfig, expand_tree, pack_tree)
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.sampling import DecodeEngine, EngineConfig, SamplingConfig
 from mtrl_jax.sampling.generation import LocalLLM
-from mtrl_jax.tasks import calculator
+from mtrl_jax.tasks import calculator, coop
 from mtrl_jax.testing import (DuoEnv, ScriptedTransition, ToolThenUserEnv, byte_renderer,
                               tiny_model)
 from mtrl_jax.train.stacked import stack_trees
@@ -159,10 +159,18 @@ class _Jittery:
     self.inner.close(state)
 
 
-def _env_tree(cfg, params, model_cfg, env_cls, renderer, jitter_seed, **policy_kw):
+def _roots(name, transition):
+  if name == "coop":
+    return transition.root_states(resolve_factory("coop"),
+                                  [coop.make_task("eval", i) for i in range(3)])
+  return [transition.root_state(name({"prompt": p})) for p in ("12+3=", "7*8=", "x")]
+
+
+def _env_tree(cfg, params, model_cfg, env, renderer, jitter_seed, **policy_kw):
   transition = EnvTransition(renderer, num_agents=cfg.num_agents,
-                             reward_cfg=RewardConfig(shaping_weight=1.0))
-  roots = [transition.root_state(env_cls({"prompt": p})) for p in ("12+3=", "7*8=", "x")]
+                             reward_cfg=RewardConfig(shaping_weight=1.0),
+                             limits=StepLimits(max_turns=8))
+  roots = _roots(env, transition)
   policy = _policy(model_cfg, params, SAMPLING, renderer.fmt.stop_ids,
                    renderer.tokenizer.pad_id, **policy_kw)
   tree = expand_tree(cfg, policy, _Jittery(transition, jitter_seed), roots, KEY)
@@ -172,6 +180,9 @@ def _env_tree(cfg, params, model_cfg, env_cls, renderer, jitter_seed, **policy_k
 CASES = {
     "tool_substeps": (TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
                       ToolThenUserEnv, False),
+    "coop_align": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), "coop", False),
+    "coop_cross": (TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross"),
+                   "coop", False),
     "duo_align": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), DuoEnv, False),
     "duo_cross": (TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross"),
                   DuoEnv, False),

@@ -345,7 +345,7 @@ def test_bad_requests_raise_naming_what_is_wrong(state, kwargs, match):
     engine.submit(Request(**args))
 
 
-def test_bad_sessions_and_configs_raise_naming_the_field(state):
+def test_bad_runs_and_configs_raise_naming_the_field(state):
   with pytest.raises(ValueError, match="EngineConfig.slots=0"):
     EngineConfig(slots=0, capacity=64)
   with pytest.raises(ValueError, match="EngineConfig.window_buckets"):

@@ -97,7 +97,7 @@ def test_message_without_call_or_answer_is_a_model_format_fault(renderer):
 def test_episode_is_short_in_tokens(renderer):
   lengths = [len(renderer.render_conversation(calculator.golden_conversation(
       calculator.make_task("train", i)))) for i in range(50)]
-  assert max(lengths) <= 96  # keeps SFT/RL steps fast on CPU (DESIGN.md section 3)
+  assert max(lengths) <= 96  # keeps SFT/RL steps fast on CPU (docs/design.md section 3)
 
 
 def test_truncation_is_a_failure_not_a_free_zero(renderer):

@@ -1,4 +1,4 @@
-"""Off-policy corrections in the train step (issue 16 item 5).
+"""Off-policy corrections in the train step.
 
 With several updates per batch (`PolicyObjective(recompute_old=True)`) the
 clipped ratio is taken against the trainer's own logprobs before the first

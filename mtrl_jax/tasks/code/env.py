@@ -1,7 +1,7 @@
 """HumanEval code refinement with two agents (aux helper + main function), the CoMLRL setting.
 
 `CodeRefinementEnv` (factory `humaneval`, task source `humaneval`) plays the
-published multi-turn code task (comlrl_spec.md sections 1.4, 2.2, 3.1):
+published multi-turn code task (docs/comlrl.md sections 1.4, 2.2, 3.1):
 
   turn 1   agent 0 (aux) gets `prompts.aux_prompt`, agent 1 (main)
            `prompts.main_prompt`, each as one user turn (single agent,

@@ -1,7 +1,7 @@
 """External transitions of the code task: turn t+1 prompts from turn t responses.
 
 `build_transition` reproduces the reference's external modes
-(comlrl_spec.md section 1.4). Each agent's prompt is, in order: its full
+(docs/comlrl.md section 1.4). Each agent's prompt is, in order: its full
 history (`History: previous prompts:` with every prompt it saw, then its own
 previous responses; agents never see each other's transcript), a mode block,
 and a closing instruction. Modes:

@@ -1,4 +1,4 @@
-"""Turn-1 prompts of the code task (comlrl_spec.md section 3.1).
+"""Turn-1 prompts of the code task (docs/comlrl.md section 3.1).
 
 Raw text, no chat template, as in the reference: the aux agent writes a helper
 `aux(...)`, the main agent writes the entry point (and may call aux); the

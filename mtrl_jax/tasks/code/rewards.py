@@ -1,4 +1,4 @@
-"""Gated level reward of the aux/main code task (comlrl_spec.md section 3.1).
+"""Gated level reward of the aux/main code task (docs/comlrl.md section 3.1).
 
 `execution_reward_aux` scores one joint action (aux helper + main function)
 with the reference's four gated levels, max 4.0:
