@@ -21,8 +21,12 @@ import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
-# What `plot_metrics` draws by default; glob patterns match per-component keys.
-DEFAULT_PLOT_KEYS = ("reward", "success", "heldout/success", "kl", "clip_frac", "reward/*")
+# What `plot_metrics` draws by default: keys the RL loop writes (`train.rl`);
+# glob patterns match per-evaluation, per-turn and per-kind keys.
+DEFAULT_PLOT_KEYS = ("eval/*/success", "rollout/path_success", "rollout/return",
+                     "turn_*/mean_reward", "train/loss", "train/kl", "train/clip_frac",
+                     "train/entropy", "faults/*", "curriculum/level", "engine/kv_reuse",
+                     "engine/slot_occupancy")
 
 
 def _to_float(value) -> float:

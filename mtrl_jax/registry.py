@@ -9,16 +9,11 @@ Re-registration rule (the same for every registry): registering a name again
 with the same object, or with an object of the same module and qualified name
 (the module was imported again, e.g. reloaded), replaces the entry silently;
 any other object under a taken name is a `ValueError`.
-
-`alias_module` keeps an old import path working after a module moved.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 import threading
 from typing import Any, Callable
 
@@ -112,47 +107,3 @@ class Registry:
     if ":" in spec:
       return import_object(spec, self.what)
     return self.get(spec)
-
-
-class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-  """Imports `old.X` as the already-existing module `new.X` (the same object)."""
-
-  def __init__(self, old: str, new: str):
-    self.old, self.new = old, new
-    self._specs: dict[str, Any] = {}  # real module name -> its own spec
-
-  def find_spec(self, name, path=None, target=None):
-    if not name.startswith(self.old + "."):
-      return None
-    return importlib.util.spec_from_loader(name, self)
-
-  def create_module(self, spec):
-    module = importlib.import_module(self.new + spec.name[len(self.old):])
-    self._specs[module.__name__] = module.__spec__
-    return module
-
-  def exec_module(self, module):
-    # The import system stamps the alias's spec on the module; give it its own back.
-    module.__spec__ = self._specs[module.__name__]
-
-
-def alias_module(old: str, new: str) -> Any:
-  """Makes the module (or package) `old` and all its submodules names of `new`'s.
-
-  For old import paths kept after a move: `import old.sub` and
-  `import_object('old.sub:attr')` give the very module objects of `new`,
-  executed once, so registrations are not repeated. Called from the shim
-  module `old` itself, which is only imported when somebody names it.
-
-  Returns:
-    The module `new`.
-  """
-  module = importlib.import_module(new)
-  sys.modules[old] = module
-  with _ALIAS_LOCK:
-    if not any(isinstance(f, _AliasFinder) and f.old == old for f in sys.meta_path):
-      sys.meta_path.insert(0, _AliasFinder(old, new))
-  return module
-
-
-_ALIAS_LOCK = threading.Lock()

@@ -18,9 +18,8 @@ Layers, bottom to top (a package may import its own layer and the ones below):
   train
   testing (fakes for tests and benchmarks; may import anything)
 
-Compatibility shims (old import paths kept for users) may point upward, but
-only when nothing inside the package imports them: they load only when a user
-names the old path, never as a side effect of importing a lower layer.
+A module lives under one name only: no module aliases another (no
+`sys.modules` assignment), so an old import path cannot come back as a shim.
 """
 
 from __future__ import annotations
@@ -43,12 +42,6 @@ LAYERS = (
     ("testing",),
 )
 LAYER = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}
-# Old import paths kept as aliases of moved modules (module -> why).
-SHIMS = {
-    "mtrl_jax.envs.tasks": "compatibility alias of mtrl_jax.tasks",
-    "mtrl_jax.envs.feedback": "compatibility alias of mtrl_jax.tasks.code.feedback",
-    "mtrl_jax.envs.examples": "compatibility alias of mtrl_jax.tasks (weather)",
-}
 
 
 def module_files(root: str = ROOT) -> dict[str, str]:
@@ -108,10 +101,6 @@ def package_of(module: str) -> str:
   return parts[1] if len(parts) > 1 else ""
 
 
-def _is_shim(module: str) -> bool:
-  return any(module == s or module.startswith(s + ".") for s in SHIMS)
-
-
 def import_graph(root: str = ROOT) -> dict[str, set[str]]:
   """Module -> the mtrl_jax modules (existing ones, or their nearest parent) it imports."""
   files = module_files(root)
@@ -128,7 +117,7 @@ def import_graph(root: str = ROOT) -> dict[str, set[str]]:
 
 
 def violations(root: str = ROOT) -> list[str]:
-  """Every upward import, unknown package, shim imported from inside, and package cycle."""
+  """Every upward import, unknown package, and package cycle."""
   graph = import_graph(root)
   problems = []
   pkg_edges: dict[str, set[str]] = {}
@@ -139,11 +128,7 @@ def violations(root: str = ROOT) -> list[str]:
       continue
     for t in sorted(targets):
       dst = package_of(t)
-      if _is_shim(t) and not _is_shim(module):
-        problems.append(f"{module} imports the compatibility shim {t} "
-                        f"({SHIMS[next(s for s in SHIMS if t.startswith(s))]})")
-        continue
-      if not src or not dst or src == dst or _is_shim(module):
+      if not src or not dst or src == dst:
         continue
       if dst not in LAYER:
         continue  # reported once, as the source of its own imports
@@ -209,3 +194,48 @@ def test_graph_sees_function_level_and_importlib_imports(tmp_path):
              for p in problems), problems
   assert any("mtrl_jax.sampling.x" in p and "upward" in p for p in problems), problems
   assert "package cycle: envs -> graders -> envs" in problems, problems
+
+
+def aliasing_calls(root: str = ROOT) -> list[str]:
+  """Every call of `alias_module` and every assignment into `sys.modules` under `root`."""
+  problems = []
+  for module, path in sorted(module_files(root).items()):
+    with open(path) as f:
+      tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Call):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name == "alias_module":
+          problems.append(f"{module}:{node.lineno} calls alias_module")
+        elif (name in ("__setitem__", "setdefault", "update")
+              and isinstance(func, ast.Attribute)
+              and ast.unparse(func.value) in ("sys.modules", "modules")):
+          problems.append(f"{module}:{node.lineno} writes sys.modules ({name})")
+      targets = []
+      if isinstance(node, ast.Assign):
+        targets = node.targets
+      elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+      for t in targets:
+        for sub in ast.walk(t):
+          if (isinstance(sub, ast.Subscript)
+              and ast.unparse(sub.value) in ("sys.modules", "modules")):
+            problems.append(f"{module}:{node.lineno} assigns into sys.modules")
+  return problems
+
+
+def test_no_module_is_an_alias_of_another(tmp_path):
+  """No module of mtrl_jax makes itself (or another) a second name of a module."""
+  problems = aliasing_calls()
+  assert not problems, "module aliases (import the real module instead):\n" + "\n".join(problems)
+  # The walker itself catches both forms.
+  pkg = tmp_path / "mtrl_jax"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "old.py").write_text(
+      "import sys\nfrom mtrl_jax.registry import alias_module\n"
+      "alias_module(__name__, 'mtrl_jax.new')\nsys.modules['mtrl_jax.x'] = sys\n")
+  found = aliasing_calls(str(pkg))
+  assert any("mtrl_jax.old:3 calls alias_module" in p for p in found), found
+  assert any("mtrl_jax.old:4 assigns into sys.modules" in p for p in found), found

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrl_jax.metrics import (CompileCensus, MetricsWriter, StepTimer, count_calls, plot_metrics,
-                              read_metrics)
+from mtrl_jax.metrics import (DEFAULT_PLOT_KEYS, CompileCensus, MetricsWriter, StepTimer,
+                              _match_keys, count_calls, plot_metrics, read_metrics)
 
 
 def _rows():
@@ -72,8 +72,12 @@ def test_plot_metrics_writes_a_png(tmp_path):
   workdir = str(tmp_path)
   with MetricsWriter(workdir, tensorboard=False) as w:
     for step, row in enumerate(_rows()):
-      w.write(step, row)
-  out = plot_metrics(workdir)  # default keys, per-component rewards by glob
+      # Keys the RL loop writes, which the default keys draw.
+      w.write(step, {**row, "eval/greedy/success": step / 4, "rollout/return": 0.1 * step,
+                     "turn_0/mean_reward": 0.05 * step, "train/loss": 1.0 / (step + 1)})
+  assert set(_match_keys(DEFAULT_PLOT_KEYS, read_metrics(workdir)[0])) == {
+      "eval/greedy/success", "rollout/return", "turn_0/mean_reward", "train/loss"}
+  out = plot_metrics(workdir)  # default keys, per-evaluation and per-turn keys by glob
   assert out == os.path.join(workdir, "metrics.png")
   with open(out, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"

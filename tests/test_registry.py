@@ -1,4 +1,4 @@
-"""mtrl_jax.registry: the one Registry class, its re-registration rule, and old-path aliases."""
+"""mtrl_jax.registry: the one Registry class and its re-registration rule."""
 
 import subprocess
 import sys
@@ -53,22 +53,6 @@ def test_the_three_registries_are_registries():
              for r in (data.TASK_SOURCES, ENV_FACTORIES, GRADERS))
 
 
-def test_old_task_paths_are_the_moved_modules():
-  import mtrl_jax.tasks.calculator
-  import mtrl_jax.tasks.code.feedback
-  from mtrl_jax.envs import feedback
-  from mtrl_jax.envs.tasks import calculator
-  import mtrl_jax.envs.tasks.code.prompts
-  assert calculator is mtrl_jax.tasks.calculator
-  assert feedback is mtrl_jax.tasks.code.feedback
-  assert mtrl_jax.envs.tasks.code.prompts is sys.modules["mtrl_jax.tasks.code.prompts"]
-  assert calculator.__spec__.name == "mtrl_jax.tasks.calculator"
-  old = registry.import_object("mtrl_jax.envs.tasks.calculator:EXTRA_SPECIALS")
-  assert old is mtrl_jax.tasks.calculator.EXTRA_SPECIALS
-  weather = registry.import_object("mtrl_jax.envs.examples.weather:WeatherFactory")
-  assert weather is sys.modules["mtrl_jax.tasks.weather"].WeatherFactory
-
-
 def test_importing_the_env_api_imports_no_task():
   code = ("import sys, mtrl_jax.envs, mtrl_jax.graders, mtrl_jax.data\n"
           "assert not [m for m in sys.modules if m.startswith('mtrl_jax.tasks')], "
@@ -79,4 +63,5 @@ def test_importing_the_env_api_imports_no_task():
           "print(registered_env_factories(), registered_task_sources())\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == ("['calculator', 'charclass', 'coop', 'humaneval', 'user_chat', 'weather'] "
-                                "['calculator', 'charclass', 'coop', 'humaneval', 'user_chat']")
+                                "['calculator', 'charclass', 'coop', 'humaneval', 'user_chat', "
+                                "'weather']")

@@ -9,9 +9,7 @@ reward from the `Grade`s the environment returns (`mtrl_jax.envs.reward`). See
 `mtrl_jax/tasks/weather.py` for a complete example; concrete tasks live in
 `mtrl_jax.tasks`, above this package.
 
-Submodules not imported here: `sandbox` (code execution), and the
-compatibility aliases `tasks`, `feedback`, `examples` (old paths of
-`mtrl_jax.tasks`).
+Submodules not imported here: `sandbox` (code execution).
 """
 
 from mtrl_jax.envs.core import (ROLES, Environment, EnvironmentFactory, SharedResource, Thread,

@@ -7,10 +7,8 @@ grading (called once, on the finished conversation) and per-turn grading
 judge. `grade_batch(threads)` grades many threads at once; judges override it
 to make one batched model call across trajectories.
 
-`Grade` (and `as_grade`, `normalize_grades`) belong to the environment API
-(`mtrl_jax.envs.grades`); they are re-exported here. The text generators
-judges call (`TextGenerator`, `ScriptedGenerator`) live in
-`mtrl_jax.sampling.generation` and are re-exported too.
+A grader returns a `Grade` (`mtrl_jax.envs.grades`, part of the environment
+API); `mtrl_jax.graders` exports it with the graders.
 """
 
 from __future__ import annotations
@@ -18,12 +16,10 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from mtrl_jax.envs.grades import Grade, as_grade, normalize_grades
+from mtrl_jax.envs.grades import Grade, as_grade
 from mtrl_jax.registry import Registry
-from mtrl_jax.sampling.generation import ScriptedGenerator, TextGenerator
 
-__all__ = ["SCOPES", "CombinedGrader", "FunctionGrader", "GRADERS", "Grade", "Grader",
-           "ScriptedGenerator", "TextGenerator", "as_grade", "normalize_grades",
+__all__ = ["SCOPES", "CombinedGrader", "FunctionGrader", "GRADERS", "Grader",
            "register_grader", "resolve_grader"]
 
 SCOPES = ("trajectory", "turn")

@@ -22,10 +22,10 @@ environment API changing.
 
 Reproducible calls: `generate(prompts, sampling, seeds=[...])` takes one seed
 per prompt. The rollout derives each environment step's seed from the step's
-key and the node's identity (`call_seed(step key, root, node, action, agent,
-turn)`), so a reply depends on that seed and its prompt only: not on the order
-in which environment threads happen to call, not on a counter, and not on what
-else shares the batch. A resumed run therefore replays the same replies.
+key and the node's identity (`mtrl_jax.seeds.call_seed(step key, root, node,
+action, agent, turn)`), so a reply depends on that seed and its prompt only:
+not on the order in which environment threads happen to call, not on a
+counter, and not on what else shares the batch. A resumed run therefore replays the same replies.
 Without seeds `LocalLLM` draws from its own key stream (call order decides).
 `score_choices` is deterministic and needs none.
 """
@@ -43,7 +43,6 @@ from flax import nnx
 from mtrl_jax.buckets import next_pow2, round_up
 from mtrl_jax.resources import SharedResource
 from mtrl_jax.sampling.batching import BatchingGenerator, _check_seeds  # noqa: F401
-from mtrl_jax.seeds import call_seed  # noqa: F401  re-exported
 from mtrl_jax.sampling.config import SamplingConfig
 from mtrl_jax.sampling.engine import DecodeEngine, EngineConfig, Request
 from mtrl_jax.text import ChatRenderer, TokenLedger, chatml, compact

@@ -4,17 +4,29 @@ The policy answers "What is the temperature in <city>?" by calling
 `get_weather` and then replying with `<answer>N</answer>`. Every tool-calling
 turn is graded (did the calls succeed?); the finished conversation is graded
 on the answer and on efficiency, combined with `CombinedGrader`.
-Run by name: `--config.env.factory=weather`.
+Tasks come from the "weather" task source (one city per task, a deterministic
+function of split and index). Run by name with `python -m experiments.train
+--config=configs/base.py` and the flags
+
+    --config.env.factory=weather --config.tasks.source=weather
+    --config.rl.length_buckets='(256,512,1024)'
+
+(with the byte tokenizer the system prompt's tool schema alone is ~540
+tokens, more than the default largest length bucket, 512).
 """
 
-from typing import Literal
+from typing import Literal, Optional
 
+import numpy as np
+
+from mtrl_jax import data
 from mtrl_jax.envs import Environment, EnvironmentFactory, ToolSet, register_env_factory, tool
 from mtrl_jax.envs import ToolError
 from mtrl_jax.graders import CombinedGrader, FunctionGrader
 from mtrl_jax.text import extract_answer
 
 TEMPS_C = {"paris": 18, "oslo": 4, "cairo": 31, "lima": 22}
+_SPLIT_SEEDS = {"train": 0, "eval": 1, "test": 2}
 
 
 @tool(timeout_s=2.0, cacheable=True)
@@ -75,3 +87,18 @@ class WeatherFactory(EnvironmentFactory):
   def create_environment(self, metadata):
     city = metadata["city"]
     return WeatherEnv({**metadata, "prompt": f"What is the temperature in {city.title()}?"})
+
+
+def make_task(split: str, index: int) -> dict:
+  """Task `index` of `split`: a city drawn from `TEMPS_C`, seeded by (split, index)."""
+  if split not in _SPLIT_SEEDS:
+    raise ValueError(f"weather split {split!r}; allowed: {sorted(_SPLIT_SEEDS)}")
+  rng = np.random.default_rng([_SPLIT_SEEDS[split], index])
+  city = sorted(TEMPS_C)[int(rng.integers(len(TEMPS_C)))]
+  return {"city": city, "answer": TEMPS_C[city], "split": split, "index": index}
+
+
+@data.register_task_source("weather")
+def weather_tasks(split: str, size: Optional[int] = None) -> data.GeneratedTasks:
+  """`size` tasks of a split (default: 1000 train, 100 eval/test)."""
+  return data.GeneratedTasks(make_task, split, size or (1000 if split == "train" else 100))

@@ -1,13 +1,12 @@
 """Training: the sharded train step, optimizer, SFT warm-up (RL loop and eval live beside them)."""
 
 from mtrl_jax.train.optim import OptimConfig, make_optimizer, make_schedule
-from mtrl_jax.train.sft import (SFTBatcher, SFTObjective, make_sft_builder, make_sft_step,
-                                pack_sft_rows)
+from mtrl_jax.train.sft import SFTBatcher, SFTObjective, make_sft_step, pack_sft_rows
 from mtrl_jax.train.objectives import Objective, PolicyObjective, train_mask
 from mtrl_jax.train.step import NonFiniteError, StepConfig, TrainState, TrainStep
 
 __all__ = [
     "NonFiniteError", "Objective", "OptimConfig", "PolicyObjective", "SFTBatcher",
     "SFTObjective", "StepConfig", "TrainState", "TrainStep", "make_optimizer",
-    "make_schedule", "make_sft_builder", "make_sft_step", "pack_sft_rows", "train_mask",
+    "make_schedule", "make_sft_step", "pack_sft_rows", "train_mask",
 ]

@@ -20,7 +20,7 @@ from mtrl_jax import data, distributed, sharding
 from mtrl_jax.registry import import_object
 from mtrl_jax.envs import FaultPolicy, StepLimits, resolve_factory
 import mtrl_jax.tasks  # noqa: F401  (registers the built-in tasks: config names resolve)
-from mtrl_jax.graders.reward import RewardConfig, check_reward_dominance
+from mtrl_jax.envs.reward import RewardConfig, check_reward_dominance
 from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree

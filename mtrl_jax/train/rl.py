@@ -50,11 +50,6 @@ from mtrl_jax.train.rollouts import RolloutProducer, text_counts
 from mtrl_jax.train import sft as sft_lib
 
 
-PLOT_KEYS = ("eval/*/success", "rollout/path_success", "rollout/return", "turn_*/mean_reward",
-             "train/loss", "train/kl", "train/clip_frac", "train/entropy", "faults/*",
-             "curriculum/level", "engine/kv_reuse", "engine/slot_occupancy")
-
-
 def add_counts(a: dict, b: dict) -> dict:
   out = {k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b) if not k.endswith("_rate")}
   out["text/retokenize_mismatch_rate"] = (out.get("text/retokenize_mismatches", 0)
@@ -252,6 +247,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   if writes:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1, default=float)
-    metrics_lib.plot_metrics(workdir, PLOT_KEYS, out_png=os.path.join(workdir, "curves.png"))
+    metrics_lib.plot_metrics(workdir, out_png=os.path.join(workdir, "curves.png"))
   ckpt.close()
   return summary

@@ -6,17 +6,16 @@ teaches exactly the tokens RL later trains. SFT runs on the train-step
 machinery (`TrainStep` with `SFTObjective`): same shardings, micro-batching,
 non-finite handling and compile-once-per-bucket behaviour.
 
-Data: a list / Python iterable of `(ids, trainable)` rows, or a TFDS builder
-(`make_sft_builder`, array_record files, read with `as_data_source`, no
-TensorFlow), served in epoch-shuffled fixed-shape batches by `SFTBatcher`,
-whose position goes into the checkpoint's host state.
+Data: a list / Python iterable of `(ids, trainable)` rows, or any
+random-access source of `{"ids", "trainable"}` records (e.g. a TFDS
+`as_data_source`), served in epoch-shuffled fixed-shape batches by
+`SFTBatcher`, whose position goes into the checkpoint's host state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -299,51 +298,3 @@ def warm_up(parts) -> tuple[Any, list[dict]]:
     if row.get("check_success", 0.0) >= cfg.until_success > 0:
       break
   return parts.init_state(state.params), history
-
-
-@functools.cache
-def _builder_class():
-  import tensorflow_datasets as tfds  # heavy; only for the TFDS path
-
-  class SftRows(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Rows `{"ids": int32[n], "trainable": bool[n]}` from Python generators."""
-
-    VERSION = tfds.core.Version("1.0.0")
-    # No download, so no checksums file beside the code; looking for one makes
-    # tfds 4.9 import the `importlib_resources` backport, absent here.
-    code_path = None
-
-    def __init__(self, *, splits: Mapping[str, Callable[[], Iterable]], **kwargs):
-      self._splits = dict(splits)
-      super().__init__(**kwargs)
-
-    def _info(self):
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-          "ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
-          "trainable": tfds.features.Tensor(shape=(None,), dtype=np.bool_)}))
-
-    def _split_generators(self, dl_manager):
-      del dl_manager
-      return {name: self._generate_examples(fn) for name, fn in self._splits.items()}
-
-    def _generate_examples(self, fn):
-      for i, row in enumerate(fn()):
-        ids, trainable = _row(row)
-        yield i, {"ids": ids.astype(np.int32), "trainable": trainable}
-
-  return SftRows
-
-
-def make_sft_builder(data_dir: str, splits: Optional[Mapping[str, Callable[[], Iterable]]] = None):
-  """A TFDS builder of SFT rows stored as array_record files under `data_dir`.
-
-  Args:
-    data_dir: TFDS data directory (the dataset lives in `data_dir/sft_rows/1.0.0`).
-    splits: split name -> zero-argument callable yielding `(ids, trainable)`
-      rows; needed only to build (`builder.download_and_prepare()`), not to
-      read an existing one.
-  Returns:
-    The builder; read a split with `builder.as_data_source(split)` (random
-    access, elements `{"ids", "trainable"}`), e.g. as an `SFTBatcher` source.
-  """
-  return _builder_class()(splits=splits or {}, data_dir=data_dir, file_format="array_record")

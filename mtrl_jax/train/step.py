@@ -13,7 +13,8 @@ What is optimised is an `Objective` (`mtrl_jax.train.objectives`): exact
 denominators and gradients of the numerator, then divide once, so the update
 equals the full-batch one.
 
-Metrics come back as a dict of device scalars; fetch them one step late with
+Metrics come back as a dict of device scalars; the loops fetch them in the
+same step that produced them, right after the update, with
 `TrainStep.fetch_metrics`, which raises under `nonfinite='halt'`.
 """
 
@@ -34,9 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mtrl_jax import losses, models, sharding
 from mtrl_jax.train import optim
 from mtrl_jax.train.forward import forward_keys, forward_logprobs
-# The objectives live in their own module; re-exported here for old imports.
-from mtrl_jax.train.objectives import Objective, PolicyObjective, is_tree_batch, train_mask  # noqa: F401
-from mtrl_jax.train.objectives import trainer_old_key
+from mtrl_jax.train.objectives import PolicyObjective, is_tree_batch, trainer_old_key
 
 _NONFINITE = ("skip", "halt")
 

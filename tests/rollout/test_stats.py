@@ -7,7 +7,7 @@ import pytest
 
 from mtrl_jax.envs import Thread
 from mtrl_jax.envs.runner import StepOutcome
-from mtrl_jax.graders.reward import RewardConfig, compose_reward
+from mtrl_jax.envs.reward import RewardConfig, compose_reward
 from mtrl_jax.rollout import ActionRecord, TreeConfig
 from mtrl_jax.rollout import stats
 from mtrl_jax.rollout import RolloutTimes

@@ -290,7 +290,7 @@ def test_bad_arguments_are_named():
 
 def test_expert_from_an_import_path():
   factory = resolve_factory("humaneval", external_mode="expert_edits",
-                            expert="mtrl_jax.graders.base:ScriptedGenerator",
+                            expert="mtrl_jax.sampling.generation:ScriptedGenerator",
                             expert_kwargs={"replies": ['{"aux": "E1", "main": "E2"}']})
   env = factory.create_environment(TASK)
   nxt, _ = env.react_to_joint(acted(env, [AUX, COOP]))

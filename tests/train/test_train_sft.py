@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from mtrl_jax import models
-from mtrl_jax.train import (OptimConfig, SFTBatcher, SFTObjective, StepConfig, make_sft_builder,
-                            make_sft_step, pack_sft_rows)
+from mtrl_jax.train import (OptimConfig, SFTBatcher, SFTObjective, StepConfig, make_sft_step,
+                            pack_sft_rows)
 
 CFG = models.get_preset("tiny")
 FAST = (("xla_backend_optimization_level", 0),)  # LLVM -O0: same program, faster compile
@@ -90,11 +90,49 @@ def test_batcher_is_deterministic_and_resumes():
     SFTBatcher(rows, 4, (16,), seed=4).set_state(state)
 
 
-def test_tfds_builder_round_trip(tmp_path):
+@functools.cache
+def _sft_rows_builder_class():
+  """A TFDS builder of `{"ids", "trainable"}` rows from Python generators (array_record)."""
+  import tensorflow_datasets as tfds  # heavy; only this test needs it
+
+  class SftRows(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    VERSION = tfds.core.Version("1.0.0")
+    # No download, so no checksums file beside the code; looking for one makes
+    # tfds 4.9 import the `importlib_resources` backport, absent here.
+    code_path = None
+
+    def __init__(self, *, splits, **kwargs):
+      self._splits = dict(splits)
+      super().__init__(**kwargs)
+
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+          "ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+          "trainable": tfds.features.Tensor(shape=(None,), dtype=np.bool_)}))
+
+    def _split_generators(self, dl_manager):
+      del dl_manager
+      return {name: self._generate_examples(fn) for name, fn in self._splits.items()}
+
+    def _generate_examples(self, fn):
+      for i, (ids, trainable) in enumerate(fn()):
+        yield i, {"ids": np.asarray(ids, np.int32), "trainable": np.asarray(trainable, bool)}
+
+  return SftRows
+
+
+def _sft_rows_builder(data_dir, splits=None):
+  """The builder under `data_dir`; `splits` (name -> rows callable) only to build it."""
+  return _sft_rows_builder_class()(splits=splits or {}, data_dir=data_dir,
+                                   file_format="array_record")
+
+
+def test_tfds_source_round_trip(tmp_path):
+  """SFTBatcher reads a TFDS data source (array_record, random access, no TensorFlow)."""
   rows = [_row(4 + i, 2, i) for i in range(6)]
-  builder = make_sft_builder(str(tmp_path), {"train": lambda: iter(rows)})
+  builder = _sft_rows_builder(str(tmp_path), {"train": lambda: iter(rows)})
   builder.download_and_prepare()
-  source = make_sft_builder(str(tmp_path)).as_data_source("train")  # read-only reopen
+  source = _sft_rows_builder(str(tmp_path)).as_data_source("train")  # read-only reopen
   assert len(source) == len(rows)
   got = {(tuple(e["ids"].tolist()), tuple(e["trainable"].tolist())) for e in source}
   assert got == {(tuple(i), tuple(m)) for i, m in rows}
