@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from mtrl_jax.losses import aggregation as agg
 from mtrl_jax.losses.offpolicy import CORRECTIONS, importance_weights
 
-ALGORITHMS = ("grpo", "gspo", "reinforce")
 AGGREGATIONS = agg.AGGREGATIONS
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # A sequence ratio is one number per row; summing it over the row's tokens
@@ -33,6 +32,71 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 _TOKEN_SUM_AGGREGATIONS = ("seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 _sg = jax.lax.stop_gradient
+
+
+def _token_log_ratio(logp_, old_, seqs):
+  """log pi / pi_old per token (GRPO, REINFORCE)."""
+  del seqs
+  return logp_ - old_
+
+
+def _sequence_log_ratio(logp_, old_, seqs):
+  """GSPO-token: the value is the sequence's mean log-ratio, the gradient that ratio
+  times d logp_t for every token of it, so per-token advantages work too."""
+  ntok_S = seqs.sum(jnp.ones_like(logp_))
+  seq_log_ratio_S = seqs.sum(logp_ - old_) / jnp.maximum(ntok_S, 1)
+  return _sg(seqs.per_token(seq_log_ratio_S)) + logp_ - _sg(logp_)
+
+
+def _clipped_surrogate(logp_, log_ratio, adv_, mask, cfg, dtype):
+  """PPO's clipped surrogate max(-A r, -A clip(r)); returns (loss, clip_high, clip_low)."""
+  del logp_
+  hi, lo = 1.0 + cfg.clip_eps_high, 1.0 - cfg.clip_eps_low
+  ratio_sg = jnp.exp(_sg(log_ratio))
+  # max(-A r, -A clip(r)) picks the clipped branch exactly in these cases.
+  clip_high = mask & (adv_ > 0) & (ratio_sg > hi)
+  clip_low = mask & (adv_ < 0) & (ratio_sg < lo)
+  clipped = clip_high | clip_low
+  bound = jnp.where(adv_ > 0, hi, lo).astype(dtype)
+  # exp only sees unclipped log-ratios, so a huge clipped ratio cannot put
+  # inf * 0 = NaN into the gradient through the unselected branch.
+  ratio = jnp.exp(jnp.where(clipped, 0.0, log_ratio))
+  return jnp.where(clipped, -adv_ * bound, -adv_ * ratio), clip_high, clip_low
+
+
+def _reinforce_surrogate(logp_, log_ratio, adv_, mask, cfg, dtype):
+  """-A * logp: no ratio, nothing clipped."""
+  del log_ratio, cfg, dtype
+  none = jnp.zeros(mask.shape, bool)
+  return -adv_ * logp_, none, none
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """One policy-gradient algorithm: how its ratio is formed and which surrogate it takes.
+
+  Attributes:
+    log_ratio: (logp, old_logp, sequences) -> the [B, L] log-ratio.
+    surrogate: (logp, log_ratio, adv, mask, cfg, dtype) -> ([B, L] loss,
+      clipped-high mask, clipped-low mask).
+    clipped: it has a clip range (validated: non-empty, lower bound above 0).
+    per_sequence: its ratio is one number per sequence (token-sum
+      aggregations would scale it by the sequence's length: refused).
+  """
+
+  log_ratio: Callable
+  surrogate: Callable
+  clipped: bool
+  per_sequence: bool = False
+
+
+# The algorithms `LossConfig.algorithm` names: a new one is an entry here.
+ALGORITHM_TABLE = {
+    "grpo": Algorithm(_token_log_ratio, _clipped_surrogate, clipped=True),
+    "gspo": Algorithm(_sequence_log_ratio, _clipped_surrogate, clipped=True, per_sequence=True),
+    "reinforce": Algorithm(_token_log_ratio, _reinforce_surrogate, clipped=False),
+}
+ALGORITHMS = tuple(ALGORITHM_TABLE)
 
 
 def _is_real(x) -> bool:
@@ -85,7 +149,8 @@ class LossConfig:
     if not _is_real(self.is_cap) or self.is_cap <= 1:
       raise ValueError(f"LossConfig.is_cap={self.is_cap!r}; must be a finite number > 1 (the "
                        "correction keeps ratios in [1/is_cap, is_cap])")
-    if self.algorithm in ("grpo", "gspo"):
+    algorithm = ALGORITHM_TABLE[self.algorithm]
+    if algorithm.clipped:
       # eps = 0 makes every token sit on a clip boundary; eps_low >= 1 puts the
       # lower bound at or below 0, where a positive ratio can never reach it.
       for name in ("clip_eps_low", "clip_eps_high"):
@@ -97,10 +162,10 @@ class LossConfig:
         raise ValueError(
             f"LossConfig.clip_eps_low={self.clip_eps_low!r} with algorithm="
             f"{self.algorithm!r}; must be < 1 (the lower clip bound is 1 - clip_eps_low)")
-    if self.algorithm == "gspo" and self.aggregation in _TOKEN_SUM_AGGREGATIONS:
+    if algorithm.per_sequence and self.aggregation in _TOKEN_SUM_AGGREGATIONS:
       raise ValueError(
-          f"LossConfig.algorithm='gspo' with aggregation={self.aggregation!r} is unsafe: the "
-          f"sequence ratio is a per-row quantity and a token-sum aggregation scales it by "
+          f"LossConfig.algorithm={self.algorithm!r} with aggregation={self.aggregation!r} is "
+          f"unsafe: the sequence ratio is a per-row quantity and a token-sum aggregation scales it by "
           f"the row's length; use aggregation 'seq-mean-token-mean' or 'token-mean'")
     if self.aggregation == "seq-mean-token-sum-norm":
       if (not isinstance(self.max_len, numbers.Integral) or isinstance(self.max_len, bool)
@@ -181,29 +246,10 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
   ntok_S = seqs.sum(maskf)
 
   token_log_ratio = logp_ - old_
-  if cfg.algorithm == "gspo":
-    seq_log_ratio_S = seqs.sum(token_log_ratio) / jnp.maximum(ntok_S, 1)
-    # GSPO-token: value = the sequence's ratio, gradient = that ratio times
-    # d logp_t for every token of it, so per-token advantages work too.
-    log_ratio = _sg(seqs.per_token(seq_log_ratio_S)) + logp_ - _sg(logp_)
-  else:
-    log_ratio = token_log_ratio
+  algorithm = ALGORITHM_TABLE[cfg.algorithm]
+  log_ratio = algorithm.log_ratio(logp_, old_, seqs)
   ratio_sg = jnp.exp(_sg(log_ratio))
-
-  if cfg.algorithm == "reinforce":
-    pg_BxL = -adv_ * logp_
-    clip_high = clip_low = jnp.zeros(mask.shape, bool)
-  else:
-    hi, lo = 1.0 + cfg.clip_eps_high, 1.0 - cfg.clip_eps_low
-    # max(-A r, -A clip(r)) picks the clipped branch exactly in these cases.
-    clip_high = mask & (adv_ > 0) & (ratio_sg > hi)
-    clip_low = mask & (adv_ < 0) & (ratio_sg < lo)
-    clipped = clip_high | clip_low
-    bound = jnp.where(adv_ > 0, hi, lo).astype(dtype)
-    # exp only sees unclipped log-ratios, so a huge clipped ratio cannot put
-    # inf * 0 = NaN into the gradient through the unselected branch.
-    ratio = jnp.exp(jnp.where(clipped, 0.0, log_ratio))
-    pg_BxL = jnp.where(clipped, -adv_ * bound, -adv_ * ratio)
+  pg_BxL, clip_high, clip_low = algorithm.surrogate(logp_, log_ratio, adv_, mask, cfg, dtype)
 
   is_sums = None
   if sampler_logp is not None:
