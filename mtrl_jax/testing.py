@@ -30,7 +30,7 @@ import numpy as np
 from mtrl_jax import models
 from mtrl_jax.envs import Environment, Grade, InfrastructureError, Thread, Turn
 from mtrl_jax.rollout.records import ActionOutcome, StepRecord
-from mtrl_jax.sampling.engine import Sample
+from mtrl_jax.sampling.slots import Sample
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 
 __all__ = ["TokenState", "TokenTransition", "FEEDBACK", "TOOL", "TokState", "ScriptedTransition",

@@ -54,7 +54,7 @@ from mtrl_jax.rollout.inflight import (ActRun, NodeRun, RolloutTimes, action_see
 from mtrl_jax.rollout.policy import RolloutPolicy, request_keys
 from mtrl_jax.rollout.records import ActionRecord, Transition, step_record
 from mtrl_jax.rollout.tree import Completion, Tree
-from mtrl_jax.sampling.engine import Request, Sample
+from mtrl_jax.sampling.slots import Request, Sample
 from mtrl_jax.seeds import call_seed
 
 class _Rollout:

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from mtrl_jax.sampling.engine import DecodeEngine, Request, Sample
+from mtrl_jax.sampling.engine import DecodeEngine
+from mtrl_jax.sampling.slots import Request, Sample
 
 
 class RolloutPolicy(Protocol):

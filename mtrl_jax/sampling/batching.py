@@ -3,8 +3,7 @@
 Judges and user simulators are called from many environment threads at once
 (one per trajectory); wrapping their `TextGenerator` in a `BatchingGenerator`
 batches them across trajectories without the environment API changing.
-Seeds travel with their prompts. Also importable from
-`mtrl_jax.sampling.generation`.
+Seeds travel with their prompts.
 """
 
 from __future__ import annotations

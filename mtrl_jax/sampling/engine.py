@@ -30,7 +30,7 @@ process has work left.
 
 Compilation and rounding: every decode call has `EngineConfig.rows` rows per
 (shard, agent) and every admit call `admit_rows` (padded; more work takes more
-calls), so a sample's arithmetic is the same whoever shares its call: which
+calls; `sampling.calls`), so a sample's arithmetic is the same whoever shares its call: which
 requests do depends on when environments answer, and float rounding depends
 on shapes. Windows (columns attended) and new-token counts are bucketed:
 masked columns add exact zeros, and a request's new tokens are its own.
@@ -55,13 +55,14 @@ from mtrl_jax.models.transformer import KVCache
 from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
 from mtrl_jax import distributed
 from mtrl_jax.buckets import bucket, next_pow2
+from mtrl_jax.sampling.calls import admit_arrays, decode_arrays, split_calls
 from mtrl_jax.sampling.config import SamplingConfig
 from mtrl_jax.sampling.layout import DeviceLayout
 from mtrl_jax.sampling.programs import Programs
 from mtrl_jax.sampling.slots import (STAT_KEYS, EngineConfig, Handle, Request, Row, Sample,
                                      SlotPool, lcp)
 
-__all__ = ["DecodeEngine", "EngineConfig", "Handle", "Request", "Sample"]
+__all__ = ["DecodeEngine"]
 
 
 class DecodeEngine:
@@ -212,13 +213,15 @@ class DecodeEngine:
     groups: dict = collections.defaultdict(list)
     for plan in plans:
       groups[bucket(len(plan["ext"]), self.cfg.extends, "admitted tokens")].append(plan)
-    calls = {x: self._admit_calls(g) for x, g in groups.items()}
+    calls = {x: split_calls(g, lambda p: (p["shard"], p["agent"]), self.cfg.admit_rows)
+             for x, g in groups.items()}
     for plan in plans:  # the rows now decode
       for g, slot in enumerate(plan["dst"]):
         key = (plan["shard"], plan["agent"], slot)
         self._rows[key] = Row(plan["req"], g, plan["shard"], plan["agent"], slot,
                                plan["ctx"], plan["req"].max_new)
-    decode = self._decode_calls()
+    decode = split_calls(list(self._rows.values()), lambda row: (row.shard, row.agent),
+                         self.cfg.rows)
     mine = {"admit": {x: len(c) for x, c in calls.items()},
             "decode": [max(r.pos for r in rows) + self.cfg.chunk + 1 for rows in decode],
             "more": bool(expect_more or self._queue or self._rows)}
@@ -241,24 +244,6 @@ class DecodeEngine:
     self.stats["device_seconds"] += time.perf_counter() - t0
     go_on = any(m["more"] for m in everyone) or bool(self._queue or self._rows)
     return done, go_on
-
-  def _admit_calls(self, plans: list[dict]) -> list[list[dict]]:
-    """`plans` split into admit calls of at most `admit_rows` per (shard, agent)."""
-    per: dict = collections.defaultdict(list)
-    for p in plans:
-      per[(p["shard"], p["agent"])].append(p)
-    n, e = max(len(v) for v in per.values()), self.cfg.admit_rows
-    return [[p for v in per.values() for p in v[k:k + e]] for k in range(0, n, e)]
-
-  def _decode_calls(self) -> list[list[Row]]:
-    """The decoding rows split into calls of `rows` per (shard, agent)."""
-    per: dict = collections.defaultdict(list)
-    for row in self._rows.values():
-      per[(row.shard, row.agent)].append(row)
-    if not per:
-      return []
-    n, r = max(len(v) for v in per.values()), self.cfg.rows
-    return [[row for v in per.values() for row in v[k:k + r]] for k in range(0, n, r)]
 
   def _flush_frees(self) -> None:
     for shard, agent, slot in self._deferred_free:
@@ -316,57 +301,22 @@ class DecodeEngine:
 
   # ------------------------------------------------------------ device calls
   def _admit(self, plans: list[dict], x: int) -> None:
-    d, a, f = self.local_shards, self.num_agents, self._run["fanout"]
-    e = self.cfg.admit_rows
-    scratch = self.cfg.slots
-    src = np.full((d, a, e), scratch, np.int32)
-    dst = np.full((d, a, e, f), scratch, np.int32)
-    tokens = np.full((d, a, e, x), self._run["pad"], np.int32)
-    start = np.zeros((d, a, e), np.int32)
-    count = np.zeros((d, a, e), np.int32)
-    used = collections.Counter()
-    for p in plans:
-      sa = (p["shard"], p["agent"])
-      i = used[sa]
-      used[sa] += 1
-      src[sa + (i,)] = p["src"]
-      dst[sa + (i,)][:len(p["dst"])] = p["dst"]
-      tokens[sa + (i,)][:len(p["ext"])] = p["ext"]
-      start[sa + (i,)] = p["start"]
-      count[sa + (i,)] = len(p["ext"])
-    put = self.layout.put_rows
-    self._pool = self.programs.admit(self._params, self._pool, put(src), put(dst), put(tokens),
-                                     put(start), put(count), stacked=self._run["stacked"])
+    """One admit call of `plans` (at most `cfg.admit_rows` per (shard, agent)), padded."""
+    arrays = admit_arrays(plans, self.local_shards, self.num_agents, self.cfg.admit_rows,
+                          self._run["fanout"], x, self.cfg.slots, self._run["pad"])
+    self._pool = self.programs.admit(self._params, self._pool,
+                                     *map(self.layout.put_rows, arrays),
+                                     stacked=self._run["stacked"])
     self.stats["admit_calls"] += 1
 
   def _decode(self, rows: list, window: int) -> list[Sample]:
     """One decode call over `rows` (at most `cfg.rows` per (shard, agent)), padded."""
     d, a, r = self.local_shards, self.num_agents, self.cfg.rows
     s = self._run
-    slot = np.full((d, a, r), self.cfg.slots, np.int32)
-    token = np.full((d, a, r), s["pad"], np.int32)
-    pos = np.zeros((d, a, r), np.int32)
-    key = np.zeros((d, a, r, 2), np.uint32)
-    keyrow = np.zeros((d, a, r), np.uint32)
-    t = np.zeros((d, a, r), np.int32)
-    max_new = np.ones((d, a, r), np.int32)
-    live = np.zeros((d, a, r), bool)
-    placed = []
-    used = collections.Counter()
-    for row in rows:
-      sa = (row.shard, row.agent)
-      i = used[sa]
-      used[sa] += 1
-      idx = sa + (i,)
-      slot[idx], token[idx], pos[idx], t[idx] = row.slot, row.token, row.pos, row.t
-      key[idx], keyrow[idx] = row.req.key, row.req.rows[row.g]
-      max_new[idx], live[idx] = row.max_new, True
-      placed.append((idx, row))
-    put = self.layout.put_rows
+    arrays, placed = decode_arrays(rows, d, a, r, self.cfg.slots, s["pad"])
     out = self.programs.decode(
-        self._params, self._pool, put(slot), put(token), put(pos), put(key), put(keyrow),
-        put(t), put(max_new), put(live), *s["scalars"], stacked=s["stacked"], window=window,
-        steps=self.cfg.chunk, **s["static"])
+        self._params, self._pool, *map(self.layout.put_rows, arrays), *s["scalars"],
+        stacked=s["stacked"], window=window, steps=self.cfg.chunk, **s["static"])
     self._pool = out[0]
     tokens, logps, counts, stopped = (distributed.local_rows(x) for x in out[1:5])
     ran = int(out[5])

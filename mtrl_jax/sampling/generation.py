@@ -15,10 +15,10 @@ model's chat format and
     the assistant header: log p(choice | prompt), which the judges turn into
     P(PASS) or an expected 1-5 rating.
 
-`BatchingGenerator` wraps any generator so that calls made at the same time
-from many environment threads (one per trajectory) are merged into one model
-call: judges and user simulators batch across trajectories without the
-environment API changing.
+`BatchingGenerator` (`mtrl_jax.sampling.batching`) wraps any generator so
+that calls made at the same time from many environment threads (one per
+trajectory) are merged into one model call: judges and user simulators batch
+across trajectories without the environment API changing.
 
 Reproducible calls: `generate(prompts, sampling, seeds=[...])` takes one seed
 per prompt. The rollout derives each environment step's seed from the step's
@@ -42,9 +42,10 @@ from flax import nnx
 
 from mtrl_jax.buckets import next_pow2, round_up
 from mtrl_jax.resources import SharedResource
-from mtrl_jax.sampling.batching import BatchingGenerator, _check_seeds  # noqa: F401
+from mtrl_jax.sampling.batching import _check_seeds
 from mtrl_jax.sampling.config import SamplingConfig
-from mtrl_jax.sampling.engine import DecodeEngine, EngineConfig, Request
+from mtrl_jax.sampling.engine import DecodeEngine
+from mtrl_jax.sampling.slots import EngineConfig, Request
 from mtrl_jax.text import ChatRenderer, TokenLedger, chatml, compact
 
 

@@ -84,7 +84,8 @@ class _SharedModel(SharedResource):
                temperature: float, batch_wait_s: float):
     from mtrl_jax import models, text  # model code only when a factory is built
     from mtrl_jax.sampling import SamplingConfig
-    from mtrl_jax.sampling.generation import BatchingGenerator, LocalLLM
+    from mtrl_jax.sampling.batching import BatchingGenerator
+    from mtrl_jax.sampling.generation import LocalLLM
     if model_path:
       from mtrl_jax.models.loading import from_pretrained
       model = from_pretrained(model_path)

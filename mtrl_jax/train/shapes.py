@@ -9,7 +9,7 @@ A jitted function compiles once per shape bucket (docs/design.md invariant 5), s
   engine capacity   cache columns per slot (`config.engine.capacity`; 0: the
                     largest prompt bucket + max_new_tokens + 1);
   engine programs   admit (new-token buckets) and decode (window buckets) of
-                    `sampling.engine.EngineConfig`, for the training sampling
+                    `sampling.slots.EngineConfig`, for the training sampling
                     and the evaluations' (greedy, sampled);
   train rows        rl.packing='rows': a quarter, a half and all of the
                     tree's rows (the zero-variance filter keeps a

@@ -10,7 +10,8 @@ from flax import nnx
 
 from mtrl_jax.envs import Thread
 from mtrl_jax.graders import BinaryJudgeGrader, RangeJudgeGrader, ScriptedGenerator
-from mtrl_jax.sampling.generation import BatchingGenerator, LocalLLM
+from mtrl_jax.sampling.batching import BatchingGenerator
+from mtrl_jax.sampling.generation import LocalLLM
 from mtrl_jax.models import create_model, get_preset
 from mtrl_jax.sampling import SamplingConfig
 

@@ -5,7 +5,8 @@ import pytest
 
 from mtrl_jax.models import create_model, get_preset
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.sampling.generation import BatchingGenerator, LocalLLM, ScriptedGenerator
+from mtrl_jax.sampling.batching import BatchingGenerator
+from mtrl_jax.sampling.generation import LocalLLM, ScriptedGenerator
 
 HOT = SamplingConfig(temperature=3.0, max_new_tokens=6)  # the random model's replies vary
 

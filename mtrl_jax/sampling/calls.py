@@ -1,0 +1,104 @@
+"""A step's work as the rollout engine's device calls, each of a fixed shape.
+
+`DecodeEngine.step` admits planned requests and decodes the slots that are
+decoding; here that work becomes calls. Every admit call has exactly
+`admit_rows` rows per (shard, agent) and every decode call `rows` (padded;
+more work takes more calls): float rounding depends on shapes, and which
+requests share a call depends on when environments answer, so a sample's
+arithmetic must not depend on its batch-mates. Padding rows name the scratch
+slot (index `slots`, after the pool's real slots) and the pad token.
+
+Arrays are this process's block, [D, A, R, ...] for its D local shards and A
+agents; a row's index within its (shard, agent) is its order in the call.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import numpy as np
+
+
+def split_calls(items: list, owner: Callable, per_call: int) -> list[list]:
+  """`items` split into calls of at most `per_call` per (shard, agent) (`owner(item)`),
+  each owner's items in order."""
+  per: dict = collections.defaultdict(list)
+  for item in items:
+    per[owner(item)].append(item)
+  if not per:
+    return []
+  n = max(len(v) for v in per.values())
+  return [[item for v in per.values() for item in v[k:k + per_call]]
+          for k in range(0, n, per_call)]
+
+
+def admit_arrays(plans: list[dict], shards: int, agents: int, rows: int, fanout: int,
+                 new_tokens: int, scratch: int, pad: int) -> tuple:
+  """(src, dst, tokens, start, count) of one admit call of `plans`.
+
+  Args:
+    plans: at most `rows` per (shard, agent); each names its `shard`, `agent`,
+      source slot `src`, destination slots `dst` (at most `fanout`), start
+      column `start` and new tokens `ext` (at most `new_tokens`).
+    shards, agents: the block's D and A.
+    rows: E, rows of the call per (shard, agent).
+    fanout: F, destination slots per row.
+    new_tokens: X, the call's new-token bucket.
+    scratch: the scratch slot's index.
+    pad: the pad id.
+  Returns:
+    src [D, A, E], dst [D, A, E, F], tokens [D, A, E, X], start [D, A, E] and
+    count [D, A, E] (int32).
+  """
+  d, a, e, f = shards, agents, rows, fanout
+  src = np.full((d, a, e), scratch, np.int32)
+  dst = np.full((d, a, e, f), scratch, np.int32)
+  tokens = np.full((d, a, e, new_tokens), pad, np.int32)
+  start = np.zeros((d, a, e), np.int32)
+  count = np.zeros((d, a, e), np.int32)
+  used = collections.Counter()
+  for p in plans:
+    sa = (p["shard"], p["agent"])
+    i = used[sa]
+    used[sa] += 1
+    src[sa + (i,)] = p["src"]
+    dst[sa + (i,)][:len(p["dst"])] = p["dst"]
+    tokens[sa + (i,)][:len(p["ext"])] = p["ext"]
+    start[sa + (i,)] = p["start"]
+    count[sa + (i,)] = len(p["ext"])
+  return src, dst, tokens, start, count
+
+
+def decode_arrays(rows: list, shards: int, agents: int, per_call: int, scratch: int,
+                  pad: int) -> tuple[tuple, list]:
+  """The inputs of one decode call over `rows` (`slots.Row`s, at most `per_call` per
+  (shard, agent)) and where each row sits.
+
+  Returns:
+    ((slot, token, pos, key, keyrow, t, max_new, live), placed): arrays [D, A, R]
+    (key [D, A, R, 2] uint32 raw key data, keyrow uint32 the sample's row in
+    its request, live False on padding rows) and `placed`, (index, row) per
+    row, the index into the call's outputs.
+  """
+  d, a, r = shards, agents, per_call
+  slot = np.full((d, a, r), scratch, np.int32)
+  token = np.full((d, a, r), pad, np.int32)
+  pos = np.zeros((d, a, r), np.int32)
+  key = np.zeros((d, a, r, 2), np.uint32)
+  keyrow = np.zeros((d, a, r), np.uint32)
+  t = np.zeros((d, a, r), np.int32)
+  max_new = np.ones((d, a, r), np.int32)
+  live = np.zeros((d, a, r), bool)
+  placed = []
+  used = collections.Counter()
+  for row in rows:
+    sa = (row.shard, row.agent)
+    i = used[sa]
+    used[sa] += 1
+    idx = sa + (i,)
+    slot[idx], token[idx], pos[idx], t[idx] = row.slot, row.token, row.pos, row.t
+    key[idx], keyrow[idx] = row.req.key, row.req.rows[row.g]
+    max_new[idx], live[idx] = row.max_new, True
+    placed.append((idx, row))
+  return (slot, token, pos, key, keyrow, t, max_new, live), placed
