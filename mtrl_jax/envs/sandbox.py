@@ -31,26 +31,15 @@ sandbox"); `confinement()` says which namespaces this machine allows.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import json
 import logging
 import math
 import os
-import secrets
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from typing import Sequence
 
 from mtrl_jax.envs.faults import InfrastructureError
-from mtrl_jax.envs.sandbox_procs import decode as _decode
-from mtrl_jax.envs.sandbox_procs import kill_all as _kill_all
-from mtrl_jax.envs.sandbox_procs import live as _live
-from mtrl_jax.envs.sandbox_procs import read as _read
-from mtrl_jax.envs.sandbox_procs import rmtree as _rmtree
+from mtrl_jax.envs.sandbox_procs import Limits, Raw, execute
 
 STATUSES = ("passed", "failed", "error", "timeout", "killed")
 ISOLATION_MODES = ("drop_uid", "drop_uid_read", "process_group")
@@ -59,9 +48,6 @@ TIMEOUT_TYPE = "TimeoutException"
 TIMEOUT_MESSAGE = "Code execution timed out"
 # Interpreter start-up (about 20-50 ms) is not charged to the program's budget.
 STARTUP_GRACE_S = 0.5
-
-_MESSAGE_CAP = 2000
-_UID_BASE = 1_000_000  # per-run uids live in [1e6, 1e6 + 65536 * 256)
 
 
 class SandboxError(InfrastructureError):
@@ -103,131 +89,16 @@ class AssertResult:
     return self.status == "passed"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Limits:
-  memory_mb: int
-  max_processes: int
-  cpu_time_s: int
-  max_file_mb: int
-  max_output_bytes: int
-  block_outside_writes: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class _Raw:
-  records: list
-  returncode: int | None
-  timed_out: bool
-  stdout: str
-  stderr: str
-  duration_s: float
-
-
-_HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")
-_harness_text: str | None = None
-
-
-def _harness() -> str:
-  """The child's program: `sandbox_harness.py`, read once (never imported here)."""
-  global _harness_text
-  if _harness_text is None:
-    with open(_HARNESS_PATH, encoding="utf-8") as f:
-      _harness_text = f.read()
-  return _harness_text
-
-
 _lock = threading.Lock()
-_uid_counter = itertools.count()
 _isolation: str | None = None
 _confined: dict = {}
-
-
-def _allocate_uid() -> int:
-  # Unique among this process's concurrent runs; the pid slot separates
-  # processes (two live processes with pids equal mod 65536 could collide).
-  with _lock:
-    n = next(_uid_counter) % 256
-  return _UID_BASE + (os.getpid() % 65536) * 256 + n
-
-
-def _execute(spec: dict, wall_s: float, limits: _Limits, mode: str) -> _Raw:
-  """Runs the harness once; `mode` is one of ISOLATION_MODES."""
-  uid = None if mode == "process_group" else _allocate_uid()
-  nproc = limits.max_processes
-  if uid is None and os.geteuid() != 0:
-    nproc += sum(threads for _, threads in _live(uid=os.getuid()))
-  workdir = tempfile.mkdtemp(prefix="mtrl_sandbox_")
-  new_root = tempfile.mkdtemp(prefix="mtrl_sandbox_root_")  # the child mounts its tmpfs here
-  # Anonymous files (O_TMPFILE): the child writes through inherited fds and
-  # nothing is left to delete.
-  out, err, res = (tempfile.TemporaryFile() for _ in range(3))
-  try:
-    if uid is not None:
-      os.chown(workdir, uid, uid)
-    spec = dict(spec, result_fd=res.fileno(), nonce=secrets.token_hex(16), uid=uid,
-                read_cap=mode == "drop_uid_read", namespaces=True, new_root=new_root,
-                cap=_MESSAGE_CAP, block_writes=limits.block_outside_writes, limits={
-                    "cpu_s": limits.cpu_time_s, "nproc": nproc,
-                    "as_bytes": limits.memory_mb << 20, "file_bytes": limits.max_file_mb << 20})
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-           "HOME": workdir, "TMPDIR": workdir, "PYTHONHASHSEED": "0",
-           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    flags = ["-s", "-B"] + (["-P"] if sys.version_info >= (3, 11) else [])
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, *flags, "-c", _harness()], stdin=subprocess.PIPE,
-                            stdout=out, stderr=err, cwd=workdir, env=env,
-                            pass_fds=(res.fileno(),), start_new_session=True)
-    # A timer thread and a blocking wait: Popen.wait(timeout) polls with
-    # sleeps of up to 50 ms, which would dominate short runs.
-    expired = threading.Event()
-
-    def on_expiry():
-      expired.set()
-      try:
-        os.killpg(proc.pid, signal.SIGKILL)
-      except OSError:
-        pass
-
-    timer = threading.Timer(wall_s, on_expiry)
-    timer.start()
-    try:
-      try:
-        proc.stdin.write(json.dumps(spec).encode())
-        proc.stdin.close()
-      except BrokenPipeError:
-        pass
-      # Wait for the exit without reaping: until `_kill_all` reaps it, the
-      # leader's pid (= the group id) cannot be reused, so killpg is safe.
-      os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-    finally:
-      timer.cancel()
-      timer.join()
-      _kill_all(proc, uid)
-    duration = time.monotonic() - t0
-    records = []
-    for line in _read(res, None).splitlines():
-      try:
-        rec = json.loads(line)
-      except ValueError:
-        continue
-      if isinstance(rec, dict) and rec.get("nonce") == spec["nonce"]:
-        records.append(rec)
-    cap = limits.max_output_bytes
-    return _Raw(records, proc.returncode, expired.is_set(), _decode(out, cap),
-                _decode(err, cap), duration)
-  finally:
-    for f in (out, err, res):
-      f.close()
-    _rmtree(workdir)
-    os.rmdir(new_root)
 
 
 def _probe(mode: str):
   """One trivial run in `mode`: its 'ready' record when it passed, else the failure."""
   try:
-    raw = _execute({"mode": "program", "program": "import decimal, fractions"}, 10.0,
-                   _Limits(512, 8, 5, 1, 4096, True), mode)
+    raw = execute({"mode": "program", "program": "import decimal, fractions"}, 10.0,
+                   Limits(512, 8, 5, 1, 4096, True), mode)
   except OSError as e:
     return e
   kinds = {r.get("kind"): r for r in raw.records}
@@ -277,7 +148,7 @@ def confinement() -> dict:
 
 
 def _make_limits(timeout_s, memory_mb, max_processes, cpu_time_s, max_file_mb,
-                 max_output_bytes, block_outside_writes) -> _Limits:
+                 max_output_bytes, block_outside_writes) -> Limits:
   for name, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb),
                       ("max_processes", max_processes), ("max_file_mb", max_file_mb),
                       ("max_output_bytes", max_output_bytes)):
@@ -286,7 +157,7 @@ def _make_limits(timeout_s, memory_mb, max_processes, cpu_time_s, max_file_mb,
   cpu = math.ceil(timeout_s) + 1 if cpu_time_s is None else int(math.ceil(cpu_time_s))
   if cpu <= 0:
     raise ValueError(f"cpu_time_s must be positive, got {cpu_time_s!r}")
-  return _Limits(int(memory_mb), int(max_processes), cpu, int(max_file_mb),
+  return Limits(int(memory_mb), int(max_processes), cpu, int(max_file_mb),
                  int(max_output_bytes), bool(block_outside_writes))
 
 
@@ -297,7 +168,7 @@ def _signal_name(returncode: int | None) -> str:
     return f"signal {returncode}"
 
 
-def _abnormal_end(raw: _Raw, limits: _Limits, wall_s: float) -> tuple[str, str, str]:
+def _abnormal_end(raw: Raw, limits: Limits, wall_s: float) -> tuple[str, str, str]:
   """(status, error_type, message) when the harness did not reach its end."""
   if raw.timed_out:
     return "timeout", TIMEOUT_TYPE, f"wall-clock limit of {wall_s:.1f} s exceeded"
@@ -309,7 +180,7 @@ def _abnormal_end(raw: _Raw, limits: _Limits, wall_s: float) -> tuple[str, str, 
   return "error", "EarlyExit", f"the program exited (code {rc}) before it finished"
 
 
-def _check_started(raw: _Raw) -> None:
+def _check_started(raw: Raw) -> None:
   ready = [r for r in raw.records if r.get("kind") == "ready"]
   if not ready:
     infra = [r.get("message") for r in raw.records if r.get("kind") == "infra"]
@@ -347,7 +218,7 @@ def run_python(program: str, timeout_s: float, *, memory_mb: int = 1024,
   limits = _make_limits(timeout_s, memory_mb, max_processes, cpu_time_s, max_file_mb,
                         max_output_bytes, block_outside_writes)
   wall = timeout_s + STARTUP_GRACE_S
-  raw = _execute({"mode": "program", "program": program}, wall, limits, isolation_mode())
+  raw = execute({"mode": "program", "program": program}, wall, limits, isolation_mode())
   _check_started(raw)
   done = {r.get("kind"): r for r in raw.records}
   if "end" in done and "program" in done:
@@ -393,7 +264,7 @@ def run_tests(setup_code: str, asserts: Sequence[str], timeout_per_assert_s: flo
                         4096, block_outside_writes)
   spec = {"mode": "tests", "prelude": prelude, "setup": setup_code, "asserts": asserts,
           "timeout_s": float(timeout_per_assert_s), "max_timeouts": max_timeouts}
-  raw = _execute(spec, wall, limits, isolation_mode())
+  raw = execute(spec, wall, limits, isolation_mode())
   _check_started(raw)
   by_index = {r["i"]: r for r in raw.records if r.get("kind") == "assert"}
   setup_done = any(r.get("kind") == "setup" for r in raw.records)

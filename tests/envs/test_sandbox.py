@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mtrl_jax.envs import sandbox
+from mtrl_jax.envs import sandbox, sandbox_procs
 
 DROP = sandbox.isolation_mode() in ("drop_uid", "drop_uid_read")
 CONFINED = sandbox.confinement()
@@ -124,7 +124,7 @@ print(len(children), *children, flush=True)
   assert 1 <= count < 8  # the harness itself holds one of the 8 slots
   if DROP:
     assert all(not _alive(pid) for pid in children)
-    assert sandbox._live(uid=uid) == []
+    assert sandbox_procs.live(uid=uid) == []
   assert _group_members(pgid) == []
 
 
@@ -137,7 +137,7 @@ def test_true_fork_bomb_returns_on_time_and_leaves_nothing():
   uid, pgid = map(int, r.stdout.split()[:2])
   assert _group_members(pgid) == []
   if DROP:
-    assert sandbox._live(uid=uid) == []
+    assert sandbox_procs.live(uid=uid) == []
 
 
 @pytest.mark.parametrize("attack", [
