@@ -3,9 +3,10 @@
 An objective turns per-token policy logprobs (and reference logprobs when it
 needs them) into an exact (num, den) pair plus summable metrics, so
 micro-batches can sum numerators, denominators and gradients and divide once
-(`mtrl_jax.train.step.TrainStep`). `PolicyObjective` wraps
-`mtrl_jax.losses.policy_loss_terms` for row and tree-packed batches; the SFT
-cross-entropy (`mtrl_jax.train.sft`) is another objective on the same step.
+(`mtrl_jax.train.update`, inside `mtrl_jax.train.step.TrainStep`).
+`PolicyObjective` wraps `mtrl_jax.losses.policy_loss_terms` for row and
+tree-packed batches; the SFT cross-entropy (`mtrl_jax.train.sft`) is another
+objective on the same step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sharded, jitted train step: forward, loss, exact micro-batch accumulation, AdamW.
+"""The sharded, jitted train step: state, shardings, one program per shape bucket.
 
 State is a plain pytree, `TrainState(step, params, opt_state, rng,
 num_skipped)`, with `params` the `nnx.State` of the model's `nnx.Param`s
@@ -9,19 +9,21 @@ state takes explicit `in_shardings`/`out_shardings`, donation and Orbax
 never retrace.
 
 What is optimised is an `Objective` (`mtrl_jax.train.objectives`): exact
-(num, den) terms plus summable metrics. Micro-batches sum numerators,
-denominators and gradients of the numerator, then divide once, so the update
-equals the full-batch one.
+(num, den) terms plus summable metrics. The update itself (forward, exact
+micro-batch accumulation, AdamW, the non-finite skip) is
+`mtrl_jax.train.update.one_update`; here it is jitted with the state donated.
 
-Metrics come back as a dict of device scalars; the loops fetch them in the
-same step that produced them, right after the update, with
-`TrainStep.fetch_metrics`, which raises under `nonfinite='halt'`.
+Metrics come back as a dict of device scalars. The loops fetch them with
+`TrainStep.fetch_metrics` right after the update that produced them: the RL
+loop after a step's last update (with several updates on one batch the
+earlier ones' are never fetched), the SFT warm-up at its logged steps only.
+`fetch_metrics` raises under `nonfinite='halt'` when the fetched update was
+skipped.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Mapping, Optional
 
 import flax.struct
@@ -30,12 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import losses, models, sharding
 from mtrl_jax.train import optim
 from mtrl_jax.train.forward import forward_keys, forward_logprobs
 from mtrl_jax.train.objectives import PolicyObjective, is_tree_batch, trainer_old_key
+from mtrl_jax.train.update import one_update
 
 _NONFINITE = ("skip", "halt")
 
@@ -103,28 +105,6 @@ class StepConfig:
 
 class NonFiniteError(FloatingPointError):
   """A train step met a non-finite loss or gradient under nonfinite='halt'."""
-
-
-def _split_microbatches(batch, num: int, mesh, batch_axes):
-  """[B, ...] -> [M, B/M, ...], micro-batch m = rows m, m+M, m+2M, ...
-
-  The strided split keeps every micro-batch spread over all data shards
-  (a contiguous split would put each micro-batch on a few devices only).
-  """
-
-  def one(x):
-    b = x.shape[0]
-    y = jnp.swapaxes(x.reshape(b // num, num, *x.shape[1:]), 0, 1)
-    spec = P(None, batch_axes, *([None] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
-
-  return jax.tree.map(one, batch)
-
-
-def _learning_rate(opt_state, schedule):
-  # optax's own update counter (applied updates only) drives the schedule.
-  counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
-  return schedule(counts[0][1]) if counts else jnp.nan
 
 
 class TrainStep:
@@ -318,77 +298,13 @@ class TrainStep:
                  lambda shape: sharding.batch_sharding(self.mesh, 2, shape[0]))
 
   def _step(self, state: TrainState, ref_params, batch, update_scale=None):
-    """One update; `update_scale` (a scalar, default 1) multiplies the optimizer's
-    updates: AdamW's update is linear in the learning rate, so it sets another
-    base learning rate on the same schedule (`train.stacked`)."""
+    """One update, traced (`train.update.one_update`); `update_scale` (a scalar,
+    default 1) multiplies the optimizer's updates (`train.stacked`)."""
     self._num_traces += 1  # runs once per trace, i.e. per compilation
-    obj, cfg = self.objective, self.step_cfg
-    want_entropy = cfg.report_entropy and cfg.logprob_chunk_size is None
-    temperature = getattr(obj, "temperature", 1.0)
-
-    def num_fn(params, mb, ref_logp):
-      logp, entropy = forward_logprobs(self.graphdef, params, mb, cfg.logprob_chunk_size,
-                                       want_entropy, temperature)
-      num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
-      return num, (den, sums)
-
-    def grad_fn(params, mb):
-      # The reference forward runs outside the differentiated function: no
-      # gradient work, and its variables stay at this trace level (nnx.remat
-      # refuses variables captured from an outer trace).
-      ref_logp = None
-      if ref_params is not None:
-        ref_logp, _ = forward_logprobs(self.graphdef, ref_params, mb, cfg.logprob_chunk_size,
-                                       False, temperature)
-        ref_logp = jax.lax.stop_gradient(ref_logp)
-      return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
-
-    m = cfg.num_microbatches
-    if m == 1:
-      (num, (den, sums)), grads = grad_fn(state.params, batch)
-    else:
-      b = batch["tokens_BxL"].shape[0]
-      axes = sharding.batch_sharding(self.mesh, 2, b // m).spec[0]
-      mbs = _split_microbatches(batch, m, self.mesh, axes)
-
-      def body(carry, mb):
-        g_acc, num_acc, den_acc = carry
-        (num, (den, sums)), g = grad_fn(state.params, mb)
-        return (jax.tree.map(jnp.add, g_acc, g), num_acc + num, den_acc + den), sums
-
-      zeros = jax.tree.map(jnp.zeros_like, state.params)
-      zeros = jax.lax.with_sharding_constraint(zeros, self.param_shardings)
-      init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-      (grads, num, den), sums_M = jax.lax.scan(body, init, mbs)
-      sums = functools.reduce(obj.merge, [jax.tree.map(lambda x, i=i: x[i], sums_M)
-                                          for i in range(m)])
-
-    inv_den = 1.0 / jnp.maximum(den, 1.0)  # dens are counts: exact, 0 when empty
-    loss = num * inv_den
-    grads = jax.tree.map(lambda g: g * inv_den, grads)
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    apply = finite & (den > 0)  # an empty batch (no trained token) changes nothing
-
-    updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
-    lr = _learning_rate(state.opt_state, self.schedule)
-    if update_scale is not None:
-      updates = jax.tree.map(lambda u: (u * update_scale).astype(u.dtype), updates)
-      lr = lr * update_scale
-    new_params = optax.apply_updates(state.params, updates)
-    pick = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
-    new_state = TrainState(
-        step=state.step + 1, params=pick(new_params, state.params),
-        opt_state=pick(new_opt, state.opt_state), rng=state.rng,
-        num_skipped=state.num_skipped + (~finite).astype(jnp.int32))
-
-    metrics = dict(obj.finalize(sums))
-    metrics.update(loss=loss, grad_norm=grad_norm,
-                   learning_rate=lr,
-                   skipped=(~finite).astype(jnp.float32), empty_batch=(den <= 0).astype(
-                       jnp.float32), num_skipped=new_state.num_skipped, step=state.step)
-    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-    return new_state, metrics
+    return one_update(state, ref_params, batch, graphdef=self.graphdef,
+                      objective=self.objective, step_cfg=self.step_cfg, tx=self.tx,
+                      schedule=self.schedule, mesh=self.mesh,
+                      param_shardings=self.param_shardings, update_scale=update_scale)
 
   def fetch_metrics(self, metrics: Mapping[str, Any]) -> dict[str, float]:
     """Host floats of a step's metrics; raises NonFiniteError under 'halt'."""

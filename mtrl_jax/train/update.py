@@ -1,0 +1,132 @@
+"""The arithmetic of one train update, traced inside `TrainStep`'s jitted program.
+
+Forward, the `Objective`'s terms (`mtrl_jax.train.objectives`), exact
+micro-batch accumulation, AdamW, and the non-finite skip. Micro-batches sum
+numerators, denominators and gradients of the numerator, then divide once, so
+the update equals the full-batch one. An update whose loss or gradient is not
+finite, or whose batch has no trained token, keeps the parameters and the
+optimizer state.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mtrl_jax import sharding
+from mtrl_jax.train.forward import forward_logprobs
+
+
+def split_microbatches(batch, num: int, mesh, batch_axes):
+  """[B, ...] -> [M, B/M, ...], micro-batch m = rows m, m+M, m+2M, ...
+
+  The strided split keeps every micro-batch spread over all data shards
+  (a contiguous split would put each micro-batch on a few devices only).
+  """
+
+  def one(x):
+    b = x.shape[0]
+    y = jnp.swapaxes(x.reshape(b // num, num, *x.shape[1:]), 0, 1)
+    spec = P(None, batch_axes, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
+
+  return jax.tree.map(one, batch)
+
+
+def learning_rate(opt_state, schedule):
+  """The schedule at optax's own update counter (applied updates only)."""
+  counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+  return schedule(counts[0][1]) if counts else jnp.nan
+
+
+def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, schedule, mesh,
+               param_shardings, update_scale=None):
+  """One update of `state` (a `train.step.TrainState`) on `batch`; traced, not jitted.
+
+  Args:
+    state: the current state.
+    ref_params: frozen reference parameters, or None when the objective needs
+      no reference logprobs.
+    batch: the objective's entries, [B, ...] each.
+    graphdef: the model's graph (`nnx.split(model, nnx.Param)[0]`).
+    objective: the `Objective` minimised.
+    step_cfg: the `StepConfig` (micro-batches, logprob chunking, entropy).
+    tx, schedule: the optimizer and its learning-rate schedule.
+    mesh, param_shardings: the training mesh and the parameters' shardings.
+    update_scale: a scalar multiplying the optimizer's updates (default 1):
+      AdamW's update is linear in the learning rate, so it sets another base
+      learning rate on the same schedule (`train.stacked`).
+  Returns:
+    (new_state, metrics): metrics a dict of float32 scalars.
+  """
+  obj, cfg = objective, step_cfg
+  want_entropy = cfg.report_entropy and cfg.logprob_chunk_size is None
+  temperature = getattr(obj, "temperature", 1.0)
+
+  def num_fn(params, mb, ref_logp):
+    logp, entropy = forward_logprobs(graphdef, params, mb, cfg.logprob_chunk_size,
+                                     want_entropy, temperature)
+    num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
+    return num, (den, sums)
+
+  def grad_fn(params, mb):
+    # The reference forward runs outside the differentiated function: no
+    # gradient work, and its variables stay at this trace level (nnx.remat
+    # refuses variables captured from an outer trace).
+    ref_logp = None
+    if ref_params is not None:
+      ref_logp, _ = forward_logprobs(graphdef, ref_params, mb, cfg.logprob_chunk_size,
+                                     False, temperature)
+      ref_logp = jax.lax.stop_gradient(ref_logp)
+    return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
+
+  m = cfg.num_microbatches
+  if m == 1:
+    (num, (den, sums)), grads = grad_fn(state.params, batch)
+  else:
+    b = batch["tokens_BxL"].shape[0]
+    axes = sharding.batch_sharding(mesh, 2, b // m).spec[0]
+    mbs = split_microbatches(batch, m, mesh, axes)
+
+    def body(carry, mb):
+      g_acc, num_acc, den_acc = carry
+      (num, (den, sums)), g = grad_fn(state.params, mb)
+      return (jax.tree.map(jnp.add, g_acc, g), num_acc + num, den_acc + den), sums
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grads, num, den), sums_M = jax.lax.scan(body, init, mbs)
+    sums = functools.reduce(obj.merge, [jax.tree.map(lambda x, i=i: x[i], sums_M)
+                                        for i in range(m)])
+
+  inv_den = 1.0 / jnp.maximum(den, 1.0)  # dens are counts: exact, 0 when empty
+  loss = num * inv_den
+  grads = jax.tree.map(lambda g: g * inv_den, grads)
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  apply = finite & (den > 0)  # an empty batch (no trained token) changes nothing
+
+  updates, new_opt = tx.update(grads, state.opt_state, state.params)
+  lr = learning_rate(state.opt_state, schedule)
+  if update_scale is not None:
+    updates = jax.tree.map(lambda u: (u * update_scale).astype(u.dtype), updates)
+    lr = lr * update_scale
+  new_params = optax.apply_updates(state.params, updates)
+  pick = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+  new_state = state.replace(
+      step=state.step + 1, params=pick(new_params, state.params),
+      opt_state=pick(new_opt, state.opt_state),
+      num_skipped=state.num_skipped + (~finite).astype(jnp.int32))
+
+  metrics = dict(obj.finalize(sums))
+  metrics.update(loss=loss, grad_norm=grad_norm,
+                 learning_rate=lr,
+                 skipped=(~finite).astype(jnp.float32), empty_batch=(den <= 0).astype(
+                     jnp.float32), num_skipped=new_state.num_skipped, step=state.step)
+  metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+  return new_state, metrics
