@@ -19,7 +19,12 @@ Layers, bottom to top (a package may import its own layer and the ones below):
   testing (fakes for tests and benchmarks; may import anything)
 
 A module lives under one name only: no module aliases another (no
-`sys.modules` assignment), so an old import path cannot come back as a shim.
+`sys.modules` assignment), so an old import path cannot come back as a shim;
+and a name is imported from the module that defines it (or a package's
+`__init__`, the public surface), never through a module that only imports
+it, so a name moved to another module cannot stay behind as a re-export.
+
+Every module stays at most `MAX_LINES` long (docs/design.md, Conventions).
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ from __future__ import annotations
 import ast
 import os
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mtrl_jax")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.join(REPO, "mtrl_jax")
+# The repository's Python that imports mtrl_jax (checked for imports through re-exports).
+IMPORTERS = ("mtrl_jax", "tests", "benchmarks", "experiments", "configs")
+MAX_LINES = 400
 
 LAYERS = (
     ("sharding", "distributed", "checkpoint", "metrics", "registry", "data", "buckets",
@@ -239,3 +248,104 @@ def test_no_module_is_an_alias_of_another(tmp_path):
   found = aliasing_calls(str(pkg))
   assert any("mtrl_jax.old:3 calls alias_module" in p for p in found), found
   assert any("mtrl_jax.old:4 assigns into sys.modules" in p for p in found), found
+
+
+def long_modules(root: str = ROOT, limit: int = MAX_LINES) -> list[str]:
+  """Every module under `root` longer than `limit` lines."""
+  problems = []
+  for module, path in sorted(module_files(root).items()):
+    with open(path) as f:
+      n = sum(1 for _ in f)
+    if n > limit:
+      problems.append(f"{module}: {n} lines")
+  return problems
+
+
+def test_every_module_is_at_most_400_lines(tmp_path):
+  problems = long_modules()
+  assert not problems, (f"modules over {MAX_LINES} lines (split them along a seam):\n"
+                        + "\n".join(problems))
+  pkg = tmp_path / "mtrl_jax"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "big.py").write_text("x = 1\n" * 401)
+  (pkg / "fits.py").write_text("x = 1\n" * 400)
+  assert long_modules(str(pkg)) == ["mtrl_jax.big: 401 lines"]
+
+
+def _top_level_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+  """(names a module defines, names it imports) at module level (inside if / try too)."""
+  defined, imported = set(), set()
+
+  def visit(body):
+    for node in body:
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        defined.add(node.name)
+      elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+          defined.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+      elif isinstance(node, (ast.Import, ast.ImportFrom)):
+        imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+      elif isinstance(node, (ast.If, ast.Try)):
+        visit(node.body)
+        visit(node.orelse)
+        for h in getattr(node, "handlers", []):
+          visit(h.body)
+        visit(getattr(node, "finalbody", []))
+
+  visit(tree.body)
+  return defined, imported
+
+
+def reexport_imports(root: str = ROOT, importers=None) -> list[str]:
+  """Every `from mtrl_jax.x import name` (in the files under `importers`) where module x
+  is not a package and only imports `name` from elsewhere."""
+  files = module_files(root)
+  names = {}
+  for module, path in files.items():
+    if os.path.basename(path) != "__init__.py":
+      with open(path) as f:
+        names[module] = _top_level_names(ast.parse(f.read(), path))
+  if importers is None:
+    importers = [os.path.join(os.path.dirname(root), d) for d in IMPORTERS]
+  problems = []
+  for top in importers:
+    for dirpath, _, filenames in os.walk(top):
+      for f in sorted(filenames):
+        if not f.endswith(".py"):
+          continue
+        path = os.path.join(dirpath, f)
+        with open(path) as fh:
+          tree = ast.parse(fh.read(), path)
+        for node in ast.walk(tree):
+          if not (isinstance(node, ast.ImportFrom) and node.level == 0
+                  and node.module in names):
+            continue
+          defined, imported = names[node.module]
+          for a in node.names:
+            if (a.name in imported and a.name not in defined
+                and f"{node.module}.{a.name}" not in files):
+              rel = os.path.relpath(path, os.path.dirname(root))
+              problems.append(f"{rel}:{node.lineno} imports {a.name} from {node.module}, "
+                              "which only imports it")
+  return problems
+
+
+def test_names_are_imported_from_the_module_that_defines_them(tmp_path):
+  problems = reexport_imports()
+  assert not problems, ("imports through a re-export (import from the defining module):\n"
+                        + "\n".join(problems))
+  # The walker itself: a name passed on by a plain module is caught, one passed on
+  # by a package's __init__ or defined where it is imported from is not.
+  pkg = tmp_path / "mtrl_jax"
+  (pkg / "sub").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "sub" / "__init__.py").write_text("from mtrl_jax.sub.new import Thing\n")
+  (pkg / "sub" / "new.py").write_text("class Thing:\n  pass\n")
+  (pkg / "sub" / "old.py").write_text("from mtrl_jax.sub.new import Thing  # noqa\n")
+  (pkg / "user.py").write_text("from mtrl_jax.sub.old import Thing\n"
+                               "from mtrl_jax.sub import Thing\n"
+                               "from mtrl_jax.sub.new import Thing\n")
+  found = reexport_imports(str(pkg))
+  assert found == [os.path.join("mtrl_jax", "user.py") + ":1 imports Thing from "
+                   "mtrl_jax.sub.old, which only imports it"], found

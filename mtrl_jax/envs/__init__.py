@@ -12,8 +12,7 @@ reward from the `Grade`s the environment returns (`mtrl_jax.envs.reward`). See
 Submodules not imported here: `sandbox` (code execution).
 """
 
-from mtrl_jax.envs.core import (ROLES, Environment, EnvironmentFactory, SharedResource, Thread,
-                                Turn)
+from mtrl_jax.envs.core import ROLES, Environment, EnvironmentFactory, Thread, Turn
 from mtrl_jax.envs.grades import Grade, as_grade, normalize_grades
 from mtrl_jax.envs.reward import (RewardBreakdown, RewardConfig, RewardDominanceWarning,
                                   check_reward_dominance, compose_reward, mean_score)
@@ -27,6 +26,7 @@ from mtrl_jax.envs.tools import (Tool, ToolCache, ToolCallRecord, ToolResults, T
 from mtrl_jax.envs.runner import (StepLimits, StepOutcome, fault_source, render_thread,
                                   rollout_scripted, step_environment)
 from mtrl_jax.envs.user_sim import LLMUserSimulator, ScriptedUserSimulator, UserReply
+from mtrl_jax.resources import SharedResource
 
 __all__ = [
     "ROLES", "Environment", "EnvironmentFactory", "SharedResource", "Thread", "Turn",

@@ -23,7 +23,6 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from mtrl_jax.envs.faults import Fault, FaultKind
-from mtrl_jax.resources import SharedResource  # re-exported: the env API names it
 
 ROLES = ("system", "user", "assistant", "tool")
 

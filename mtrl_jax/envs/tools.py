@@ -32,10 +32,11 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Optional
 
-from mtrl_jax.envs.core import SharedResource, Turn
+from mtrl_jax.envs.core import Turn
 from mtrl_jax.envs.faults import (MODEL_CAUSED, Fault, FaultKind, FaultTimeoutError,
                                   ToolError, call_with_timeout, classify)
 from mtrl_jax.envs.tool_schema import function_schema, validate_arguments
+from mtrl_jax.resources import SharedResource
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -17,8 +17,9 @@ import dataclasses
 import threading
 from typing import Any, Optional, Sequence
 
-from mtrl_jax.envs.core import SharedResource, Thread
+from mtrl_jax.envs.core import Thread
 from mtrl_jax.envs.faults import InfrastructureError
+from mtrl_jax.resources import SharedResource
 from mtrl_jax.seeds import call_seed
 
 DEFAULT_PROMPT = (

@@ -12,6 +12,7 @@ tool calls and their results within a turn are sub-steps of one action.
 environments to the engine's `Transition` and is imported from its module.
 """
 
+from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.rollout.config import TreeConfig, TreePlan, plan_tree
 from mtrl_jax.rollout.dump import dump_path, node_records, write_rollout_dump
 from mtrl_jax.rollout.engine import expand_tree
@@ -19,7 +20,8 @@ from mtrl_jax.rollout.inflight import RolloutTimes
 from mtrl_jax.rollout.packing import BATCH_KEYS, pack_tree
 from mtrl_jax.rollout.policy import EnginePolicy, RolloutPolicy, StackedStates
 from mtrl_jax.rollout.records import ActionOutcome, ActionRecord, StepRecord, Transition
-from mtrl_jax.rollout.tree import Completion, Node, Tree, advantages, joint_actions
+from mtrl_jax.rollout.returns import advantages, joint_actions
+from mtrl_jax.rollout.tree import Node, Tree
 
 __all__ = [
     "TreeConfig", "TreePlan", "plan_tree", "Tree", "Node", "Completion", "joint_actions",

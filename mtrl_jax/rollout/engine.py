@@ -53,7 +53,7 @@ from mtrl_jax.rollout.inflight import (ActRun, NodeRun, RolloutTimes, action_see
                                        takes_seed)
 from mtrl_jax.rollout.policy import RolloutPolicy, request_keys
 from mtrl_jax.rollout.records import ActionRecord, Transition, step_record
-from mtrl_jax.rollout.tree import Completion, Tree
+from mtrl_jax.rollout.tree import Tree
 from mtrl_jax.sampling.slots import Request, Sample
 from mtrl_jax.seeds import call_seed
 

@@ -42,7 +42,7 @@ from mtrl_jax.envs.runner import render_thread
 from mtrl_jax.envs.faults import Fault, FaultKind
 from mtrl_jax.envs.reward import RewardBreakdown, RewardConfig, compose_reward
 from mtrl_jax.rollout.records import ActionOutcome, StepRecord
-from mtrl_jax.rollout.tree import Completion
+from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.seeds import call_seed
 from mtrl_jax.text import ChatRenderer
 

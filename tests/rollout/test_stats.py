@@ -12,7 +12,8 @@ from mtrl_jax.rollout import ActionRecord, TreeConfig
 from mtrl_jax.rollout import stats
 from mtrl_jax.rollout import RolloutTimes
 from mtrl_jax.rollout.env_transition import _record
-from mtrl_jax.rollout.tree import Completion, Tree
+from mtrl_jax.rollout.completion import Completion
+from mtrl_jax.rollout.tree import Tree
 
 REWARD = RewardConfig(step_penalty=-0.05, tool_penalty=-0.2, shaping_weight=0.5)
 

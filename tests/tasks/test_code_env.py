@@ -20,7 +20,7 @@ from mtrl_jax.graders import ScriptedGenerator
 from mtrl_jax.testing import FakePolicy
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.tree import Completion
+from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.testing import byte_renderer
 
 TASK = load_humaneval("test")[23]  # strlen
