@@ -36,6 +36,7 @@ from absl import app, flags
 from configs import calculator as calculator_config
 from mtrl_jax.envs import rollout_scripted
 from mtrl_jax.tasks import calculator
+from mtrl_jax.train import components
 from mtrl_jax.train import experiment as exp_lib
 
 _TASKS = flags.DEFINE_integer("tasks", 300, "golden episodes per timed pass")
@@ -56,14 +57,15 @@ def _pass(factory, episodes, limits, reward, renderer) -> tuple[float, int]:
 def main(argv):
   del argv
   exp = exp_lib.build(calculator_config.get_config())
-  _, renderer = exp_lib.make_tokenizer(exp)
-  factory = exp_lib.make_factory(exp)
+  renderer = components.make_renderer(
+      exp.tokenizer, components.make_tokenizer(exp.tokenizer, exp.model.path))
+  factory = components.make_factory(exp)
   tasks = [calculator.make_task("train", i) for i in range(_TASKS.value)]
   episodes = [(t, [c for r, c in calculator.golden_conversation(t) if r == "assistant"])
               for t in tasks]
   rows = []
-  for name, timeout in (("guarded", exp.limits.react_timeout_s), ("inline", None)):
-    limits = dataclasses.replace(exp.limits, react_timeout_s=timeout)
+  for name, timeout in (("guarded", exp.env.react_timeout_s), ("inline", None)):
+    limits = dataclasses.replace(exp.env.limits, react_timeout_s=timeout)
     _pass(factory, episodes, limits, exp.reward, renderer)  # warm-up
     times, steps = zip(*(_pass(factory, episodes, limits, exp.reward, renderer)
                          for _ in range(_REPEATS.value)))

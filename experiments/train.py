@@ -28,16 +28,12 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; allowed: flags only")
-  try:  # join the other processes first: validation counts them
-    distributed.initialize(experiment.distributed_config(_CONFIG.value))
-  except ValueError as e:
-    raise app.UsageError(" ".join(str(e).split())) from None
-  try:
-    experiment.validate(_CONFIG.value)
+  try:  # joins the other processes first (validation counts them), then validates
+    exp = experiment.start(_CONFIG.value)
   except experiment.ConfigError as e:
     raise app.UsageError(str(e)) from None
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-  summary = rl.run(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
+  summary = rl.train(exp, _CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
   if not distributed.is_writer():
     return
   print(json.dumps({k: summary[k] for k in ("workdir", "best", "compiles") if k in summary},

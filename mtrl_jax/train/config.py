@@ -1,12 +1,13 @@
-"""The run's own config groups as frozen, validated dataclasses: rl, sft, eval, checkpoint,
-agents, engine.
+"""The run's own config groups as frozen, validated dataclasses: engine, sft, rl, eval,
+agents, checkpoint.
 
 Each dataclass mirrors one group of the ConfigDict (`train/defaults.py`),
 field for field and under the same names, so `config.sft.check_every` is
 `exp.sft.check_every`. A bad value fails at construction with one line naming
-the field (`config rl.steps=-1; allowed: an integer >= 0`). The model, tree,
-sampling, reward, loss, optimizer and step groups have their own dataclasses
-beside the code that uses them.
+the field (`config rl.steps=-1; allowed: an integer >= 0`). The model,
+tokenizer, env and tasks groups are in `train/inputs.py`; the tree, sampling,
+reward, loss, optimizer, step, mesh, curriculum and distributed groups have
+their own dataclasses beside the code that uses them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,27 @@ def _buckets(group: str, name: str, value, allow_empty: bool) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-  """The RL loop (`config.rl`; each field documented in `train/defaults.py`)."""
+  """The RL loop (`config.rl`).
+
+  Attributes:
+    steps: RL updates.
+    roots_per_step: tasks (tree roots) per RL step.
+    updates_per_step: optimizer steps on each rollout batch (> 1: off-policy
+      ratios; 0: no RL update, a control that still rolls out, evaluates and
+      mixes in SFT).
+    zero_variance_filter: drop sibling groups whose advantages are all 0 (KL off).
+    packing: 'tree' (every token once, ancestor-only attention) or 'rows' (a
+      row per action).
+    ref_reset_every: copy the policy into the reference every k steps (0: never).
+    length_buckets: packed row lengths.
+    prompt_buckets: sampler prompt lengths (empty: `length_buckets`).
+    precompile: compile every shape bucket before step 1 (none after).
+    max_generations: planning budget, generations per step.
+    dump_every: a rollout dump every k steps (0: never).
+    max_staleness: 0: on-policy; 1: step t + 1's rollout runs during update t,
+      sampling with the parameters update t started from (pair it with
+      `loss.is_correction`).
+  """
 
   steps: int = 100
   roots_per_step: int = 8
@@ -71,7 +92,24 @@ class RLConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  """The optional SFT warm-up (`config.sft`)."""
+  """The optional SFT warm-up, and SFT steps mixed into RL (`config.sft`).
+
+  Attributes:
+    steps: SFT warm-up updates before RL (0: none).
+    batch_size: rows per SFT batch.
+    num_examples: golden conversations rendered from the first train tasks.
+    conversations: 'pkg.module:fn' with fn(task) -> [(role, content), ...].
+    learning_rate: the warm-up's constant AdamW rate.
+    until_success: stop the warm-up once greedy success on `check_tasks` train
+      tasks held out from the SFT data reaches this (0: run every step); keeps
+      RL's starting point in a band instead of at a seed-dependent spot on a
+      steep curve.
+    check_every: SFT steps between those checks.
+    check_tasks: train tasks of each check.
+    mix_every: one NLL step on the golden conversations after every k-th RL
+      update (0: none; `train.sft.SFTMix`).
+    mix_learning_rate: the constant rate of those steps (their own AdamW moments).
+  """
 
   steps: int = 0
   batch_size: int = 32
@@ -87,9 +125,11 @@ class SFTConfig:
   def __post_init__(self):
     _int_at_least("sft", self, ("steps", "num_examples", "mix_every"), 0)
     _int_at_least("sft", self, ("batch_size", "check_every", "check_tasks"), 1)
-    if not (self.mix_learning_rate > 0 and math.isfinite(self.mix_learning_rate)):
-      raise ValueError(f"config sft.mix_learning_rate={self.mix_learning_rate!r}; allowed: a "
-                       "finite number > 0")
+    for name in ("learning_rate", "mix_learning_rate"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+          v > 0 and math.isfinite(v)):
+        raise ValueError(f"config sft.{name}={v!r}; allowed: a finite number > 0")
     if self.mix_every and not self.conversations:
       raise ValueError(f"config sft.mix_every={self.mix_every} needs sft.conversations; allowed: "
                        "'pkg.module:fn' with fn(task) -> [(role, content), ...]")
@@ -103,7 +143,15 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """Held-out evaluation (`config.eval`)."""
+  """Held-out evaluation (`config.eval`).
+
+  Attributes:
+    every: evaluate every k RL steps (and at step 0 and the last).
+    num_tasks: the first k tasks of the eval split.
+    greedy: a greedy single-path evaluation.
+    sampled: also a sampled (temperature 1) evaluation.
+    success_threshold: a trajectory succeeds when its outcome is above this.
+  """
 
   every: int = 10
   num_tasks: int = 100
@@ -122,7 +170,12 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """Checkpoints of the run (`config.checkpoint`)."""
+  """Checkpoints of the run (`config.checkpoint`).
+
+  Attributes:
+    every: save every k RL steps (and at the last).
+    keep: latest checkpoints kept (besides workdir/best).
+  """
 
   every: int = 10
   keep: int = 3

@@ -8,9 +8,10 @@
             loss=dict(kl_coef=0.01), rl=dict(steps=50)).run("runs/mine")
 
 A recipe is a config (`defaults.base_config()` unless one is given) plus
-keyword fields, validated in one line before anything is built (as
-`experiments/train.py` does), and `run` is the same composition root the
-command line uses (`train.rl.run`), so the two give the same metrics.
+keyword fields, validated in one line before anything is built
+(`experiment.start`, as `experiments/train.py` does), and `run` trains that
+experiment through the loop the command line uses (`train.rl.train`), so the
+two give the same metrics. The recipe's config is frozen once validated.
 `ENVGSPO` is the same recipe with algorithm 'gspo' and GSPO's clip range.
 """
 
@@ -60,8 +61,8 @@ class ENVGRPO:
           self._set(c, f"{key}.{sub}", v)
       else:
         self._set(c, key, value)
-    experiment.validate(c)
-    self.config = c
+    self.exp = experiment.start(c)
+    self.config = ml_collections.FrozenConfigDict(c)  # what `exp` was validated from
 
   @staticmethod
   def _set(c, dotted: str, value):
@@ -78,7 +79,7 @@ class ENVGRPO:
 
   def run(self, workdir: str, *, progress: bool = False) -> dict:
     """Trains (or resumes) in `workdir`; returns the run's summary dict."""
-    return rl.run(self.config, workdir, progress=progress)
+    return rl.train(self.exp, self.config, workdir, progress=progress)
 
 
 class ENVGSPO(ENVGRPO):

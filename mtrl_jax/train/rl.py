@@ -1,8 +1,10 @@
 """ENVGRPO / ENVGSPO: optional SFT warm-up, then tree rollouts -> pack -> train step.
 
-`run(config, workdir)` is the whole training job behind `experiments/train.py`:
+`run(config, workdir)` is the whole training job; `experiments/train.py` calls
+its two halves, `experiment.start` (join the processes, validate: once, before
+compute) and `train(exp, config, workdir)`:
 
-  build + validate the experiment (fails before compute)
+  join the processes, validate the experiment (fails before compute)
   resume from workdir/ckpt if a checkpoint exists, else SFT warm-up (optional)
   for each RL step:
     tasks from a seeded, resumable stream -> one environment per root
@@ -16,9 +18,10 @@
     metrics.jsonl + TensorBoard, rollout dumps, checkpoints,
     held-out evaluation every k steps with keep-best under workdir/best
 
-The per-step RNG key is `fold_in(PRNGKey(seed), step)` and the task stream's
-position is checkpointed, so a run killed at any point resumes exactly
-(docs/design.md invariant 6).
+The per-step RNG key is `fold_in(PRNGKey(seed), step)` and the run's state
+(`train.run_state.RunState`: train state, reference, behaviour parameters,
+task stream, SFT mix) is checkpointed whole, so a run killed at any point
+resumes exactly (docs/design.md invariant 6).
 
 Several processes (`config.distributed`, docs/multihost.md): every process
 runs this same loop; each takes its `distributed.share` of the step's roots
@@ -46,8 +49,10 @@ from mtrl_jax.train import components as components_lib
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train import shapes as shapes_lib
-from mtrl_jax.train.rollouts import RolloutProducer, text_counts
+from mtrl_jax.train import saved
 from mtrl_jax.train import sft as sft_lib
+from mtrl_jax.train.rollouts import RolloutProducer, text_counts
+from mtrl_jax.train.run_state import RunState
 
 
 def add_counts(a: dict, b: dict) -> dict:
@@ -89,34 +94,31 @@ def held_out(parts: components_lib.Components, params, step: int) -> dict:
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
   """Runs (or resumes) a training job in `workdir`; returns a summary dict."""
-  distributed.initialize(exp_lib.distributed_config(config))  # before any device is touched
-  exp = exp_lib.build(config)
+  return train(exp_lib.start(config), config, workdir, progress=progress)
+
+
+def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: str, *,
+          progress: bool = True) -> dict:
+  """Runs (or resumes) the job of `exp`, validated from `config` by `experiment.start`
+  (config.json keeps `config`); returns a summary dict."""
   writes = distributed.is_writer()  # process 0 alone writes files
   if writes:
-    exp_lib.save_config(config, workdir)
+    saved.save_config(config, workdir)
   parts = components_lib.build(exp)
-  exp = parts.exp
   if writes:
     print(exp_lib.describe(exp), flush=True)
-  stream = exp_lib.make_train_stream(exp, parts.train_tasks)  # curriculum.enabled: by level
+  policies, train_step = parts.policies, parts.policies.train_step
+  mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None
+  run = RunState.of(exp, policies, components_lib.make_train_stream(exp, parts.train_tasks), mix)
   ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep)
-  keep_ref = exp.loss.kl_coef > 0
   summary: dict[str, Any] = {"workdir": os.path.abspath(workdir)}
 
   # ---- start: resume the latest checkpoint, or initialise (with SFT warm-up)
-  mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None
   start = ckpt.latest_step()
   resumed = start is not None
-  behaviour = None  # max_staleness 1: the parameters the next rollout samples with
   if resumed:
-    target = parts.checkpoint_target()
-    if mix is not None:
-      target["sft_mix"] = mix.abstract_opt_state()
-    restored, meta = ckpt.restore(target)
-    state, ref, behaviour = parts.from_checkpoint(restored)
-    stream.restore(meta["stream"])
-    if mix is not None:
-      mix.restore(restored["sft_mix"], meta["sft_mix"])
+    restored, meta = ckpt.restore(run.target())
+    run.restore(restored, meta)
     summary.update(meta.get("summary", {}))
     print(f"resumed from {workdir}/ckpt at step {start}", flush=True)
   else:
@@ -128,28 +130,19 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
                      sft_steps_run=history[-1]["sft_step"] if history else 0,
                      sft_seconds=round(time.time() - t0, 1))
     else:
-      state = parts.init_state()
-    ref = parts.train_step.copy_params(state.params) if keep_ref else None
-    if exp.rl.max_staleness:  # the first rollouts sample with the start's parameters
-      behaviour = parts.train_step.copy_params(state.params)
-    if mix is not None:
-      mix.init(state.params)
+      state = policies.init_state()
+    run.start(state)
 
-  stream_mark = stream.state()  # the stream before the in-flight rollout took its tasks
+  def save(step):
+    tree, meta = run.checkpoint_tree(in_flight=producer.pending)
+    ckpt.save(step, tree, meta={**meta, "summary": summary})
 
-  def save(step, state, ref):
-    tree = parts.checkpoint_tree(state, ref, behaviour if producer.ahead else None)
-    meta = {"stream": stream_mark if producer.pending else stream.state(), "summary": summary}
-    if mix is not None:
-      tree["sft_mix"], meta["sft_mix"] = mix.opt_state, mix.stream_state()
-    ckpt.save(step, tree, meta=meta)
-
-  def evaluate(step, state) -> dict:
+  def evaluate(step) -> dict:
     producer.wait()  # an in-flight rollout shares the engine
-    m = held_out(parts, parts.policy_states(state.params), step)
+    m = held_out(parts, policies.sampler_states(run.state.params), step)
     score = m.get("eval/greedy/success", m.get("eval/sampled/success"))
     if score is not None:
-      ckpt.maybe_save_best(step, score, parts.to_saved(state), meta={"eval": m})
+      ckpt.maybe_save_best(step, score, policies.to_saved(run.state), meta={"eval": m})
       summary.setdefault("eval_history", []).append({"step": step, **m})
     return m
 
@@ -157,7 +150,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
             if writes else metrics_lib.NullWriter())
   if exp.rl.precompile:
     info = shapes_lib.precompile(parts.shapes, parts.engine,
-                                 parts.policy_states(state.params), parts.train_step,
+                                 policies.sampler_states(run.state.params), train_step,
                                  len(parts.renderer.fmt.stop_ids))
     print(f"precompiled {info['engine_programs']} engine programs in "
           f"{info['engine_seconds']} s and {info['train_programs']} train-step programs in "
@@ -165,14 +158,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     if mix is not None:
       mix.precompile(exp.sft.batch_size)
     summary["precompile"] = info
-  producer = RolloutProducer(parts, stream)
+  producer = RolloutProducer(parts, run.stream)
   if not resumed:
     before = parts.renderer.metrics()
-    m = evaluate(0, state)
+    m = evaluate(0)
     m.update(across_processes(text_counts(parts.renderer, before), {}))
     writer.write(0, m)
     summary["eval_start"] = m
-    save(0, state, ref)
+    save(0)
   # Warm-up ends here: the step-0 evaluation and checkpoint compile their
   # one-time helpers (Orbax slices each array it saves once per shape).
   parts.census.mark_warm()
@@ -186,34 +179,35 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     timer = metrics_lib.StepTimer()
     with timer.section("rollout"):
       if not producer.pending:  # on time, or the first step after a start or a resume
-        producer.submit(step, state.params if behaviour is None else behaviour,
-                        version=step - 1 if behaviour is None else max(step - 2, 0))
+        if run.behaviour is None:
+          producer.submit(step, run.state.params, version=step - 1)
+        else:
+          producer.submit(step, run.behaviour, version=max(step - 2, 0))
       rollout, waited = producer.result()
     if producer.ahead:  # the next rollout samples during the update, with its parameters
-      stream_mark = stream.state()
-      behaviour = parts.train_step.copy_params(state.params)
+      run.next_rollout_ahead()
       if step < exp.rl.steps:
-        producer.submit(step + 1, behaviour, version=step - 1)
+        producer.submit(step + 1, run.behaviour, version=step - 1)
     batch, batch_m, engine_m = rollout.batch, rollout.batch_metrics, rollout.engine_metrics
     tree = gather_tree(rollout.tree)  # every process's roots, for metrics and the dump
     train_m = {}
     with timer.section("train"):
       if batch is not None and exp.rl.updates_per_step:
-        if parts.train_step.objective.recompute_old:  # pi_old before the first update
-          batch = {**batch, **parts.train_step.old_logprobs(state.params, batch)}
+        if train_step.objective.recompute_old:  # pi_old before the first update
+          batch = {**batch, **train_step.old_logprobs(run.state.params, batch)}
         for _ in range(exp.rl.updates_per_step):
-          state, dm = parts.train_step(state, ref, batch)
-        train_m = parts.train_metrics(dm)
+          run.state, dm = train_step(run.state, run.ref, batch)
+        train_m = policies.train_metrics(dm)
       if mix is not None and mix.due(step):
-        state, mix_m = mix(state)
+        run.state, mix_m = mix(run.state)
         train_m.update({f"sft_mix/{k}": mix_m[k] for k in ("nll", "grad_norm", "tokens")})
     if exp.rl.ref_reset_every and step % exp.rl.ref_reset_every == 0:
-      ref = parts.train_step.copy_params(state.params)
+      run.reset_ref()
     m = {**tree.metrics(), **rollout_metrics(tree, exp.eval.success_threshold),
          **batch_m, **train_m, **parts.census.counts(),
          "rollout/staleness": float(rollout.staleness)}
     if exp.curriculum.enabled:  # may move the level of the next step's tasks
-      m.update(stream.observe(m["rollout/success"]))
+      m.update(run.stream.observe(m["rollout/success"]))
     if writes and exp.rl.dump_every and step % exp.rl.dump_every == 0:
       dump_lib.write_rollout_dump(tree, dump_lib.dump_path(workdir, step),
                                   parts.transition.decode)
@@ -222,7 +216,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
       with timer.section("eval"):
         producer.wait()  # the next rollout's renderer counts stay its own
         before = parts.renderer.metrics()
-        m.update(evaluate(step, state))
+        m.update(evaluate(step))
         text = add_counts(text, text_counts(parts.renderer, before))
     times = timer.split()  # time/rollout, time/train, time/eval
     times["time/rollout_wait"] = waited  # the loop waiting for the step's rollout
@@ -231,7 +225,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
     m.update(across_processes(text, times, engine_m))
     writer.write(step, m)
     if step % exp.checkpoint.every == 0 or step == exp.rl.steps:
-      save(step, state, ref)
+      save(step)
     if bar is not None:
       bar.set_postfix(reward=f"{m.get('rollout/return', float('nan')):.2f}",
                       success=f"{m.get('rollout/path_success', float('nan')):.2f}", refresh=False)

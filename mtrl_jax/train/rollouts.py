@@ -80,10 +80,10 @@ class RolloutProducer:
     def produce():
       parts = self.parts
       before = parts.renderer.metrics()  # nothing else renders while a rollout runs
-      parts.policy.set_states(parts.policy_states(params))
+      parts.rollout_policy.set_states(parts.policies.sampler_states(params))
       roots = parts.transition.root_states(parts.factory, tasks[distributed.share(len(tasks))])
-      tree = expand_tree(exp.tree, parts.policy, parts.transition, roots, key)
-      batch, batch_m = parts.make_batch(tree)
+      tree = expand_tree(exp.tree, parts.rollout_policy, parts.transition, roots, key)
+      batch, batch_m = parts.policies.make_batch(tree, parts.batch_cfg)
       return Rollout(step, tree, batch, batch_m, engine_metrics(tree), staleness,
                      text_counts(parts.renderer, before))
 

@@ -7,9 +7,11 @@ What `experiments/eval.py` and `experiments/export.py` do, as library calls:
   print(markdown_table(rows))
   export_policy(policy, out_dir)               # a Hugging Face directory
 
-The run is rebuilt exactly as `train.rl` built it (`train.components.build`: same
-validation, tokenizer, vocabulary fit and train-step state), so a checkpoint restores onto the same
-pytree; only its parameters are kept.
+The run is rebuilt exactly as `train.rl` built it (the same validation, vocabulary
+fit included, then `train.components.build`), so a checkpoint restores onto the
+same pytree (`train.policies` fixes its layout); only its parameters are kept.
+A run's config is saved as `workdir/config.json` (`save_config`) and read back
+over today's base config (`load_config`).
 """
 
 from __future__ import annotations
@@ -25,18 +27,26 @@ import ml_collections
 from flax import nnx
 
 from mtrl_jax import checkpoint
-from mtrl_jax.rollout.policy import StackedStates
 from mtrl_jax.train import components, defaults
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train.components import Components
-from mtrl_jax.train.stacked import agent_slice
+from mtrl_jax.train.run_state import RunState
 
 # Files of an HF tokenizer copied next to the exported weights when the run has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 # What a byte-tokenizer run writes instead (transformers has no byte tokenizer).
 BYTE_TOKENIZER_FILE = "mtrl_byte_tokenizer.json"
+
+
+def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Writes `config` as `workdir/config.json` (created); returns its path."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "config.json")
+  with open(path, "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  return path
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -84,22 +94,21 @@ class SavedPolicy:
     """What the engine samples with: the policy's params, or every agent's stacked."""
     if self.saved_params is None:
       return nnx.state(self.parts.model, nnx.Param)
-    return self.parts.policy_states(self.saved_params)
+    return self.parts.policies.sampler_states(self.saved_params)
 
   def models(self) -> list:
     """One model per policy (the shared one, or one per agent) with the saved weights."""
-    params = self.params
-    if isinstance(params, StackedStates):
-      params = [agent_slice(params.params, a) for a in range(params.num_agents)]
+    if self.saved_params is None:
+      params = [nnx.state(self.parts.model, nnx.Param)]
     else:
-      params = [params]
+      params = self.parts.policies.per_policy(self.saved_params)
     graphdef = nnx.graphdef(self.parts.model)
     return [nnx.merge(graphdef, p) for p in params]
 
   @property
   def model(self):
     """The shared policy's model (separate policies: `models()`)."""
-    if self.parts.separate:
+    if self.parts.policies.per_agent:
       raise ValueError("this run trained one policy per agent; use SavedPolicy.models()")
     return self.models()[0]
 
@@ -135,14 +144,15 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
       raise exp_lib.ConfigError(f"--checkpoint={which}: not saved under {workdir}/ckpt; "
                                 f"allowed: 'best', 'latest' or a saved step {steps}")
     parts = components.build(exp)
+    policies = parts.policies
     if which == "best":
-      saved, _ = ckpt.restore_best(parts.state_target())
-      state = parts.from_saved(saved)
+      saved, _ = ckpt.restore_best(policies.saved_state_target())
       step = best["step"]
     else:
       step = steps[-1] if which == "latest" else which
-      restored, _ = ckpt.restore(parts.checkpoint_target(), step=step)
-      state = parts.from_checkpoint(restored)[0]
+      restored, _ = ckpt.restore(RunState.of(exp, policies).target(), step=step)
+      saved = restored["train"]
+    state = policies.state_from_saved(saved)
   finally:
     ckpt.close()
   kind = "step" if isinstance(which, int) else which
@@ -210,7 +220,7 @@ def export_policy(policy: SavedPolicy, out_dir: str) -> dict:
     {'out': dir, 'weights': [files], 'tokenizer': [files], 'note': str}; separate
     policies: {'out': dir, 'agents': [that dict per agent]}.
   """
-  if policy.parts.separate:
+  if policy.parts.policies.per_agent:
     agents = [_export_one(policy, model, os.path.join(out_dir, f"agent_{a}"))
               for a, model in enumerate(policy.models())]
     return {"out": os.path.abspath(out_dir), "agents": agents}
@@ -230,17 +240,18 @@ def _export_one(policy: SavedPolicy, model, out_dir: str) -> dict:
                                ("bos_token_id", getattr(tok, "bos_id", None))) if v is not None})
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
-  if exp.tokenizer_kind == "hf":
-    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(exp.model_path, f))]
+  if exp.tokenizer.kind == "hf":
+    path = exp.model.path
+    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
     for f in copied:
-      shutil.copyfile(os.path.join(exp.model_path, f), os.path.join(out_dir, f))
-    note = f"tokenizer files copied from {exp.model_path}"
+      shutil.copyfile(os.path.join(path, f), os.path.join(out_dir, f))
+    note = f"tokenizer files copied from {path}"
   else:
     desc = {"kind": "byte", "num_bytes": 256, "vocab_size": tok.vocab_size,
             "special_tokens": list(tok.special_tokens),
             "special_ids": {s: 256 + i for i, s in enumerate(tok.special_tokens)},
             "pad_id": tok.pad_id, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
-            "chat_format": exp.chat_format,
+            "chat_format": exp.tokenizer.chat_format,
             "how_to_load": "mtrl_jax.text.ByteTokenizer(specials=special_tokens): ids 0-255 "
                            "are UTF-8 bytes, special tokens follow in this order"}
     with open(os.path.join(out_dir, BYTE_TOKENIZER_FILE), "w") as f:

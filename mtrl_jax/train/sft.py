@@ -281,7 +281,9 @@ def warm_up(parts) -> tuple[Any, list[dict]]:
   exp, cfg = parts.exp, parts.exp.sft
   batcher = golden_batcher(parts, seed=exp.seed)
   rows = batcher.source
-  step_fn = make_sft_step(parts.model, exp.sft_optim, mesh=parts.mesh, step_cfg=exp.step)
+  optim_cfg = optim.OptimConfig(learning_rate=cfg.learning_rate, total_steps=max(cfg.steps, 1),
+                                grad_clip_norm=exp.optim.grad_clip_norm)
+  step_fn = make_sft_step(parts.model, optim_cfg, mesh=parts.mesh, step_cfg=exp.step)
   parts.census.register("sft_step", step_fn)
   state = step_fn.init_state(nnx.state(parts.model, nnx.Param), seed=exp.seed)
   check = indexed(parts.train_tasks, cfg.check_tasks, start=len(rows))
@@ -292,9 +294,9 @@ def warm_up(parts) -> tuple[Any, list[dict]]:
       continue
     row = {"sft_step": i, **step_fn.fetch_metrics(m)}
     if cfg.until_success > 0 and check:
-      row["check_success"] = parts.evaluator(parts.policy_states_of_one(state.params), check,
+      row["check_success"] = parts.evaluator(parts.policies.one_for_all(state.params), check,
                                              greedy=True, key=parts.key)["success"]
     history.append(row)
     if row.get("check_success", 0.0) >= cfg.until_success > 0:
       break
-  return parts.init_state(state.params), history
+  return parts.policies.init_state(state.params), history

@@ -233,9 +233,9 @@ def test_tool_timeout_config_switch():
   from configs import calculator as calc_config
   from mtrl_jax.train import experiment
   c = calc_config.get_config("smoke=True")
-  assert experiment.build(c).limits.faults.tool_timeout == "mask"
+  assert experiment.build(c).env.limits.faults.tool_timeout == "mask"
   c.env.tool_timeout = "tell"
-  assert FaultKind.TIMEOUT not in experiment.build(c).limits.faults.mask
+  assert FaultKind.TIMEOUT not in experiment.build(c).env.limits.faults.mask
   c.env.tool_timeout = "ignore"
   with pytest.raises(ValueError, match=r"env.tool_timeout.*allowed: \['mask', 'tell'\]"):
     experiment.build(c)

@@ -214,12 +214,12 @@ def test_demo_config_dominance_check_counts_graded_turns_not_the_turn_cap():
 
   from configs import calculator as calc_config
   from mtrl_jax.envs import RewardDominanceWarning
-  from mtrl_jax.train import experiment
+  from mtrl_jax.train import components, experiment
   c = calc_config.get_config()
   c.reward.shaping_weight = 0.5
   with warnings.catch_warnings():
     warnings.simplefilter("error", RewardDominanceWarning)
-    experiment.make_factory(experiment.build(c))
+    components.make_factory(experiment.build(c))
   c.reward.shaping_weight = 1.0
   with pytest.warns(RewardDominanceWarning, match=r"graded steps \(2\) = 2 >= "):
-    experiment.make_factory(experiment.build(c))
+    components.make_factory(experiment.build(c))

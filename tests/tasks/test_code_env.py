@@ -310,25 +310,25 @@ def test_task_source_splits():
 def test_configs_build(tmp_path):
   from configs import humaneval
   from mtrl_jax.models.config import get_preset
-  from mtrl_jax.train import experiment
+  from mtrl_jax.train import components, experiment
   smoke = experiment.build(humaneval.get_config("smoke=True"))
   assert (smoke.tree.num_agents, smoke.tree.num_turns, smoke.tree.branch_on) == (
       2, 2, "every_turn")
-  assert dict(smoke.env_kwargs)["num_turns"] == 2 and smoke.limits.max_turns == 2
+  assert dict(smoke.env.kwargs)["num_turns"] == 2 and smoke.env.max_turns == 2
   (tmp_path / "config.json").write_text(json.dumps(get_preset("qwen2.5-coder-3b").to_hf_dict()))
   for agents, tau, shift in ((2, -0.2, -4.0), (1, -0.1, -2.1)):
     c = humaneval.get_config(f"agents={agents}")
     c.model.path = str(tmp_path)
     c.tree.num_turns = 3  # one FieldReference: the env and the turn cap follow
     exp = experiment.build(c)
-    assert exp.model.dtype == "bfloat16" and exp.tokenizer_kind == "hf"
+    assert exp.model.arch.dtype == "bfloat16" and exp.tokenizer.kind == "hf"
     assert (exp.sampling.temperature, exp.sampling.top_k, exp.sampling.max_new_tokens) == (
         0.7 if agents == 2 else 0.8, 50, 256)
     assert (exp.loss.algorithm, exp.loss.aggregation, exp.loss.kl_coef) == (
         "reinforce", "seq-mean-token-sum", 0.0)
     assert exp.tree.termination_threshold == tau and exp.optim.learning_rate == 2e-5
     assert exp.reward.shaping_weight == exp.reward.outcome_weight == 1.0
-    kwargs = dict(exp.env_kwargs)
-    assert kwargs["num_turns"] == 3 == exp.limits.max_turns and kwargs["reward_shift"] == shift
-    env = experiment.make_factory(exp).create_environment(TASK)
+    kwargs = dict(exp.env.kwargs)
+    assert kwargs["num_turns"] == 3 == exp.env.max_turns and kwargs["reward_shift"] == shift
+    env = components.make_factory(exp).create_environment(TASK)
     assert env.num_agents == agents and env.num_turns == 3

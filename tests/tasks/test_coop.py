@@ -159,7 +159,7 @@ def test_sft_conversations_cover_both_roles():
 def test_task_source_and_config_build():
   from configs import coop as coop_config
   from mtrl_jax import data
-  from mtrl_jax.train import experiment
+  from mtrl_jax.train import components, experiment
   src = data.resolve_task_source("coop", "eval")
   assert len(src) == 200 and src[3] == coop.make_task("eval", 3)
   with pytest.raises(IndexError):
@@ -169,8 +169,8 @@ def test_task_source_and_config_build():
     c.tree.num_turns = 3  # one FieldReference: the env and the turn cap follow
     exp = experiment.build(c)
     assert exp.tree.num_agents == 2 and exp.tree.branch_on == "every_turn"
-    assert dict(exp.env_kwargs)["num_turns"] == 3 == exp.limits.max_turns
+    assert dict(exp.env.kwargs)["num_turns"] == 3 == exp.env.max_turns
     assert exp.reward.shaping_weight == exp.reward.outcome_weight == 1.0
-    env = experiment.make_factory(exp).create_environment(src[0])
+    env = components.make_factory(exp).create_environment(src[0])
     assert env.num_turns == 3 and env.show_partner
   assert experiment.import_object(exp.sft.conversations) is coop.golden_conversation

@@ -14,7 +14,7 @@ from configs import calculator as calc_config
 from configs import coop as coop_config
 from configs import humaneval as humaneval_config
 from mtrl_jax.envs import Environment, EnvironmentFactory
-from mtrl_jax.train import experiment
+from mtrl_jax.train import components, experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALC = calc_config.get_config().sft.conversations.partition(":")[0]  # the task's module
@@ -106,6 +106,30 @@ def test_factory_agent_count_must_match_its_environments():
     experiment.validate(c)
 
 
+def test_start_validates_once_and_refuses_in_one_line():
+  """`experiment.start` (the entry points' call): the same experiment as `validate`, and
+  a bad distributed group refused as a `ConfigError` like any other field."""
+  c = _config("calculator", {})
+  assert experiment.start(c) == experiment.validate(c)
+  c.distributed.mode = "cluster"
+  with pytest.raises(experiment.ConfigError) as info:
+    experiment.start(c)
+  msg = str(info.value)
+  assert "\n" not in msg and msg.startswith("config distributed.mode='cluster'"), msg
+  c = _config("calculator", {"env.factory": "no_such_pkg.env:Factory"})
+  with pytest.raises(experiment.ConfigError, match=r"^config env.factory='no_such_pkg"):
+    experiment.start(c)
+
+
+def test_vocabulary_is_fitted_and_checked_during_validation():
+  c = _config("calculator", {})
+  exp = experiment.validate(c)
+  tokenizer = components.make_tokenizer(exp.tokenizer, exp.model.path)
+  assert exp.model.arch.vocab_size == tokenizer.vocab_size  # from scratch: the tokenizer's
+  c.tokenizer.extra_specials = ""
+  assert experiment.validate(c).model.arch.vocab_size < exp.model.arch.vocab_size
+
+
 def test_train_entry_point_refuses_before_writing(tmp_path):
   """The one subprocess test: `experiments/train.py` prints the refusal as its last line,
   exits non-zero, and writes nothing (every refusal itself is checked in-process above)."""
@@ -131,11 +155,11 @@ def test_curriculum_config_builds_the_stream_and_bad_values_fail_in_one_line():
   c = calc_config.get_config("smoke=True")
   exp = experiment.validate(c)
   assert not exp.curriculum.enabled  # off by default: the plain stream
-  assert isinstance(experiment.make_train_stream(exp, experiment.make_task_source(exp, "train")),
-                    data.TaskStream)
+  assert isinstance(components.make_train_stream(
+      exp, components.make_task_source(exp.tasks, "train")), data.TaskStream)
   c.curriculum.enabled = True
   exp = experiment.validate(c)
-  stream = experiment.make_train_stream(exp, None)
+  stream = components.make_train_stream(exp, None)
   assert isinstance(stream, data.CurriculumStream) and stream.level == 0
   assert {t["level"] for t in stream.next(4)} == {0}
   c.curriculum.window = 0

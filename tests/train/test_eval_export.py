@@ -48,7 +48,7 @@ def test_config_json_rebuilds_the_same_experiment(run_dir):
 def test_config_json_saved_before_a_field_existed_loads_with_its_default(tmp_path):
   c = calc_config.get_config("smoke=True")
   c.model.num_layers = 3  # the preset's depth overridden
-  experiment.save_config(c, str(tmp_path))
+  saved.save_config(c, str(tmp_path))
   older = json.loads((tmp_path / "config.json").read_text())
   del older["model"]["num_layers"], older["curriculum"]  # written before these existed
   (tmp_path / "config.json").write_text(json.dumps(older))
@@ -115,7 +115,7 @@ def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   hf = transformers.AutoModelForCausalLM.from_pretrained(
       str(out_dir), attn_implementation="eager").eval()
-  tokens = np.random.RandomState(0).randint(0, policy.exp.model.vocab_size, (3, 12))
+  tokens = np.random.RandomState(0).randint(0, policy.exp.model.arch.vocab_size, (3, 12))
   ours = np.asarray(policy.model(jnp.asarray(tokens, jnp.int32)))
   with torch.no_grad():
     theirs = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()

@@ -66,7 +66,7 @@ def test_export_writes_one_hf_directory_per_agent(full_run, tmp_path):
   policy = saved.load_policy(full_run, "latest")
   info = saved.export_policy(policy, str(tmp_path / "hf"))
   assert [os.path.basename(a["out"]) for a in info["agents"]] == ["agent_0", "agent_1"]
-  tokens = np.random.RandomState(0).randint(0, policy.exp.model.vocab_size, (2, 10))
+  tokens = np.random.RandomState(0).randint(0, policy.exp.model.arch.vocab_size, (2, 10))
   logits = []
   for a, model in enumerate(policy.models()):
     hf = transformers.AutoModelForCausalLM.from_pretrained(

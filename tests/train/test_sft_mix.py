@@ -46,7 +46,7 @@ def test_mix_step_is_a_plain_sft_step_and_leaves_the_rl_optimizer_alone():
   do not move."""
   parts = components.build(experiment.build(mix_config()))
   mix = sft.SFTMix(parts)
-  state = parts.init_state()
+  state = parts.policies.init_state()
   mix.init(state.params)
   start_params = _leaves(state.params)
   rl_opt = _leaves(state.opt_state)

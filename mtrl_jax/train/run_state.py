@@ -1,0 +1,104 @@
+"""What an RL run carries from step to step, and its latest-N checkpoints.
+
+A `RunState` holds the train state, the frozen reference parameters (kept when
+the loss has a KL term), the parameters the next rollout samples with
+(`rl.max_staleness=1`), the task stream and, with `sft.mix_every`, the SFT
+mix (`train.sft.SFTMix`: its own moments and batch position). A checkpoint
+holds exactly these, so a resumed run continues as if never stopped
+(docs/design.md invariant 6):
+
+  tree  {"train": state, "ref": params, "behaviour": params, "sft_mix": opt_state}
+  meta  {"stream": stream position, "sft_mix": batch position}
+
+("ref", "behaviour" and "sft_mix" only where kept), each state and parameter
+tree in its `Policies`' saved layout (one subtree per agent when stacked).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class RunState:
+  """The train state, reference, behaviour parameters, task stream and SFT mix of a run.
+
+  Args:
+    policies: the run's `train.policies.Policies` (layout, parameter copies).
+    stream: the RL task stream (`data.TaskStream` or `data.CurriculumStream`).
+    mix: the `SFTMix`, or None without `sft.mix_every`.
+    keep_ref: keep frozen reference parameters (the loss has a KL term).
+    keep_behaviour: keep the next rollout's parameters (`rl.max_staleness=1`).
+  """
+
+  def __init__(self, policies, stream, mix=None, *, keep_ref: bool, keep_behaviour: bool):
+    self.policies, self.stream, self.mix = policies, stream, mix
+    self.keep_ref, self.keep_behaviour = keep_ref, keep_behaviour
+    self.state: Any = None
+    self.ref: Any = None
+    self.behaviour: Any = None  # max_staleness 1: the parameters the next rollout samples with
+    self.stream_mark: Optional[dict] = None  # the stream before an in-flight rollout took tasks
+
+  @classmethod
+  def of(cls, exp, policies, stream=None, mix=None) -> RunState:
+    """The state `exp`'s run keeps: a reference when the loss has a KL term, behaviour
+    parameters with `rl.max_staleness=1` (no stream: a restore target only)."""
+    return cls(policies, stream, mix, keep_ref=exp.loss.kl_coef > 0,
+               keep_behaviour=exp.rl.max_staleness > 0)
+
+  @property
+  def _param_trees(self) -> list[str]:
+    return ["ref"] * self.keep_ref + ["behaviour"] * self.keep_behaviour
+
+  def start(self, state) -> None:
+    """Begins from a fresh (or warmed-up) `state`: the reference and the first rollouts'
+    parameters are copies of its parameters, the mix gets fresh moments."""
+    copy = self.policies.train_step.copy_params
+    self.state = state
+    self.ref = copy(state.params) if self.keep_ref else None
+    self.behaviour = copy(state.params) if self.keep_behaviour else None
+    if self.mix is not None:
+      self.mix.init(state.params)
+    self.stream_mark = self.stream.state()
+
+  def next_rollout_ahead(self) -> None:
+    """The next step's rollout starts now, during the update, with the current
+    parameters: they become the behaviour parameters, and the stream is marked
+    before that rollout takes its tasks."""
+    self.stream_mark = self.stream.state()
+    self.behaviour = self.policies.train_step.copy_params(self.state.params)
+
+  def reset_ref(self) -> None:
+    """The reference becomes a copy of the current parameters (`rl.ref_reset_every`)."""
+    self.ref = self.policies.train_step.copy_params(self.state.params)
+
+  def target(self) -> dict:
+    """The abstract checkpoint tree (Orbax's restore target)."""
+    target = {"train": self.policies.saved_state_target()}
+    params = self.policies.saved_params_target()
+    target.update({name: params for name in self._param_trees})
+    if self.mix is not None:
+      target["sft_mix"] = self.mix.abstract_opt_state()
+    return target
+
+  def checkpoint_tree(self, in_flight: bool) -> tuple[dict, dict]:
+    """(tree, meta) of a checkpoint now; `in_flight`: a rollout submitted ahead has
+    taken its tasks, so the stream is saved as it was before (`stream_mark`)."""
+    tree = {"train": self.policies.to_saved(self.state)}
+    for name in self._param_trees:
+      tree[name] = self.policies.to_saved(getattr(self, name))
+    meta = {"stream": self.stream_mark if in_flight else self.stream.state()}
+    if self.mix is not None:
+      tree["sft_mix"], meta["sft_mix"] = self.mix.opt_state, self.mix.stream_state()
+    return tree, meta
+
+  def restore(self, restored: dict, meta: dict) -> None:
+    """Puts back a checkpoint restored onto `target()` and its meta."""
+    p = self.policies
+    self.state = p.state_from_saved(restored["train"])
+    self.ref = p.params_from_saved(restored["ref"]) if self.keep_ref else None
+    self.behaviour = (p.params_from_saved(restored["behaviour"]) if self.keep_behaviour
+                      else None)
+    self.stream.restore(meta["stream"])
+    if self.mix is not None:
+      self.mix.restore(restored["sft_mix"], meta["sft_mix"])
+    self.stream_mark = self.stream.state()
