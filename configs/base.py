@@ -1,7 +1,7 @@
 """Base config of an ENVGRPO / ENVGSPO run; task configs start from it.
 
-Every field is documented in `mtrl_jax/train/defaults.py`; task configs (e.g. `configs/calculator.py`)
-override what they need. Usage:
+`mtrl_jax/train/defaults.py` builds it from the config dataclasses, which document every
+field; task configs (e.g. `configs/calculator.py`) override what they need. Usage:
 
   python -m experiments.train --config=configs/base.py --workdir=/tmp/run \
       --config.env.factory=my_pkg.my_env:MyFactory --config.tasks.source=my_pkg.my_env:tasks

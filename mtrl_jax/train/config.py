@@ -1,13 +1,14 @@
 """The run's own config groups as frozen, validated dataclasses: engine, sft, rl, eval,
 agents, checkpoint.
 
-Each dataclass mirrors one group of the ConfigDict (`train/defaults.py`),
-field for field and under the same names, so `config.sft.check_every` is
-`exp.sft.check_every`. A bad value fails at construction with one line naming
-the field (`config rl.steps=-1; allowed: an integer >= 0`). The model,
-tokenizer, env and tasks groups are in `train/inputs.py`; the tree, sampling,
-reward, loss, optimizer, step, mesh, curriculum and distributed groups have
-their own dataclasses beside the code that uses them.
+Each dataclass mirrors one group of the ConfigDict field for field and under the
+same names, so `config.sft.check_every` is `exp.sft.check_every`, and its
+defaults are the base config's (`train/defaults.py` builds the groups from
+them). A bad value fails at construction with one line naming the field
+(`config rl.steps=-1; allowed: an integer >= 0`). The model, tokenizer, env and
+tasks groups are in `train/inputs.py`; the tree, sampling, reward, loss,
+optimizer, step, mesh, curriculum and distributed groups have their own
+dataclasses beside the code that uses them.
 """
 
 from __future__ import annotations
