@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from mtrl_jax import distributed
+from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.rollout.config import TreeConfig
 from mtrl_jax.rollout.inflight import (ActRun, NodeRun, RolloutTimes, action_seed,
                                        takes_seed)
