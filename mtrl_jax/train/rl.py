@@ -109,7 +109,8 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
     print(exp_lib.describe(exp), flush=True)
   policies, train_step = parts.policies, parts.policies.train_step
   mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None
-  run = RunState.of(exp, policies, components_lib.make_train_stream(exp, parts.train_tasks), mix)
+  stream = components_lib.make_train_stream(exp, parts.train_tasks)
+  run_state = RunState.of(exp, policies, stream, mix)
   ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep)
   summary: dict[str, Any] = {"workdir": os.path.abspath(workdir)}
 
@@ -117,8 +118,8 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
   start = ckpt.latest_step()
   resumed = start is not None
   if resumed:
-    restored, meta = ckpt.restore(run.target())
-    run.restore(restored, meta)
+    restored, meta = ckpt.restore(run_state.target())
+    run_state.restore(restored, meta)
     summary.update(meta.get("summary", {}))
     print(f"resumed from {workdir}/ckpt at step {start}", flush=True)
   else:
@@ -131,18 +132,18 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
                      sft_seconds=round(time.time() - t0, 1))
     else:
       state = policies.init_state()
-    run.start(state)
+    run_state.start(state)
 
   def save(step):
-    tree, meta = run.checkpoint_tree(in_flight=producer.pending)
+    tree, meta = run_state.checkpoint_tree(in_flight=producer.pending)
     ckpt.save(step, tree, meta={**meta, "summary": summary})
 
   def evaluate(step) -> dict:
     producer.wait()  # an in-flight rollout shares the engine
-    m = held_out(parts, policies.sampler_states(run.state.params), step)
+    m = held_out(parts, policies.sampler_states(run_state.state.params), step)
     score = m.get("eval/greedy/success", m.get("eval/sampled/success"))
     if score is not None:
-      ckpt.maybe_save_best(step, score, policies.to_saved(run.state), meta={"eval": m})
+      ckpt.maybe_save_best(step, score, policies.to_saved(run_state.state), meta={"eval": m})
       summary.setdefault("eval_history", []).append({"step": step, **m})
     return m
 
@@ -150,7 +151,7 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
             if writes else metrics_lib.NullWriter())
   if exp.rl.precompile:
     info = shapes_lib.precompile(parts.shapes, parts.engine,
-                                 policies.sampler_states(run.state.params), train_step,
+                                 policies.sampler_states(run_state.state.params), train_step,
                                  len(parts.renderer.fmt.stop_ids))
     print(f"precompiled {info['engine_programs']} engine programs in "
           f"{info['engine_seconds']} s and {info['train_programs']} train-step programs in "
@@ -158,7 +159,7 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
     if mix is not None:
       mix.precompile(exp.sft.batch_size)
     summary["precompile"] = info
-  producer = RolloutProducer(parts, run.stream)
+  producer = RolloutProducer(parts, stream)
   if not resumed:
     before = parts.renderer.metrics()
     m = evaluate(0)
@@ -179,35 +180,35 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
     timer = metrics_lib.StepTimer()
     with timer.section("rollout"):
       if not producer.pending:  # on time, or the first step after a start or a resume
-        if run.behaviour is None:
-          producer.submit(step, run.state.params, version=step - 1)
+        if run_state.behaviour is None:
+          producer.submit(step, run_state.state.params, version=step - 1)
         else:
-          producer.submit(step, run.behaviour, version=max(step - 2, 0))
+          producer.submit(step, run_state.behaviour, version=max(step - 2, 0))
       rollout, waited = producer.result()
     if producer.ahead:  # the next rollout samples during the update, with its parameters
-      run.next_rollout_ahead()
+      run_state.next_rollout_ahead()
       if step < exp.rl.steps:
-        producer.submit(step + 1, run.behaviour, version=step - 1)
+        producer.submit(step + 1, run_state.behaviour, version=step - 1)
     batch, batch_m, engine_m = rollout.batch, rollout.batch_metrics, rollout.engine_metrics
     tree = gather_tree(rollout.tree)  # every process's roots, for metrics and the dump
     train_m = {}
     with timer.section("train"):
       if batch is not None and exp.rl.updates_per_step:
         if train_step.objective.recompute_old:  # pi_old before the first update
-          batch = {**batch, **train_step.old_logprobs(run.state.params, batch)}
+          batch = {**batch, **train_step.old_logprobs(run_state.state.params, batch)}
         for _ in range(exp.rl.updates_per_step):
-          run.state, dm = train_step(run.state, run.ref, batch)
+          run_state.state, dm = train_step(run_state.state, run_state.ref, batch)
         train_m = policies.train_metrics(dm)
       if mix is not None and mix.due(step):
-        run.state, mix_m = mix(run.state)
+        run_state.state, mix_m = mix(run_state.state)
         train_m.update({f"sft_mix/{k}": mix_m[k] for k in ("nll", "grad_norm", "tokens")})
     if exp.rl.ref_reset_every and step % exp.rl.ref_reset_every == 0:
-      run.reset_ref()
+      run_state.reset_ref()
     m = {**tree.metrics(), **rollout_metrics(tree, exp.eval.success_threshold),
          **batch_m, **train_m, **parts.census.counts(),
          "rollout/staleness": float(rollout.staleness)}
     if exp.curriculum.enabled:  # may move the level of the next step's tasks
-      m.update(run.stream.observe(m["rollout/success"]))
+      m.update(stream.observe(m["rollout/success"]))
     if writes and exp.rl.dump_every and step % exp.rl.dump_every == 0:
       dump_lib.write_rollout_dump(tree, dump_lib.dump_path(workdir, step),
                                   parts.transition.decode)
