@@ -5,8 +5,13 @@ decoding; here that work becomes calls. Every admit call has exactly
 `admit_rows` rows per (shard, agent) and every decode call `rows` (padded;
 more work takes more calls): float rounding depends on shapes, and which
 requests share a call depends on when environments answer, so a sample's
-arithmetic must not depend on its batch-mates. Padding rows name the scratch
-slot (index `slots`, after the pool's real slots) and the pad token.
+arithmetic must not depend on its batch-mates. Likewise a row decodes over a
+window (columns attended) that is a bucket of its own context, rows of
+different windows in different calls (masked columns add zeros, but XLA
+vectorizes a reduction by its shape, so a wider window rounds differently),
+and a request's new tokens fall in a bucket of their own count. Padding rows
+name the scratch slot (index `slots`, after the pool's real slots) and the
+pad token.
 
 Arrays are this process's block, [D, A, R, ...] for its D local shards and A
 agents; a row's index within its (shard, agent) is its order in the call.

@@ -28,15 +28,10 @@ host all-gather and run them together, a process without work bringing
 padding rows), so `step` must be called in lockstep until it reports that no
 process has work left.
 
-Compilation and rounding: every decode call has `EngineConfig.rows` rows per
-(shard, agent) and every admit call `admit_rows` (padded; more work takes more
-calls; `sampling.calls`), so a sample's arithmetic is the same whoever shares its call: which
-requests do depends on when environments answer, and float rounding depends
-on shapes. Windows (columns attended) and new-token counts are bucketed:
-masked columns add exact zeros, and a request's new tokens are its own.
-Admit programs are keyed by the new-token bucket, decode programs by the
-window bucket and the static sampling choices; `precompile` compiles them up
-front.
+Compilation and rounding: every call has a fixed shape chosen from the
+row's own state, never from its batch-mates' (`sampling.calls`). Admit
+programs are keyed by the new-token bucket, decode programs by the window
+bucket and the static sampling choices; `precompile` compiles them up front.
 """
 
 from __future__ import annotations
@@ -220,10 +215,13 @@ class DecodeEngine:
         key = (plan["shard"], plan["agent"], slot)
         self._rows[key] = Row(plan["req"], g, plan["shard"], plan["agent"], slot,
                                plan["ctx"], plan["req"].max_new)
-    decode = split_calls(list(self._rows.values()), lambda row: (row.shard, row.agent),
-                         self.cfg.rows)
+    by_window: dict = collections.defaultdict(list)
+    for row in self._rows.values():
+      by_window[self._window(row)].append(row)
+    decode = {w: split_calls(rows, lambda row: (row.shard, row.agent), self.cfg.rows)
+              for w, rows in by_window.items()}
     mine = {"admit": {x: len(c) for x, c in calls.items()},
-            "decode": [max(r.pos for r in rows) + self.cfg.chunk + 1 for rows in decode],
+            "decode": {w: len(c) for w, c in decode.items()},
             "more": bool(expect_more or self._queue or self._rows)}
     everyone = [mine] if self.layout.process_local else distributed.allgather(mine)
     t0 = time.perf_counter()
@@ -233,17 +231,23 @@ class DecodeEngine:
         self._admit(own[k] if k < len(own) else [], x)
     self._flush_frees()  # sources this step's admits have read
     done: list[Sample] = []
-    for k in range(max(len(m["decode"]) for m in everyone)):
-      need = max(m["decode"][k] for m in everyone if k < len(m["decode"]))
-      win = bucket(min(need, self.cfg.capacity), self.cfg.windows, "decode window")
-      done += self._decode(decode[k] if k < len(decode) else [], win)
+    decoding = len(self._rows)
+    for w in sorted({w for m in everyone for w in m["decode"]}):
+      own = decode.get(w, [])
+      for k in range(max(m["decode"].get(w, 0) for m in everyone)):
+        done += self._decode(own[k] if k < len(own) else [], w)
     if decode:
       self.stats["chunks"] += 1
-      self.stats["occupancy_sum"] += sum(map(len, decode)) / (
+      self.stats["occupancy_sum"] += decoding / (
           self.local_shards * self.num_agents * self.cfg.slots)
     self.stats["device_seconds"] += time.perf_counter() - t0
     go_on = any(m["more"] for m in everyone) or bool(self._queue or self._rows)
     return done, go_on
+
+  def _window(self, row: Row) -> int:
+    """The columns `row`'s next decode chunk attends: a bucket of its own context."""
+    return bucket(min(row.pos + self.cfg.chunk + 1, self.cfg.capacity), self.cfg.windows,
+                  "decode window")
 
   def _flush_frees(self) -> None:
     for shard, agent, slot in self._deferred_free:

@@ -50,8 +50,10 @@ class EngineConfig:
       each op); None: 'map' on CPU, 'vmap' elsewhere. Either samples what an
       agent alone samples, up to float rounding.
     window_buckets: decode windows (columns attended); None: a quarter, a
-      half and all of `capacity` (multiples of 16). Masked columns add exact
-      zeros, so the window changes cost, not results.
+      half and all of `capacity` (multiples of 16). A row decodes over the
+      bucket of its own context (rows of different buckets take separate
+      calls), so its bits never depend on its batch-mates; more buckets cut
+      attention columns but can split a chunk into more calls.
     extend_buckets: admitted new-token counts; None: 16, 64, 256, ... up to
       `capacity`. A request's bucket is a function of its own tokens.
   """

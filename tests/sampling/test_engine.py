@@ -136,6 +136,20 @@ def test_a_sample_depends_on_its_request_alone(plain_state):
     assert s.finish_reason == twin.finish_reason
 
 
+def test_a_samples_bits_do_not_depend_on_a_long_batch_mate(plain_state):
+  # A 40-token batch-mate would need a wider window than the short prompt's rows;
+  # each row decodes over a window of its own context, so the short samples keep
+  # every bit (float rounding changes with the window).
+  cfg = SamplingConfig(temperature=1.3, max_new_tokens=10)
+  short = _requests([PROMPTS[0]], 2)
+  alone = _run(_engine(), plain_state, short, cfg, fanout=2)
+  mate = Request("long", list(range(1, 41)), KEY, [9, 10])
+  shared = _run(_engine(), plain_state, [mate] + short, cfg, fanout=2)
+  for key, s in alone.items():
+    np.testing.assert_array_equal(shared[key].ids, s.ids)
+    np.testing.assert_array_equal(shared[key].logprobs, s.logprobs)
+
+
 def test_extending_a_cached_sample_equals_a_fresh_prefill(plain_state, full_forward):
   cfg = SamplingConfig(max_new_tokens=8)
   engine = _engine()
