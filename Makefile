@@ -1,4 +1,5 @@
-# One-command set-up: `make demo` runs the default experiment, `make test` the suite.
+# One-command set-up: `make demo` runs the default experiment, `make test` the suite
+# (`make test-fast` without the slow training loops).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,7 +7,7 @@ BIN := $(VENV)/bin
 # Pinned: every install takes the exact versions of constraints.txt (setup.py keeps ranges).
 PIN := -c constraints.txt
 
-.PHONY: demo test install install-test constraints clean
+.PHONY: demo test test-fast install install-test constraints clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +29,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n auto -q tests
+
+# Everything but the tests marked slow (pytest.ini): about 3 minutes on 2 cores.
+test-fast: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -n auto -q -m "not slow" tests
 
 # Re-pins to the venv's versions (after `pip install -U -e ".[test]"` and a passing make test).
 constraints:

@@ -21,6 +21,11 @@ import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
+# Prefixes of the keys that depend on the process, the wall clock or the
+# schedule of environment steps (which requests share a decode chunk), not on
+# the seed: two runs of one seed, or a run and its resumed twin, differ in
+# these keys only.
+RUN_BOUND_PREFIXES = ("compiles/", "time/", "engine/")
 # What `plot_metrics` draws by default: keys the RL loop writes (`train.rl`);
 # glob patterns match per-evaluation, per-turn and per-kind keys.
 DEFAULT_PLOT_KEYS = ("eval/*/success", "rollout/path_success", "rollout/return",

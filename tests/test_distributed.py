@@ -24,6 +24,7 @@ import pytest
 
 from configs import calculator as calc_config
 from mtrl_jax import distributed
+from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.train import experiment, rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,8 +35,6 @@ FLAGS = ["--config=" + os.path.join(ROOT, "configs", "calculator.py") + ":smoke=
          # final parameters check the train step, not just the init.
          "--config.tree.advantage_mode=raw", "--config.tree.advantage_std_norm=False",
          "--progress=false"]
-# Per process, not per run: compile counts and wall times.
-PROCESS_KEYS = ("compiles/", "time/")
 # Depend on how each process packs its own trees into rows (the trained
 # samples and the loss do not): tree packing stores a prefix shared by roots
 # on different processes once per process.
@@ -102,6 +101,7 @@ def test_shares_are_contiguous_blocks_in_process_order():
   assert distributed.allgather({"a": 1}) == [{"a": 1}]  # one process: the identity
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
   # 2 processes x 4 devices; process 1 is killed once step 1 is logged.
@@ -143,8 +143,9 @@ def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   one, two = _rows(single), _rows(multi)
   assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(STEPS + 1))
   for a, b in zip(one, two):
-    keys = {k for k in a if not k.startswith(PROCESS_KEYS) and k not in LAYOUT_KEYS}
-    assert keys == {k for k in b if not k.startswith(PROCESS_KEYS) and k not in LAYOUT_KEYS}
+    keys = {k for k in a if not k.startswith(RUN_BOUND_PREFIXES) and k not in LAYOUT_KEYS}
+    assert keys == {k for k in b
+                    if not k.startswith(RUN_BOUND_PREFIXES) and k not in LAYOUT_KEYS}
     for k in sorted(keys):
       assert b[k] == pytest.approx(a[k], abs=1e-5), (a["step"], k, a[k], b[k])
   assert any(r.get("train/grad_norm", 0) > 0 for r in one)

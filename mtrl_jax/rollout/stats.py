@@ -108,6 +108,10 @@ def engine_metrics(tree) -> dict[str, float]:
   engine/evictions        parked caches dropped for lack of slots
   time/generation, time/environment, time/overlap, time/device_idle, time/env_waiting
                           see `rollout.inflight.RolloutTimes`
+
+  Both groups describe the schedule, which follows the environments' timing:
+  they differ between two rollouts of one seed whose samples are identical
+  (`metrics.RUN_BOUND_PREFIXES`).
   """
   stats, times = getattr(tree, "engine", None), getattr(tree, "times", None)
   out = {}

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 
 from configs import calculator as calc_config
+from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.seeds import call_seed
 from mtrl_jax.tasks.user_chat import UserChatFactory, user_chat_tasks
 from mtrl_jax.testing import FakePolicy, byte_renderer
 from mtrl_jax.train import rl
-
-PROCESS_KEYS = ("compiles/", "time/")
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +54,7 @@ def test_call_seed_is_a_stable_hash_of_its_parts():
     call_seed(1.5)
 
 
+@pytest.mark.slow
 def test_same_step_same_threads_and_grades_with_1_and_8_env_threads(factory):
   one = _rollout(factory, 1)
   eight = _rollout(factory, 8)
@@ -85,7 +85,8 @@ def _config(steps):
 
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(PROCESS_KEYS)}
+    return [{k: v for k, v in json.loads(line).items()
+             if not k.startswith(RUN_BOUND_PREFIXES)}
             for line in f]
 
 
@@ -113,6 +114,7 @@ def _dump(workdir, step):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_rl_steps_with_llm_user_and_judge_resume_exactly(tmp_path, compile_cache):
   """Two RL steps in the real loop with the judge's grades as rewards; killed after
   step 2's metrics but before its checkpoint and resumed, the run's metrics and the
@@ -143,6 +145,7 @@ def test_rl_steps_with_llm_user_and_judge_resume_exactly(tmp_path, compile_cache
   assert _dump(killed, 2) == _dump(full, 2)  # the user simulator said the same
 
 
+@pytest.mark.slow
 def test_rl_steps_with_qwen3_style_thinking_rewrites(tmp_path, compile_cache):
   """A short SFT teaches the <think> format; with strip_thinking the second user turn
   rewrites the history, and two RL steps train on the rewritten contexts. The steps

@@ -3,10 +3,13 @@
 import json
 import os
 
+import pytest
+
 from configs import calculator as calc_config
 from mtrl_jax.train import rl
 
 
+@pytest.mark.slow
 def test_loop_moves_the_level_logs_it_and_checkpoints_the_stream(tmp_path):
   c = calc_config.get_config("smoke=True")
   c.rl.steps = 3

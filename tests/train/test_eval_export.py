@@ -12,20 +12,17 @@ import pytest
 
 from configs import calculator as calc_config
 from mtrl_jax import text
-from mtrl_jax.train import components, experiment, rl, saved
+from mtrl_jax.train import components, experiment, saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVAL_KEYS = ("success", "outcome", "return", "turns", "masked")
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-  """A finished 2-step run: checkpoints at steps 0, 1, 2; best kept at its held-out evals."""
-  workdir = str(tmp_path_factory.mktemp("run"))
-  c = calc_config.get_config("smoke=True")
-  c.rl.steps = 2
-  rl.run(c, workdir, progress=False)
-  return workdir
+@pytest.fixture
+def run_dir(smoke_run):
+  """The shared finished 3-step run (tests/train/conftest.py): checkpoints at steps 0-3,
+  best kept at its held-out evals. Read only."""
+  return smoke_run.workdir
 
 
 def _entry(script, *flags):
@@ -39,10 +36,9 @@ def _rows(workdir):
     return [json.loads(line) for line in f]
 
 
-def test_config_json_rebuilds_the_same_experiment(run_dir):
-  c = calc_config.get_config("smoke=True")
-  c.rl.steps = 2
-  assert experiment.validate(saved.load_config(run_dir)) == experiment.validate(c)
+def test_config_json_rebuilds_the_same_experiment(smoke_run):
+  assert (experiment.validate(saved.load_config(smoke_run.workdir))
+          == experiment.validate(smoke_run.config()))
 
 
 def test_config_json_saved_before_a_field_existed_loads_with_its_default(tmp_path):
@@ -66,17 +62,17 @@ def test_eval_reproduces_the_runs_final_evaluation(run_dir, tmp_path):
   assert out.returncode == 0, out.stderr
   rows = json.loads((tmp_path / "rows.json").read_text())
   final = _rows(run_dir)[-1]
-  assert final["step"] == 2
+  assert final["step"] == 3
   greedy, sampled = rows
-  assert (greedy["mode"], greedy["checkpoint"], greedy["tasks"]) == ("greedy", "latest (step 2)", 4)
-  # The same policy, tasks and greedy rollout as the run's own held-out eval at step 2.
+  assert (greedy["mode"], greedy["checkpoint"], greedy["tasks"]) == ("greedy", "latest (step 3)", 4)
+  # The same policy, tasks and greedy rollout as the run's own held-out eval at step 3.
   assert {k: greedy[k] for k in EVAL_KEYS} == pytest.approx(
       {k: final[f"eval/greedy/{k}"] for k in EVAL_KEYS}, abs=1e-9)
   assert (sampled["mode"], sampled["attempts"]) == ("sampled", 3)
   assert sampled["success"] <= sampled["pass@3"] <= min(1.0, 3 * sampled["success"])
   table = out.stdout.strip().splitlines()
   assert table[0].startswith("| checkpoint | mode |") and "pass@3" in table[0]
-  assert len(table) == 4 and table[2].startswith("| latest (step 2) | greedy | 4 | 1 |")
+  assert len(table) == 4 and table[2].startswith("| latest (step 3) | greedy | 4 | 1 |")
 
 
 def test_eval_and_export_refuse_bad_checkpoints_in_one_line(run_dir, tmp_path):

@@ -12,8 +12,12 @@ cross. Runs in about a minute, most of it compiling.
 import json
 import os
 
+import pytest
+
 from configs import charclass
 from mtrl_jax.train import rl
+
+pytestmark = pytest.mark.slow  # 50 RL steps
 
 
 def test_rl_raises_held_out_success_from_chance_to_80_percent(tmp_path):

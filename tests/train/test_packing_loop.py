@@ -33,6 +33,7 @@ def _run(tmp_path, packing):
   return rows, saved.load_policy(workdir, "latest").params
 
 
+@pytest.mark.slow
 def test_tree_and_row_packing_train_the_same_parameters(tmp_path):
   rows_m, rows_p = _run(tmp_path, "rows")
   tree_m, tree_p = _run(tmp_path, "tree")

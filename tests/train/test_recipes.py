@@ -2,33 +2,29 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import mtrl_jax
 from configs import calculator as calc_config
+from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.train import experiment
 
 
 def _metrics(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(RUN_BOUND_PREFIXES)}
             for line in f]
 
 
-def test_two_steps_through_the_recipe_equal_the_command_line(tmp_path):
+def test_the_smoke_run_through_the_recipe_equals_the_command_line(smoke_run, tmp_path):
+  """The recipe's run of the shared smoke run's config (tests/train/conftest.py, trained
+  by `python -m experiments.train`) logs the same metrics."""
   base = calc_config.get_config("smoke=True")
-  recipe = mtrl_jax.ENVGRPO(base, rl=dict(steps=2, dump_every=0), eval=dict(every=2))
+  recipe = mtrl_jax.ENVGRPO(base, checkpoint=dict(keep=smoke_run.config().checkpoint.keep))
   recipe.run(str(tmp_path / "api"))
-  cmd = [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
-         f"--workdir={tmp_path / 'cli'}", "--progress=false", "--config.rl.steps=2",
-         "--config.rl.dump_every=0", "--config.eval.every=2"]
-  subprocess.run(cmd, check=True, capture_output=True, text=True,
-                 cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-  api, cli = _metrics(tmp_path / "api"), _metrics(tmp_path / "cli")
-  assert len(api) == len(cli) == 3
+  api, cli = _metrics(tmp_path / "api"), _metrics(smoke_run.workdir)
+  assert len(api) == len(cli) == 4
   for a, c in zip(api, cli):
     assert set(a) == set(c)
     for k in a:

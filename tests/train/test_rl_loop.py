@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 from configs import calculator as calc_config
+from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.train import experiment, report, rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Counters that belong to a process, not to the run: compile counts restart
-# with a fresh process, wall times vary.
-PROCESS_KEYS = ("compiles/", "time/")
 
 
 def _rows(workdir):
@@ -25,7 +24,7 @@ def _rows(workdir):
 
 
 def _run_comparable(rows):
-  return [{k: v for k, v in r.items() if not k.startswith(PROCESS_KEYS)} for r in rows]
+  return [{k: v for k, v in r.items() if not k.startswith(RUN_BOUND_PREFIXES)} for r in rows]
 
 
 def smoke_config(steps=4):
@@ -58,9 +57,8 @@ def test_build_rejects_bad_configs_with_named_fields():
     c.loss.algorithmm = "grpo"
 
 
-def test_smoke_run_writes_every_artifact(tmp_path):
-  workdir = str(tmp_path / "run")
-  summary = rl.run(smoke_config(steps=3), workdir, progress=False)
+def test_smoke_run_writes_every_artifact(smoke_run, tmp_path):
+  workdir, summary = smoke_run.workdir, smoke_run.summary()
   for name in ("config.json", "metrics.jsonl", "summary.json", "curves.png"):
     assert os.path.exists(os.path.join(workdir, name)), name
   assert os.listdir(os.path.join(workdir, "tb"))
@@ -92,30 +90,29 @@ def test_smoke_run_writes_every_artifact(tmp_path):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_killed_run_resumes_exactly(tmp_path):
-  """SIGKILL after step 2, restart: steps 3..4 equal an uninterrupted run's."""
-  full = str(tmp_path / "full")
-  rl.run(smoke_config(), full, progress=False)
+@pytest.mark.slow
+def test_killed_run_resumes_exactly(smoke_run, tmp_path):
+  """SIGKILL after step 1, restart: steps 2..3 equal the uninterrupted shared run's."""
   killed = str(tmp_path / "killed")
-  cmd = [sys.executable, "-m", "experiments.train",
-         "--config=" + os.path.join(ROOT, "configs", "calculator.py") + ":smoke=True",
-         "--config.rl.steps=4", f"--workdir={killed}", "--progress=false"]
+  cmd = [sys.executable, "-m", "experiments.train", *smoke_run.flags, f"--workdir={killed}",
+         "--progress=false"]
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 240
   try:
     while time.time() < deadline and proc.poll() is None:
       path = os.path.join(killed, "metrics.jsonl")
-      if os.path.exists(path) and any(r["step"] == 2 for r in _rows(killed)):
+      if os.path.exists(path) and any(r["step"] == 1 for r in _rows(killed)):
         break
       time.sleep(0.05)
   finally:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-  assert any(r["step"] == 2 for r in _rows(killed)), "the run never reached step 2"
-  rl.run(smoke_config(), killed, progress=False)
-  assert _run_comparable(_rows(killed)) == _run_comparable(_rows(full))
+  assert any(r["step"] == 1 for r in _rows(killed)), "the run never reached step 1"
+  rl.run(smoke_run.config(), killed, progress=False)
+  assert _run_comparable(_rows(killed)) == _run_comparable(smoke_run.rows())
 
 
+@pytest.mark.slow
 def test_precompiled_run_never_compiles_after_warmup(tmp_path):
   """docs/design.md invariant 5: every shape bucket compiles before step 1, none after."""
   c = smoke_config(steps=4)
@@ -200,6 +197,7 @@ def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policie
       lead = (2,) if kind == "stacked" else ()
       assert {k: v.shape for k, v in spec.items()} == {k: lead + v.shape for k, v in plain.items()}
 
+@pytest.mark.slow
 def test_rollouts_one_step_ahead_are_one_update_stale_and_resume_exactly(tmp_path):
   """rl.max_staleness=1: step t+1's rollout runs during update t with the parameters
   update t started from; stopped after step 2 and continued to 4, the run equals an

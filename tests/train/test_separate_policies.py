@@ -8,10 +8,8 @@ import numpy as np
 import pytest
 
 from configs import coop as coop_config
+from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.train import experiment, rl, saved
-
-# Process-bound or wall-clock values differ between an uninterrupted and a resumed run.
-PROCESS_KEYS = ("compiles/", "time/")
 
 
 def _config(steps):
@@ -31,7 +29,8 @@ def _config(steps):
 
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(PROCESS_KEYS)}
+    return [{k: v for k, v in json.loads(line).items()
+             if not k.startswith(RUN_BOUND_PREFIXES)}
             for line in f]
 
 
@@ -42,6 +41,7 @@ def full_run(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 def test_separate_policies_log_per_agent_and_resume_exactly(full_run, tmp_path):
   rows = _rows(full_run)
   for a in (0, 1):
@@ -60,6 +60,7 @@ def test_separate_policies_log_per_agent_and_resume_exactly(full_run, tmp_path):
   assert _rows(resumed) == rows
 
 
+@pytest.mark.slow
 def test_export_writes_one_hf_directory_per_agent(full_run, tmp_path):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")

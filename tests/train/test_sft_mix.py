@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from configs import calculator as calc_config
+from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.train import components, experiment, optim, rl, sft
-
-PROCESS_KEYS = ("compiles/", "time/")
 
 
 def mix_config(steps=3, every=1):
@@ -80,10 +79,12 @@ def test_mix_step_is_a_plain_sft_step_and_leaves_the_rl_optimizer_alone():
 
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(PROCESS_KEYS)}
+    return [{k: v for k, v in json.loads(line).items()
+             if not k.startswith(RUN_BOUND_PREFIXES)}
             for line in f]
 
 
+@pytest.mark.slow
 def test_mixed_run_logs_the_sft_term_and_resumes_exactly(tmp_path):
   """3 steps in one go == 1 step, then resumed to 3: the mix's moments and stream
   position are in the checkpoint."""

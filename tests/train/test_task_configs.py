@@ -12,6 +12,7 @@ from configs import humaneval as humaneval_config
 from mtrl_jax.train import rl
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,arg", [
     (humaneval_config, "smoke=True,agents=2"),
     # One shared policy here; coop's separate-policy default runs in test_separate_policies.
@@ -20,6 +21,9 @@ from mtrl_jax.train import rl
 def test_smoke_config_trains_two_steps(tmp_path, module, arg):
   config = module.get_config(arg)
   config.rl.steps = 2
+  # One row per engine call and device: the 8 test devices would otherwise pad every
+  # fixed-shape call to 8 rows each (HumanEval's prompts fill 1024-token admit calls).
+  config.engine.admit_rows = config.engine.decode_rows = 1
   workdir = str(tmp_path / "run")
   summary = rl.run(config, workdir, progress=False)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:

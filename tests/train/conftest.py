@@ -1,0 +1,86 @@
+"""The training tests' shared run: one finished calculator smoke run, trained once.
+
+`smoke_run` trains `configs/calculator.py:smoke=True` (3 RL steps) through
+the command line, as `python -m experiments.train` runs it, for the tests
+that only read what a finished run leaves: config.json, metrics.jsonl,
+summary.json, checkpoints, rollout dumps. They must not write into it. Tests
+of a config variation train their own runs.
+
+Under pytest-xdist every worker that asks for it gets the same run: the first
+trains it into the directory the workers share while the others wait on a
+file lock, so a test that reads it can run on any worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from configs import calculator as calc_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Every checkpoint kept (steps 0-3), so a test can load the step the best one was kept at.
+SMOKE_FLAGS = ("--config=configs/calculator.py:smoke=True", "--config.checkpoint.keep=4")
+
+
+@dataclasses.dataclass(frozen=True)
+class SmokeRun:
+  """A finished run of `SMOKE_FLAGS` in `workdir` (read only)."""
+
+  workdir: str
+  flags = SMOKE_FLAGS  # the command line's --config flags, relative to the repository root
+
+  @staticmethod
+  def config():
+    """The run's config, as `SMOKE_FLAGS` build it (a fresh, unlocked copy)."""
+    c = calc_config.get_config("smoke=True")
+    c.checkpoint.keep = 4
+    return c
+
+  def rows(self) -> list[dict]:
+    with open(os.path.join(self.workdir, "metrics.jsonl")) as f:
+      return [json.loads(line) for line in f]
+
+  def summary(self) -> dict:
+    with open(os.path.join(self.workdir, "summary.json")) as f:
+      return json.load(f)
+
+
+def _train(workdir: str) -> str:
+  """Trains the run into `workdir`; returns '' or why it failed."""
+  cmd = [sys.executable, "-m", "experiments.train", *SMOKE_FLAGS, f"--workdir={workdir}",
+         "--progress=false"]
+  try:
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+  except subprocess.TimeoutExpired as e:
+    return f"{' '.join(cmd)} timed out after {e.timeout} s"
+  if out.returncode:
+    return f"{' '.join(cmd)} exited {out.returncode}:\n{out.stderr[-4000:]}"
+  return ""
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> SmokeRun:
+  """The finished calculator smoke run (see the module docstring)."""
+  base = tmp_path_factory.getbasetemp()
+  shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+  workdir, done = shared / "smoke_run", shared / "smoke_run.done"
+  with open(shared / "smoke_run.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      if not done.exists():
+        shutil.rmtree(workdir, ignore_errors=True)
+        done.write_text(_train(str(workdir)))
+      failure = done.read_text()
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+  if failure:
+    pytest.fail(f"the shared smoke run failed: {failure}")
+  return SmokeRun(str(workdir))
