@@ -4,7 +4,7 @@ The top layer of the package (it may import anything; nothing in the package
 imports it). `tests/conftest.py` hands the builders to tests as fixtures.
 
   TokenTransition     token-level environment for benchmarks: no text, no tools,
-                      fixed shapes (the workload of benchmarks/bench_rollout.py and
+                      fixed shapes (the workloads of benchmarks/bench_engine.py and
                       benchmarks/bench_rl.py)
   ScriptedTransition  text-free transition on token lists for the engine tests
   DuoEnv, SoloEnv, ToolThenUserEnv
