@@ -2,7 +2,7 @@ r"""Tunix 0.1.7 RL train-step timing worker (runs ONLY in the Tunix venv).
 
 Command (a separate venv with google-tunix==0.1.7; this file never imports mtrl_jax):
   python3 -m venv /tmp/tunix_venv && /tmp/tunix_venv/bin/pip install google-tunix==0.1.7
-  /tmp/tunix_venv/bin/python -m experiments.tunix_rl_worker '{"steps": 3, "warmup": 1}'
+  /tmp/tunix_venv/bin/python -m benchmarks.tunix_rl_worker '{"steps": 3, "warmup": 1}'
 
 The JSON argument (every key optional) holds the model shape (layers, vocab, d_model, mlp,
 heads, head_dim, kv_heads, rope_theta, eps; defaults = mtrl_jax's `bench` preset: 2-layer
