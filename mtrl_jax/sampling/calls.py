@@ -6,10 +6,11 @@ decoding; here that work becomes calls. Every admit call has exactly
 more work takes more calls): float rounding depends on shapes, and which
 requests share a call depends on when environments answer, so a sample's
 arithmetic must not depend on its batch-mates. Likewise a row decodes over a
-window (columns attended) that is a bucket of its own context, rows of
-different windows in different calls (masked columns add zeros, but XLA
-vectorizes a reduction by its shape, so a wider window rounds differently),
-and a request's new tokens fall in a bucket of their own count. Padding rows
+window (columns attended) that is a bucket of its own longest context
+(prompt plus token budget, fixed while it decodes), rows of different
+windows in different calls (masked columns add zeros, but XLA vectorizes a
+reduction by its shape, so a wider window rounds differently), and a
+request's new tokens fall in a bucket of their own count. Padding rows
 name the scratch slot (index `slots`, after the pool's real slots) and the
 pad token.
 

@@ -245,9 +245,8 @@ class DecodeEngine:
     return done, go_on
 
   def _window(self, row: Row) -> int:
-    """The columns `row`'s next decode chunk attends: a bucket of its own context."""
-    return bucket(min(row.pos + self.cfg.chunk + 1, self.cfg.capacity), self.cfg.windows,
-                  "decode window")
+    """The columns `row` attends while it decodes: a bucket of its longest context."""
+    return bucket(len(row.ctx) + row.max_new + 1, self.cfg.windows, "decode window")
 
   def _flush_frees(self) -> None:
     for shard, agent, slot in self._deferred_free:

@@ -23,7 +23,7 @@ rows back, so the pool (donated) is updated in place:
           at column `pos`, sample the next token from the logits with the
           uniform of (key, row, t) (`sample_uniform`), stop on a stop id or
           the row's token budget. Runs over the first `window` columns only
-          (a bucket of each row's own context), so attention costs what the
+          (a bucket of each row's prompt plus budget), so attention costs what the
           contexts are long, not what the pool can hold.
 
 Separate policies: with agent_map 'map' each agent's rows run through its own

@@ -51,9 +51,9 @@ class EngineConfig:
       agent alone samples, up to float rounding.
     window_buckets: decode windows (columns attended); None: a quarter, a
       half and all of `capacity` (multiples of 16). A row decodes over the
-      bucket of its own context (rows of different buckets take separate
-      calls), so its bits never depend on its batch-mates; more buckets cut
-      attention columns but can split a chunk into more calls.
+      bucket of its prompt plus token budget (rows of different buckets take
+      separate calls), so its bits never depend on its batch-mates; more
+      buckets cut attention columns but can split a chunk into more calls.
     extend_buckets: admitted new-token counts; None: 16, 64, 256, ... up to
       `capacity`. A request's bucket is a function of its own tokens.
   """

@@ -205,7 +205,7 @@ def test_continuous_and_barrier_schedules_give_identical_trees(case):
     tree, policy = _env_tree(cfg, params, model_cfg, env_cls, renderer, jitter)
     got = _tree_json(tree)
     # Bit for bit, logprobs included: every engine call has fixed rows and each
-    # row a window of its own context, so a sample's arithmetic does not depend
+    # row a window set by its own prompt and budget, so a sample's arithmetic does not depend
     # on which requests shared its calls.
     assert got == want
     if len(tree.nodes) > len(roots := [n for n in tree.nodes if n.parent_id < 0]):

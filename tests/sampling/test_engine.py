@@ -137,9 +137,9 @@ def test_a_sample_depends_on_its_request_alone(plain_state):
 
 
 def test_a_samples_bits_do_not_depend_on_a_long_batch_mate(plain_state):
-  # A 40-token batch-mate would need a wider window than the short prompt's rows;
-  # each row decodes over a window of its own context, so the short samples keep
-  # every bit (float rounding changes with the window).
+  # A 40-token batch-mate needs a wider window than the short prompt's rows; each
+  # row decodes over a window set by its own prompt and budget, so the short
+  # samples keep every bit (float rounding changes with the window).
   cfg = SamplingConfig(temperature=1.3, max_new_tokens=10)
   short = _requests([PROMPTS[0]], 2)
   alone = _run(_engine(), plain_state, short, cfg, fanout=2)
