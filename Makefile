@@ -30,7 +30,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n auto -q tests
 
-# Everything but the tests marked slow (pytest.ini): about 3 minutes on 2 cores.
+# Everything but the tests marked slow (pytest.ini).
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n auto -q -m "not slow" tests
 

@@ -1,6 +1,6 @@
 """The parent's side of `mtrl_jax.envs.sandbox`: one harness process, start to end.
 
-`execute` starts `sandbox_harness.py` in a fresh interpreter and session,
+`execute` starts `sandbox_harness.py` in a fresh interpreter and a new session (setsid),
 with a fresh working directory and an environment built from scratch, hands
 it its spec on stdin, kills its whole process tree when the wall clock runs
 out (and, with a per-run uid, every process of that uid afterwards), and

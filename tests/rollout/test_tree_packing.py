@@ -189,7 +189,8 @@ LOSSES = [losses.LossConfig(algorithm=a, aggregation=agg, kl_coef=kl, kl_estimat
           for kl, est in ((0.0, "k3"), (0.1, "k1"), (0.1, "k2"), (0.1, "k3"))]
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", [0] + [pytest.param(c, marks=pytest.mark.slow)
+                                      for c in range(1, len(CASES))])
 def test_tree_packing_equals_rows_every_loss(case):
   tree = _with_policy_logprobs(random_tree(100 + case, **CASES[case]))
   rows = pack_tree(tree, length_buckets=ROW_LENGTHS)

@@ -59,6 +59,7 @@ def _official(problem) -> list[bool]:
           for make in VARIANTS.values()]
 
 
+@pytest.mark.slow  # every HumanEval problem through both harnesses
 def test_sandbox_verdicts_agree_with_the_official_harness():
   with ThreadPoolExecutor(2) as pool:
     ours = list(pool.map(_ours, PROBLEMS))
