@@ -24,7 +24,6 @@ save one subtree per agent, {"agent_0": ..., "agent_1": ...}.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from mtrl_jax import distributed
 from mtrl_jax.rollout.batching import global_batch, make_agent_batches, make_train_batch
@@ -140,8 +139,7 @@ class StackedPolicies(Policies):
     return self.train_step.stack([saved[label] for label in self.labels])
 
   def params_from_saved(self, saved):
-    return self.train_step.copy_params(
-        jax.tree.map(lambda *x: jnp.stack(x), *[saved[label] for label in self.labels]))
+    return self.train_step.copy_params(stack_trees([saved[label] for label in self.labels]))
 
   def saved_state_target(self):
     one = self.train_step.inner.abstract_state()
