@@ -54,11 +54,17 @@ def _rows(workdir):
     return [json.loads(line) for line in f]
 
 
+def _committed_steps(workdir) -> list[int]:
+  """Steps whose checkpoint Orbax has committed (renamed from its temporary directory)."""
+  ckpt = os.path.join(workdir, "ckpt")
+  return sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) if os.path.isdir(ckpt) else []
+
+
 def _params(workdir):
   """Final train-state parameters of a run's last checkpoint, on one device."""
   import jax
   import orbax.checkpoint as ocp
-  step = max(int(d) for d in os.listdir(os.path.join(workdir, "ckpt")) if d.isdigit())
+  step = _committed_steps(workdir)[-1]
   path = os.path.join(workdir, "ckpt", str(step), "state")
   ck = ocp.StandardCheckpointer()
   meta = ck.metadata(path)
@@ -104,7 +110,8 @@ def test_shares_are_contiguous_blocks_in_process_order():
 @pytest.mark.slow
 def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
-  # 2 processes x 4 devices; process 1 is killed once step 1 is logged.
+  # 2 processes x 4 devices; process 1 is killed once step 1 is logged and a
+  # checkpoint is committed (Orbax saves in the background: a row can land first).
   proc = _launch(multi)
   lines = []
   reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -112,7 +119,8 @@ def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   killed_at, deadline = None, time.time() + 240
   while proc.poll() is None and time.time() < deadline:
     path = os.path.join(multi, "metrics.jsonl")
-    if killed_at is None and os.path.exists(path) and any(r["step"] == 1 for r in _rows(multi)):
+    if (killed_at is None and os.path.exists(path) and _committed_steps(multi)
+        and any(r["step"] == 1 for r in _rows(multi))):
       pid1 = int(re.search(r"\[launch\] process 1 pid (\d+)", "".join(lines)).group(1))
       os.kill(pid1, signal.SIGKILL)
       killed_at = time.time()

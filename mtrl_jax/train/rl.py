@@ -111,7 +111,10 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
   mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None
   stream = components_lib.make_train_stream(exp, parts.train_tasks)
   run_state = RunState.of(exp, policies, stream, mix)
-  ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep)
+  # With several processes Orbax's background commit runs collectives of its own,
+  # which must not interleave with the engine's lockstep calls: saves block there.
+  ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep,
+                                 async_save=distributed.process_count() == 1)
   summary: dict[str, Any] = {"workdir": os.path.abspath(workdir)}
 
   # ---- start: resume the latest checkpoint, or initialise (with SFT warm-up)
