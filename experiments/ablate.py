@@ -14,6 +14,7 @@ import os
 
 from absl import app, flags
 
+from experiments import cli
 from mtrl_jax.train import report
 
 _RUNS = flags.DEFINE_string("runs", None, "glob of run directories")
@@ -33,8 +34,8 @@ def main(argv):
   for d in sorted(set(started) - set(workdirs)):
     print(f"skipped (unfinished, no summary.json): {d}")
   if not workdirs:
-    raise SystemExit(f"no finished run directories (metrics.jsonl + summary.json) match "
-                     f"{_RUNS.value!r}")
+    raise app.UsageError(f"--runs={_RUNS.value!r} matches no finished run directory; allowed: "
+                         "a glob of run directories with metrics.jsonl and summary.json")
   table = report.ablation_table(workdirs, level=_LEVEL.value)
   if _BUDGET.value:
     table += "\n\n" + report.budget_table(workdirs)
@@ -53,4 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -28,6 +28,8 @@ import re
 
 from absl import app, flags
 
+from experiments import cli
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (with rollouts/)")
 _STEPS = flags.DEFINE_list("steps", [], "dumped steps to report (default: all)")
 flags.mark_flag_as_required("workdir")
@@ -68,8 +70,9 @@ def main(argv):
     want = {int(s) for s in _STEPS.value}
     paths = [p for p in paths if int(re.search(r"step_(\d+)", p).group(1)) in want]
   if not paths:
-    raise SystemExit(f"no rollout dumps under {_WORKDIR.value}/rollouts for steps "
-                     f"{_STEPS.value or 'any'}")
+    raise app.UsageError(f"--workdir={_WORKDIR.value!r} --steps={','.join(_STEPS.value)}: no "
+                         "rollout dumps; allowed: a run directory with rollouts/step_<k>.jsonl "
+                         "(written every rl.dump_every steps) for those steps")
   rows = [(int(re.search(r"step_(\d+)", p).group(1)), breakdown(p)) for p in paths]
   turns = sorted({t for _, b in rows for t in b})
   print("| RL step | " + " | ".join(f"turn {t + 1}: {c}" for t in turns for c in CLASSES) + " |")
@@ -83,4 +86,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -13,6 +13,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import cli
 from mtrl_jax.train import report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/calculator.py", "config file",
@@ -31,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -19,6 +19,7 @@ import json
 
 from absl import app, flags, logging
 
+from experiments import cli
 from mtrl_jax.train import experiment, saved
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training run's directory")
@@ -55,4 +56,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

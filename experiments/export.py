@@ -21,6 +21,7 @@ import os
 
 from absl import app, flags, logging
 
+from experiments import cli
 from mtrl_jax.train import experiment, saved
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training run's directory")
@@ -52,4 +53,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -24,6 +24,8 @@ import time
 
 from absl import app, flags
 
+from experiments import cli
+
 _NUM = flags.DEFINE_integer("num_processes", 2, "processes to start")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 4, "fake CPU devices per process")
 _GRACE = flags.DEFINE_float("grace_s", 60.0, "seconds the others get to stop after a failure")
@@ -107,4 +109,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -23,6 +23,7 @@ import time
 
 from absl import app, flags, logging
 
+from experiments import cli
 from mtrl_jax.train import report
 
 _CONFIG = flags.DEFINE_string("config", None, "config file (path[:arg])")
@@ -70,7 +71,7 @@ def main(argv):
   if _ONLY.value:
     runs = [r for r in runs if any(o in os.path.basename(r[0]) for o in _ONLY.value)]
     if not runs:
-      raise SystemExit(f"--only={','.join(_ONLY.value)} matches no run of --sweep={_SWEEP.value}")
+      raise app.UsageError(f"--only={','.join(_ONLY.value)} matches no run of --sweep={_SWEEP.value}")
   if not (_RERUN.value or _PRINT.value):
     done = [w for w, _, _ in runs if os.path.exists(os.path.join(w, "summary.json"))]
     for w in done:
@@ -91,4 +92,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

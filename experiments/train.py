@@ -6,18 +6,21 @@
 Resumes automatically when --workdir holds a checkpoint. On several hosts run
 the same command on every host with --config.distributed.mode=auto (TPU pod
 slices, SLURM) or explicit addresses; on one machine `experiments/launch_local.py`
-starts the processes (docs/multihost.md). A config that cannot
-run is refused before any model is built or file written, with one line naming
-the field, its value and what is allowed (exit status 1, no traceback).
+starts the processes (docs/multihost.md). A flag, config or workdir that
+cannot run is refused before any model is built or file written, with one line
+naming the field, its value and what is allowed (exit status 2, no traceback;
+`experiments/cli.py`).
 """
 
 import json
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import cli
 from mtrl_jax import distributed
-from mtrl_jax.train import experiment, rl
+from mtrl_jax.train import experiment, recipes, rl
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (created; resumed if present)")
@@ -28,12 +31,13 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; allowed: flags only")
-  try:  # joins the other processes first (validation counts them), then validates
-    exp = experiment.start(_CONFIG.value)
-  except experiment.ConfigError as e:
-    raise app.UsageError(str(e)) from None
-  logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+  logging.set_verbosity(logging.WARNING)  # start-up and Orbax's saves log at INFO
+  recipes.check_workdir(_WORKDIR.value, "--workdir")
+  # Joins the other processes first (validation counts them), then validates.
+  exp = experiment.start(_CONFIG.value)
   summary = rl.train(exp, _CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
+  if summary.get("halted"):  # nothing was learning: the loop printed why, summary.json has it
+    sys.exit(3)
   if not distributed.is_writer():
     return
   print(json.dumps({k: summary[k] for k in ("workdir", "best", "compiles") if k in summary},
@@ -41,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
