@@ -11,6 +11,51 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
+# The linear layers a low-rank adapter may target: attention q/k/v/o and the
+# SwiGLU MLP's gate/up/down (never embeddings, the LM head or norms).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters over a frozen base (`config.model.lora`, `mtrl_jax.models.lora`).
+
+  Each targeted weight W [in, out] gains A [in, r] @ B [r, out] scaled by
+  alpha / rank; B starts at zero, so an adapted model starts as its base.
+
+  Attributes:
+    rank: r; 0 trains every weight in full (no adapters).
+    alpha: the adapter's scale numerator (scale = alpha / rank); > 0.
+    targets: which of `LORA_TARGETS` get adapters (in every block).
+  """
+
+  rank: int = 0
+  alpha: float = 32.0
+  targets: tuple = LORA_TARGETS
+
+  def __post_init__(self):
+    if isinstance(self.targets, str):
+      object.__setattr__(self, "targets", (self.targets,))
+    object.__setattr__(self, "targets", tuple(self.targets))
+    if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+      raise ValueError(f"config model.lora.rank={self.rank!r}; allowed: an integer >= 0 "
+                       "(0: full fine-tuning)")
+    if (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+        or not 0 < self.alpha < float("inf")):
+      raise ValueError(f"config model.lora.alpha={self.alpha!r}; allowed: a finite number > 0")
+    unknown = [t for t in self.targets if t not in LORA_TARGETS]
+    if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+      raise ValueError(f"config model.lora.targets={self.targets!r}; allowed: distinct "
+                       f"names among {list(LORA_TARGETS)}, at least one")
+
+  @property
+  def enabled(self) -> bool:
+    return self.rank > 0
+
+  @property
+  def scale(self) -> float:
+    return float(self.alpha) / self.rank
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -44,6 +89,8 @@ class ModelConfig:
   # attention through jax.nn.dot_product_attention with the boolean mask (GPU,
   # bf16/fp16): no [L, L] scores kept for the backward pass.
   attention: str = "xla"
+  # Low-rank adapters on the linear layers (`mtrl_jax.models.lora`); None: none.
+  lora: Optional[LoraConfig] = None
 
   def __post_init__(self):
     if self.attention not in ("xla", "cudnn"):

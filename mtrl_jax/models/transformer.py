@@ -17,6 +17,8 @@ Entry points:
     write_BxL) -> (logits, cache)`, used by the rollout engine: the keys/values
     of new token l of row b are written into cache slot `write_BxL[b, l]` and
     the queries attend over the S slots `attn_mask_BxLxS` allows.
+
+With `cfg.lora`: `nnx.LoRA` adapters on the targeted weights (`mtrl_jax.models.lora`).
 """
 
 from __future__ import annotations
@@ -125,6 +127,25 @@ def _dense(rngs, shape, fan_in, axes, dtype):
   return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes)
 
 
+def _add_adapters(block, cfg: ModelConfig, rngs):
+  """`nnx.LoRA` A [in, r], B [r, out] (float32, B zero) on the block's targeted weights."""
+  for name in cfg.lora.targets:
+    module = block.attn if name in ("q", "k", "v", "o") else block.mlp
+    shape = getattr(module, name).shape
+    n = 2 if name == "o" else 1  # input axes: q is [D, H, Dh], o is [H, Dh, D]
+    adapter = nnx.LoRA(math.prod(shape[:n]), cfg.lora.rank, math.prod(shape[n:]),
+                       dtype=cfg.jnp_dtype, param_dtype=jnp.float32, rngs=rngs)
+    setattr(module, f"{name}_lora", adapter)
+
+
+def _with_lora(cfg: ModelConfig, adapter, x_BxLxI, y_BxLx_):
+  """y + scale * x @ A @ B (x's features flat, the delta shaped like y); y without adapter."""
+  if adapter is None:
+    return y_BxLx_
+  delta = adapter(x_BxLxI) * jnp.asarray(cfg.lora.scale, cfg.jnp_dtype)
+  return y_BxLx_ + delta.reshape(y_BxLx_.shape).astype(y_BxLx_.dtype)
+
+
 class Attention(nnx.Module):
   """Grouped-query attention with optional q/k/v bias and per-head q/k norm."""
 
@@ -145,6 +166,7 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       self.q_norm = RMSNorm(dh, cfg.rms_eps, pd, rngs=rngs)
       self.k_norm = RMSNorm(dh, cfg.rms_eps, pd, rngs=rngs)
+    self.q_lora = self.k_lora = self.v_lora = self.o_lora = nnx.data(None)
 
   def project_qkv(self, x_BxLxD, positions_BxL, inv_freq):
     cfg, dt = self.cfg, self.cfg.jnp_dtype
@@ -152,6 +174,8 @@ class Attention(nnx.Module):
     q = jnp.einsum("bld,dhe->blhe", x, self.q[...].astype(dt))
     k = jnp.einsum("bld,dke->blke", x, self.k[...].astype(dt))
     v = jnp.einsum("bld,dke->blke", x, self.v[...].astype(dt))
+    q, k, v = (_with_lora(cfg, self.q_lora, x, q), _with_lora(cfg, self.k_lora, x, k),
+               _with_lora(cfg, self.v_lora, x, v))
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -208,6 +232,7 @@ class Attention(nnx.Module):
 
   def output(self, out_BxLxHxDh):
     y = jnp.einsum("blhe,hed->bld", out_BxLxHxDh, self.o[...].astype(out_BxLxHxDh.dtype))
+    y = _with_lora(self.cfg, self.o_lora, out_BxLxHxDh.reshape(*y.shape[:2], -1), y)
     if self.cfg.o_bias:
       y = y + self.o_bias[...].astype(y.dtype)
     return y
@@ -222,13 +247,15 @@ class MLP(nnx.Module):
     self.gate = _dense(rngs, (d, f), d, ("embed", "mlp"), pd)
     self.up = _dense(rngs, (d, f), d, ("embed", "mlp"), pd)
     self.down = _dense(rngs, (f, d), f, ("mlp", "embed"), pd)
+    self.gate_lora = self.up_lora = self.down_lora = nnx.data(None)
+
+  def _linear(self, x, name: str):
+    return _with_lora(self.cfg, getattr(self, f"{name}_lora"), x,
+                      x @ getattr(self, name)[...].astype(x.dtype))
 
   def __call__(self, x_BxLxD):
-    dt = self.cfg.jnp_dtype
-    x = x_BxLxD.astype(dt)
-    g = x @ self.gate[...].astype(dt)
-    u = x @ self.up[...].astype(dt)
-    return (jax.nn.silu(g) * u) @ self.down[...].astype(dt)
+    x = x_BxLxD.astype(self.cfg.jnp_dtype)
+    return self._linear(jax.nn.silu(self._linear(x, "gate")) * self._linear(x, "up"), "down")
 
 
 class Block(nnx.Module):
@@ -272,6 +299,9 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _dense(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model,
                             ("embed", "vocab"), pd)
+    if cfg.lora is not None and cfg.lora.enabled:  # drawn last: the base's weights stay put
+      for block in self.blocks:
+        _add_adapters(block, cfg, rngs)
 
   # ------------------------------------------------------------ pieces
   def embed_tokens(self, tokens_BxL):
