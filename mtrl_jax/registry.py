@@ -102,8 +102,42 @@ class Registry:
                        f"import path 'package.module:Name'{hint}")
     return self._entries[name]
 
-  def resolve(self, spec: str) -> Any:
-    """The object named by a registry name or an import path ('pkg.module:attr')."""
+  def resolve(self, spec: Any) -> Any:
+    """The object named by a registry name or an import path ('pkg.module:attr'); an
+    object that is not a string is returned as it is."""
+    if not isinstance(spec, str):
+      return spec
     if ":" in spec:
       return import_object(spec, self.what)
     return self.get(spec)
+
+  def spec(self, obj: Any) -> str:
+    """A string that `resolve` turns back into `obj`, for a config to hold.
+
+    A string is returned as it is. An object an import path reaches (defined
+    at the top level of an importable module) gets that path, which every
+    process resolves. Any other object (defined in `__main__` or a notebook,
+    inside a function, a lambda, an instance) is registered under a generated
+    name, '<module>.<qualname>' (with '@<id>' unless it is a top-level class or
+    function, so that two such objects never share a name); only this process
+    resolves that name.
+    """
+    if isinstance(obj, str):
+      return obj
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if module and qualname and module != "__main__":
+      path = f"{module}:{qualname}"
+      try:
+        if import_object(path, self.what) is obj:
+          return path
+      except ValueError:
+        pass
+    if module is None or qualname is None:  # an instance: named after its class
+      kind = type(obj)
+      module, qualname = kind.__module__, f"{kind.__qualname__}()"
+    name = f"{module}.{qualname}".replace(":", ".")
+    if not qualname.replace(".", "").isidentifier():
+      name += f"@{id(obj):x}"
+    self.register(name)(obj)
+    return name

@@ -13,20 +13,66 @@ keyword fields, validated in one line before anything is built
 experiment through the loop the command line uses (`train.rl.train`), so the
 two give the same metrics. The recipe's config is frozen once validated.
 `ENVGSPO` is the same recipe with algorithm 'gspo' and GSPO's clip range.
+
+`factory` and `tasks` take a registry name or an import path, as the command
+line does, or the Python object itself (an `EnvironmentFactory` class or
+instance, an `Environment` class or a callable `metadata -> Environment`; a
+task-source callable `(split, **kwargs) -> tasks`). An object that an import
+path reaches is stored as that path, so config.json names it for
+`experiments/eval.py` and `experiments/export.py`; any other object (defined
+in `__main__`, a notebook, a function's body, an instance) is registered in
+this process under a generated name, which other processes cannot resolve.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Optional
 
 import ml_collections
 
+from mtrl_jax.data import TASK_SOURCES
+from mtrl_jax.envs.registry import ENV_FACTORIES
 from mtrl_jax.train import experiment, rl
 from mtrl_jax.train.defaults import base_config
 
 # Keyword shortcuts -> config fields; any config group name also works as a dict.
 _SHORTCUTS = {"factory": "env.factory", "tasks": "tasks.source", "seed": "seed"}
+# Fields that take user code: the registry that stores an object given for them.
+_CODE_FIELDS = {
+    "env.factory": (ENV_FACTORIES, lambda obj: callable(obj) or hasattr(obj, "create_environment"),
+                    "an EnvironmentFactory class or instance, an Environment class, a callable "
+                    "metadata -> Environment"),
+    "tasks.source": (TASK_SOURCES, callable, "a callable (split, **tasks.kwargs) -> tasks"),
+}
+
+
+def check_workdir(workdir: str, field: str = "workdir") -> None:
+  """Refuses, before anything is written, a run directory that is a file or read-only.
+
+  `workdir` may be missing (the run creates it); then its nearest existing
+  parent must be a writable directory.
+
+  Raises:
+    experiment.ConfigError naming `field` (e.g. '--workdir').
+  """
+  if not isinstance(workdir, (str, os.PathLike)) or not str(workdir):
+    raise experiment.ConfigError(f"{field}={workdir!r}; allowed: a directory path (created "
+                                 "if missing)")
+  target = os.path.abspath(workdir)
+  if os.path.exists(target) and not os.path.isdir(target):
+    raise experiment.ConfigError(f"{field}={str(workdir)!r} is a file; allowed: a directory "
+                                 "(created if missing)")
+  existing = target
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise experiment.ConfigError(f"{field}={str(workdir)!r}: {existing!r} is a file; "
+                                 "allowed: a path under a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise experiment.ConfigError(f"{field}={str(workdir)!r}: {existing!r} is read-only; "
+                                 "allowed: a writable directory")
 
 
 class ENVGRPO:
@@ -35,8 +81,9 @@ class ENVGRPO:
   Args:
     config: a run's ConfigDict (e.g. `configs.calculator.get_config()`);
       default: the base config.
-    factory: environment factory (registry name or 'pkg.module:Factory').
-    tasks: task source (registry name or 'pkg.module:fn').
+    factory: environment factory: a registry name, 'pkg.module:Factory', or the
+      factory itself (see the module docstring).
+    tasks: task source: a registry name, 'pkg.module:fn', or the callable itself.
     model: a preset name, or a dict of `model` fields (`path=` a local checkpoint).
     **groups: config groups as dicts of fields (tree=, loss=, sampling=, rl=,
       sft=, eval=, optim=, reward=, ...), or scalar top-level fields (seed=).
@@ -75,10 +122,26 @@ class ENVGRPO:
     if leaf not in node:
       raise experiment.ConfigError(
           f"recipe field {dotted!r}: unknown; allowed: {sorted(node.keys())}")
-    node[leaf] = value
+    if dotted in _CODE_FIELDS and not isinstance(value, str):
+      registry, accepts, allowed = _CODE_FIELDS[dotted]
+      if not accepts(value):
+        raise experiment.ConfigError(f"recipe field {dotted!r}={value!r}; allowed: a registered "
+                                     f"name, 'pkg.module:name', or {allowed}")
+      value = registry.spec(value)
+    try:
+      node[leaf] = value
+    except (TypeError, ValueError) as e:  # ml_collections refuses a value of another type
+      raise experiment.ConfigError(
+          f"recipe field {dotted!r}={value!r}: {' '.join(str(e).split())}; allowed: a "
+          f"{type(node[leaf]).__name__}") from None
 
   def run(self, workdir: str, *, progress: bool = False) -> dict:
-    """Trains (or resumes) in `workdir`; returns the run's summary dict."""
+    """Trains (or resumes) in `workdir`; returns the run's summary dict.
+
+    Raises:
+      experiment.ConfigError (one line) for a workdir that is a file or read-only.
+    """
+    check_workdir(workdir)
     return rl.train(self.exp, self.config, workdir, progress=progress)
 
 
