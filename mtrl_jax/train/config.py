@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 from mtrl_jax.rollout.batching import PACKINGS
 
@@ -57,6 +58,16 @@ class RLConfig:
     max_staleness: 0: on-policy; 1: step t + 1's rollout runs during update t,
       sampling with the parameters update t started from (pair it with
       `loss.is_correction`).
+    halt_if_idle_steps: stop the run, with the reason, after this many
+      consecutive steps that trained no sample (every group zero-variance,
+      every trajectory truncated or every sample masked; each such step also
+      warns on the console); 0: never stop (the warnings stay).
+    max_masked_fraction: stop the run, with the first fault's message, when
+      more than this fraction of the joint actions of the last
+      `masked_window` steps were masked (infrastructure faults: nothing to
+      learn from); 1.0: never.
+    masked_window: steps the masked fraction is taken over (checked once
+      the window is full, and at the last step).
   """
 
   steps: int = 100
@@ -71,9 +82,18 @@ class RLConfig:
   max_generations: int = 200_000
   dump_every: int = 10
   max_staleness: int = 0
+  halt_if_idle_steps: int = 10
+  max_masked_fraction: float = 0.5
+  masked_window: int = 5
 
   def __post_init__(self):
-    _int_at_least("rl", self, ("steps", "ref_reset_every", "dump_every"), 0)
+    _int_at_least("rl", self, ("steps", "ref_reset_every", "dump_every", "halt_if_idle_steps"),
+                  0)
+    _int_at_least("rl", self, ("masked_window",), 1)
+    f = self.max_masked_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+      raise ValueError(f"config rl.max_masked_fraction={f!r}; allowed: a number in [0, 1] "
+                       "(1.0: never halt)")
     if self.max_staleness not in (0, 1) or isinstance(self.max_staleness, bool):
       raise ValueError(f"config rl.max_staleness={self.max_staleness!r}; allowed: 0 (on-policy) "
                        "or 1 (the next rollout samples during the update)")
@@ -151,22 +171,45 @@ class EvalConfig:
     num_tasks: the first k tasks of the eval split.
     greedy: a greedy single-path evaluation.
     sampled: also a sampled (temperature 1) evaluation.
-    success_threshold: a trajectory succeeds when its outcome is above this.
+    success_threshold: a trajectory succeeds when the outcome of its last
+      action (`reward.outcome_weight` x the final grades' mean score) is above
+      this, in training rollouts and evaluations alike. None: the top of the
+      environment factory's `outcome_range` (`success_threshold_for`):
+      success is a full score, never a share of it. Set it explicitly where
+      partial credit should count (a combined grader, graded test levels);
+      validation refuses a threshold no outcome can pass, or one every
+      outcome passes.
   """
 
   every: int = 10
   num_tasks: int = 100
   greedy: bool = True
   sampled: bool = False
-  success_threshold: float = 0.0
+  success_threshold: Optional[float] = None
 
   def __post_init__(self):
     _int_at_least("eval", self, ("every", "num_tasks"), 1)
+    t = self.success_threshold
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                          or not math.isfinite(t)):
+      raise ValueError(f"config eval.success_threshold={t!r}; allowed: a finite number, or "
+                       "None (the top of env.factory's outcome_range)")
 
   @property
   def modes(self) -> tuple[tuple[str, bool], ...]:
     """(name, greedy) of each evaluation pass."""
     return (("greedy", True),) * self.greedy + (("sampled", False),) * self.sampled
+
+
+# Of the outcome range: a full score summed from weighted grades (0.9 + 0.1) still counts.
+SUCCESS_TOLERANCE = 1e-3
+
+
+def success_threshold_for(outcome_range, outcome_weight: float) -> float:
+  """The default `EvalConfig.success_threshold`: the top of `outcome_range` (lo, hi)
+  within `SUCCESS_TOLERANCE`, weighted as the reward composes it."""
+  lo, hi = (float(x) for x in outcome_range)
+  return float(outcome_weight) * (hi - SUCCESS_TOLERANCE * (hi - lo))
 
 
 @dataclasses.dataclass(frozen=True)

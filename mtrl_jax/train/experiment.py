@@ -6,8 +6,10 @@ fails with one line naming the field on any invalid value or unsafe
 combination, before any compute (invariant 8): it resolves the model's
 architecture, fits a from-scratch model's vocabulary to the tokenizer, and
 builds the environment factory and both task splits once to see that they
-work. `start` joins the run's processes and then validates, once per run.
-What a run is built from an `Experiment` lives in `train/components.py`.
+work (`train/checks.py`: the first prompt fits the token budget, an
+environment forks, micro-batches divide every batch, the success threshold).
+`start` joins the run's processes and then validates, once per run. What a
+run is built from an `Experiment` lives in `train/components.py`.
 """
 
 from __future__ import annotations
@@ -19,15 +21,13 @@ import os
 import ml_collections
 
 from mtrl_jax import data, distributed, sharding
-from mtrl_jax.registry import import_object
-from mtrl_jax.envs import resolve_factory
 import mtrl_jax.tasks  # noqa: F401  (registers the built-in tasks: config names resolve)
 from mtrl_jax.envs.reward import RewardConfig
 from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train import components
+from mtrl_jax.train import checks, components
 from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EngineGroup, EvalConfig,
                                    RLConfig, SFTConfig)
 from mtrl_jax.train.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
@@ -121,10 +121,14 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   # Size the tree before launch: a config that cannot fit fails here.
   plan_tree(tree, rl.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
             max_new_tokens=sampling.max_new_tokens, max_generations=rl.max_generations)
-  check_imports(exp)
-  check_environment(exp)
-  check_curriculum(exp)
-  return fit_vocab(exp)
+  checks.check_imports(exp)
+  tokenizer = components.make_tokenizer(exp.tokenizer, exp.model.path)
+  factory = checks.check_environment(exp, tokenizer)
+  exp = dataclasses.replace(exp, eval=dataclasses.replace(
+      exp.eval, success_threshold=checks.success_threshold(exp, factory)))
+  checks.check_microbatches(exp)
+  checks.check_curriculum(exp)
+  return fit_vocab(exp, tokenizer)
 
 
 # ------------------------------------------------------------------ validation
@@ -184,29 +188,6 @@ def check_fields(c: ml_collections.ConfigDict):
     raise ValueError(f"config tree.num_generations=1 with tree.advantage_mode="
                      f"{c.tree.advantage_mode!r}: a sibling baseline of one sample makes every "
                      f"advantage 0; allowed: num_generations >= 2, or advantage_mode='raw'")
-
-
-class _Resolving:
-  """Turns an error while resolving user code into one `ValueError` naming the field.
-
-  `what` is the field and its value ("env.factory='x'"); `allowed` is added
-  unless the underlying message already lists what is allowed.
-  """
-
-  def __init__(self, what: str, allowed: str):
-    self.what, self.allowed = what, allowed
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, kind, err, tb):
-    if kind is None or not issubclass(kind, (ValueError, TypeError, ImportError,
-                                              AttributeError, LookupError, OSError)):
-      return False
-    msg = str(err) if kind is ValueError else f"{kind.__name__}: {err}"
-    if "allowed" not in msg and "registered" not in msg:
-      msg += f"; allowed: {self.allowed}"
-    raise ValueError(f"config {self.what}: {msg}") from err
 
 
 def distributed_config(c: ml_collections.ConfigDict) -> distributed.DistributedConfig:
@@ -275,78 +256,7 @@ def check_agents(exp: Experiment):
                        "architectures is not built)")
 
 
-def check_imports(exp: Experiment):
-  """Resolves the import paths the run will call later (SFT data, tokenizer specials)."""
-  if exp.sft.conversations:
-    with _Resolving(f"sft.conversations={exp.sft.conversations!r}",
-                    "'pkg.module:fn' with fn(task) -> [(role, content), ...]"):
-      fn = import_object(exp.sft.conversations, "sft.conversations")
-      if not callable(fn):
-        raise TypeError(f"{fn!r} is not callable")
-  tok = exp.tokenizer
-  if tok.kind == "byte" and tok.extra_specials:
-    with _Resolving(f"tokenizer.extra_specials={tok.extra_specials!r}",
-                    "'pkg.module:NAME' naming a tuple of strings"):
-      specials = import_object(tok.extra_specials, "tokenizer.extra_specials")
-      if isinstance(specials, str) or not all(isinstance(x, str) for x in specials):
-        raise TypeError(f"{specials!r} is not a tuple of strings")
-
-
-def check_environment(exp: Experiment):
-  """Builds the factory (and the graders or experts its kwargs name), both task
-  splits and one environment from the first train task; its agent count must
-  equal `tree.num_agents`.
-
-  Runs before any model is built, so a wrong factory, task source or agent
-  count fails in one line instead of at the first rollout after SFT.
-  """
-  env, tasks = exp.env, exp.tasks
-  with _Resolving(f"env.factory={env.factory!r} (env.kwargs={dict(env.kwargs)})",
-                  "a registered name or 'pkg.module:Factory' taking env.kwargs"):
-    factory = resolve_factory(env.factory, **dict(env.kwargs))
-  sources = {}
-  for field, split in (("tasks.train_split", tasks.train_split),
-                       ("tasks.eval_split", tasks.eval_split)):
-    with _Resolving(f"tasks.source={tasks.source!r} with {field}={split!r}",
-                    "a registered name or 'pkg.module:fn(split, **tasks.kwargs)' "
-                    "serving that split"):
-      sources[field] = components.make_task_source(tasks, split)
-      if len(sources[field]) == 0:
-        raise ValueError("the split has no tasks")
-  task = dict(sources["tasks.train_split"][0], task_index=0)
-  with _Resolving(f"env.factory={env.factory!r} on the first task of tasks.source="
-                  f"{tasks.source!r}", "a factory whose environments take these tasks"):
-    environment = factory.create_environment(task)
-  n = getattr(environment, "num_agents", 1)
-  if hasattr(environment, "close"):
-    environment.close()
-  declared = getattr(factory, "num_agents", None)
-  if declared is not None and declared != n:
-    raise ValueError(f"config env.factory={env.factory!r}: the factory declares "
-                     f"num_agents={declared} but its environments have {n}; allowed: equal "
-                     "counts (fix the factory)")
-  if n != exp.tree.num_agents:
-    raise ValueError(f"config tree.num_agents={exp.tree.num_agents}; the environments of "
-                     f"env.factory={env.factory!r} have {n} agent(s); allowed: {n}")
-
-
-def check_curriculum(exp: Experiment):
-  """With a curriculum, the task source must serve every level of the train split."""
-  cur, tasks = exp.curriculum, exp.tasks
-  if not cur.enabled:
-    return
-  if cur.level_key in dict(tasks.kwargs):
-    raise ValueError(f"config curriculum.level_key={cur.level_key!r} is also set in "
-                     "tasks.kwargs; allowed: the curriculum alone sets it")
-  for level in range(cur.num_levels):
-    with _Resolving(f"curriculum.num_levels={cur.num_levels}: tasks.source="
-                    f"{tasks.source!r} with {cur.level_key}={level}",
-                    f"a task source taking {cur.level_key}=0 .. num_levels - 1"):
-      if len(components.make_level_source(tasks, cur, level)) == 0:
-        raise ValueError("the level has no tasks")
-
-
-def fit_vocab(exp: Experiment) -> Experiment:
+def fit_vocab(exp: Experiment, tokenizer) -> Experiment:
   """A from-scratch model gets exactly the tokenizer's vocabulary (the preset's must
   hold it).
 
@@ -357,7 +267,7 @@ def fit_vocab(exp: Experiment) -> Experiment:
   if exp.model.path:
     return exp
   arch = exp.model.arch
-  vocab = components.make_tokenizer(exp.tokenizer).vocab_size
+  vocab = tokenizer.vocab_size
   if vocab > arch.vocab_size:
     raise ValueError(f"config model.preset={exp.model.preset!r}: its vocab_size="
                      f"{arch.vocab_size} is smaller than the tokenizer's {vocab}; allowed: a "

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -53,6 +54,7 @@ from mtrl_jax.train import saved
 from mtrl_jax.train import sft as sft_lib
 from mtrl_jax.train.rollouts import RolloutProducer, text_counts
 from mtrl_jax.train.run_state import RunState
+from mtrl_jax.train.watch import LearningWatch
 
 
 def add_counts(a: dict, b: dict) -> dict:
@@ -163,6 +165,8 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
       mix.precompile(exp.sft.batch_size)
     summary["precompile"] = info
   producer = RolloutProducer(parts, stream)
+  watch = LearningWatch(exp.rl, summary.get("learning"))  # a resumed run's counters go on
+  summary["learning"] = watch.state()
   if not resumed:
     before = parts.renderer.metrics()
     m = evaluate(0)
@@ -177,6 +181,10 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
   if progress and writes:
     from tqdm import tqdm
     bar = tqdm(total=exp.rl.steps, initial=start, desc="RL", dynamic_ncols=True)
+
+  def say(line: str):  # one line on the console (above the progress bar), process 0 only
+    if writes:
+      (bar.write if bar is not None else print)(line, file=sys.stderr)
 
   # ---- the RL loop: rollout -> batch -> update -> metrics, eval, checkpoint
   for step in range(start + 1, exp.rl.steps + 1):
@@ -228,12 +236,26 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
     engine_m = {k: v for k, v in engine_m.items() if k.startswith("engine/")}
     m.update(across_processes(text, times, engine_m))
     writer.write(step, m)
-    if step % exp.checkpoint.every == 0 or step == exp.rl.steps:
-      save(step)
+    warning, halt = watch.observe(step, tree, batch_m, last=step == exp.rl.steps)
+    summary["learning"] = watch.state()
+    if warning:
+      say(f"warning: {warning}")
+    if step % exp.checkpoint.every == 0 or step == exp.rl.steps or halt:
+      save(step)  # a halted run's last step is saved too
+    if halt:  # once the save has written its copy of the summary: a resume is not halted
+      ckpt.wait()
+      summary["halted"] = f"step {step}: {halt}"
+      say(f"halted at {summary['halted']}")
     if bar is not None:
       bar.set_postfix(reward=f"{m.get('rollout/return', float('nan')):.2f}",
                       success=f"{m.get('rollout/path_success', float('nan')):.2f}", refresh=False)
       bar.update(1)
+    if halt:
+      break
+  if watch.final():  # every RL step of the run (resumes included) trained nothing
+    ckpt.wait()  # the last save's summary stays as it was
+    summary["trained_nothing"] = watch.final()
+    say(summary["trained_nothing"])
 
   # ---- end: flush, summary, curves
   producer.close()

@@ -49,8 +49,9 @@ def test_experiment_mirrors_the_config_group_for_group():
   for group, (cls, _) in defaults.GROUPS.items():
     assert isinstance(getattr(exp, group), cls), group
   # Validation resolves, never renames: every config field reads back under its own name
-  # (the loss's max_len 0 and the optimizer's total_steps are resolved values).
-  resolved = {("loss", "max_len")}
+  # (the loss's max_len 0, the optimizer's total_steps and an unset success threshold are
+  # resolved values).
+  resolved = {("loss", "max_len"), ("eval", "success_threshold")}
   for group, values in c.items():
     if group == "seed":
       continue
@@ -60,8 +61,11 @@ def test_experiment_mirrors_the_config_group_for_group():
         continue
       if name == "kwargs":
         got, value = dict(got), value.to_dict()
+      if dataclasses.is_dataclass(got):  # a sub-group (model.lora) resolved to its dataclass
+        got, value = dataclasses.asdict(got), value.to_dict()
       assert got == value, (group, name, got, value)
   assert exp.loss.max_len == exp.rl.max_length
+  assert c.eval.success_threshold is None and exp.eval.success_threshold == pytest.approx(0.998)
 
 
 def test_a_none_default_is_a_typed_placeholder():
