@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from typing import Sequence
 
 import numpy as np
@@ -125,8 +126,10 @@ def expand_sweep(config_spec: str, sweep_arg: str, parent: str) -> list:
 
 
 def train_command(config_spec: str, workdir: str, overrides: dict) -> str:
-  flags = " ".join(f"--config.{k}={v}" for k, v in overrides.items())
-  return f"python -m experiments.train --config={config_spec} --workdir={workdir} {flags}"
+  """The `experiments.train` command of one run; shell-quoted where a value needs it."""
+  args = [f"--config={config_spec}", f"--workdir={workdir}"]
+  args += [f"--config.{k}={v}" for k, v in overrides.items()]
+  return "python -m experiments.train " + " ".join(shlex.quote(a) for a in args)
 
 
 def _group_key(workdir: str) -> str:
