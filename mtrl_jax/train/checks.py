@@ -6,6 +6,7 @@ field, its value and what is allowed (`experiment.validate` turns it into a
 `ConfigError`):
 
   check_imports        the SFT conversations and tokenizer specials resolve;
+  make_tokenizer       the tokenizer loads (a checkpoint's tokenizer.json);
   check_environment    the factory and both task splits build, their first
                        tasks are metadata mappings, one environment from the
                        first train task has `tree.num_agents` agents, its
@@ -77,6 +78,14 @@ def check_imports(exp: Experiment):
       specials = import_object(tok.extra_specials, "tokenizer.extra_specials")
       if isinstance(specials, str) or not all(isinstance(x, str) for x in specials):
         raise TypeError(f"{specials!r} is not a tuple of strings")
+
+
+def make_tokenizer(exp: Experiment):
+  """The run's tokenizer (a checkpoint's tokenizer.json must load): built once here,
+  for the prompt check and the vocabulary fit."""
+  with _Resolving(f"tokenizer.kind={exp.tokenizer.kind!r} with model.path={exp.model.path!r}",
+                  "a checkpoint directory holding its tokenizer.json"):
+    return components.make_tokenizer(exp.tokenizer, exp.model.path)
 
 
 def check_environment(exp: Experiment, tokenizer):

@@ -27,7 +27,7 @@ from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train import checks, components
+from mtrl_jax.train import checks
 from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EngineGroup, EvalConfig,
                                    RLConfig, SFTConfig)
 from mtrl_jax.train.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
@@ -122,7 +122,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   plan_tree(tree, rl.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
             max_new_tokens=sampling.max_new_tokens, max_generations=rl.max_generations)
   checks.check_imports(exp)
-  tokenizer = components.make_tokenizer(exp.tokenizer, exp.model.path)
+  tokenizer = checks.make_tokenizer(exp)
   factory = checks.check_environment(exp, tokenizer)
   exp = dataclasses.replace(exp, eval=dataclasses.replace(
       exp.eval, success_threshold=checks.success_threshold(exp, factory)))

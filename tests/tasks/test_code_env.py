@@ -307,6 +307,22 @@ def test_task_source_splits():
   assert len(data.resolve_task_source("humaneval", "train", limit=5)) == 5
 
 
+def _write_chatml_tokenizer(path):
+  """A byte-level BPE with the ChatML specials as `path`/tokenizer.json (no downloads)."""
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+  raw = Tokenizer(models.BPE())
+  raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  raw.decoder = decoders.ByteLevel()
+  raw.train_from_iterator(["def f(x):\n    return x"] * 4, trainer=trainers.BpeTrainer(
+      vocab_size=300, special_tokens=["<|endoftext|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                          for t in ("<|im_start|>", "<|im_end|>")])
+  raw.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+
+
 def test_configs_build(tmp_path):
   from configs import humaneval
   from mtrl_jax.models.config import get_preset
@@ -316,6 +332,7 @@ def test_configs_build(tmp_path):
       2, 2, "every_turn")
   assert dict(smoke.env.kwargs)["num_turns"] == 2 and smoke.env.max_turns == 2
   (tmp_path / "config.json").write_text(json.dumps(get_preset("qwen2.5-coder-3b").to_hf_dict()))
+  _write_chatml_tokenizer(tmp_path)  # validation renders the first prompt with it
   for agents, tau, shift in ((2, -0.2, -4.0), (1, -0.1, -2.1)):
     c = humaneval.get_config(f"agents={agents}")
     c.model.path = str(tmp_path)

@@ -159,6 +159,7 @@ def test_sft_conversations_cover_both_roles():
 def test_task_source_and_config_build():
   from configs import coop as coop_config
   from mtrl_jax import data
+  from mtrl_jax.registry import import_object
   from mtrl_jax.train import components, experiment
   src = data.resolve_task_source("coop", "eval")
   assert len(src) == 200 and src[3] == coop.make_task("eval", 3)
@@ -173,4 +174,4 @@ def test_task_source_and_config_build():
     assert exp.reward.shaping_weight == exp.reward.outcome_weight == 1.0
     env = components.make_factory(exp).create_environment(src[0])
     assert env.num_turns == 3 and env.show_partner
-  assert experiment.import_object(exp.sft.conversations) is coop.golden_conversation
+  assert import_object(exp.sft.conversations) is coop.golden_conversation

@@ -61,6 +61,16 @@ def test_a_prompt_longer_than_the_token_budget_is_refused_with_its_length():
   assert experiment.validate(c).env.max_tokens == tokens + 25
 
 
+def test_a_checkpoint_without_its_tokenizer_is_refused(tmp_path):
+  from mtrl_jax.models.config import get_preset
+  (tmp_path / "config.json").write_text(json.dumps(get_preset("tiny").to_hf_dict()))
+  c = _config(**{"tokenizer.kind": "hf", "tokenizer.extra_specials": ""})
+  c.model.path = str(tmp_path)
+  msg = _refusal(c)
+  assert msg.startswith(f"config tokenizer.kind='hf' with model.path='{tmp_path}'"), msg
+  assert "no tokenizer.json" in msg, msg
+
+
 class _LockedEnv(Environment):
   """Holds a lock as plain state: a deep copy (the default fork) fails."""
 
