@@ -116,8 +116,10 @@ class TaskStream:
     while len(out) < count:
       order = self._epoch_order()
       index = int(order[self.position])
-      task = dict(self.source[index])
-      task.setdefault("task_index", index)
+      task = self.source[index]
+      if isinstance(task, Mapping):  # anything else: the rollout masks its root
+        task = dict(task)
+        task.setdefault("task_index", index)
       out.append(task)
       self.position += 1
       if self.position == len(order):
@@ -193,7 +195,8 @@ class CurriculumStream:
 
   def next(self, count: int) -> list[dict]:
     """The next `count` tasks of the current level (each tagged with its `curriculum_level`)."""
-    return [dict(t, curriculum_level=self.level) for t in self.streams[self.level].next(count)]
+    return [dict(t, curriculum_level=self.level) if isinstance(t, Mapping) else t
+            for t in self.streams[self.level].next(count)]
 
   def observe(self, success: float) -> dict[str, float]:
     """Records one RL step's rollout success; may move the level for the next step.

@@ -22,7 +22,7 @@ import dataclasses
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from mtrl_jax.envs.faults import Fault, FaultKind
+from mtrl_jax.envs.faults import ContractError, Fault, FaultKind
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -78,8 +78,11 @@ class Thread:
   Attributes:
     turns: the messages, oldest first.
     metadata: the task's metadata (e.g. the expected answer) and anything
-      the environment wants to carry along. Appended threads share this dict:
-      treat it as read-only and use `with_metadata` to change it.
+      the environment wants to carry along. Private per branch: the framework
+      hands each branch of a tree its own deep copy (`fork`, before every
+      react_to), so a change made in place (`thread.metadata['tries'] += 1`)
+      is seen by the threads of this branch only, never by its siblings.
+      `with_metadata` returns a new thread with a changed copy.
     ledger: token records of `turns[:num_rendered]`.
     seed: the seed of the model calls this step's `react_to` makes (user
       simulator, judges, expert), set by the framework from (step, root,
@@ -124,9 +127,11 @@ class Thread:
     return dataclasses.replace(self, metadata={**self.metadata, **updates})
 
   def fork(self) -> "Thread":
-    """A thread whose ledger can be appended to without touching this one."""
+    """A thread for one branch: its own copy of the ledger and of the metadata
+    (a deep copy; `SharedResource`s in it are shared), so neither appending to
+    it nor changing its metadata in place touches this thread."""
     ledger = None if self.ledger is None else self.ledger.copy()
-    return dataclasses.replace(self, ledger=ledger)
+    return dataclasses.replace(self, ledger=ledger, metadata=copy.deepcopy(dict(self.metadata)))
 
   @property
   def num_rendered(self) -> int:
@@ -245,8 +250,15 @@ class Environment:
     return None
 
   def fork(self) -> "Environment":
-    """An independent copy for one branch of a tree rollout (default: deep copy)."""
-    return copy.deepcopy(self)
+    """An independent copy for one branch of a tree rollout (default: deep copy).
+
+    Raises:
+      ContractError (`fork_error_message`) when an attribute cannot be copied.
+    """
+    try:
+      return copy.deepcopy(self)
+    except (TypeError, copy.Error, NotImplementedError, AttributeError) as e:
+      raise ContractError(fork_error_message(self, e)) from e
 
   def close(self) -> None:
     """Releases external resources at the end of the trajectory (default: nothing)."""
@@ -283,6 +295,18 @@ class Environment:
     if not results.any_calls:
       return None
     return thread.append(*results.turns)
+
+
+def fork_error_message(obj, exc: BaseException) -> str:
+  """The one-line explanation of an environment (or a thread's metadata) that
+  cannot be forked, e.g. because it holds a lock (deepcopy: "cannot pickle
+  '_thread.lock' object"). The start-up check and the rollout both use it."""
+  name = type(obj).__name__
+  fix = f", or override {name}.fork()" if isinstance(obj, Environment) else ""
+  return (f"{name}.fork failed ({type(exc).__name__}: {exc}): a tree copies the environment "
+          f"and each thread's metadata at every branch (deep copies); derive the class of an "
+          f"object that must be shared, not copied (a lock, a connection, a model, a cache), "
+          f"from mtrl_jax.envs.SharedResource{fix}")
 
 
 class EnvironmentFactory:

@@ -10,9 +10,15 @@ on who caused it (docs/design.md invariant 7):
   tool_error      a well-formed call the tool rejected (unknown tool, wrong or
                   missing arguments, a `ToolError` raised by the tool).
                   Model-caused: may be penalised.
-  infrastructure  anything that is not the policy's fault: an environment
-                  bug, a crashed judge, an unknown exception. Retried, then the
-                  sample is masked out of the update; never scored as reward.
+  contract        environment, tool or grader code broke the API: react_to
+                  returned the wrong shape or type (a 3-tuple, None, a
+                  non-thread), a grade is NaN or infinite, a factory or a fork
+                  failed, a task is not a mapping, or the code raised a
+                  programming error (see the rule below). Not retried (the
+                  same code fails the same way); the sample is masked.
+  infrastructure  something outside the code failed: a service, a connection,
+                  the disk, a crashed judge, an unknown exception. Retried,
+                  then the sample is masked out of the update.
   timeout         a tool or environment call ran past its time limit:
                   infrastructure too (an overloaded tool says nothing about
                   the policy), so the step is masked. `FaultPolicy(
@@ -22,8 +28,24 @@ on who caused it (docs/design.md invariant 7):
   truncation      the framework stopped the trajectory at its turn cap or
                   token budget.
 
-Environments signal a kind by raising one of `ModelFormatError`, `ToolError`,
-`InfrastructureError`; any other exception is classified as infrastructure.
+Contract, infrastructure and timeout faults are never scored as reward.
+
+The rule for an exception (`classify`): an `EnvFault` subclass
+(`ModelFormatError`, `ToolError`, `ContractError`, `InfrastructureError`,
+`FaultTimeoutError`) carries its kind; the text package's `ToolCallError` is
+model_format; `TimeoutError` is timeout; any other `OSError` (ConnectionError,
+BrokenPipeError, FileNotFoundError, ...) is infrastructure; the programming
+errors `CONTRACT_ERRORS` (TypeError, AttributeError, LookupError (KeyError,
+IndexError), NameError, ValueError, ArithmeticError, AssertionError,
+NotImplementedError, RecursionError, ImportError) are contract; anything else
+(RuntimeError, MemoryError, a library's own exception) is infrastructure.
+Code that talks to a service should wrap the service's failures in
+`InfrastructureError` (the judges and user simulators do), so a malformed
+reply is retried rather than taken for a bug.
+
+The first fault of each (kind, source) is printed once on the console of the
+process that writes files (`mtrl_jax.envs.fault_report.show_fault_once`);
+every fault is counted in `faults/<kind>` and kept in the rollout dump.
 """
 
 from __future__ import annotations
@@ -41,6 +63,7 @@ class FaultKind(str, enum.Enum):
 
   MODEL_FORMAT = "model_format"
   TOOL_ERROR = "tool_error"
+  CONTRACT = "contract"
   INFRASTRUCTURE = "infrastructure"
   TIMEOUT = "timeout"
   TRUNCATION = "truncation"
@@ -58,6 +81,12 @@ class FaultKind(str, enum.Enum):
 
 # Model-caused kinds: the only ones a reward may penalise.
 MODEL_CAUSED = frozenset({FaultKind.MODEL_FORMAT, FaultKind.TOOL_ERROR})
+# Kinds that are always masked: no honest reward exists.
+ALWAYS_MASKED = frozenset({FaultKind.CONTRACT, FaultKind.INFRASTRUCTURE})
+# Plain exceptions that mean a bug in environment, tool or grader code (`classify`).
+CONTRACT_ERRORS = (TypeError, AttributeError, LookupError, NameError, ValueError,
+                   ArithmeticError, AssertionError, NotImplementedError, RecursionError,
+                   ImportError)
 # What a timed-out tool call does to its step (`FaultPolicy.tool_timeout`).
 TOOL_TIMEOUT_MODES = ("mask", "tell")
 
@@ -84,6 +113,12 @@ class ToolError(EnvFault):
   kind = FaultKind.TOOL_ERROR
 
 
+class ContractError(EnvFault):
+  """Environment, tool or grader code broke the API (masked, never retried)."""
+
+  kind = FaultKind.CONTRACT
+
+
 class InfrastructureError(EnvFault):
   """A failure that is not the policy's fault (retried, then masked)."""
 
@@ -97,12 +132,13 @@ class FaultTimeoutError(EnvFault, TimeoutError):
 
 
 def classify(exc: BaseException) -> FaultKind:
-  """The `FaultKind` of an arbitrary exception.
+  """The `FaultKind` of an arbitrary exception (the rule in the module docstring).
 
   `EnvFault` subclasses carry their kind; the text package's `ToolCallError`
   (a malformed tool call) is a model format error; `TimeoutError` is a
-  timeout; everything else is infrastructure, so an unknown exception from
-  environment code is never turned into (negative) reward.
+  timeout; other `OSError`s are infrastructure; `CONTRACT_ERRORS` are
+  contract; everything else is infrastructure. No kind but the model-caused
+  ones is ever turned into (negative) reward.
   """
   if isinstance(exc, EnvFault):
     return exc.kind
@@ -111,6 +147,10 @@ def classify(exc: BaseException) -> FaultKind:
     return FaultKind.MODEL_FORMAT
   if isinstance(exc, TimeoutError):
     return FaultKind.TIMEOUT
+  if isinstance(exc, OSError):
+    return FaultKind.INFRASTRUCTURE
+  if isinstance(exc, CONTRACT_ERRORS):
+    return FaultKind.CONTRACT
   return FaultKind.INFRASTRUCTURE
 
 
@@ -124,26 +164,42 @@ class Fault:
       'user_sim', 'framework'.
     message: a human-readable description (shown in logs, sometimes to the policy).
     retries: how many retries were spent before giving up (infrastructure).
+    where: the code it came from, e.g. 'MyEnv.react_to (my_env.py:12)' ('' when
+      unknown).
   """
 
   kind: FaultKind
   source: str
   message: str
   retries: int = 0
+  where: str = ""
 
   def __post_init__(self):
     object.__setattr__(self, "kind", FaultKind.parse(self.kind))
 
   @classmethod
-  def from_exception(cls, exc: BaseException, source: str, retries: int = 0) -> "Fault":
+  def from_exception(cls, exc: BaseException, source: str, retries: int = 0,
+                     where: str = "") -> "Fault":
     msg = str(exc) or type(exc).__name__
     if not isinstance(exc, EnvFault):
       msg = f"{type(exc).__name__}: {msg}"
-    return cls(classify(exc), source, msg, retries)
+    return cls(classify(exc), source, msg, retries, where)
 
   def to_dict(self) -> dict:
-    return {"kind": self.kind.value, "source": self.source, "message": self.message,
-            "retries": self.retries}
+    out = {"kind": self.kind.value, "source": self.source, "message": self.message,
+           "retries": self.retries}
+    if self.where:
+      out["where"] = self.where
+    return out
+
+  def console_line(self, max_chars: int = 400) -> str:
+    """The one line `fault_report.show_fault_once` prints."""
+    where = f" in {self.where}" if self.where else ""
+    message = " ".join(self.message.split())
+    if len(message) > max_chars:
+      message = message[:max_chars] + " ..."
+    return (f"fault {self.kind.value} from {self.source}{where}: {message}  "
+            f"(shown once; counted in faults/{self.kind.value})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +210,8 @@ class FaultPolicy:
     penalise: kinds counted as invalid calls for the tool-validity penalty;
       only model-caused kinds are allowed here.
     mask: kinds that mask the sample out of the update; after construction
-      it also holds 'timeout' when `tool_timeout='mask'`.
+      it also holds 'contract' (always) and 'timeout' when
+      `tool_timeout='mask'`.
     max_retries: retries of an environment step that failed with an
       infrastructure fault before it is masked.
     tool_timeout: 'mask' (default): a step with a timeout fault (a tool call
@@ -167,7 +224,7 @@ class FaultPolicy:
   """
 
   penalise: frozenset = MODEL_CAUSED
-  mask: frozenset = frozenset({FaultKind.INFRASTRUCTURE})
+  mask: frozenset = ALWAYS_MASKED
   max_retries: int = 2
   tool_timeout: str = "mask"
 
@@ -180,6 +237,7 @@ class FaultPolicy:
     if FaultKind.TIMEOUT in mask and self.tool_timeout == "tell":
       raise ValueError("FaultPolicy.mask contains 'timeout' but tool_timeout='tell'; "
                        "use tool_timeout='mask' to mask timeouts")
+    mask |= {FaultKind.CONTRACT}
     if self.tool_timeout == "mask":
       mask |= {FaultKind.TIMEOUT}
     bad = penalise - MODEL_CAUSED

@@ -20,7 +20,11 @@ and guarantees:
   * every exception is caught and classified (`FaultKind`); infrastructure
     faults are retried `limits.faults.max_retries` times (on the same
     environment object: raise before mutating state, or keep react_to
-    idempotent), then the step is masked and the trajectory ends;
+    idempotent), then the step is masked and the trajectory ends; a react_to
+    that breaks the API (a wrong return shape or type, a NaN grade, a bug in
+    its code) is a contract fault: masked at once, never retried;
+  * the first fault of each (kind, source) is printed once, naming where it
+    came from (`fault_report.show_fault_once`);
     model-caused faults (a `ModelFormatError`
     or `ToolError` escaping react_to, invalid tool calls recorded by the
     environment) are counted as invalid calls for the tool penalty;
@@ -41,6 +45,8 @@ and guarantees:
     tokens stay in the old one, with their action), the step reports
     `history_rewrites`, and the rollout starts a new training segment on
     the rewritten context (`render_thread`);
+  * a new tool turn longer than `limits.tool_output_chars` characters is cut
+    (with a note in its text, `tools.cap_tool_turns`) before it is tokenised;
   * with a `renderer`, the new turns are rendered into a copy of the
     ledger exactly once, so `next_thread.num_rendered == len(next_thread)`;
   * the reward is composed from the grades (`compose_reward`): final grades
@@ -53,11 +59,19 @@ import dataclasses
 from typing import Optional, Sequence
 
 from mtrl_jax.envs.core import Thread, Turn
-from mtrl_jax.envs.faults import (Fault, FaultKind, FaultPolicy, InfrastructureError,
-                                  call_with_timeout, classify)
+from mtrl_jax.envs.fault_report import fault_origin, fault_source, show_fault_once
+from mtrl_jax.envs.faults import (ContractError, Fault, FaultKind, FaultPolicy,
+                                  InfrastructureError, call_with_timeout, classify)
 from mtrl_jax.envs.grades import normalize_grades
 from mtrl_jax.envs.reward import RewardBreakdown, RewardConfig, compose_reward, mean_score
+from mtrl_jax.envs.tools import cap_tool_turns
 from mtrl_jax.text.ledger import TokenLedger
+
+# Characters of tool output per token of the budget when `max_tool_output_chars`
+# is derived: a longer output would not fit the budget with any common tokenizer.
+TOOL_CHARS_PER_TOKEN = 16
+# The cap on one tool turn when there is no token budget either.
+DEFAULT_TOOL_OUTPUT_CHARS = 65_536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,20 +84,35 @@ class StepLimits:
       rendering the environment's turns.
     react_timeout_s: wall-clock limit of one react_to call (None: unlimited).
     faults: penalise / mask / retry policy.
+    max_tool_output_chars: characters of one new tool turn; longer output is
+      cut before it is tokenised (tokenising 50 MB takes minutes). None:
+      `TOOL_CHARS_PER_TOKEN` x `max_tokens`, or `DEFAULT_TOOL_OUTPUT_CHARS`
+      without a token budget (`tool_output_chars`).
   """
 
   max_turns: Optional[int] = None
   max_tokens: Optional[int] = None
   react_timeout_s: Optional[float] = None
   faults: FaultPolicy = FaultPolicy()
+  max_tool_output_chars: Optional[int] = None
 
   def __post_init__(self):
-    for name in ("max_turns", "max_tokens"):
+    for name in ("max_turns", "max_tokens", "max_tool_output_chars"):
       v = getattr(self, name)
-      if v is not None and (not isinstance(v, int) or v < 1):
-        raise ValueError(f"StepLimits.{name}={v!r}; must be a positive int or None")
+      if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"StepLimits.{name}={v!r} (config env.{name}); must be a positive "
+                         "int or None")
     if self.react_timeout_s is not None and self.react_timeout_s <= 0:
       raise ValueError(f"StepLimits.react_timeout_s={self.react_timeout_s}; must be > 0 or None")
+
+  @property
+  def tool_output_chars(self) -> int:
+    """The cap on one new tool turn, in characters (`max_tool_output_chars`)."""
+    if self.max_tool_output_chars is not None:
+      return self.max_tool_output_chars
+    if self.max_tokens is not None:
+      return TOOL_CHARS_PER_TOKEN * self.max_tokens
+    return DEFAULT_TOOL_OUTPUT_CHARS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,50 +167,38 @@ class StepOutcome:
             "faults": [f.to_dict() for f in self.faults]}
 
 
-def fault_source(exc: BaseException) -> str:
-  """Which part raised `exc`.
-
-  An explicit `exc.source` wins. Otherwise the innermost frame of the
-  traceback that runs a method of an object whose class declares a
-  `fault_source` (graders: 'grader', judges and text generators: 'judge',
-  user simulators: 'user_sim', tools: 'tool') names it; else 'environment'.
-  """
-  if getattr(exc, "source", None):
-    return exc.source
-  source, tb = "environment", exc.__traceback__
-  while tb is not None:
-    owner = tb.tb_frame.f_locals.get("self")
-    declared = getattr(type(owner), "fault_source", None) if owner is not None else None
-    if isinstance(declared, str):
-      source = declared
-    tb = tb.tb_next
-  return source
-
-
 def _validated(result, threads: Sequence[Thread], joint: bool):
   """(next_threads | None, grades dict, rewrote flags) from react_to's answer.
 
-  Raises on misuse. A next thread that rewrote the given turns loses its
-  ledger (it no longer describes them) and is flagged: a history rewrite.
+  Raises `ContractError` on misuse. A next thread that rewrote the given
+  turns loses its ledger (it no longer describes them) and is flagged: a
+  history rewrite.
   """
   if not isinstance(result, tuple) or len(result) != 2:
-    raise InfrastructureError(f"react_to must return a 2-tuple (next_thread | None, grades), "
-                              f"got {type(result).__name__}")
+    got = f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__
+    raise ContractError(f"react_to must return a 2-tuple (next_thread | None, grades), "
+                        f"got {got}")
   nxt, grades = result
   if nxt is None and grades is None:
-    raise InfrastructureError("react_to returned (None, None): a finished trajectory needs "
-                              "its final grades (use {} for none)")
-  grades = normalize_grades(grades)
+    raise ContractError("react_to returned (None, None): a finished trajectory needs "
+                        "its final grades (use {} for none)")
+  try:
+    grades = normalize_grades(grades)
+  except (TypeError, ValueError) as e:  # a non-number, NaN or infinite grade
+    raise ContractError(f"react_to returned invalid grades: {e}") from None
   if nxt is None:
     return None, grades, []
+  if joint and not isinstance(nxt, (list, tuple)):
+    raise ContractError(f"react_to_joint returned {type(nxt).__name__} as next threads; "
+                        "expected a list of Threads")
   nxt = list(nxt) if joint else [nxt]
   if len(nxt) != len(threads):
-    raise InfrastructureError(f"react_to_joint returned {len(nxt)} threads for "
-                              f"{len(threads)} agents")
+    raise ContractError(f"react_to_joint returned {len(nxt)} threads for "
+                        f"{len(threads)} agents")
   for i, (old, new) in enumerate(zip(threads, nxt)):
     if not isinstance(new, Thread):
-      raise InfrastructureError(f"react_to returned {type(new).__name__} as next thread "
-                                f"(agent {i}); expected a Thread")
+      raise ContractError(f"react_to returned {type(new).__name__} as next thread "
+                          f"(agent {i}); expected a Thread")
   rewrote = [new.turns[:len(old.turns)] != old.turns for old, new in zip(threads, nxt)]
   nxt = [new.replace(ledger=None) if r else new for new, r in zip(nxt, rewrote)]
   return nxt, grades, rewrote
@@ -260,6 +277,8 @@ def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
   react = (lambda: env.react_to_joint(threads)) if joint else (lambda: env.react_to(threads[0]))
 
   def finish(next_threads, outcome_grades, shaping_grades, truncated=False, mask=False):
+    for f in faults:
+      show_fault_once(f)
     kinds = [f.kind for f in faults]
     invalid = sum(k in policy.penalise for k in kinds)
     masked = mask or any(k in policy.mask for k in kinds)
@@ -279,6 +298,10 @@ def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
     try:
       result = call_with_timeout(react, limits.react_timeout_s, "react_to")
       next_threads, grades, rewrote = _validated(result, threads, joint)
+      if next_threads is not None:
+        cap = limits.tool_output_chars
+        next_threads = [cap_tool_turns(t, 0 if r else len(old.turns), cap)
+                        for t, old, r in zip(next_threads, threads, rewrote)]
       if next_threads is not None and renderer is not None:
         rewrote = [r or history_rewritten(t, renderer) for t, r in zip(next_threads, rewrote)]
         next_threads = [render_thread(t, renderer, r) for t, r in zip(next_threads, rewrote)]
@@ -291,7 +314,8 @@ def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
         retries += 1
         continue
       faults.extend(stale)
-      faults.append(Fault.from_exception(e, fault_source(e), retries))
+      where = fault_origin(e, env, "react_to_joint" if joint else "react_to")
+      faults.append(Fault.from_exception(e, fault_source(e), retries, where))
       # Model-caused: the trajectory ends, penalised. Anything else: no honest
       # reward exists, so the sample is masked.
       return finish(None, {}, {}, mask=kind not in policy.penalise)
@@ -314,7 +338,7 @@ def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
   try:
     final_grades = normalize_grades(env.finalize(next_threads if joint else next_threads[0]))
   except Exception as e:  # classified like any other fault
-    faults.append(Fault.from_exception(e, fault_source(e)))
+    faults.append(Fault.from_exception(e, fault_source(e), where=fault_origin(e, env, "finalize")))
     return finish(None, {}, grades, truncated=True,
                   mask=classify(e) not in policy.penalise)
   return finish(None, final_grades, grades, truncated=True)

@@ -16,12 +16,17 @@
 
 Invalid calls (malformed JSON, unknown tool, wrong or missing arguments, a
 `ToolError` raised by the tool) become an error tool turn the policy can
-recover from and a penalisable fault. A tool that raises anything else is an
-infrastructure fault (retried `max_retries` times, then the sample is masked);
+recover from and a penalisable fault. A tool whose code raises a programming
+error (TypeError, KeyError, ...: `faults.CONTRACT_ERRORS`) is a contract fault
+(masked, not retried); anything else is an infrastructure fault (retried
+`max_retries` times, then the sample is masked);
 a tool that runs past its timeout is a timeout fault: infrastructure, so the
 step is masked by default (`FaultPolicy.tool_timeout`, config
 `env.tool_timeout='tell'` shows the policy the error turn instead). Each call
 runs in a pooled daemon worker thread so a hung tool cannot block the rollout.
+Long results are cut in characters before anything tokenises them
+(`cap_output`: `ToolSet(max_result_chars=)`, and every tool turn of a step at
+`StepLimits.max_tool_output_chars`), with a note in the turn's text.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Optional
 
-from mtrl_jax.envs.core import Turn
+from mtrl_jax.envs.core import Thread, Turn
+from mtrl_jax.envs.fault_report import exception_location
 from mtrl_jax.envs.faults import (MODEL_CAUSED, Fault, FaultKind, FaultTimeoutError,
                                   ToolError, call_with_timeout, classify)
 from mtrl_jax.envs.tool_schema import function_schema, validate_arguments
@@ -179,6 +185,27 @@ class ToolResults:
     return bool(self.turns)
 
 
+def cap_output(text: str, max_chars: Optional[int]) -> str:
+  """`text` cut to its first `max_chars` characters plus a note saying so
+  ("[output truncated: 52,428,800 chars -> 8,000]"); unchanged when it fits
+  or `max_chars` is None."""
+  if max_chars is None or len(text) <= max_chars:
+    return text
+  return f"{text[:max_chars]}\n[output truncated: {len(text):,} chars -> {max_chars:,}]"
+
+
+def cap_tool_turns(thread: Thread, start: int, max_chars: int) -> Thread:
+  """The thread with every tool turn from index `start` on cut to `max_chars`
+  characters (`cap_output`; the turn's metadata keeps `truncated_chars`)."""
+  turns = list(thread.turns)
+  for i in range(start, len(turns)):
+    t = turns[i]
+    if t.role == "tool" and len(t.content) > max_chars:
+      turns[i] = Turn("tool", cap_output(t.content, max_chars), t.name,
+                      {**t.metadata, "truncated_chars": len(t.content)})
+  return thread if turns == list(thread.turns) else thread.replace(turns=tuple(turns))
+
+
 def _to_text(result) -> str:
   if isinstance(result, str):
     return result
@@ -197,7 +224,8 @@ class ToolSet:
     max_retries: retries of a call that raised an infrastructure error.
     max_calls: most calls executed per message (extra calls get an error turn
       and a tool_error fault); None: unlimited.
-    max_result_chars: longer results are cut (the token budget is finite).
+    max_result_chars: longer results are cut, with a note (`cap_output`);
+      None: only the step's cap applies (`StepLimits.max_tool_output_chars`).
   """
 
   fault_source = "tool"
@@ -248,8 +276,8 @@ class ToolSet:
 
   # ------------------------------------------------------------------ execution
   def _error(self, name: str, kind: FaultKind, message: str, arguments=None,
-             retries: int = 0, elapsed: float = 0.0):
-    fault = Fault(kind, f"tool:{name}", message, retries)
+             retries: int = 0, elapsed: float = 0.0, where: str = ""):
+    fault = Fault(kind, f"tool:{name}", message, retries, where)
     turn = Turn("tool", f"error: {message}", name=name, metadata={"ok": False,
                                                                    "fault": kind.value})
     return turn, ToolCallRecord(name, arguments, False, turn.content, fault, False, elapsed)
@@ -285,9 +313,11 @@ class ToolSet:
             f"tool {name!r} failed ({type(e).__name__}: {e})")
         if kind == FaultKind.MODEL_FORMAT:  # a tool raising ModelFormatError
           kind = FaultKind.TOOL_ERROR
-        return self._error(name, kind, msg, args, retries, time.perf_counter() - start)
-    if self.max_result_chars is not None and len(text) > self.max_result_chars:
-      text = text[:self.max_result_chars] + " ...[truncated]"
+        where, location = getattr(t.fn, "__qualname__", name), exception_location(e)
+        if location:
+          where = f"{where} ({location})"
+        return self._error(name, kind, msg, args, retries, time.perf_counter() - start, where)
+    text = cap_output(text, self.max_result_chars)
     if t.cacheable:
       self.cache.put(key, text)
     return (Turn("tool", text, name=name, metadata={"ok": True}),

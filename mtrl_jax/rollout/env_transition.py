@@ -28,6 +28,15 @@ thread order, so 1 or 32 workers and a resumed run give the same tree.
 A sampled id the tokenizer cannot decode (a model vocabulary larger than the
 tokenizer's) ends the episode as a model format fault, penalised like an
 invalid call; the environment never sees the message.
+
+Nothing an environment's code does kills the run. A task that is not a
+mapping, or a factory (or `initial_thread`) that raises, makes a failed root
+(`root_states`): its prompt is empty and every joint action of it is masked
+with the root's fault (a contract fault for a bug, `faults.classify`). An
+environment (or thread metadata) that cannot be forked masks the action with a
+contract fault naming `fork` and `SharedResource` (`core.fork_error_message`).
+Each fault is shown once on the console (`fault_report.show_fault_once`).
+Thread metadata is private per branch: every acted thread is a `Thread.fork`.
 """
 
 from __future__ import annotations
@@ -37,9 +46,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from mtrl_jax.envs import StepLimits, StepOutcome, Turn, step_environment
+from mtrl_jax.envs import StepLimits, StepOutcome, Thread, Turn, step_environment
+from mtrl_jax.envs.core import fork_error_message
+from mtrl_jax.envs.fault_report import fault_origin, fault_source, show_fault_once
 from mtrl_jax.envs.runner import render_thread
-from mtrl_jax.envs.faults import Fault, FaultKind
+from mtrl_jax.envs.faults import ContractError, Fault, FaultKind, classify
 from mtrl_jax.envs.reward import RewardBreakdown, RewardConfig, compose_reward
 from mtrl_jax.rollout.records import ActionOutcome, StepRecord
 from mtrl_jax.rollout.completion import Completion
@@ -56,11 +67,14 @@ class EnvState:
     threads: one fully rendered thread per agent (no open assistant turn).
     steps: policy messages (environment steps) taken so far: the step index
       of the next step, sub-steps included.
+    fault: set on a failed root (no environment; `root_states`): the fault
+      every joint action of it records, masked.
   """
 
   env: Any
   threads: tuple
   steps: int = 0
+  fault: Optional[Fault] = None
 
 
 def _record(out: StepOutcome, details: dict, continues_turn: bool = False) -> StepRecord:
@@ -104,8 +118,39 @@ class EnvTransition:
     return EnvState(env, tuple(render_thread(t, self.renderer) for t in threads), 0)
 
   def root_states(self, factory, metadatas: Sequence[Mapping]) -> list[EnvState]:
-    """One fresh environment per task from an `EnvironmentFactory`."""
-    return [self.root_state(factory.create_environment(m)) for m in metadatas]
+    """One fresh environment per task from an `EnvironmentFactory`.
+
+    Never raises for a bad task or a failing factory: that root becomes a
+    failed root (`failed_root`) whose actions are all masked with its fault.
+    """
+    states = []
+    for k, metadata in enumerate(metadatas):
+      if not isinstance(metadata, Mapping):
+        text = repr(metadata)
+        fault = Fault(FaultKind.CONTRACT, "task_source",
+                      f"task {k} of the step is {type(metadata).__name__}, not a mapping "
+                      f"of metadata: {text[:80]}{' ...' * (len(text) > 80)}",
+                      where="TaskSource.__getitem__")
+        states.append(self.failed_root(fault))
+        continue
+      env = None
+      try:
+        env = factory.create_environment(metadata)
+        states.append(self.root_state(env))
+      except Exception as e:  # classified; the other roots go on
+        method = "create_environment" if env is None else "initial_thread"
+        where = fault_origin(e, factory if env is None else env, method)
+        if env is not None:
+          env.close()
+        states.append(self.failed_root(Fault.from_exception(e, fault_source(e), where=where)))
+    return states
+
+  def failed_root(self, fault: Fault) -> EnvState:
+    """The state of a root whose environment could not be made: empty prompts,
+    `fault` recorded (masked) on every joint action. Shows the fault once."""
+    show_fault_once(fault)
+    empty = render_thread(Thread(), self.renderer)
+    return EnvState(None, (empty,) * self.num_agents, 0, fault)
 
   # ---------------------------------------------------------------- Transition
   def prompts(self, state: EnvState) -> list[list[int]]:
@@ -118,16 +163,26 @@ class EnvTransition:
   def step(self, state: EnvState, actions: Sequence[Completion],
            seed: Optional[int] = None) -> ActionOutcome:
     """Steps one joint action; `seed` (from the engine) seeds the environment's model calls."""
+    if state.fault is not None:  # a failed root
+      return self._masked(state.fault)
     vocab = self.renderer.tokenizer.vocab_size
     for i, comp in enumerate(actions):
       ids = np.asarray(comp.ids)
       bad = ids[(ids < 0) | (ids >= vocab)]
       if bad.size:
         return self._undecodable(i, bad.tolist(), vocab)
-    env = state.env.fork()
+    env = None
+    try:  # the branch's own environment and threads (metadata included)
+      env = state.env.fork()
+      forked = [t.fork() for t in state.threads]
+    except Exception as e:  # classified; the sibling branches go on
+      fault = self._fork_fault(state.env if env is None else state.threads[0], e)
+      if env is not None:
+        env.close()
+      return self._masked(fault)
     acted = []
-    for i, (thread, comp) in enumerate(zip(state.threads, actions)):
-      ledger = thread.ledger.copy()
+    for i, (thread, comp) in enumerate(zip(forked, actions)):
+      ledger = thread.ledger
       self.renderer.begin_assistant(ledger)
       text = self.renderer.append_completion(ledger, comp.ids.tolist(), comp.logprobs.tolist(),
                                              finished_by_stop=comp.finish_reason == "stop")
@@ -150,6 +205,23 @@ class EnvTransition:
     return ActionOutcome(EnvState(env, tuple(out.next_threads), state.steps + 1),
                          _record(out, details, continues_turn=waits))
 
+  def _fork_fault(self, obj, exc: Exception) -> Fault:
+    """The fault of a fork (of an environment or a thread) that raised: a contract
+    fault naming `fork` and `SharedResource` for a copy that failed, else
+    classified as raised."""
+    where = fault_origin(exc, obj, "fork")
+    if isinstance(exc, ContractError):
+      return Fault(FaultKind.CONTRACT, "environment", str(exc), where=where)
+    if classify(exc) == FaultKind.CONTRACT:
+      return Fault(FaultKind.CONTRACT, "environment", fork_error_message(obj, exc), where=where)
+    return Fault.from_exception(exc, fault_source(exc), where=where)
+
+  def _masked(self, fault: Fault) -> ActionOutcome:
+    """A masked, ended action that records `fault` (shown once)."""
+    show_fault_once(fault)
+    out = StepOutcome(None, {}, RewardBreakdown.zero(), (fault,), masked=True)
+    return ActionOutcome(None, _record(out, {"invalid_calls": 0}))
+
   def _undecodable(self, agent: int, bad: list, vocab: int) -> ActionOutcome:
     """The outcome of a message with ids outside the tokenizer: a model format fault."""
     policy = self.limits.faults
@@ -160,12 +232,13 @@ class EnvTransition:
     invalid = int(fault.kind in policy.penalise)
     reward = (RewardBreakdown.zero() if masked else
               compose_reward(self.reward_cfg or RewardConfig(), steps=1, invalid_calls=invalid))
+    show_fault_once(fault)
     out = StepOutcome(None, {}, reward, (fault,), masked=masked, invalid_calls=invalid)
     return ActionOutcome(None, _record(out, {"invalid_calls": invalid}))
 
   def close(self, state: Optional[EnvState]) -> None:
     """Releases a state's environment once no branch will step it again."""
-    if state is not None:
+    if state is not None and state.env is not None:
       state.env.close()
 
   def decode(self, ids) -> str:

@@ -11,6 +11,8 @@ import collections
 
 import numpy as np
 
+from mtrl_jax.envs.fault_report import show_fault_once
+from mtrl_jax.envs.faults import FaultKind
 from mtrl_jax.rollout.records import REWARD_PARTS
 
 
@@ -26,6 +28,24 @@ def fault_counts(tree) -> dict[str, float]:
                                for action in node.actions or [] if action is not None
                                for f in action.faults)
   return {k: float(v) for k, v in sorted(counts.items())}
+
+
+def add_fault_totals(totals, tree) -> dict[str, int]:
+  """The run's fault counts per kind (every kind, zeros included, and 'total') with
+  `tree`'s faults added: what `summary.json` reports under 'faults'.
+
+  `totals` is the previous result (None or {} at the start). The tree is the
+  step's gathered tree (every process's roots): a (kind, source) first seen on
+  another process is shown here, once (`fault_report.show_fault_once`).
+  """
+  out = {k.value: int((totals or {}).get(k.value, 0)) for k in FaultKind}
+  for node in tree.nodes:
+    for action in node.actions or []:
+      for f in action.faults if action is not None else ():
+        out[f.kind.value] += 1
+        show_fault_once(f)
+  out["total"] = sum(out[k.value] for k in FaultKind)
+  return out
 
 
 def reward_metrics(tree) -> dict[str, float]:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from mtrl_jax.envs import (Fault, FaultCounter, FaultKind, FaultPolicy, FaultTimeoutError,
+from mtrl_jax.envs import (ContractError, Fault, FaultCounter, FaultKind, FaultPolicy, FaultTimeoutError,
                            InfrastructureError, ModelFormatError, ToolError, call_with_timeout,
                            classify)
 from mtrl_jax.text import ToolCallError, parse_tool_calls
@@ -20,16 +20,21 @@ def test_classification():
   with pytest.raises(ToolCallError) as info:
     parse_tool_calls("<tool_call>{</tool_call>")
   assert classify(info.value) == FaultKind.MODEL_FORMAT
-  # Unknown exceptions from environment code are infrastructure: never reward.
-  for exc in (ValueError("x"), KeyError("k"), ZeroDivisionError(), RuntimeError()):
-    assert classify(exc) == FaultKind.INFRASTRUCTURE
+  # Programming errors are contract faults; outside failures and unknown
+  # exceptions are infrastructure. Neither is ever reward.
+  for exc in (ValueError("x"), KeyError("k"), ZeroDivisionError(), TypeError(),
+              AttributeError(), IndexError(), NotImplementedError(), ContractError("x")):
+    assert classify(exc) == FaultKind.CONTRACT, exc
+  for exc in (RuntimeError(), ConnectionError(), OSError(), BrokenPipeError(),
+              MemoryError(), Exception()):
+    assert classify(exc) == FaultKind.INFRASTRUCTURE, exc
 
 
 def test_fault_record_and_counter():
-  f = Fault.from_exception(KeyError("city"), "environment", retries=2)
-  assert f.kind == FaultKind.INFRASTRUCTURE and f.message == "KeyError: 'city'"
+  f = Fault.from_exception(ConnectionError("db"), "environment", retries=2)
+  assert f.kind == FaultKind.INFRASTRUCTURE and f.message == "ConnectionError: db"
   assert f.to_dict() == {"kind": "infrastructure", "source": "environment",
-                         "message": "KeyError: 'city'", "retries": 2}
+                         "message": "ConnectionError: db", "retries": 2}
   assert Fault.from_exception(ToolError("bad city"), "tool:w").message == "bad city"
   a, b = FaultCounter(), FaultCounter()
   a.add_all([f, Fault("timeout", "tool:w", "slow")])
@@ -37,8 +42,9 @@ def test_fault_record_and_counter():
   a.merge(b)
   assert a.count() == 3 and a.count("timeout") == 2 and a.by_source["tool:w"] == 2
   m = a.metrics()
-  assert m == {"faults/model_format": 0, "faults/tool_error": 0, "faults/infrastructure": 1,
-               "faults/timeout": 2, "faults/truncation": 0, "faults/total": 3}
+  assert m == {"faults/model_format": 0, "faults/tool_error": 0, "faults/contract": 0,
+               "faults/infrastructure": 1, "faults/timeout": 2, "faults/truncation": 0,
+               "faults/total": 3}
   a.reset()
   assert a.count() == 0
   with pytest.raises(ValueError, match="fault kind 'bug'; allowed: \\['model_format'"):
@@ -48,10 +54,11 @@ def test_fault_record_and_counter():
 def test_fault_policy_timeouts_are_infrastructure_unless_told():
   default = FaultPolicy()
   assert default.tool_timeout == "mask"
-  assert default.mask == {FaultKind.INFRASTRUCTURE, FaultKind.TIMEOUT}
+  assert default.mask == {FaultKind.CONTRACT, FaultKind.INFRASTRUCTURE, FaultKind.TIMEOUT}
   assert FaultKind.TIMEOUT not in default.penalise  # masked, never penalised
   tell = FaultPolicy(tool_timeout="tell")
-  assert tell.mask == {FaultKind.INFRASTRUCTURE} and tell.penalise == default.penalise
+  assert tell.mask == {FaultKind.CONTRACT, FaultKind.INFRASTRUCTURE}
+  assert tell.penalise == default.penalise
   assert FaultPolicy(mask={"infrastructure", "timeout"}) == default
   with pytest.raises(ValueError, match=r"tool_timeout='wait'.*allowed: \['mask', 'tell'\]"):
     FaultPolicy(tool_timeout="wait")

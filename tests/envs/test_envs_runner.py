@@ -98,7 +98,9 @@ class _Raising(Environment):
     (ModelFormatError("no <answer> tag"), FaultKind.MODEL_FORMAT, False, 1),
     (ToolError("bad"), FaultKind.TOOL_ERROR, False, 1),
     (InfrastructureError("db down"), FaultKind.INFRASTRUCTURE, True, 0),
-    (KeyError("metadata key"), FaultKind.INFRASTRUCTURE, True, 0),  # unknown -> infra
+    (KeyError("metadata key"), FaultKind.CONTRACT, True, 0),  # a bug: masked, not retried
+    (ConnectionError("refused"), FaultKind.INFRASTRUCTURE, True, 0),
+    (RuntimeError("unknown"), FaultKind.INFRASTRUCTURE, True, 0),
     (TimeoutError("slow"), FaultKind.TIMEOUT, True, 0),
 ])
 def test_exception_kinds(exc, kind, masked, invalid):
@@ -286,7 +288,7 @@ def test_token_budget_truncates(renderer):
   assert len(outs) < 50
 
 
-def test_environment_misuse_is_infrastructure():
+def test_environment_misuse_is_a_contract_fault():
   class ReturnsNothing(Environment):
     def react_to(self, thread):
       return None, None
@@ -301,7 +303,7 @@ def test_environment_misuse_is_infrastructure():
     out = step_environment(env, env.initial_thread().append(Turn("assistant", "a")),
                            StepLimits(faults=FaultPolicy(max_retries=0)))
     assert out.masked and out.done and needle in out.faults[0].message
-    assert out.faults[0].kind == FaultKind.INFRASTRUCTURE
+    assert out.faults[0].kind == FaultKind.CONTRACT
 
 
 def test_environment_rewriting_earlier_turns_is_a_history_rewrite_not_misuse(renderer):

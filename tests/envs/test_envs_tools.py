@@ -302,7 +302,7 @@ def test_toolset_options():
     return "x" * 100
 
   res = ToolSet([long], max_result_chars=10).execute(_calls(("long", {})))
-  assert res.turns[0].content == "x" * 10 + " ...[truncated]"
+  assert res.turns[0].content == "x" * 10 + "\n[output truncated: 100 chars -> 10]"
   with pytest.raises(ValueError, match="timeout_s"):
     tool(timeout_s=0)
 
