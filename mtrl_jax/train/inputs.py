@@ -109,6 +109,8 @@ class EnvConfig:
     max_retries: retries of an infrastructure fault before the step is masked.
     tool_timeout: a timed-out tool call 'mask's its step, or 'tell's the
       policy and goes on.
+    max_tool_output_chars: characters of one tool turn; longer output is cut,
+      with a note, before it is tokenised (None: 16 x max_tokens).
     limits: the `envs.StepLimits` of the fields above (not a config field).
   """
 
@@ -119,6 +121,7 @@ class EnvConfig:
   react_timeout_s: float = 30.0
   max_retries: int = FaultPolicy.max_retries
   tool_timeout: str = FaultPolicy.tool_timeout
+  max_tool_output_chars: Optional[int] = None
   limits: StepLimits = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
@@ -126,7 +129,8 @@ class EnvConfig:
     object.__setattr__(self, "limits", StepLimits(
         max_turns=self.max_turns, max_tokens=self.max_tokens,
         react_timeout_s=self.react_timeout_s,
-        faults=FaultPolicy(max_retries=self.max_retries, tool_timeout=self.tool_timeout)))
+        faults=FaultPolicy(max_retries=self.max_retries, tool_timeout=self.tool_timeout),
+        max_tool_output_chars=self.max_tool_output_chars))
 
 
 @dataclasses.dataclass(frozen=True)

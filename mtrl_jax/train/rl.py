@@ -45,7 +45,7 @@ import ml_collections
 from mtrl_jax import checkpoint, distributed, metrics as metrics_lib
 from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout.gather import gather_tree
-from mtrl_jax.rollout.stats import rollout_metrics
+from mtrl_jax.rollout.stats import add_fault_totals, rollout_metrics
 from mtrl_jax.train import components as components_lib
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
@@ -218,6 +218,7 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
     m = {**tree.metrics(), **rollout_metrics(tree, exp.eval.success_threshold),
          **batch_m, **train_m, **parts.census.counts(),
          "rollout/staleness": float(rollout.staleness)}
+    summary["faults"] = add_fault_totals(summary.get("faults"), tree)  # run totals per kind
     if exp.curriculum.enabled:  # may move the level of the next step's tasks
       m.update(stream.observe(m["rollout/success"]))
     if writes and exp.rl.dump_every and step % exp.rl.dump_every == 0:
