@@ -19,12 +19,9 @@ and `invalid_calls` counts the step's penalisable faults.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import warnings
 from typing import Mapping, Optional
-
-logger = logging.getLogger(__name__)
 
 
 class RewardDominanceWarning(UserWarning):
@@ -138,7 +135,10 @@ def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
   Args:
     cfg: the reward weights.
     max_steps: the turn cap.
-    max_invalid: the most invalid calls a trajectory can make.
+    max_invalid: the invalid calls a success may make and still have to beat
+      failing fast. A run passes 1 (a success after one rejected call):
+      a success with more is what the tool penalty is meant to rank below
+      quitting, so counting one per step would warn for every tool penalty.
     outcome_range: (lowest, highest) final-grade score, as the environment
       factory declares it (`EnvironmentFactory.outcome_range`).
     max_shaping: the largest per-turn grade.
@@ -147,7 +147,8 @@ def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
       None: every step may.
 
   Returns:
-    The warning messages (also issued as `RewardDominanceWarning`).
+    The warning messages, each also issued once as a `RewardDominanceWarning`
+    (not logged as well: the console shows each finding once).
   """
   lo, hi = (float(x) for x in outcome_range)
   if not hi > lo:
@@ -174,6 +175,5 @@ def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
         f"|tool_penalty| * max_invalid = {penalty:.4g} >= outcome_weight * (max - min outcome)"
         f" = {gap:.4g}; failing early can beat succeeding")
   for m in messages:
-    logger.warning("reward dominance: %s", m)
     warnings.warn(m, RewardDominanceWarning, stacklevel=2)
   return messages

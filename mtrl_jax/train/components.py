@@ -100,7 +100,9 @@ def make_factory(exp: Experiment):
   steps = exp.env.limits.max_turns or 1
   with warnings.catch_warnings():
     warnings.simplefilter("always")
-    check_reward_dominance(exp.reward, max_steps=steps, max_invalid=steps,
+    # max_invalid=1: a success after one rejected call must beat failing fast
+    # (a success with an invalid call on every step need not).
+    check_reward_dominance(exp.reward, max_steps=steps, max_invalid=1,
                            outcome_range=factory.outcome_range,
                            max_graded=factory.max_graded_turns(dict(exp.tasks.kwargs)))
   return factory
