@@ -4,8 +4,10 @@ Evaluation rolls every held-out task along a single path (G = 1 at every
 node, no early termination), greedy or sampled, through the same
 environments, limits and reward composition as training, on the run's
 `DecodeEngine`. A trajectory succeeds when the outcome of the step that ended
-it is above `success_threshold` (for the calculator task: every answer right,
-outcome +1). The rollout statistics themselves are `mtrl_jax.rollout.stats`.
+it is above `success_threshold`: the run's `eval.success_threshold`, by default
+just below the top of the factory's `outcome_range` (a full score: for the
+calculator task every answer right, outcome +1; `train/checks.py`). The
+rollout statistics themselves are `mtrl_jax.rollout.stats`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class Evaluator:
   factory: Any
   tree: TreeConfig
   sampling: SamplingConfig
-  success_threshold: float = 0.0
+  success_threshold: float  # the run's resolved `eval.success_threshold`
 
   def __call__(self, params, tasks: Sequence[dict], *, greedy: bool, key,
                samples: int = 1) -> dict[str, float]:
