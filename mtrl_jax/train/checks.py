@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from mtrl_jax.envs import resolve_factory
+from mtrl_jax.envs import ContractError, fork_error_message, resolve_factory
 from mtrl_jax.registry import import_object
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.train import components
@@ -129,8 +129,8 @@ def check_environment(exp: Experiment, tokenizer):
     if n != exp.tree.num_agents:
       raise ValueError(f"config tree.num_agents={exp.tree.num_agents}; the environments of "
                        f"env.factory={env.factory!r} have {n} agent(s); allowed: {n}")
-    _check_first_prompt(exp, environment, tokenizer)
-    _check_fork(exp, environment)
+    root = _check_first_prompt(exp, environment, tokenizer)
+    _check_fork(exp, environment, root.threads)
   finally:
     if hasattr(environment, "close"):
       environment.close()
@@ -147,7 +147,8 @@ def _check_first_prompt(exp: Experiment, environment, tokenizer):
   with _Resolving(f"env.factory={exp.env.factory!r}: the initial thread of the first task "
                   f"of tasks.source={exp.tasks.source!r}",
                   "initial_thread() / initial_threads() that render"):
-    prompt = max(len(p) for p in transition.prompts(transition.root_state(environment)))
+    root = transition.root_state(environment)
+    prompt = max(len(p) for p in transition.prompts(root))
   if prompt + new >= limit:
     raise ValueError(f"config env.max_tokens={limit}: the first task's prompt (system prompt "
                      f"with tool schemas, rendered) takes {prompt} tokens, plus "
@@ -155,21 +156,21 @@ def _check_first_prompt(exp: Experiment, environment, tokenizer):
                      "trajectory is truncated after its first turn; allowed: env.max_tokens > "
                      f"{prompt + new} (raise env.max_tokens, with rl.length_buckets to hold "
                      "it, or shorten the prompt)")
+  return root
 
 
-def _check_fork(exp: Experiment, environment):
-  """Tree rollouts fork an environment at every branch: the sample one must fork."""
-  try:
-    child = environment.fork()
-  except Exception as e:  # any failure of user code: reported, never a traceback
-    detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-    raise ValueError(
-        f"config env.factory={exp.env.factory!r}: its environment's fork() failed ({detail}); "
-        "allowed: environments that fork (tree rollouts fork one per branch): hold models, "
-        "locks and connections in a SharedResource (mtrl_jax/resources.py: shared, not "
-        "copied), or override Environment.fork") from e
-  if hasattr(child, "close") and child is not environment:
-    child.close()
+def _check_fork(exp: Experiment, environment, threads):
+  """Tree rollouts fork the environment and each agent's thread (its metadata) at every
+  branch: the sample ones must fork (`envs.fork_error_message` says how to fix it)."""
+  for obj in (environment, *threads):
+    try:
+      child = obj.fork()
+    except Exception as e:  # any failure of user code: reported, never a traceback
+      cause = e.__cause__ if isinstance(e, ContractError) and e.__cause__ is not None else e
+      raise ValueError(f"config env.factory={exp.env.factory!r}: "
+                       f"{fork_error_message(obj, cause)}") from e
+    if child is not obj and hasattr(child, "close") and callable(child.close):
+      child.close()
 
 
 def check_microbatches(exp: Experiment):

@@ -117,6 +117,28 @@ def test_microbatches_that_do_not_divide_a_planned_batch_are_refused():
   assert "sft.batch_size=9" in msg, msg
 
 
+class _SelfForkingEnv(Environment):
+  """Forks itself by hand, so only the thread's metadata (a lock in it) fails to copy."""
+
+  def react_to(self, thread):
+    return None, 1.0
+
+  def fork(self):
+    return self
+
+
+class LockInMetadataFactory(EnvironmentFactory):
+
+  def create_environment(self, metadata):
+    return _SelfForkingEnv({**metadata, "prompt": metadata["question"],
+                            "lock": threading.Lock()})
+
+
+def test_a_thread_whose_metadata_cannot_fork_is_refused():
+  msg = _refusal(_config(**{"env.factory": f"{__name__}:LockInMetadataFactory"}))
+  assert "Thread.fork failed (TypeError: cannot pickle" in msg and "SharedResource" in msg, msg
+
+
 def strings_source(split, **kwargs):
   del kwargs
   return [f"{split} task {i}" for i in range(4)]
