@@ -12,8 +12,9 @@ field, its value and what is allowed (`experiment.validate` turns it into a
                        first train task has `tree.num_agents` agents, its
                        rendered first prompt (system prompt with tool
                        schemas) plus `sampling.max_new_tokens` fits
-                       `env.max_tokens`, and it forks (tree rollouts fork it
-                       at every branch); returns the factory;
+                       `env.max_tokens`, and it and its initial threads
+                       fork (tree rollouts fork them at every branch);
+                       returns the factory;
   check_microbatches   `step.num_microbatches` divides every planned train
                        batch (`train/shapes.plan_shapes`) and the SFT batch;
   check_curriculum     the task source serves every curriculum level;
