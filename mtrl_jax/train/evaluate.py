@@ -13,7 +13,7 @@ rollout statistics themselves are `mtrl_jax.rollout.stats`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -79,5 +79,7 @@ class Evaluator:
 
 def indexed(source, count: int, start: int = 0) -> list[dict]:
   """Tasks `start .. start+count-1` of a task source (clipped to its length), each with
-  its `task_index`."""
-  return [dict(source[i], task_index=i) for i in range(start, min(start + count, len(source)))]
+  its `task_index` (a task that is not a mapping is passed on: its root is masked)."""
+  tasks = [source[i] for i in range(start, min(start + count, len(source)))]
+  return [dict(t, task_index=start + k) if isinstance(t, Mapping) else t
+          for k, t in enumerate(tasks)]

@@ -56,3 +56,11 @@ def test_a_factory_that_raises_for_some_tasks_masks_their_roots_and_the_run_fini
   with open(workdir / "metrics.jsonl") as f:  # every step trained and was logged
     steps = [json.loads(line)["step"] for line in f]
   assert steps[-1] == 3 and sorted(os.listdir(workdir / "ckpt"))
+
+
+def test_held_out_tasks_that_are_not_mappings_are_passed_on_to_be_masked():
+  from mtrl_jax.data import ListSource
+  from mtrl_jax.train.evaluate import indexed
+  source = ListSource([{"q": 1}, "not a task", {"q": 3}])
+  assert indexed(source, 3) == [{"q": 1, "task_index": 0}, "not a task", {"q": 3, "task_index": 2}]
+  assert indexed(source, 5, start=2) == [{"q": 3, "task_index": 2}]
