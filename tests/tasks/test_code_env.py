@@ -80,6 +80,17 @@ def test_step_environment_reward_equals_processed_reward_at_every_turn():
   assert [[t.role for t in th.turns] for th in seen[1]] == [["user", "assistant"] * 2] * 2
 
 
+def test_a_truncated_trajectory_is_graded_on_its_last_code_not_given_the_top_score():
+  # 2 turns, cut after the first by the turn cap: 0.0 would be a full pass (range (-4, 0))
+  env = make_env(external_mode="plain")
+  outs, _ = rollout_scripted(env, [["", WRONG]], limits=StepLimits(max_turns=1),
+                             reward_cfg=PER_TURN)
+  assert outs[0].done and outs[0].truncated
+  expected = make_env().score(["", WRONG]).score
+  assert expected < -2.0
+  assert outs[0].reward.outcome == pytest.approx(expected, abs=1e-12)
+
+
 def test_single_agent_variant_shift():
   env = make_env(num_agents=1, num_turns=1)
   outs, _ = rollout_scripted(env, [CANONICAL], reward_cfg=PER_TURN)

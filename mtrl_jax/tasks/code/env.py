@@ -231,10 +231,22 @@ class CodeRefinementEnv(Environment):
                        "threads")
     completions = [t.last_assistant for t in threads]
     grades = {GRADE_NAME: self.score(completions)}
+    self._last = (tuple(completions), grades)  # what `finalize` grades if the run is cut here
     if threads[0].count("assistant") >= self.num_turns:
       return None, grades
     turns = self.next_prompts(threads, completions)
     return [th.append(turn) for th, turn in zip(threads, turns)], grades
+
+  def finalize(self, thread):
+    """A trajectory the framework truncated (turn cap, token budget) is graded on the code
+    it last wrote, as if it had stopped there. Without this its outcome would be 0, the top
+    of this environment's range: a cut-off trajectory would score as a full pass."""
+    threads = list(thread) if isinstance(thread, (list, tuple)) else [thread]
+    completions = tuple(t.last_assistant for t in threads)
+    last = getattr(self, "_last", None)
+    if last is not None and last[0] == completions:
+      return last[1]
+    return {GRADE_NAME: self.score(completions)}
 
   def react_to(self, thread: Thread):
     nxt, grades = self.react_to_joint([thread])
