@@ -238,15 +238,12 @@ class CodeRefinementEnv(Environment):
     return [th.append(turn) for th, turn in zip(threads, turns)], grades
 
   def finalize(self, thread):
-    """A trajectory the framework truncated (turn cap, token budget) is graded on the code
-    it last wrote, as if it had stopped there. Without this its outcome would be 0, the top
-    of this environment's range: a cut-off trajectory would score as a full pass."""
+    """A truncated trajectory is graded on the code it last wrote (an outcome of 0, the
+    default, is the top of this range: a cut-off trajectory would score a full pass)."""
     threads = list(thread) if isinstance(thread, (list, tuple)) else [thread]
     completions = tuple(t.last_assistant for t in threads)
     last = getattr(self, "_last", None)
-    if last is not None and last[0] == completions:
-      return last[1]
-    return {GRADE_NAME: self.score(completions)}
+    return last[1] if last and last[0] == completions else {GRADE_NAME: self.score(completions)}
 
   def react_to(self, thread: Thread):
     nxt, grades = self.react_to_joint([thread])
