@@ -83,6 +83,16 @@ def init_adapters(cfg: ModelConfig, seed: int = 0, rules=sharding.TRAIN_RULES):
     return jax.jit(lambda: split(Transformer(cfg, rngs=nnx.Rngs(seed)))[1])()
 
 
+def adapters_and_base(model_or_params, fresh):
+  """(adapters, base) of an adapted model; of a plain model or `nnx.Param` state:
+  (`fresh`, its weights)."""
+  if isinstance(model_or_params, nnx.Module):
+    if model_or_params.cfg.lora is not None and model_or_params.cfg.lora.enabled:
+      return split(model_or_params)[1:]
+    return fresh, nnx.state(model_or_params, nnx.Param)
+  return fresh, model_or_params
+
+
 def pairs(adapters):
   """{(layer, target): (A [in, r], B [r, out])} of an adapter state."""
   out = {}

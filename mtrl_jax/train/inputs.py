@@ -15,7 +15,7 @@ import os
 from typing import Optional
 
 from mtrl_jax.envs import FaultPolicy, StepLimits
-from mtrl_jax.models.config import ModelConfig
+from mtrl_jax.models.config import LoraConfig, ModelConfig
 
 _MODEL_DTYPES = ("", "float32", "bfloat16")
 
@@ -39,6 +39,9 @@ class ModelGroup:
     remat: rematerialise blocks in the backward pass.
     attention: training attention, 'xla' (any device) or 'cudnn' (GPU fused
       flash attention, bfloat16).
+    lora: low-rank adapters over the frozen model (`models.config.LoraConfig`:
+      rank, alpha, targets; rank 0, the default, trains every weight); a
+      group in the config, its `LoraConfig` here.
     arch: the architecture the fields above give (set by validation, not a
       config field); a from-scratch model's vocabulary is the tokenizer's.
   """
@@ -49,9 +52,18 @@ class ModelGroup:
   dtype: str = ""
   remat: bool = ModelConfig.remat
   attention: str = ModelConfig.attention
+  lora: LoraConfig = dataclasses.field(
+      default_factory=lambda: dataclasses.asdict(LoraConfig()))
   arch: Optional[ModelConfig] = None
 
   def __post_init__(self):
+    if not isinstance(self.lora, LoraConfig):  # the config's group (a ConfigDict or dict)
+      names = [f.name for f in dataclasses.fields(LoraConfig)]
+      given = dict(self.lora.items()) if hasattr(self.lora, "items") else None
+      if given is None or set(given) - set(names):
+        raise ValueError(f"config model.lora has keys {sorted(given or ())}; allowed: a group "
+                         f"of {names}")
+      object.__setattr__(self, "lora", LoraConfig(**given))
     if self.dtype not in _MODEL_DTYPES:
       raise ValueError(f"config model.dtype={self.dtype!r}; allowed: {list(_MODEL_DTYPES)} "
                        "('' keeps the preset's / checkpoint's dtype)")

@@ -17,10 +17,15 @@ update is the base update times lr_a / lr_base (`update_scale`).
 The stacked axis is replicated over the mesh: every device holds every
 agent's shard of the usual parameter layout (fsdp / tensor splits apply
 within an agent).
+
+With low-rank adapters (`models.lora`) only the adapters and their AdamW
+state are stacked: the A agents' adapters sit over one shared frozen base
+(`TrainStep.base`, not mapped), which is also every agent's KL reference.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -30,6 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import sharding
+from mtrl_jax.models import lora as lora_lib
 from mtrl_jax.train.objectives import trainer_old_key
 from mtrl_jax.train.forward import forward_keys
 from mtrl_jax.train.step import StepConfig, TrainState, TrainStep, compile_step
@@ -79,14 +85,20 @@ class StackedTrainStep:
     self.scales = np.asarray([lr / optim_cfg.learning_rate for lr in learning_rates],
                              np.float32)
     self.mesh, self.step_cfg, self.objective = self.inner.mesh, step_cfg, self.inner.objective
+    self.lora, self.base_shardings = self.inner.lora, self.inner.base_shardings
     self.state_shardings = jax.tree.map(_stack_sharding, self.inner.state_shardings)
     self.param_shardings = jax.tree.map(_stack_sharding, self.inner.param_shardings)
     self._jitted: dict[Any, Any] = {}
-    self._stack_fn = self._copy_fn = None
+    self._stack_fn = self._copy_fn = self._merge_fn = None
 
   @property
   def num_compiles(self) -> int:
     return self.inner.num_compiles
+
+  @property
+  def base(self):
+    """The frozen base every agent's adapters adapt (None without adapters)."""
+    return self.inner.base
 
   # ------------------------------------------------------------ state
   def init_state(self, models_or_params: Sequence[Any], seed: int = 0) -> TrainState:
@@ -116,6 +128,16 @@ class StackedTrainStep:
                               out_shardings=self.param_shardings)
     return self._copy_fn(params)
 
+  def merged(self, params):
+    """Every agent's plain parameters [A, ...] (`TrainStep.merged` per agent)."""
+    if self.lora is None:
+      return params
+    if self._merge_fn is None:
+      merge = lambda b, a: lora_lib.merge(b, a, self.lora)
+      self._merge_fn = jax.jit(jax.vmap(merge, in_axes=(None, 0)),
+                               out_shardings=jax.tree.map(_stack_sharding, self.base_shardings))
+    return self._merge_fn(self.base, params)
+
   # ------------------------------------------------------------ step
   def _select(self, batch_A: Mapping[str, Any]) -> dict:
     out = self.inner._select(batch_A, rows_axis=1)
@@ -129,14 +151,10 @@ class StackedTrainStep:
     """One update of every agent: `state` (donated), `ref_params` [A, ...] or None,
     `batch` {key: [A, B, ...]}. Returns (new state, metrics {name: [A]})."""
     batch = self._select(batch)
-    if not self.objective.needs_ref:
-      ref_params = None
-    elif ref_params is None:
-      raise ValueError("the objective needs reference logprobs (kl_coef > 0) but "
-                       "ref_params is None")
-    fn = self._fn_for(batch, ref_params is None)
+    frozen = self.inner.frozen_arg(ref_params, self.objective.needs_ref)
+    fn = self._fn_for(batch, not self.objective.needs_ref)
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
-      return fn(state, ref_params, batch, self.scales)
+      return fn(state, frozen, batch, self.scales)
 
   def old_logprobs(self, params, batch_A: Mapping[str, Any]) -> dict:
     """Every agent's own logprobs of its rows at its `params` [A, ...] (no gradient),
@@ -144,7 +162,7 @@ class StackedTrainStep:
     read (`TrainStep.old_logprobs`, mapped over the agent axis)."""
     fwd = {k: batch_A[k] for k in forward_keys(batch_A)}
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
-      return {trainer_old_key(batch_A): self._old_fn_for(fwd)(params, fwd)}
+      return {trainer_old_key(batch_A): self._old_fn_for(fwd)(params, self.base, fwd)}
 
   def _logp_sharding(self, rows: int) -> NamedSharding:
     # Stacked per-token logprobs [A, B, L], B = `rows` split like the batch rows.
@@ -158,8 +176,9 @@ class StackedTrainStep:
     key = ("old_logprobs",) + _shape_key(fwd)
     fn = self._jitted.get(key)
     if fn is None:
-      fn = jax.jit(jax.vmap(self.inner._old_logp),
-                   in_shardings=(self.param_shardings, self._batch_shardings(fwd)),
+      fn = jax.jit(jax.vmap(self.inner._old_logp, in_axes=(0, None, 0)),
+                   in_shardings=(self.param_shardings, self.base_shardings,
+                                 self._batch_shardings(fwd)),
                    out_shardings=self._logp_sharding(fwd["tokens_BxL"].shape[1]))
       self._jitted[key] = fn
     return fn
@@ -169,18 +188,18 @@ class StackedTrainStep:
     fn = self._jitted.get(key)
     if fn is None:
       rep = sharding.replicated(self.mesh)
-      fn = jax.jit(self._stacked_step,
-                   in_shardings=(self.state_shardings, None if no_ref else self.param_shardings,
-                                 self._batch_shardings(batch), rep),
+      frozen = self.base_shardings if self.lora else None if no_ref else self.param_shardings
+      fn = jax.jit(functools.partial(self._stacked_step, with_ref=not no_ref),
+                   in_shardings=(self.state_shardings, frozen, self._batch_shardings(batch), rep),
                    out_shardings=(self.state_shardings, rep), donate_argnums=(0,),
                    compiler_options=dict(self.step_cfg.compiler_options) or None)
       self._jitted[key] = fn
     return fn
 
-  def _stacked_step(self, state, ref_params, batch, scales):
-    one = lambda s, r, b, c: self.inner._step(s, r, b, update_scale=c)
-    ref_axis = None if ref_params is None else 0
-    return jax.vmap(one, in_axes=(0, ref_axis, 0, 0))(state, ref_params, batch, scales)
+  def _stacked_step(self, state, frozen, batch, scales, *, with_ref: bool):
+    one = lambda s, r, b, c: self.inner._step(s, r, b, update_scale=c, with_ref=with_ref)
+    frozen_axis = None if frozen is None or self.lora else 0  # the base is shared
+    return jax.vmap(one, in_axes=(0, frozen_axis, 0, 0))(state, frozen, batch, scales)
 
   def precompile(self, batch: Mapping[str, Any], with_ref=None) -> None:
     """Compiles the step for this stacked batch's shapes (arrays or ShapeDtypeStructs);

@@ -13,6 +13,10 @@ What is optimised is an `Objective` (`mtrl_jax.train.objectives`): exact
 micro-batch accumulation, AdamW, the non-finite skip) is
 `mtrl_jax.train.update.one_update`; here it is jitted with the state donated.
 
+With adapters (`model.cfg.lora`, `mtrl_jax.models.lora`) `params` and AdamW's state
+are the adapters'; the frozen base (`TrainStep.base`) is an argument of every program
+and, with the adapters off, the KL reference: a run keeps no reference copy.
+
 Metrics come back as a dict of device scalars. The loops fetch them with
 `TrainStep.fetch_metrics` right after the update that produced them: the RL
 loop after a step's last update (with several updates on one batch the
@@ -24,6 +28,7 @@ skipped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, Optional
 
 import flax.struct
@@ -34,6 +39,7 @@ import optax
 from flax import nnx
 
 from mtrl_jax import losses, models, sharding
+from mtrl_jax.models import lora as lora_lib
 from mtrl_jax.train import optim
 from mtrl_jax.train.forward import forward_keys, forward_logprobs
 from mtrl_jax.train.objectives import PolicyObjective, is_tree_batch, trainer_old_key
@@ -131,7 +137,17 @@ class TrainStep:
     self.step_cfg = step_cfg
     self.mesh = mesh if mesh is not None else sharding.single_device_mesh()
     self.rules = sharding.rules_for(self.model_cfg, self.mesh, rules)
-    self.graphdef, params = nnx.split(model, nnx.Param)
+    lora = self.model_cfg.lora
+    self.lora = lora if lora is not None and lora.enabled else None
+    self.base = self.base_shardings = None  # with adapters: the frozen base and its layout
+    self.graphdef, params, *base = (lora_lib.split(model) if self.lora
+                                    else nnx.split(model, nnx.Param))
+    self.ref_graphdef = (lora_lib.base_graphdef(self.model_cfg, rules) if self.lora
+                         else self.graphdef)
+    if self.lora:
+      self.base_shardings = models.state_shardings(base[0], lora_lib.plain(self.model_cfg),
+                                                   self.mesh, rules)
+      self.base, self._fresh_adapters = jax.device_put(base[0], self.base_shardings), params
     self.tx = optim.make_optimizer(optim_cfg)
     self.schedule = optim.make_schedule(optim_cfg)
     self.param_shardings = models.state_shardings(params, self.model_cfg, self.mesh, rules)
@@ -145,7 +161,7 @@ class TrainStep:
     self._abstract_params = jax.eval_shape(lambda p: p, params)
     self._abstract_opt = abstract_opt
     self._jitted: dict[Any, Any] = {}
-    self._init_fn = self._copy_fn = None
+    self._init_fn = self._copy_fn = self._merge_fn = None
     self._num_traces = 0
 
   # ------------------------------------------------------------ state
@@ -157,9 +173,13 @@ class TrainStep:
                                      if jnp.issubdtype(p.dtype, jnp.floating) else p, params))
 
   def init_state(self, model_or_params, seed: int = 0) -> TrainState:
-    """A fresh TrainState (step 0, zero Adam moments) born sharded."""
+    """A fresh TrainState (step 0, zero Adam moments) born sharded; with adapters the
+    given weights become the base (`models.lora.adapters_and_base`)."""
     params = model_or_params
-    if isinstance(model_or_params, nnx.Module):
+    if self.lora is not None:
+      params, base = lora_lib.adapters_and_base(model_or_params, self._fresh_adapters)
+      self.base = jax.device_put(base, self.base_shardings)
+    elif isinstance(model_or_params, nnx.Module):
       params = nnx.state(model_or_params, nnx.Param)
     if self._init_fn is None:
 
@@ -190,6 +210,26 @@ class TrainStep:
       self._copy_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
                               out_shardings=self.param_shardings)
     return self._copy_fn(params)
+
+  def merged(self, params):
+    """The plain model's parameters of `params`: with adapters the base with
+    W + scale * A @ B merged in (what sampling and export read), else `params`."""
+    if self.lora is None:
+      return params
+    if self._merge_fn is None:
+      self._merge_fn = jax.jit(lambda b, a: lora_lib.merge(b, a, self.lora),
+                               out_shardings=self.base_shardings)
+    return self._merge_fn(self.base, params)
+
+  def frozen_arg(self, ref_params, needs_ref: bool):
+    """The step's second argument: the base with adapters (always: the forward
+    reads it), else the reference parameters when the objective needs them."""
+    if self.lora is not None:
+      return self.base
+    if needs_ref and ref_params is None:
+      raise ValueError("the objective needs reference logprobs (kl_coef > 0) but "
+                       "ref_params is None")
+    return ref_params if needs_ref else None
 
   # ------------------------------------------------------------ step
   @property
@@ -234,15 +274,10 @@ class TrainStep:
       (new_state, metrics): metrics a dict of device scalars.
     """
     batch = self._select(batch)
-    if self.objective.needs_ref:
-      if ref_params is None:
-        raise ValueError("the objective needs reference logprobs (kl_coef > 0) but "
-                         "ref_params is None")
-    else:
-      ref_params = None
-    fn = self._fn_for(batch, ref_params is None)
+    frozen = self.frozen_arg(ref_params, self.objective.needs_ref)
+    fn = self._fn_for(batch, not self.objective.needs_ref)
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      return fn(state, ref_params, batch)
+      return fn(state, frozen, batch)
 
   def old_logprobs(self, params, batch: Mapping[str, Any]) -> dict:
     """The trainer's own logprobs of `batch` at `params` (no gradient), as the
@@ -250,23 +285,25 @@ class TrainStep:
     RL loop adds it before the first of several updates on one batch."""
     fwd = {k: batch[k] for k in forward_keys(batch)}
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      return {trainer_old_key(batch): self._old_fn_for(fwd)(params, fwd)}
+      return {trainer_old_key(batch): self._old_fn_for(fwd)(params, self.base, fwd)}
 
   def _old_fn_for(self, fwd: Mapping[str, Any]):
     key = ("old_logprobs",) + tuple(sorted((k, len(v.shape), v.shape[0]) for k, v in fwd.items()))
     fn = self._jitted.get(key)
     if fn is None:
       rows = fwd["tokens_BxL"].shape[0]
-      fn = jax.jit(self._old_logp, in_shardings=(self.param_shardings,
+      fn = jax.jit(self._old_logp, in_shardings=(self.param_shardings, self.base_shardings,
                                                  self._batch_shardings(fwd)),
                    out_shardings=sharding.batch_sharding(self.mesh, 2, rows))
       self._jitted[key] = fn
     return fn
 
-  def _old_logp(self, params, fwd):
-    """Traced body of `old_logprobs` (also mapped over agents by `train.stacked`)."""
+  def _old_logp(self, params, base, fwd):
+    """Traced body of `old_logprobs` (also mapped over agents by `train.stacked`);
+    `base` the frozen base with adapters, else None."""
     self._num_traces += 1
-    logp, _ = forward_logprobs(self.graphdef, params, fwd, self.step_cfg.logprob_chunk_size,
+    full = params if base is None else nnx.merge_state(params, base)
+    logp, _ = forward_logprobs(self.graphdef, full, fwd, self.step_cfg.logprob_chunk_size,
                                False, getattr(self.objective, "temperature", 1.0))
     return jax.lax.stop_gradient(logp)
 
@@ -276,9 +313,9 @@ class TrainStep:
     key = (no_ref,) + tuple(sorted((k, len(v.shape), v.shape[0]) for k, v in batch.items()))
     fn = self._jitted.get(key)
     if fn is None:
-      in_sh = (self.state_shardings, None if no_ref else self.param_shardings,
-               self._batch_shardings(batch))
-      fn = jax.jit(self._step, in_shardings=in_sh,
+      frozen = self.base_shardings if self.lora else None if no_ref else self.param_shardings
+      in_sh = (self.state_shardings, frozen, self._batch_shardings(batch))
+      fn = jax.jit(functools.partial(self._step, with_ref=not no_ref), in_shardings=in_sh,
                    out_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
                    donate_argnums=(0,),
                    compiler_options=dict(self.step_cfg.compiler_options) or None)
@@ -297,14 +334,18 @@ class TrainStep:
     compile_step(self, batch, with_ref, self.rules,
                  lambda shape: sharding.batch_sharding(self.mesh, 2, shape[0]))
 
-  def _step(self, state: TrainState, ref_params, batch, update_scale=None):
-    """One update, traced (`train.update.one_update`); `update_scale` (a scalar,
-    default 1) multiplies the optimizer's updates (`train.stacked`)."""
+  def _step(self, state: TrainState, frozen, batch, update_scale=None, *, with_ref: bool):
+    """One update, traced (`train.update.one_update`); `frozen` is `frozen_arg`'s
+    (the base with adapters, else the reference or None); `update_scale` (a
+    scalar, default 1) multiplies the optimizer's updates (`train.stacked`)."""
     self._num_traces += 1  # runs once per trace, i.e. per compilation
-    return one_update(state, ref_params, batch, graphdef=self.graphdef,
+    base = frozen if self.lora else None
+    ref = frozen if with_ref else None
+    return one_update(state, ref, batch, graphdef=self.graphdef,
                       objective=self.objective, step_cfg=self.step_cfg, tx=self.tx,
                       schedule=self.schedule, mesh=self.mesh,
-                      param_shardings=self.param_shardings, update_scale=update_scale)
+                      param_shardings=self.param_shardings, update_scale=update_scale,
+                      frozen=base, ref_graphdef=self.ref_graphdef)
 
   def fetch_metrics(self, metrics: Mapping[str, Any]) -> dict[str, float]:
     """Host floats of a step's metrics; raises NonFiniteError under 'halt'."""
@@ -336,12 +377,20 @@ def compile_step(step, batch: Mapping[str, Any], with_ref: Optional[bool], rules
     batch = {trainer_old_key(batch): old, **batch}
     fwd = {k: sds(batch[k]) for k in forward_keys(batch)}
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-      step._old_fn_for(fwd).lower(step.abstract_state().params, fwd).compile()
+      step._old_fn_for(fwd).lower(step.abstract_state().params, _abstract_base(step),
+                                  fwd).compile()
   batch = step._select(batch)
   no_ref = not (step.objective.needs_ref if with_ref is None else with_ref)
   fn = step._fn_for(batch, no_ref)
   abstract = {k: v if isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None
               else sds(v) for k, v in batch.items()}
   state = step.abstract_state()
+  frozen = _abstract_base(step) if step.lora else None if no_ref else state.params
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    fn.lower(state, None if no_ref else state.params, abstract, *extra_args).compile()
+    fn.lower(state, frozen, abstract, *extra_args).compile()
+
+
+def _abstract_base(step):
+  """The abstract frozen base of a step with adapters (else None)."""
+  sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  return jax.tree.map(sds, step.base, step.base_shardings) if step.lora else None

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import sharding
@@ -44,7 +45,7 @@ def learning_rate(opt_state, schedule):
 
 
 def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, schedule, mesh,
-               param_shardings, update_scale=None):
+               param_shardings, update_scale=None, frozen=None, ref_graphdef=None):
   """One update of `state` (a `train.step.TrainState`) on `batch`; traced, not jitted.
 
   Args:
@@ -60,6 +61,10 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
     update_scale: a scalar multiplying the optimizer's updates (default 1):
       AdamW's update is linear in the learning rate, so it sets another base
       learning rate on the same schedule (`train.stacked`).
+    frozen, ref_graphdef: low-rank adapters (`models.lora`): `state.params` are
+      the adapters, `frozen` the base they adapt (no gradient, no optimizer
+      state), and the reference forward runs `ref_params` on `ref_graphdef`
+      (the base's graph: adapters off). None: full fine-tuning.
   Returns:
     (new_state, metrics): metrics a dict of float32 scalars.
   """
@@ -68,7 +73,8 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
   temperature = getattr(obj, "temperature", 1.0)
 
   def num_fn(params, mb, ref_logp):
-    logp, entropy = forward_logprobs(graphdef, params, mb, cfg.logprob_chunk_size,
+    full = params if frozen is None else nnx.merge_state(params, frozen)
+    logp, entropy = forward_logprobs(graphdef, full, mb, cfg.logprob_chunk_size,
                                      want_entropy, temperature)
     num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
     return num, (den, sums)
@@ -79,8 +85,8 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
     # refuses variables captured from an outer trace).
     ref_logp = None
     if ref_params is not None:
-      ref_logp, _ = forward_logprobs(graphdef, ref_params, mb, cfg.logprob_chunk_size,
-                                     False, temperature)
+      ref_logp, _ = forward_logprobs(ref_graphdef or graphdef, ref_params, mb,
+                                     cfg.logprob_chunk_size, False, temperature)
       ref_logp = jax.lax.stop_gradient(ref_logp)
     return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
 
