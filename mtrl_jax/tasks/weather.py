@@ -5,14 +5,17 @@ The policy answers "What is the temperature in <city>?" by calling
 turn is graded (did the calls succeed?); the finished conversation is graded
 on the answer and on efficiency, combined with `CombinedGrader`.
 Tasks come from the "weather" task source (one city per task, a deterministic
-function of split and index). Run by name with `python -m experiments.train
---config=configs/base.py` and the flags
+function of split and index; the task dict is the metadata `create_environment`
+gets). Run by name with `python -m experiments.train --config=configs/base.py`
+and the flags
 
     --config.env.factory=weather --config.tasks.source=weather
-    --config.rl.length_buckets='(256,512,1024)'
+    --config.env.max_tokens=768 --config.rl.length_buckets='(256,512,1024)'
 
-(with the byte tokenizer the system prompt's tool schema alone is ~540
-tokens, more than the default largest length bucket, 512).
+(with the byte tokenizer the first prompt, the system prompt with its tool
+schema, is ~510 tokens: more than the default env.max_tokens, 256, and the
+default largest length bucket, 512). README.md, "Running your own
+environment", uses this module as the template.
 """
 
 from typing import Literal, Optional
