@@ -19,7 +19,10 @@ over the mesh (they are small).
 
 from __future__ import annotations
 
+import hashlib
+
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 
@@ -91,6 +94,19 @@ def adapters_and_base(model_or_params, fresh):
       return split(model_or_params)[1:]
     return fresh, nnx.state(model_or_params, nnx.Param)
   return fresh, model_or_params
+
+
+def fingerprint(params) -> str:
+  """sha256 of a parameter state's paths, dtypes, shapes and bytes (a base's identity)."""
+  from jax.experimental import multihost_utils
+  h = hashlib.sha256()
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not getattr(x, "is_fully_addressable", True):
+      x = multihost_utils.process_allgather(x, tiled=True)
+    x = np.asarray(x)
+    h.update(f"{jax.tree_util.keystr(path)}|{x.dtype}|{x.shape}|".encode())
+    h.update(np.ascontiguousarray(x).tobytes())
+  return h.hexdigest()
 
 
 def pairs(adapters):

@@ -128,28 +128,48 @@ def make_train_stream(exp: Experiment, train_tasks):
   return data.TaskStream(train_tasks, seed=exp.seed)
 
 
+def check_lora(exp: Experiment) -> None:
+  """What low-rank adapters (`model.lora.rank` > 0) cannot be combined with, refused in
+  one line: the frozen base is the KL reference and every agent's."""
+  if not exp.model.lora.enabled:
+    return
+  for field, value, why in (
+      ("rl.ref_reset_every", exp.rl.ref_reset_every, "the reference is the frozen base"),
+      ("sft.mix_every", exp.sft.mix_every, "SFT mix steps train every weight"),
+      ("agents.paths", exp.agents.paths, "the agents' adapters share one base")):
+    if any(value) if isinstance(value, tuple) else value:
+      raise ValueError(f"config {field}={value!r} with model.lora.rank={exp.model.lora.rank}: "
+                       f"{why}; allowed: 0 / empty, or model.lora.rank=0")
+
+
 def make_policies(exp: Experiment, model, mesh) -> Policies:
   """The shared policy, or one policy per agent (each from its `agents.paths` entry or
-  the top-level model), with the train step that updates them."""
+  the top-level model), with the train step that updates them. With `model.lora` the
+  step trains adapters over `model` (`models.lora.attach`), the policies' base."""
   # Several updates per batch, or rollouts a step behind: the clipped ratio uses
   # the trainer's own old logprobs (the loop adds them), the sampler's enter only
   # loss.is_correction.
   objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature,
                               recompute_old=exp.rl.updates_per_step > 1
                               or exp.rl.max_staleness > 0)
+  trained = model
+  if exp.model.lora.enabled:
+    from mtrl_jax.models import lora
+    trained = lora.attach(model, exp.model.lora, seed=exp.seed)
   if exp.agents.share_policy:
-    step = TrainStep(model, objective, exp.optim, mesh=mesh, step_cfg=exp.step)
+    step = TrainStep(trained, objective, exp.optim, mesh=mesh, step_cfg=exp.step)
     return SharedPolicy([model], step, seed=exp.seed)
   n = exp.tree.num_agents
   paths = exp.agents.paths or ("",) * n
   models = [make_model(exp, mesh, path=p) if p else model for p in paths]
   rates = exp.agents.learning_rates or (exp.optim.learning_rate,) * n
-  step = StackedTrainStep(model, objective, exp.optim, rates, mesh=mesh, step_cfg=exp.step)
+  step = StackedTrainStep(trained, objective, exp.optim, rates, mesh=mesh, step_cfg=exp.step)
   return StackedPolicies(models, step, seed=exp.seed)
 
 
 def build(exp: Experiment) -> Components:
   """Builds every part of the run described by a validated `exp`."""
+  check_lora(exp)
   mesh = sharding.make_mesh(exp.mesh.shape(jax.device_count()))  # every process's devices
   # Rows each process brings to a batch: a multiple of its own batch shards.
   rows = distributed.local_batch_shards(mesh)

@@ -19,6 +19,11 @@ warm-up, checkpoints and saved runs never ask which one they hold:
 
 Checkpoint layout: a shared policy saves its tree as it is; stacked policies
 save one subtree per agent, {"agent_0": ..., "agent_1": ...}.
+
+With low-rank adapters (`model.lora`) a state's params are the adapters; what
+the engine samples with and what is exported (`sampler_states`, `per_policy`)
+are the plain weights with the adapters merged in (`TrainStep.merged`), merged
+once per call, i.e. once per rollout.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ class SharedPolicy(Policies):
                                       seed=self.seed)
 
   def sampler_states(self, params):
-    return params
+    return self.train_step.merged(params)
 
   def one_for_all(self, params):
     return params
@@ -95,7 +100,7 @@ class SharedPolicy(Policies):
     return self.train_step.abstract_state()
 
   def per_policy(self, params) -> list:
-    return [params]
+    return [self.train_step.merged(params)]
 
 
 class StackedPolicies(Policies):
@@ -114,7 +119,7 @@ class StackedPolicies(Policies):
 
   def sampler_states(self, params):
     """Every agent's stacked params: one engine program samples for all of them."""
-    return StackedStates(params, len(self.models))
+    return StackedStates(self.train_step.merged(params), len(self.models))
 
   def one_for_all(self, params):
     """One policy's params as every agent's (the SFT warm-up's check, before the agents
@@ -146,5 +151,6 @@ class StackedPolicies(Policies):
     return {label: one for label in self.labels}
 
   def per_policy(self, params) -> list:
-    return [agent_slice(params, a) for a in range(len(self.models))]
+    merged = self.train_step.merged(params)
+    return [agent_slice(merged, a) for a in range(len(self.models))]
 

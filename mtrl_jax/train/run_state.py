@@ -12,11 +12,22 @@ holds exactly these, so a resumed run continues as if never stopped
 
 ("ref", "behaviour" and "sft_mix" only where kept), each state and parameter
 tree in its `Policies`' saved layout (one subtree per agent when stacked).
+
+With low-rank adapters (`model.lora`) the train state holds the adapters and
+their optimizer state; the frozen base is named in meta by its path and the
+sha256 of its weights (`models.lora.fingerprint`), {"lora_base": {"path",
+"sha256"}}, and saved in the tree ("base") only when the run's SFT warm-up
+trained it. A resume whose base has another hash is refused in one line.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+import jax
+
+from mtrl_jax.models import lora as lora_lib
+from mtrl_jax.train.experiment import ConfigError
 
 
 class RunState:
@@ -28,11 +39,17 @@ class RunState:
     mix: the `SFTMix`, or None without `sft.mix_every`.
     keep_ref: keep frozen reference parameters (the loss has a KL term).
     keep_behaviour: keep the next rollout's parameters (`rl.max_staleness=1`).
+    base_path: with adapters, where the base came from (`model.path`; '' a preset).
+    keep_base: with adapters, save the base in the tree (the warm-up trained it).
   """
 
-  def __init__(self, policies, stream, mix=None, *, keep_ref: bool, keep_behaviour: bool):
+  def __init__(self, policies, stream, mix=None, *, keep_ref: bool, keep_behaviour: bool,
+               base_path: str = "", keep_base: bool = False):
     self.policies, self.stream, self.mix = policies, stream, mix
     self.keep_ref, self.keep_behaviour = keep_ref, keep_behaviour
+    self.lora = policies.train_step.lora is not None
+    self.base_path, self.keep_base = base_path, keep_base and self.lora
+    self.base_sha = ""  # with adapters: the fingerprint of the frozen base
     self.state: Any = None
     self.ref: Any = None
     self.behaviour: Any = None  # max_staleness 1: the parameters the next rollout samples with
@@ -40,10 +57,13 @@ class RunState:
 
   @classmethod
   def of(cls, exp, policies, stream=None, mix=None) -> RunState:
-    """The state `exp`'s run keeps: a reference when the loss has a KL term, behaviour
-    parameters with `rl.max_staleness=1` (no stream: a restore target only)."""
-    return cls(policies, stream, mix, keep_ref=exp.loss.kl_coef > 0,
-               keep_behaviour=exp.rl.max_staleness > 0)
+    """The state `exp`'s run keeps: a reference when the loss has a KL term (none with
+    adapters: the frozen base is the reference), behaviour parameters with
+    `rl.max_staleness=1` (no stream: a restore target only)."""
+    return cls(policies, stream, mix,
+               keep_ref=exp.loss.kl_coef > 0 and not exp.model.lora.enabled,
+               keep_behaviour=exp.rl.max_staleness > 0, base_path=exp.model.path,
+               keep_base=exp.sft.steps > 0)
 
   @property
   def _param_trees(self) -> list[str]:
@@ -59,6 +79,8 @@ class RunState:
     if self.mix is not None:
       self.mix.init(state.params)
     self.stream_mark = self.stream.state()
+    if self.lora:
+      self.base_sha = lora_lib.fingerprint(self.policies.train_step.base)
 
   def next_rollout_ahead(self) -> None:
     """The next step's rollout starts now, during the update, with the current
@@ -78,6 +100,11 @@ class RunState:
     target.update({name: params for name in self._param_trees})
     if self.mix is not None:
       target["sft_mix"] = self.mix.abstract_opt_state()
+    if self.keep_base:
+      step = self.policies.train_step
+      target["base"] = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                      sharding=s),
+                                    step.base, step.base_shardings)
     return target
 
   def checkpoint_tree(self, in_flight: bool) -> tuple[dict, dict]:
@@ -89,11 +116,30 @@ class RunState:
     meta = {"stream": self.stream_mark if in_flight else self.stream.state()}
     if self.mix is not None:
       tree["sft_mix"], meta["sft_mix"] = self.mix.opt_state, self.mix.stream_state()
+    if self.lora:
+      meta["lora_base"] = {"path": self.base_path, "sha256": self.base_sha}
+    if self.keep_base:
+      tree["base"] = self.policies.train_step.base
     return tree, meta
 
   def restore(self, restored: dict, meta: dict) -> None:
-    """Puts back a checkpoint restored onto `target()` and its meta."""
+    """Puts back a checkpoint restored onto `target()` and its meta.
+
+    Raises:
+      ConfigError (one line) when the checkpoint's adapters were trained over
+        another base than this run's.
+    """
     p = self.policies
+    if self.lora:
+      if self.keep_base:
+        p.train_step.set_base(restored["base"])
+      self.base_sha = lora_lib.fingerprint(p.train_step.base)
+      saved = meta.get("lora_base", {})
+      if saved.get("sha256") != self.base_sha:
+        raise ConfigError(
+            f"checkpoint adapters were trained over the base {saved.get('path') or 'preset'!r} "
+            f"with sha256 {str(saved.get('sha256'))[:12]}; model.path={self.base_path!r} gives "
+            f"{self.base_sha[:12]}; allowed: the base the adapters were trained over")
     self.state = p.state_from_saved(restored["train"])
     self.ref = p.params_from_saved(restored["ref"]) if self.keep_ref else None
     self.behaviour = (p.params_from_saved(restored["behaviour"]) if self.keep_behaviour

@@ -100,6 +100,9 @@ class StackedTrainStep:
     """The frozen base every agent's adapters adapt (None without adapters)."""
     return self.inner.base
 
+  def set_base(self, base) -> None:
+    self.inner.set_base(base)
+
   # ------------------------------------------------------------ state
   def init_state(self, models_or_params: Sequence[Any], seed: int = 0) -> TrainState:
     """Stacked fresh states, one per agent's model (or parameter state)."""

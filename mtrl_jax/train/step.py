@@ -178,7 +178,7 @@ class TrainStep:
     params = model_or_params
     if self.lora is not None:
       params, base = lora_lib.adapters_and_base(model_or_params, self._fresh_adapters)
-      self.base = jax.device_put(base, self.base_shardings)
+      self.set_base(base)
     elif isinstance(model_or_params, nnx.Module):
       params = nnx.state(model_or_params, nnx.Param)
     if self._init_fn is None:
@@ -210,6 +210,10 @@ class TrainStep:
       self._copy_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
                               out_shardings=self.param_shardings)
     return self._copy_fn(params)
+
+  def set_base(self, base) -> None:
+    """The frozen base the adapters adapt (a restored one, say), laid out as the step's."""
+    self.base = jax.device_put(base, self.base_shardings)
 
   def merged(self, params):
     """The plain model's parameters of `params`: with adapters the base with

@@ -1,0 +1,88 @@
+"""LoRA in the real loop: a stopped run resumes exactly (adapters, their moments and the
+warmed-up base from the checkpoint), and a checkpoint is refused over another base."""
+
+import json
+import os
+
+import pytest
+
+from configs import calculator as calc_config
+from configs import coop as coop_config
+from mtrl_jax import models
+from mtrl_jax.metrics import RUN_BOUND_PREFIXES
+from mtrl_jax.models import loading
+from mtrl_jax.train import experiment, rl
+
+
+def _calc(steps, sft_steps=None):
+  c = calc_config.get_config("smoke=True")
+  c.model.lora.rank = 4
+  c.model.lora.alpha = 8.0
+  c.loss.kl_coef = 0.05  # against the base with the adapters off: no reference copy
+  c.tree.advantage_std_norm = False
+  c.tree.advantage_mode = "raw"  # every step trains, even when sibling groups tie
+  c.reward.step_penalty = -0.05
+  c.rl.steps = steps
+  c.rl.dump_every = 0
+  if sft_steps is not None:
+    c.sft.steps = sft_steps
+  return c
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(RUN_BOUND_PREFIXES)}
+            for line in f]
+
+
+@pytest.mark.slow
+def test_a_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
+  full = str(tmp_path / "full")
+  rl.run(_calc(3), full, progress=False)
+  rows = _rows(full)
+  assert rows[1]["train/kl"] >= 0 and rows[2]["train/grad_norm"] > 0
+  resumed = str(tmp_path / "resumed")
+  rl.run(_calc(2), resumed, progress=False)
+  rl.run(_calc(3), resumed, progress=False)
+  assert _rows(resumed) == rows
+
+
+@pytest.mark.slow
+def test_separate_lora_agents_over_one_base_resume_exactly(tmp_path):
+  def config(steps):
+    c = coop_config.get_config("smoke=True")
+    c.agents.share_policy = False
+    c.agents.learning_rates = (1e-3, 3e-3)
+    c.model.lora.rank = 2
+    c.tree.advantage_mode = "raw"
+    c.reward.step_penalty = -0.05
+    c.loss.kl_coef = 0.01
+    c.rl.steps, c.rl.dump_every = steps, 0
+    return c
+
+  full = str(tmp_path / "full")
+  rl.run(config(3), full, progress=False)
+  rows = _rows(full)
+  assert "agent_1/train/kl" in rows[1]
+  resumed = str(tmp_path / "resumed")
+  rl.run(config(2), resumed, progress=False)  # ends with an evaluation, as step 2 of 3 does
+  rl.run(config(3), resumed, progress=False)
+  assert _rows(resumed) == rows
+
+
+def test_a_checkpoint_over_another_base_is_refused_in_one_line(tmp_path):
+  base_dir = str(tmp_path / "base")
+  arch = models.get_preset("tiny")
+  loading.save_pretrained(models.create_model(arch, seed=0), base_dir)
+  config = _calc(1, sft_steps=0)
+  config.model.path = base_dir
+  workdir = str(tmp_path / "run")
+  rl.run(config, workdir, progress=False)
+  before = sorted(os.listdir(os.path.join(workdir, "ckpt")))
+  # The same directory, other weights: the adapters no longer fit what they adapted.
+  loading.save_pretrained(models.create_model(arch, seed=1), base_dir)
+  with pytest.raises(experiment.ConfigError) as e:
+    rl.run(config, workdir, progress=False)
+  msg = str(e.value)
+  assert "base" in msg and "sha256" in msg and "allowed" in msg and "\n" not in msg
+  assert sorted(os.listdir(os.path.join(workdir, "ckpt"))) == before  # nothing lost
