@@ -13,6 +13,7 @@ import fnmatch
 import json
 import math
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -41,6 +42,11 @@ def _to_float(value) -> float:
   return float(arr.reshape(()))
 
 
+def _warn(line: str) -> None:
+  sys.stderr.write(f"warning: {line}\n")
+  sys.stderr.flush()
+
+
 def _json_float(x: float):
   # JSON has no NaN/Inf literals; keep the line valid and the fact visible.
   return x if math.isfinite(x) else str(x)
@@ -53,7 +59,11 @@ class MetricsWriter:
     workdir: run directory (created if missing).
     resume_step: when resuming from a checkpoint at this step, lines of
       later steps (written after that checkpoint by the killed run) are
-      dropped, so the file reads as if the run had never stopped.
+      dropped, so the file reads as if the run had never stopped. A file that
+      is missing, or ends before this step, is not refused: the run goes on
+      and one warning line on stderr says which steps have no metrics. None: a
+      run starting at step 0; lines already in the file (an attempt that saved
+      no checkpoint) move to `metrics.jsonl.<n>`, with a warning line.
     tensorboard: also write TensorBoard event files under `workdir/tb/`.
   """
 
@@ -61,16 +71,45 @@ class MetricsWriter:
                tensorboard: bool = True):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, METRICS_FILE)
-    if resume_step is not None and os.path.exists(self.path):
-      kept = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
-      with open(self.path, "w") as f:
-        for r in kept:
-          f.write(json.dumps(r) + "\n")
+    if resume_step is not None:
+      self._resume(resume_step)
+    elif os.path.exists(self.path) and os.path.getsize(self.path):
+      n = 1
+      while os.path.exists(f"{self.path}.{n}"):
+        n += 1
+      os.replace(self.path, f"{self.path}.{n}")
+      _warn(f"{self.path} held lines of an attempt that saved no checkpoint; moved them to "
+            f"{self.path}.{n}, the run starts at step 0")
     self._file = open(self.path, "a")
-    self._tb = None
-    if tensorboard:
-      from tensorboardX import SummaryWriter  # heavy import, only when used
-      self._tb = SummaryWriter(os.path.join(workdir, TB_DIR))
+    self._tb = _EventFile(os.path.join(workdir, TB_DIR)) if tensorboard else None
+    self._failed_rows = 0  # rows a write error kept off the disk (warned once)
+
+  def _resume(self, step: int):
+    """Keeps the lines up to `step` (rewritten whole, never half); warns about a gap."""
+    if not os.path.exists(self.path):
+      _warn(f"{self.path} is missing: steps 0-{step} have no metrics, the run goes on from "
+            f"step {step + 1}")
+      return
+    kept, bad = [], 0
+    with open(self.path) as f:
+      for line in f:
+        try:
+          row = json.loads(line) if line.strip() else None
+        except ValueError:  # a line cut short by the kill
+          bad += 1
+          continue
+        if row is not None and row["step"] <= step:
+          kept.append(line if line.endswith("\n") else line + "\n")
+    last = json.loads(kept[-1])["step"] if kept else None
+    if last is None or last < step:
+      ends = f"ends at step {last}" if kept else "holds no step"
+      _warn(f"{self.path} {ends} but the checkpoint is step {step}: steps "
+            f"{0 if last is None else last + 1}-{step} have no metrics, the run goes on")
+    if bad:
+      _warn(f"{self.path}: dropped {bad} unreadable line(s)")
+    with open(self.path + ".tmp", "w") as f:
+      f.writelines(kept)
+    os.replace(self.path + ".tmp", self.path)
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
     """Writes one step's scalars (device scalars, numpy or Python numbers).
@@ -80,30 +119,58 @@ class MetricsWriter:
     """
     values = {k: _to_float(v) for k, v in sorted(metrics.items())}
     row = {"step": int(step), **{k: _json_float(v) for k, v in values.items()}}
-    self._file.write(json.dumps(row) + "\n")
-    self._file.flush()
-    if self._tb is not None:
-      for k, v in values.items():
-        self._tb.add_scalar(k, v, global_step=int(step))
+    try:  # a write error (a full disk) is one warning line; the run goes on
+      self._file.write(json.dumps(row) + "\n")
+      self._file.flush()
+      if self._tb is not None:
+        self._tb.add(int(step), values)
+    except OSError as e:
+      self._failed_rows += 1
+      if self._failed_rows == 1:
+        _warn(f"step {step}'s metrics were not written under {os.path.dirname(self.path)}: "
+              f"{e.strerror} (errno {e.errno}); later steps try again")
     return {"step": int(step), **values}
 
   def flush(self):
     self._file.flush()
-    if self._tb is not None:
-      self._tb.flush()
 
   def close(self):
-    if not self._file.closed:
-      self._file.close()
-    if self._tb is not None:
-      self._tb.close()
-      self._tb = None
+    for f in (self._file, self._tb):
+      try:
+        if f is not None and not f.closed:
+          f.close()
+      except OSError:  # what it could not write was warned about
+        pass
 
   def __enter__(self):
     return self
 
   def __exit__(self, *exc):
     self.close()
+
+
+class _EventFile:
+  """TensorBoard scalars, written and flushed in the caller's thread. (tensorboardX's
+  SummaryWriter writes from a thread through a bounded queue: once a full disk ends
+  that thread, the queue fills and the next write blocks forever.)"""
+
+  def __init__(self, logdir: str):
+    from tensorboardX.event_file_writer import EventsWriter  # heavy import, only when used
+    os.makedirs(logdir, exist_ok=True)
+    self._writer = EventsWriter(os.path.join(logdir, "events"))
+    self.closed = False
+
+  def add(self, step: int, values: Mapping[str, float]) -> None:
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.summary import scalar
+    now = time.time()
+    for k, v in values.items():
+      self._writer.write_event(event_pb2.Event(wall_time=now, step=step, summary=scalar(k, v)))
+    self._writer.flush()
+
+  def close(self) -> None:
+    self.closed = True
+    self._writer.close()
 
 
 class NullWriter:
@@ -215,9 +282,10 @@ class StepTimer:
 
 
 class _BackendCompileCounter:
-  """Process-wide count of XLA executables made: backend compilations plus loads
+  """Process-wide count of XLA executables made: backend compilations and loads
   from JAX's persistent compilation cache (jax.monitoring events). A cache hit
-  is still a program the process had not run before, so it counts.
+  is still a program the process had not run before, so it counts: JAX times a
+  load as a backend compile too (one event per executable either way).
   """
 
   def __init__(self):
@@ -237,17 +305,10 @@ class _BackendCompileCounter:
         if event == dispatch.BACKEND_COMPILE_EVENT:
           self.count += 1
 
-      def hit_listener(event, **kw):
-        del kw
-        if event == _CACHE_HIT_EVENT:
-          self.count += 1
-
       jax.monitoring.register_event_duration_secs_listener(listener)
-      jax.monitoring.register_event_listener(hit_listener)
       self._installed = True
 
 
-_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _BACKEND = _BackendCompileCounter()
 
 

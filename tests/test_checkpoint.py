@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mtrl_jax import losses, sharding, testing
-from mtrl_jax.checkpoint import Checkpointer
+from mtrl_jax.checkpoint import Checkpointer, CheckpointError
 from mtrl_jax.train import OptimConfig, TrainState, TrainStep
 
 META = {"data": {"position": 12, "seed": 3}, "curriculum": {"level": 2, "names": ["a", "b"]},
@@ -49,7 +49,7 @@ def test_round_trip_is_exact(tmp_path):
   model, ts = _trainer()
   state = _state(model, ts)
   with Checkpointer(str(tmp_path)) as ckpt:
-    assert ckpt.latest_step() is None
+    assert ckpt.all_steps() == []
     assert ckpt.save(7, state, META)
     restored, meta = ckpt.restore(ts.abstract_state())
   assert isinstance(restored, TrainState)
@@ -88,7 +88,7 @@ def test_keeps_latest_n_and_resume_finds_the_latest(tmp_path):
     assert not ckpt.save(4, _state(model, ts), {"position": -1})  # already saved
     assert ckpt.all_steps() == [3, 4]
   with Checkpointer(str(tmp_path), keep=2) as resumed:  # a new process after a kill
-    assert resumed.latest_step() == 4
+    assert resumed.all_steps()[-1] == 4
     state, meta = resumed.restore(ts.abstract_state())
     assert meta == {"position": 4}
     _assert_equal(state, _state(model, ts, shift=4))
@@ -100,7 +100,7 @@ def test_keep_best_keeps_only_the_best(tmp_path):
   model, ts = _trainer()
   with Checkpointer(str(tmp_path)) as ckpt:
     assert ckpt.best() is None
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(CheckpointError, match="no readable best checkpoint under"):
       ckpt.restore_best(ts.abstract_state())
     saved = [ckpt.maybe_save_best(step, score, _state(model, ts, shift=step), {"step": step})
              for step, score in [(1, 0.5), (2, 0.3), (3, 0.8), (4, 0.8), (5, 0.6)]]

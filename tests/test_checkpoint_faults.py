@@ -1,0 +1,237 @@
+"""Checkpoint storage faults: a failed write ends in one line with the last checkpoint
+intact; an unreadable checkpoint is skipped (named in one warning line) for the previous one."""
+
+import errno
+import glob
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from mtrl_jax import checkpoint
+from mtrl_jax.checkpoint import Checkpointer, CheckpointError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(shift: float, size: int = 64):
+  return {"w": jnp.arange(size, dtype=jnp.float32) + shift, "n": jnp.int32(shift)}
+
+
+def _target(size: int = 64):
+  return checkpoint.abstract_like(_state(0.0, size))
+
+
+def _files(path):
+  return sorted(os.path.relpath(p, path) for p in glob.glob(f"{path}/**", recursive=True))
+
+
+def _saved(workdir, steps, keep=3, size=64):
+  with Checkpointer(workdir, keep=keep) as ckpt:
+    for step in steps:
+      ckpt.save(step, _state(float(step), size), {"step": step})
+
+
+def _one_line(text: str) -> str:
+  assert "\n" not in text.strip(), text
+  return text
+
+
+def test_a_failed_background_write_raises_one_line_at_the_next_save(tmp_path, monkeypatch):
+  workdir = str(tmp_path)
+  _saved(workdir, [1, 2])
+  before = _files(tmp_path / "ckpt" / "2")
+
+  async def full_disk(self, x, directory):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  ckpt = Checkpointer(workdir, keep=2)
+  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", full_disk)
+  assert ckpt.save(3, _state(3.0), {"step": 3})  # written in the background
+  t0 = time.time()
+  with pytest.raises(CheckpointError) as e:
+    ckpt.save(4, _state(4.0), {"step": 4})
+  assert time.time() - t0 < 10
+  msg = _one_line(str(e.value))
+  assert f"checkpoint {workdir}/ckpt/3 was not written: No space left on device (errno 28)" in msg
+  assert f"{workdir}/ckpt/2 is intact" in msg
+  monkeypatch.undo()
+  with pytest.raises(CheckpointError, match="ckpt/3 was not written"):  # and stays so
+    ckpt.save(5, _state(5.0), {"step": 5})
+  ckpt.close()  # the failure was raised already
+  # Nothing lost: step 2 (and 1, keep=2 deleted nothing) restores as saved.
+  assert checkpoint.step_dirs(f"{workdir}/ckpt") == [1, 2]
+  assert _files(tmp_path / "ckpt" / "2") == before
+  with Checkpointer(workdir, keep=2) as again:
+    step, state, meta = again.restore_latest(_target())
+    assert (step, meta) == (2, {"step": 2})
+    np.testing.assert_array_equal(state["w"], np.arange(64) + 2.0)
+    assert again.save(3, _state(3.0), {"step": 3})  # the step saves again once there is room
+  assert checkpoint.step_dirs(f"{workdir}/ckpt") == [2, 3]
+
+
+def test_a_failed_best_save_raises_and_keeps_the_previous_best(tmp_path, monkeypatch):
+  workdir = str(tmp_path)
+  with Checkpointer(workdir) as ckpt:
+    ckpt.maybe_save_best(1, 0.5, _state(1.0))
+
+  async def full_disk(self, x, directory):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  ckpt = Checkpointer(workdir, async_save=False)  # several processes save synchronously
+  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", full_disk)
+  with pytest.raises(CheckpointError, match=r"best/2 was not written: No space left on device"
+                     r" \(errno 28\); .*/best/1 is intact"):
+    ckpt.maybe_save_best(2, 0.9, _state(2.0))
+  monkeypatch.undo()
+  ckpt.close()
+  with Checkpointer(workdir) as again:
+    assert again.best() == {"step": 1, "score": 0.5}
+    state, _ = again.restore_best(_target())
+  np.testing.assert_array_equal(state["w"], np.arange(64) + 1.0)
+
+
+_FSIZE_SCRIPT = """
+import resource, signal, sys
+from mtrl_jax.checkpoint import Checkpointer, CheckpointError
+from tests.test_checkpoint_faults import _state
+ckpt = Checkpointer(sys.argv[1], keep=3)
+ckpt.save(1, _state(1.0), {"step": 1})
+ckpt.wait()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+ckpt.save(2, _state(2.0, size=100_000), {"step": 2})
+try:
+  ckpt.save(3, _state(3.0), {"step": 3})
+except CheckpointError as e:
+  print(e)
+  sys.exit(3)
+"""
+
+
+def test_a_write_the_os_refuses_ends_the_process_with_one_line(tmp_path):
+  # A real write error from the kernel, in TensorStore's own writes: the file size
+  # limit of the process stands in for a full disk.
+  t0 = time.time()
+  out = subprocess.run([sys.executable, "-c", _FSIZE_SCRIPT, str(tmp_path)], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 3, out.stderr[-3000:]
+  assert time.time() - t0 < 60
+  lines = out.stdout.strip().splitlines()
+  assert len(lines) == 1 and f"{tmp_path}/ckpt/2 was not written: File too large (errno 27)" in \
+      lines[0] and f"{tmp_path}/ckpt/1 is intact" in lines[0], out.stdout
+  assert "Traceback" not in out.stderr and "orbax" not in out.stderr, out.stderr[-3000:]
+  with Checkpointer(str(tmp_path)) as ckpt:
+    step, state, _ = ckpt.restore_latest(_target())
+  assert step == 1 and float(state["w"][0]) == 1.0
+
+
+def _truncate_largest(step_dir):
+  path = max(glob.glob(f"{step_dir}/state/**/d/*", recursive=True), key=os.path.getsize)
+  os.truncate(path, os.path.getsize(path) // 2)
+
+
+def test_an_unreadable_latest_checkpoint_is_skipped_and_moved_aside(tmp_path):
+  workdir = str(tmp_path)
+  _saved(workdir, [1, 2, 3], size=4096)
+  _truncate_largest(tmp_path / "ckpt" / "3")
+  warnings = []
+  with Checkpointer(workdir, warn=warnings.append) as ckpt:
+    step, state, meta = ckpt.restore_latest(_target(4096))
+    assert (step, meta) == (2, {"step": 2})
+    np.testing.assert_array_equal(state["w"], np.arange(4096) + 2.0)
+    assert ckpt.save(3, _state(30.0, 4096), {"step": 30})  # the step saves again
+  assert len(warnings) == 1
+  warning = _one_line(warnings[0])
+  assert warning.startswith(f"checkpoint {workdir}/ckpt/3 does not read back (")
+  assert f"skipped it, moved to {workdir}/ckpt.unreadable/3; trying step 2" in warning
+  assert os.path.isdir(tmp_path / "ckpt.unreadable" / "3" / "state")  # kept, not deleted
+  with Checkpointer(workdir) as ckpt:
+    assert ckpt.restore_latest(_target(4096))[2] == {"step": 30}
+
+
+def test_garbage_metadata_is_named_and_skipped_read_only(tmp_path, capsys):
+  workdir = str(tmp_path)
+  _saved(workdir, [1, 2])
+  (tmp_path / "ckpt" / "2" / "meta" / "metadata").write_text("{garbage")
+  with Checkpointer(workdir, read_only=True) as ckpt:
+    step, _, meta = ckpt.restore_latest(_target())
+  assert (step, meta) == (1, {"step": 1})
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f"warning: checkpoint {workdir}/ckpt/2 does not read back ({workdir}/ckpt/2/"
+                 "meta/metadata is not valid JSON: Expecting property name enclosed in double "
+                 "quotes: line 1 column 2 (char 1)); skipped it; trying step 1"]
+  assert os.path.isdir(tmp_path / "ckpt" / "2")  # read-only: left where it is
+
+
+def test_no_readable_checkpoint_names_the_directory(tmp_path):
+  workdir = str(tmp_path)
+  _saved(workdir, [1, 2])
+  for step in (1, 2):
+    (tmp_path / "ckpt" / str(step) / "state" / "_METADATA").write_text("not json")
+  warnings = []
+  with Checkpointer(workdir, read_only=True, warn=warnings.append) as ckpt:
+    with pytest.raises(CheckpointError) as e:
+      ckpt.restore_latest(_target())
+    assert ckpt.restore_latest is not None
+  assert _one_line(str(e.value)).startswith(
+      f"no readable checkpoint under {workdir}/ckpt: steps [1, 2] do not read back")
+  assert [w.split(" does not")[0] for w in warnings] == [
+      f"checkpoint {workdir}/ckpt/2", f"checkpoint {workdir}/ckpt/1"]
+  with Checkpointer(str(tmp_path / "empty")) as ckpt:
+    assert ckpt.restore_latest(_target()) is None
+
+
+def test_an_unreadable_best_is_named_and_replaced(tmp_path):
+  workdir = str(tmp_path)
+  with Checkpointer(workdir) as ckpt:
+    ckpt.maybe_save_best(4, 0.5, _state(4.0))
+  (tmp_path / "best" / "4" / "meta" / "metadata").write_text("")
+  warnings = []
+  with Checkpointer(workdir, warn=warnings.append) as ckpt:
+    assert ckpt.best() is None
+    assert ckpt.maybe_save_best(6, 0.1, _state(6.0))
+    assert ckpt.best() == {"step": 6, "score": 0.1}
+  assert len(warnings) == 1 and warnings[0].startswith(
+      f"best checkpoint {workdir}/best/4 does not read back ({workdir}/best/4/meta/metadata is "
+      "not valid JSON")
+  assert warnings[0].endswith(f"ignored it, moved to {workdir}/best.unreadable/4")
+  assert os.path.isdir(tmp_path / "best.unreadable" / "4")
+
+
+def test_orbax_records_stay_off_the_console(tmp_path, capsys):
+  from absl import logging as absl_logging
+  absl_logging.set_verbosity(absl_logging.INFO)
+  try:
+    _saved(str(tmp_path), [1])
+  finally:
+    absl_logging.set_verbosity(absl_logging.WARNING)
+  captured = capsys.readouterr()
+  assert "orbax" not in captured.err.lower() and "checkpoint" not in captured.err.lower()
+
+
+def test_reason_is_one_short_line():
+  assert checkpoint.reason(OSError(errno.ENOSPC, "x")) == "No space left on device (errno 28)"
+  ts = ValueError('RESOURCE_EXHAUSTED: Error writing "a/0" in OCDBT database at local file '
+                  '"/r/ckpt/2/state/": Failed writing: "/r/d/x": No space left on device '
+                  "[os_error_code='28']")
+  try:
+    raise RuntimeError("Encountered error while reading\nspec {\n}") from ts
+  except RuntimeError as e:
+    assert checkpoint.reason(e) == "No space left on device (errno 28)"
+  status = ValueError('OUT_OF_RANGE: Error reading "w/0" in OCDBT database at local file '
+                      '"/r/": Requested byte range [5, 9) is not valid')
+  try:
+    raise Exception("Encountered error while reading array index\n...") from status
+  except Exception as e:
+    assert checkpoint.reason(e) == ('OUT_OF_RANGE: Error reading "w/0": Requested byte range '
+                                    '[5, 9) is not valid')
+  assert checkpoint.reason(KeyError("x" * 500)).startswith("KeyError: 'xxx")
+  assert len(checkpoint.reason(KeyError("x" * 500))) < 260
