@@ -151,13 +151,21 @@ def parse_flags(argv: Sequence[str], flag_values=flags.FLAGS) -> list[str]:
 
 
 def call_main(main: Callable, argv: list[str]):
-  """Calls `main(argv)`; a `UsageError` or `ConfigError` it raises is refused in one line."""
+  """Calls `main(argv)`; a `UsageError` or `ConfigError` it raises is refused in one line.
+  A `checkpoint.CheckpointError` (a save failed: the run ends, its last checkpoint
+  intact) is one line too, `error: <message>`, with exit status 1."""
   exp = sys.modules.get("mtrl_jax.train.experiment")  # loaded if main can raise ConfigError
   refusals = (app.UsageError,) + ((exp.ConfigError,) if exp is not None else ())
+  ckpt = sys.modules.get("mtrl_jax.checkpoint")
+  storage = (ckpt.CheckpointError,) if ckpt is not None else ()
   try:
     return main(argv)
   except refusals as e:
     refuse(e)
+  except storage as e:
+    sys.stdout.flush()
+    sys.stderr.write(f"error: {one_line(e)}\n")
+    sys.exit(1)
 
 
 def run(main: Callable, argv: Optional[Sequence[str]] = None) -> None:

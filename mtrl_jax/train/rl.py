@@ -104,6 +104,7 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
   """Runs (or resumes) the job of `exp`, validated from `config` by `experiment.start`
   (config.json keeps `config`); returns a summary dict."""
   writes = distributed.is_writer()  # process 0 alone writes files
+  saved.check_resume(config, workdir)  # another run's workdir: refused before any compute
   if writes:
     saved.save_config(config, workdir)
   parts = components_lib.build(exp)
@@ -120,10 +121,14 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
   summary: dict[str, Any] = {"workdir": os.path.abspath(workdir)}
 
   # ---- start: resume the latest checkpoint, or initialise (with SFT warm-up)
-  start = ckpt.latest_step()
-  resumed = start is not None
+  try:  # the newest checkpoint that reads back (a warning line names each one skipped)
+    latest = ckpt.restore_latest(run_state.target())
+  except checkpoint.CheckpointError as e:
+    raise exp_lib.ConfigError(f"{e}; allowed: repair them, or move {workdir}/ckpt away to "
+                              "start afresh") from None
+  resumed = latest is not None
   if resumed:
-    restored, meta = ckpt.restore(run_state.target())
+    start, restored, meta = latest
     run_state.restore(restored, meta)
     summary.update(meta.get("summary", {}))
     print(f"resumed from {workdir}/ckpt at step {start}", flush=True)

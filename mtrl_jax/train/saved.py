@@ -1,8 +1,10 @@
-"""A saved run's policy: rebuilt from `workdir/config.json` and one of its checkpoints.
+"""A saved run: its config (`workdir/config.json`), the resume guard, and its policy
+rebuilt from one of its checkpoints.
 
 What `experiments/eval.py` and `experiments/export.py` do, as library calls:
 
   policy = load_policy(workdir, "best")        # or "latest", or a step number
+  print(policy.using)                          # using best checkpoint: step 40 (...)
   rows = evaluate_policy(policy, num_tasks=100, samples=4)
   print(markdown_table(rows))
   export_policy(policy, out_dir)               # a Hugging Face directory
@@ -11,16 +13,19 @@ The run is rebuilt exactly as `train.rl` built it (the same validation, vocabula
 fit included, then `train.components.build`), so a checkpoint restores onto the
 same pytree (`train.policies` fixes its layout); only its parameters are kept.
 A run's config is saved as `workdir/config.json` (`save_config`) and read back
-over today's base config (`load_config`).
+over today's base config (`load_config`). `check_resume` refuses to resume a
+workdir that holds another run (docs/internals.md, "Resuming and storage faults").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import os
+import re
 import shutil
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import jax
 import ml_collections
@@ -38,14 +43,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 # What a byte-tokenizer run writes instead (transformers has no byte tokenizer).
 BYTE_TOKENIZER_FILE = "mtrl_byte_tokenizer.json"
+EXPORT_FILE = "mtrl_export.json"  # which run and step an export holds
+# The config fields a resumed run may change: how long it trains, how often it
+# evaluates, dumps and saves, and where and in how many pieces it computes (the
+# same values either way). Any other difference makes it another run.
+RESUME_MAY_CHANGE = ("rl.steps", "eval.every", "eval.num_tasks", "rl.dump_every",
+                     "checkpoint.every", "checkpoint.keep", "rl.precompile",
+                     "step.num_microbatches", "model.remat", "mesh.*", "distributed.*")
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
-  """Writes `config` as `workdir/config.json` (created); returns its path."""
+  """Writes `config` as `workdir/config.json` (created; replaced whole, never half
+  written); returns its path."""
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "config.json")
-  with open(path, "w") as f:
+  with open(path + ".tmp", "w") as f:
     f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  os.replace(path + ".tmp", path)
   return path
 
 
@@ -56,11 +70,61 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   if not os.path.isfile(path):
     raise exp_lib.ConfigError(f"--workdir={workdir!r} has no config.json; allowed: the "
                               "workdir of an experiments/train.py run")
-  with open(path) as f:
-    saved = json.load(f)
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except ValueError as e:
+    raise exp_lib.ConfigError(f"{path} is not valid JSON ({' '.join(str(e).split())}); "
+                              "allowed: the config.json an experiments/train.py run wrote"
+                              ) from None
   config = defaults.base_config()
   config.update(saved)
   return config
+
+
+def _flat(tree: Any, prefix: str = "") -> dict:
+  if isinstance(tree, dict):
+    out = {}
+    for k, v in tree.items():
+      out.update(_flat(v, f"{prefix}{k}."))
+    return out
+  return {prefix[:-1]: tree}
+
+
+def _as_json(config: ml_collections.ConfigDict) -> dict:
+  return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def check_resume(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Refuses to start `config` in a workdir that holds another run; reads only.
+
+  A workdir holds a run once it has a config.json (or checkpoints). The saved
+  config (read over today's base config, as `load_config`) and `config` may
+  differ only in the fields of `RESUME_MAY_CHANGE`.
+  Raises:
+    ConfigError (one line) listing each differing field with both values, or for
+    checkpoints without a config.json.
+  """
+  has_ckpt = any(checkpoint.step_dirs(os.path.join(workdir, d))
+                 for d in (checkpoint.CKPT_DIR, checkpoint.BEST_DIR))
+  if not os.path.isfile(os.path.join(workdir, "config.json")):
+    if has_ckpt:
+      raise exp_lib.ConfigError(
+          f"workdir {workdir} holds checkpoints but no config.json, so its run cannot be "
+          "compared with this one; allowed: the workdir of an experiments/train.py run "
+          "(its config.json restored), or another --workdir")
+    return
+  before, now = _flat(_as_json(load_config(workdir))), _flat(_as_json(config))
+  missing = object()
+  differ = [k for k in sorted(now) if before.get(k, missing) != now[k]
+            and not any(fnmatch.fnmatchcase(k, pat) for pat in RESUME_MAY_CHANGE)]
+  if differ:
+    show = lambda v: "(unset)" if v is missing else json.dumps(v)
+    listed = ", ".join(f"{k} ({show(before.get(k, missing))} -> {show(now[k])})"
+                       for k in differ)
+    raise exp_lib.ConfigError(
+        f"workdir {workdir} holds another run: differs in {listed}; allowed to change on "
+        f"resume: {', '.join(RESUME_MAY_CHANGE)}; or use another --workdir")
 
 
 def parse_checkpoint(value: Union[str, int]) -> Union[str, int]:
@@ -84,6 +148,7 @@ class SavedPolicy:
   step: int
   checkpoint: str  # 'best' | 'latest' | 'step'
   saved_params: Any = None  # None: the parts' model as built
+  score: Optional[tuple[str, float]] = None  # the best checkpoint's (metric, value)
 
   exp = property(lambda self: self.parts.exp)
   tokenizer = property(lambda self: self.parts.tokenizer)
@@ -116,6 +181,22 @@ class SavedPolicy:
   def label(self) -> str:
     return f"{self.checkpoint} (step {self.step})"
 
+  @property
+  def using(self) -> str:
+    """One line: which checkpoint and step, and the score the best one was kept for."""
+    if self.checkpoint == "step":
+      return f"using checkpoint step {self.step}"
+    score = f" ({self.score[0]} {self.score[1]:.3g})" if self.score else ""
+    return f"using {self.checkpoint} checkpoint: step {self.step}{score}"
+
+  @property
+  def warning(self) -> str:
+    """One line when the best checkpoint is the untrained step 0, else ''."""
+    if self.checkpoint != "best" or self.step != 0:
+      return ""
+    return ("the best checkpoint is step 0, saved before any RL update: no later held-out "
+            "evaluation beat it")
+
 
 def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
   """Rebuilds the run of `workdir` and restores the parameters of checkpoint `which`.
@@ -124,8 +205,10 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
     workdir: a training run's directory (config.json plus ckpt/ and best/).
     which: 'best' (kept by held-out success), 'latest', or a saved step.
   Raises:
-    ConfigError (one line) for a missing config or checkpoint; the config
-    itself is validated as at the start of training.
+    ConfigError (one line) for a missing config or checkpoint, or one that does
+    not read back; the config itself is validated as at the start of training.
+    'latest' skips an unreadable checkpoint for the one before (one warning line
+    on stderr names it), as a resumed run does.
   """
   which = parse_checkpoint(which)
   exp = exp_lib.validate(load_config(workdir))
@@ -133,30 +216,43 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
              for d in (checkpoint.CKPT_DIR, checkpoint.BEST_DIR)):
     raise exp_lib.ConfigError(f"--workdir={workdir!r} has no checkpoints; allowed: the workdir "
                               "of a run that saved one (ckpt/ or best/)")
-  ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep, async_save=False)
+  ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep, async_save=False,
+                                 read_only=True)
   try:
     steps = ckpt.all_steps()
-    best = ckpt.best()
+    best = ckpt.best()  # an unreadable one: a warning line names it, then None
     if which == "best" and best is None:
-      raise exp_lib.ConfigError(f"--checkpoint=best: {workdir} has no best checkpoint; "
-                                f"allowed: 'latest' or a saved step {steps}")
+      raise exp_lib.ConfigError(f"--checkpoint=best: {workdir} has no readable best "
+                                f"checkpoint; allowed: 'latest' or a saved step {steps}")
     if (which == "latest" and not steps) or (isinstance(which, int) and which not in steps):
       raise exp_lib.ConfigError(f"--checkpoint={which}: not saved under {workdir}/ckpt; "
                                 f"allowed: 'best', 'latest' or a saved step {steps}")
     parts = components.build(exp)
     policies = parts.policies
+    score = None
     if which == "best":
-      saved, _ = ckpt.restore_best(policies.saved_state_target())
+      saved, meta = ckpt.restore_best(policies.saved_state_target())
       step = best["step"]
+      evals = meta.get("eval", {})
+      name = next((k for k in ("eval/greedy/success", "eval/sampled/success") if k in evals),
+                  "held-out score")
+      score = (name, best["score"])
+    elif which == "latest":
+      step, restored, _ = ckpt.restore_latest(RunState.of(exp, policies).target())
+      saved = restored["train"]
     else:
-      step = steps[-1] if which == "latest" else which
+      step = which
       restored, _ = ckpt.restore(RunState.of(exp, policies).target(), step=step)
       saved = restored["train"]
     state = policies.state_from_saved(saved)
+  except checkpoint.CheckpointError as e:
+    others = "'latest'" if which == "best" else "'best', 'latest'"
+    raise exp_lib.ConfigError(f"--checkpoint={which}: {e}; allowed: {others} or a saved step "
+                              f"{steps}") from None
   finally:
     ckpt.close()
   kind = "step" if isinstance(which, int) else which
-  return SavedPolicy(os.path.abspath(workdir), parts, int(step), kind, state.params)
+  return SavedPolicy(os.path.abspath(workdir), parts, int(step), kind, state.params, score)
 
 
 def evaluate_policy(policy: SavedPolicy, *, num_tasks: int = 0, samples: int = 1,
@@ -227,6 +323,27 @@ def export_policy(policy: SavedPolicy, out_dir: str) -> dict:
   return _export_one(policy, policy.model, out_dir)
 
 
+def clear_export(out_dir: str) -> list[str]:
+  """Removes what an earlier export wrote into `out_dir` (config.json, the weights,
+  tokenizer files, mtrl_*.json, agent_<a>/ of separate policies), so no stale shard
+  stays beside the next export; other files stay. Returns the removed names."""
+  from mtrl_jax.models import loading
+  names = {"config.json", loading.SINGLE_FILE, loading.INDEX_FILE, BYTE_TOKENIZER_FILE,
+           EXPORT_FILE, *TOKENIZER_FILES}
+  removed = []
+  for name in sorted(os.listdir(out_dir)):
+    path = os.path.join(out_dir, name)
+    if os.path.isdir(path) and name.startswith("agent_") and name[6:].isdigit():
+      shutil.rmtree(path)
+    elif os.path.isfile(path) and (name in names or re.fullmatch(r"model-\d+-of-\d+\."
+                                                                  r"safetensors", name)):
+      os.remove(path)
+    else:
+      continue
+    removed.append(name)
+  return removed
+
+
 def _export_one(policy: SavedPolicy, model, out_dir: str) -> dict:
   from mtrl_jax.models import loading
   weights = loading.save_pretrained(model, out_dir)  # every process gathers
@@ -259,7 +376,7 @@ def _export_one(policy: SavedPolicy, model, out_dir: str) -> dict:
     copied = [BYTE_TOKENIZER_FILE]
     note = ("byte-level tokenizer: transformers has no tokenizer for it, so no tokenizer.json "
             f"was written; {BYTE_TOKENIZER_FILE} describes it")
-  with open(os.path.join(out_dir, "mtrl_export.json"), "w") as f:
+  with open(os.path.join(out_dir, EXPORT_FILE), "w") as f:
     json.dump({"workdir": policy.workdir, "checkpoint": policy.checkpoint, "step": policy.step},
               f, indent=2)
   return {"out": os.path.abspath(out_dir), "weights": weights, "tokenizer": copied, "note": note}
