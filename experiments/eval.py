@@ -11,11 +11,17 @@ adds k sampled (temperature 1) attempts per task: their mean success and pass@k
 (the fraction of tasks that any of the k attempts solved). A success is an
 ended trajectory whose outcome is above the run's eval.success_threshold.
 
-A bad flag or a workdir without that checkpoint is refused in one line before
-any model is built.
+stderr names the checkpoint used ("using best checkpoint: step 40
+(eval/greedy/success 0.62)") and warns in one line when the best is the
+untrained step 0; an unreadable latest checkpoint is skipped for the one before,
+with a warning line naming it. --num_tasks is not bounded by the run's
+buckets or engine slots (the engine queues the prompts). A bad flag or a
+workdir without that checkpoint is refused in one line before any model is
+built.
 """
 
 import json
+import sys
 
 from absl import app, flags, logging
 
@@ -47,6 +53,9 @@ def main(argv):
     policy = saved.load_policy(_WORKDIR.value, _CHECKPOINT.value)
   except experiment.ConfigError as e:
     raise app.UsageError(str(e)) from None
+  print(policy.using, file=sys.stderr, flush=True)
+  if policy.warning:
+    print(f"warning: {policy.warning}", file=sys.stderr, flush=True)
   rows = saved.evaluate_policy(policy, num_tasks=_NUM_TASKS.value, samples=_SAMPLES.value,
                                greedy=_GREEDY.value, seed=_SEED.value)
   print(saved.markdown_table(rows), flush=True)

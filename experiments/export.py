@@ -7,10 +7,14 @@
   transformers.AutoModelForCausalLM.from_pretrained("runs/calc/hf")
 
 The run is rebuilt from --workdir/config.json and --checkpoint ('best', 'latest'
-or a saved step) restored. --out gets config.json and model.safetensors (split
-into shards above 4 GiB), the tokenizer files of an HF-tokenizer run
-(tokenizer.json, tokenizer_config.json, ... as found in model.path), and
-mtrl_export.json (which run and step). A byte-tokenizer run (the tiny
+or a saved step) restored; stderr names it ("using best checkpoint: step 40
+(eval/greedy/success 0.62)") and warns when the best is the untrained step 0.
+An unreadable latest checkpoint is skipped for the one before, with a warning
+line naming it. A non-empty --out is refused unless --force, which first
+removes an earlier export's files there (`saved.clear_export`). --out gets
+config.json and model.safetensors (split into shards above 4 GiB), the
+tokenizer files of an HF-tokenizer run (tokenizer.json, tokenizer_config.json,
+... as found in model.path), and mtrl_export.json (which run and step). A byte-tokenizer run (the tiny
 from-scratch models) has no HF tokenizer: mtrl_byte_tokenizer.json describes
 it instead, and the command says so. Logits equal ours (tests/train/
 test_eval_export.py checks them against transformers within 1e-4).
@@ -18,6 +22,7 @@ test_eval_export.py checks them against transformers within 1e-4).
 
 import json
 import os
+import sys
 
 from absl import app, flags, logging
 
@@ -27,6 +32,8 @@ from mtrl_jax.train import experiment, saved
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training run's directory")
 _OUT = flags.DEFINE_string("out", None, "output directory (created)")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "best", "'best' | 'latest' | a step number")
+_FORCE = flags.DEFINE_bool("force", False, "export into a non-empty --out, replacing the files "
+                           "of an earlier export there")
 flags.mark_flags_as_required(["workdir", "out"])
 
 
@@ -41,9 +48,20 @@ def main(argv):
     if os.path.abspath(_WORKDIR.value) == out:
       raise experiment.ConfigError(f"--out={_OUT.value!r} is the workdir; allowed: another "
                                    "directory (a subdirectory is fine)")
+    held = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if held and not _FORCE.value:
+      raise experiment.ConfigError(
+          f"--out={_OUT.value!r} is not empty (holds {', '.join(held[:4])}"
+          f"{', ...' if len(held) > 4 else ''}); allowed: a new or empty directory, or "
+          "--force to replace an earlier export there")
     policy = saved.load_policy(_WORKDIR.value, _CHECKPOINT.value)
   except experiment.ConfigError as e:
     raise app.UsageError(str(e)) from None
+  print(policy.using, file=sys.stderr, flush=True)
+  if policy.warning:
+    print(f"warning: {policy.warning}", file=sys.stderr, flush=True)
+  if held:
+    saved.clear_export(out)
   info = saved.export_policy(policy, out)
   for one in info.get("agents", [info]):
     print(f"exported {policy.label} of {policy.workdir} to {one['out']}: "
