@@ -3,12 +3,12 @@ intact; an unreadable checkpoint is skipped (named in one warning line) for the 
 
 import errno
 import glob
+import logging
 import os
 import subprocess
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -180,7 +180,6 @@ def test_no_readable_checkpoint_names_the_directory(tmp_path):
   with Checkpointer(workdir, read_only=True, warn=warnings.append) as ckpt:
     with pytest.raises(CheckpointError) as e:
       ckpt.restore_latest(_target())
-    assert ckpt.restore_latest is not None
   assert _one_line(str(e.value)).startswith(
       f"no readable checkpoint under {workdir}/ckpt: steps [1, 2] do not read back")
   assert [w.split(" does not")[0] for w in warnings] == [
@@ -206,15 +205,15 @@ def test_an_unreadable_best_is_named_and_replaced(tmp_path):
   assert os.path.isdir(tmp_path / "best.unreadable" / "4")
 
 
-def test_orbax_records_stay_off_the_console(tmp_path, capsys):
+def test_orbax_records_stay_off_the_console(tmp_path, caplog):
   from absl import logging as absl_logging
   absl_logging.set_verbosity(absl_logging.INFO)
   try:
-    _saved(str(tmp_path), [1])
+    with caplog.at_level(logging.DEBUG):
+      _saved(str(tmp_path), [1])
   finally:
     absl_logging.set_verbosity(absl_logging.WARNING)
-  captured = capsys.readouterr()
-  assert "orbax" not in captured.err.lower() and "checkpoint" not in captured.err.lower()
+  assert not [r for r in caplog.records if f"{os.sep}orbax{os.sep}" in r.pathname]
 
 
 def test_reason_is_one_short_line():
