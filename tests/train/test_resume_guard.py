@@ -180,3 +180,19 @@ def test_a_failed_checkpoint_write_ends_the_run_in_one_line(smoke_run, tmp_path)
   # The run resumes from step 3 once there is room again.
   policy = saved.load_policy(workdir, "latest")
   assert policy.step == 3
+
+
+def test_no_readable_checkpoint_is_refused_naming_the_directory(smoke_run, tmp_path, capsys):
+  workdir = _copy(smoke_run, tmp_path)
+  for path in glob.glob(f"{workdir}/ckpt/*/meta/metadata"):
+    with open(path, "w") as f:
+      f.write("garbage")
+  before = _digest(workdir)
+  with pytest.raises(experiment.ConfigError) as e:
+    rl.run(smoke_run.config(), workdir, progress=False)
+  assert str(e.value) == (
+      f"no readable checkpoint under {workdir}/ckpt: steps [0, 1, 2, 3] do not read back (see "
+      f"the warnings above); allowed: repair them, or move {workdir}/ckpt away to start afresh")
+  warnings = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
+  assert len(warnings) == 4 and all("is not valid JSON" in w for w in warnings)
+  assert _digest(workdir) == before  # nothing moved, rewritten or lost
