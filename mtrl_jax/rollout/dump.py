@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Callable, Optional
 
 import numpy as np
@@ -106,8 +107,13 @@ def _segments(comp, decode: Optional[Callable]) -> list[dict]:
   return out
 
 
-def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None) -> str:
+def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None
+                       ) -> Optional[str]:
   """Writes one JSON object per node to `path` (atomically) and returns the path.
+
+  A dump is a diagnostic: when the file cannot be written (a full disk, a read-only
+  directory) one line says so on stderr, the partial file is removed, the run goes on
+  and None is returned.
 
   Args:
     tree: a finalized tree.
@@ -115,10 +121,17 @@ def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None)
     decode: token ids -> text (the tokenizer's `decode`); None writes ids.
   """
   records = node_records(tree, decode)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    for rec in records:
-      f.write(json.dumps(rec, allow_nan=False, ensure_ascii=False) + "\n")
-  os.replace(tmp, path)
+  try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(tmp, "w") as f:
+      for rec in records:
+        f.write(json.dumps(rec, allow_nan=False, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+  except OSError as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    print(f"warning: rollout dump {path} was not written: {e.strerror or e} "
+          f"(errno {e.errno}); the run goes on", file=sys.stderr, flush=True)
+    return None
   return path

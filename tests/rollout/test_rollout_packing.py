@@ -1,6 +1,7 @@
 """Packing into fixed-shape rows, and the per-node JSONL dump."""
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -113,3 +114,25 @@ def test_rollout_dump(tmp_path):
   assert root["prompts"] == ["5 6"] and root["completions"] == [["7 8", "9"]]
   recs_ids = [json.loads(x) for x in open(write_rollout_dump(tree, str(tmp_path / "d.jsonl")))]
   assert recs_ids[1]["prompt_ids"] == [[5, 6, 7, 8, 3]]
+
+
+def test_a_dump_that_cannot_be_written_warns_in_one_line_and_leaves_no_partial_file(
+    tmp_path, monkeypatch, capsys):
+  import builtins
+  import errno
+  real_open = builtins.open
+
+  def full_disk(path, mode="r", *a, **k):
+    if "w" in mode:
+      f = real_open(path, mode, *a, **k)
+      f.close()  # the file exists, as when a write fails part way
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real_open(path, mode, *a, **k)
+
+  monkeypatch.setattr(builtins, "open", full_disk)
+  path = dump_path(str(tmp_path), 3)
+  assert write_rollout_dump(_hand_tree(), path) is None
+  monkeypatch.undo()
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and path in err[0] and "errno 28" in err[0]
+  assert os.listdir(os.path.dirname(path)) == []  # no partial or temporary file
