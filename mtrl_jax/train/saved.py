@@ -49,7 +49,9 @@ EXPORT_FILE = "mtrl_export.json"  # which run and step an export holds
 # same values either way). Any other difference makes it another run.
 RESUME_MAY_CHANGE = ("rl.steps", "eval.every", "eval.num_tasks", "rl.dump_every",
                      "checkpoint.every", "checkpoint.keep", "rl.precompile",
-                     "step.num_microbatches", "model.remat", "mesh.*", "distributed.*")
+                     "rl.halt_if_idle_steps", "rl.max_masked_fraction", "rl.masked_window",
+                     "step.num_microbatches", "model.remat", "mesh.*", "distributed.*",
+                     "compile_cache")
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
