@@ -231,7 +231,9 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
                                 f"allowed: 'best', 'latest' or a saved step {steps}")
     parts = components.build(exp)
     policies = parts.policies
+    run_state = RunState.of(exp, policies)
     score = None
+    restored = None
     if which == "best":
       saved, meta = ckpt.restore_best(policies.saved_state_target())
       step = best["step"]
@@ -240,12 +242,16 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
                   "held-out score")
       score = (name, best["score"])
     elif which == "latest":
-      step, restored, _ = ckpt.restore_latest(RunState.of(exp, policies).target())
+      step, restored, _ = ckpt.restore_latest(run_state.target())
       saved = restored["train"]
     else:
       step = which
-      restored, _ = ckpt.restore(RunState.of(exp, policies).target(), step=step)
+      restored, _ = ckpt.restore(run_state.target(), step=step)
       saved = restored["train"]
+    if run_state.keep_base:  # adapters over a base the SFT warm-up trained: the run's base
+      if restored is None:  # best/ keeps the adapters only; the base is every ckpt's
+        _, restored, _ = ckpt.restore_latest(run_state.target())
+      policies.train_step.set_base(restored["base"])
     state = policies.state_from_saved(saved)
   except checkpoint.CheckpointError as e:
     others = "'latest'" if which == "best" else "'best', 'latest'"

@@ -4,6 +4,8 @@ warmed-up base from the checkpoint), and a checkpoint is refused over another ba
 import json
 import os
 
+import jax
+import numpy as np
 import pytest
 
 from configs import calculator as calc_config
@@ -11,7 +13,7 @@ from configs import coop as coop_config
 from mtrl_jax import models
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.models import loading
-from mtrl_jax.train import experiment, rl
+from mtrl_jax.train import components, experiment, rl, saved
 
 
 def _calc(steps, sft_steps=None):
@@ -41,6 +43,15 @@ def test_a_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
   rl.run(_calc(3), full, progress=False)
   rows = _rows(full)
   assert rows[1]["train/kl"] >= 0 and rows[2]["train/grad_norm"] > 0
+  # eval/export load the adapters over the base the warm-up trained (from the checkpoint)
+  assert _calc(3).sft.steps > 0
+  policy = saved.load_policy(full, "latest")
+  greedy = saved.evaluate_policy(policy, samples=1)[0]
+  assert greedy["outcome"] == rows[-1]["eval/greedy/outcome"]
+  built = components.build(experiment.validate(_calc(3))).policies.train_step.base
+  loaded = policy.parts.policies.train_step.base
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(built),
+                                                      jax.tree.leaves(loaded)))
   resumed = str(tmp_path / "resumed")
   rl.run(_calc(2), resumed, progress=False)
   rl.run(_calc(3), resumed, progress=False)
