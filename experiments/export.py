@@ -2,6 +2,7 @@
 
   python experiments/export.py --workdir=runs/calc --out=runs/calc/hf            # best checkpoint
   python experiments/export.py --workdir=runs/calc --out=/tmp/hf --checkpoint=latest
+  python experiments/export.py --workdir=runs/lora --out=/tmp/adapters --format=peft
 
   # then, with torch and transformers installed:
   transformers.AutoModelForCausalLM.from_pretrained("runs/calc/hf")
@@ -27,11 +28,15 @@ import sys
 from absl import app, flags, logging
 
 from experiments import cli
-from mtrl_jax.train import experiment, saved
+from mtrl_jax.train import experiment, export_lora, saved
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training run's directory")
 _OUT = flags.DEFINE_string("out", None, "output directory (created)")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "best", "'best' | 'latest' | a step number")
+_FORMAT = flags.DEFINE_enum("format", "hf", ["hf", "peft"],
+                            "hf: a merged Hugging Face model directory (one per agent); peft: "
+                            "a LoRA run's adapters as PEFT directories, loaded onto the base "
+                            "with peft.PeftModel.from_pretrained")
 _FORCE = flags.DEFINE_bool("force", False, "export into a non-empty --out, replacing the files "
                            "of an earlier export there")
 flags.mark_flags_as_required(["workdir", "out"])
@@ -54,6 +59,10 @@ def main(argv):
           f"--out={_OUT.value!r} is not empty (holds {', '.join(held[:4])}"
           f"{', ...' if len(held) > 4 else ''}); allowed: a new or empty directory, or "
           "--force to replace an earlier export there")
+    if _FORMAT.value == "peft" and not saved.load_config(_WORKDIR.value).model.lora.rank:
+      raise experiment.ConfigError(
+          f"--format=peft: the run of {_WORKDIR.value} trained no adapters (model.lora.rank=0); "
+          "allowed: --format=hf, or a run with model.lora.rank > 0")
     policy = saved.load_policy(_WORKDIR.value, _CHECKPOINT.value)
   except experiment.ConfigError as e:
     raise app.UsageError(str(e)) from None
@@ -62,6 +71,14 @@ def main(argv):
     print(f"warning: {policy.warning}", file=sys.stderr, flush=True)
   if held:
     saved.clear_export(out)
+  if _FORMAT.value == "peft":
+    dirs = export_lora.save_adapters(policy.parts.policies, policy.saved_params, out,
+                                     base_path=policy.exp.model.path)
+    for d in dirs:
+      print(f"exported the adapters of {policy.label} of {policy.workdir} to {d}: "
+            f"{export_lora.ADAPTER_CONFIG}, {export_lora.ADAPTER_WEIGHTS}")
+    print(json.dumps({"out": out, "step": policy.step, "adapters": dirs}))
+    return
   info = saved.export_policy(policy, out)
   for one in info.get("agents", [info]):
     print(f"exported {policy.label} of {policy.workdir} to {one['out']}: "

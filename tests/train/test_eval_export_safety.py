@@ -93,3 +93,13 @@ def test_export_refuses_a_non_empty_out_and_force_replaces_the_export(smoke_run,
                                          saved.BYTE_TOKENIZER_FILE, saved.EXPORT_FILE,
                                          "notes.txt"]
   assert (out_dir / "notes.txt").read_text() == "old"  # not an export's file: kept
+
+
+def test_export_peft_of_a_run_without_adapters_is_refused_in_one_line(smoke_run, tmp_path):
+  out_dir = tmp_path / "adapters"
+  out = _entry("export.py", f"--workdir={smoke_run.workdir}", f"--out={out_dir}",
+               "--format=peft")
+  assert out.returncode != 0
+  err = [l for l in out.stderr.splitlines() if l.strip()]
+  assert len(err) == 1 and "--format=peft" in err[0] and "model.lora.rank=0" in err[0], err
+  assert not out_dir.exists()

@@ -3,6 +3,8 @@ warmed-up base from the checkpoint), and a checkpoint is refused over another ba
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -14,6 +16,8 @@ from mtrl_jax import models
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.models import loading
 from mtrl_jax.train import components, experiment, rl, saved
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _calc(steps, sft_steps=None):
@@ -48,6 +52,12 @@ def test_a_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
   policy = saved.load_policy(full, "latest")
   greedy = saved.evaluate_policy(policy, samples=1)[0]
   assert greedy["outcome"] == rows[-1]["eval/greedy/outcome"]
+  peft_dir = tmp_path / "peft"
+  out = subprocess.run([sys.executable, "-m", "experiments.export", f"--workdir={full}",
+                        f"--out={peft_dir}", "--format=peft", "--checkpoint=latest"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert sorted(os.listdir(peft_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
   built = components.build(experiment.validate(_calc(3))).policies.train_step.base
   loaded = policy.parts.policies.train_step.base
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(built),
