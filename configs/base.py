@@ -10,9 +10,14 @@ A mistyped key fails at start (the config is locked), and `mtrl_jax.train.
 experiment.build` rejects unsafe combinations before any compute.
 """
 
+from mtrl_jax import compile_cache
 from mtrl_jax.train.defaults import base_config
 
 
 def get_config(arg=None):
   del arg
-  return base_config()
+  c = base_config()
+  # Where compiled programs persist between runs (mtrl_jax/compile_cache.py): 'auto' is
+  # $MTRL_JAX_COMPILE_CACHE, else the user's cache directory; '' compiles every program.
+  c.compile_cache = compile_cache.AUTO
+  return c

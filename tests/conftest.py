@@ -28,6 +28,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache = tempfile.mkdtemp(prefix="mtrl_jax_test_jit_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+# Runs started through `experiment.start` use the same one (mtrl_jax/compile_cache.py),
+# never the user's cache directory.
+os.environ["MTRL_JAX_COMPILE_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 

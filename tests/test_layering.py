@@ -8,7 +8,7 @@ an import from a lower layer into a higher one or a cycle between packages.
 Layers, bottom to top (a package may import its own layer and the ones below):
 
   infrastructure: sharding, distributed, checkpoint, metrics, registry, data, buckets,
-                  resources, seeds
+                  resources, seeds, compile_cache
   text, models, losses
   sampling
   envs
@@ -40,7 +40,7 @@ MAX_LINES = 400
 
 LAYERS = (
     ("sharding", "distributed", "checkpoint", "metrics", "registry", "data", "buckets",
-     "resources", "seeds"),
+     "resources", "seeds", "compile_cache"),
     ("text", "models", "losses"),
     ("sampling",),
     ("envs",),

@@ -20,7 +20,7 @@ import os
 
 import ml_collections
 
-from mtrl_jax import data, distributed, sharding
+from mtrl_jax import compile_cache, data, distributed, sharding
 import mtrl_jax.tasks  # noqa: F401  (registers the built-in tasks: config names resolve)
 from mtrl_jax.envs.reward import RewardConfig
 from mtrl_jax.losses import CORRECTIONS, LossConfig
@@ -163,6 +163,7 @@ def start(config: ml_collections.ConfigDict) -> Experiment:
   """
   try:
     distributed.initialize(distributed_config(config))
+    compile_cache.setup(config.get("compile_cache", compile_cache.AUTO))  # before any compile
   except ConfigError:
     raise
   except ValueError as e:
