@@ -103,6 +103,7 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
           progress: bool = True) -> dict:
   """Runs (or resumes) the job of `exp`, validated from `config` by `experiment.start`
   (config.json keeps `config`); returns a summary dict."""
+  launched = time.perf_counter()  # time/first_step counts from here
   writes = distributed.is_writer()  # process 0 alone writes files
   saved.check_resume(config, workdir)  # another run's workdir: refused before any compute
   if writes:
@@ -218,6 +219,7 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
       if mix is not None and mix.due(step):
         run_state.state, mix_m = mix(run_state.state)
         train_m.update({f"sft_mix/{k}": mix_m[k] for k in ("nll", "grad_norm", "tokens")})
+    first_step = time.perf_counter() - launched if step == start + 1 else None
     if exp.rl.ref_reset_every and step % exp.rl.ref_reset_every == 0:
       run_state.reset_ref()
     m = {**tree.metrics(), **rollout_metrics(tree, exp.eval.success_threshold),
@@ -238,6 +240,8 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
         text = add_counts(text, text_counts(parts.renderer, before))
     times = timer.split()  # time/rollout, time/train, time/eval
     times["time/rollout_wait"] = waited  # the loop waiting for the step's rollout
+    if first_step is not None:  # from the start of `train` to the end of the first update
+      times["time/first_step"] = summary["time/first_step"] = first_step
     times.update({k: v for k, v in engine_m.items() if k.startswith("time/")})
     engine_m = {k: v for k, v in engine_m.items() if k.startswith("engine/")}
     m.update(across_processes(text, times, engine_m))
