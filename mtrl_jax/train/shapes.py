@@ -27,6 +27,7 @@ first RL step, so the compile census stays flat for the rest of the run.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 
@@ -110,19 +111,28 @@ def per_process(exp, num_processes: int):
       sft=dataclasses.replace(exp.sft, check_tasks=share(exp.sft.check_tasks)))
 
 
-def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids: int) -> dict:
-  """Compiles every engine and train-step program of `shapes`; returns counts and seconds.
+def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids: int,
+               threads: int = 2) -> dict:
+  """Compiles every engine and train-step program of `shapes`, `threads` at a time (XLA
+  compiles off the Python lock); returns counts and seconds.
 
   `policy_state`: the shared policy's params, or `StackedStates` (separate policies)."""
   t0 = time.perf_counter()
   params = policy_state.params if isinstance(policy_state, StackedStates) else policy_state
-  engine_programs = engine.precompile(params, shapes.samplings, num_stop_ids, shapes.fanout)
+  engine_programs = engine.precompile(params, shapes.samplings, num_stop_ids, shapes.fanout,
+                                      threads=threads)
   t1 = time.perf_counter()
   agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
+  # Programs of one row count share a jitted function (the step makes it on first use):
+  # one thread compiles them in turn, so no two threads make the same function.
+  groups: dict[int, list] = {}
   for spec in shapes.train_specs():
     if agents is not None:
       spec = {k: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype) for k, v in spec.items()}
-    train_step.precompile(spec)
+    rows = next(iter(spec.values())).shape[agents is not None]
+    groups.setdefault(rows, []).append(spec)
+  with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+    list(ex.map(lambda specs: [train_step.precompile(s) for s in specs], groups.values()))
   t2 = time.perf_counter()
   return {"engine_programs": engine_programs, "engine_seconds": round(t1 - t0, 1),
           "train_programs": len(shapes.train_shapes()), "train_seconds": round(t2 - t1, 1)}
