@@ -27,11 +27,17 @@ class LoraConfig:
     rank: r; 0 trains every weight in full (no adapters).
     alpha: the adapter's scale numerator (scale = alpha / rank); > 0.
     targets: which of `LORA_TARGETS` get adapters (in every block).
+    init_from: a PEFT LoRA directory (adapter_config.json +
+      adapter_model.safetensors, as `export --format=peft` writes) whose tensors
+      start the adapters; '' starts them fresh. Its r, lora_alpha and
+      target_modules must be rank, alpha and targets. Not part of the
+      architecture: ignored by == and hash (a jitted program's static key).
   """
 
   rank: int = 0
   alpha: float = 32.0
   targets: tuple = LORA_TARGETS
+  init_from: str = dataclasses.field(default="", compare=False)
 
   def __post_init__(self):
     if isinstance(self.targets, str):
@@ -47,6 +53,9 @@ class LoraConfig:
     if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
       raise ValueError(f"config model.lora.targets={self.targets!r}; allowed: distinct "
                        f"names among {list(LORA_TARGETS)}, at least one")
+    if not isinstance(self.init_from, str) or (self.init_from and not self.enabled):
+      raise ValueError(f"config model.lora.init_from={self.init_from!r} with model.lora.rank="
+                       f"{self.rank}; allowed: '' or a PEFT adapter directory with rank > 0")
 
   @property
   def enabled(self) -> bool:

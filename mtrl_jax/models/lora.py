@@ -53,6 +53,13 @@ def base_graphdef(cfg: ModelConfig, rules=sharding.TRAIN_RULES):
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
 
 
+def abstract_adapters(cfg: ModelConfig, rules=sharding.TRAIN_RULES):
+  """The adapter state of the adapted architecture `cfg` as shapes only (nothing computed)."""
+  mesh = sharding.single_device_mesh()
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules_for(cfg, mesh, rules)):
+    return split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[1]
+
+
 def _mesh_of(state):
   leaf = jax.tree.leaves(state)[0]
   mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
@@ -110,12 +117,14 @@ def fingerprint(params) -> str:
 
 
 def pairs(adapters):
-  """{(layer, target): (A [in, r], B [r, out])} of an adapter state."""
+  """{(layer, target): (A [in, r], B [r, out])} of an adapter state (arrays, or
+  ShapeDtypeStructs of an abstract one)."""
   out = {}
   for i, block in adapters["blocks"].items():
     for module in ("attn", "mlp"):
       for name, ab in block.get(module, {}).items():
-        out[(int(i), name[:-len("_lora")])] = (ab["lora_a"][...], ab["lora_b"][...])
+        out[(int(i), name[:-len("_lora")])] = (ab["lora_a"].get_value(),
+                                                ab["lora_b"].get_value())
   return out
 
 

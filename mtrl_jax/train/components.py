@@ -32,11 +32,11 @@ from mtrl_jax.rollout.batching import BatchConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.policy import EnginePolicy
 from mtrl_jax.sampling import DecodeEngine
-from mtrl_jax.train import shapes as shapes_lib
+from mtrl_jax.train import export_lora, shapes as shapes_lib
 from mtrl_jax.train.evaluate import Evaluator
 from mtrl_jax.train.inputs import TasksConfig, TokenizerConfig
 from mtrl_jax.train.objectives import PolicyObjective
-from mtrl_jax.train.policies import Policies, SharedPolicy, StackedPolicies
+from mtrl_jax.train.policies import Policies, SharedPolicy, StackedPolicies, agent_labels
 from mtrl_jax.train.stacked import StackedTrainStep
 from mtrl_jax.train.step import TrainStep
 
@@ -130,16 +130,28 @@ def make_train_stream(exp: Experiment, train_tasks):
 
 def check_lora(exp: Experiment) -> None:
   """What low-rank adapters (`model.lora.rank` > 0) cannot be combined with, refused in
-  one line: the frozen base is the KL reference and every agent's."""
-  if not exp.model.lora.enabled:
+  one line (validation calls it): the frozen base is the KL reference and every agent's;
+  `model.lora.init_from` must fit the base (`export_lora.check_adapters`, tensors unread)
+  and the base must be the one it was trained over (no warm-up changes it)."""
+  lora = exp.model.lora
+  if not lora.enabled:
     return
   for field, value, why in (
       ("rl.ref_reset_every", exp.rl.ref_reset_every, "the reference is the frozen base"),
       ("sft.mix_every", exp.sft.mix_every, "SFT mix steps train every weight"),
       ("agents.paths", exp.agents.paths, "the agents' adapters share one base")):
     if any(value) if isinstance(value, tuple) else value:
-      raise ValueError(f"config {field}={value!r} with model.lora.rank={exp.model.lora.rank}: "
+      raise ValueError(f"config {field}={value!r} with model.lora.rank={lora.rank}: "
                        f"{why}; allowed: 0 / empty, or model.lora.rank=0")
+  if not lora.init_from:
+    return
+  if exp.sft.steps:
+    raise ValueError(f"config sft.steps={exp.sft.steps} with model.lora.init_from="
+                     f"{lora.init_from!r}: the warm-up trains the base the adapters were "
+                     "fitted to; allowed: sft.steps=0, or model.lora.init_from=''")
+  labels = [] if exp.agents.share_policy else agent_labels(exp.tree.num_agents)
+  for path in dict.fromkeys(export_lora.init_dirs(lora.init_from, labels)):
+    export_lora.check_adapters(path, exp.model.arch.replace(lora=lora))
 
 
 def make_policies(exp: Experiment, model, mesh) -> Policies:
@@ -169,7 +181,6 @@ def make_policies(exp: Experiment, model, mesh) -> Policies:
 
 def build(exp: Experiment) -> Components:
   """Builds every part of the run described by a validated `exp`."""
-  check_lora(exp)
   mesh = sharding.make_mesh(exp.mesh.shape(jax.device_count()))  # every process's devices
   # Rows each process brings to a batch: a multiple of its own batch shards.
   rows = distributed.local_batch_shards(mesh)

@@ -27,7 +27,7 @@ from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train import checks
+from mtrl_jax.train import checks, components
 from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EngineGroup, EvalConfig,
                                    RLConfig, SFTConfig)
 from mtrl_jax.train.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
@@ -117,6 +117,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       curriculum=_fields(c.get("curriculum"), data.CurriculumConfig),
       checkpoint=_fields(c.checkpoint, CheckpointConfig), distributed=distributed_config(c))
   check_agents(exp)
+  components.check_lora(exp)  # what adapters cannot be combined with; init_from fits the base
   check_processes(exp)
   # Size the tree before launch: a config that cannot fit fails here.
   plan_tree(tree, rl.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),

@@ -23,7 +23,9 @@ save one subtree per agent, {"agent_0": ..., "agent_1": ...}.
 With low-rank adapters (`model.lora`) a state's params are the adapters; what
 the engine samples with and what is exported (`sampler_states`, `per_policy`)
 are the plain weights with the adapters merged in (`TrainStep.merged`), merged
-once per call, i.e. once per rollout.
+once per call, i.e. once per rollout. A fresh state's adapters start from
+`model.lora.init_from` when set (`start_adapters`; read at each fresh start, never
+on a resume), else fresh (B zero).
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ import jax
 from mtrl_jax import distributed
 from mtrl_jax.rollout.batching import global_batch, make_agent_batches, make_train_batch
 from mtrl_jax.rollout.policy import StackedStates
+from mtrl_jax.train import export_lora
 from mtrl_jax.train.stacked import agent_slice, stack_trees
+
+
+def agent_labels(num_agents: int) -> list[str]:
+  """Each agent's name in checkpoints, exports and metrics when agents have their own
+  policies: agent_0, agent_1, ..."""
+  return [f"agent_{a}" for a in range(num_agents)]
 
 
 class Policies:
@@ -59,6 +68,12 @@ class Policies:
       return batch, m
     return global_batch(batch, m, cfg, self.train_step.mesh)
 
+  def start_adapters(self):
+    """With `model.lora.init_from`, the adapters each policy starts from (read from its
+    PEFT directory: `export_lora.init_dirs`); else None (fresh adapters)."""
+    labels = agent_labels(len(self.models)) if self.per_agent else []
+    return export_lora.start_adapters(self.train_step.model_cfg, labels)
+
   def saved_params_target(self):
     """The abstract saved parameters (the reference and behaviour trees of a checkpoint)."""
     return jax.tree.map(lambda s: s.params, self.saved_state_target(),
@@ -72,8 +87,9 @@ class SharedPolicy(Policies):
   """One policy acting for every agent."""
 
   def init_state(self, params=None):
+    start = self.start_adapters()
     return self.train_step.init_state(self.models[0] if params is None else params,
-                                      seed=self.seed)
+                                      seed=self.seed, adapters=start and start[0])
 
   def sampler_states(self, params):
     return self.train_step.merged(params)
@@ -111,11 +127,11 @@ class StackedPolicies(Policies):
   @property
   def labels(self) -> list[str]:
     """Each agent's name in checkpoints, exports and metrics."""
-    return [f"agent_{a}" for a in range(len(self.models))]
+    return agent_labels(len(self.models))
 
   def init_state(self, params=None):
     starts = self.models if params is None else [params] * len(self.models)
-    return self.train_step.init_state(starts, seed=self.seed)
+    return self.train_step.init_state(starts, seed=self.seed, adapters=self.start_adapters())
 
   def sampler_states(self, params):
     """Every agent's stacked params: one engine program samples for all of them."""

@@ -85,6 +85,7 @@ class StackedTrainStep:
     self.scales = np.asarray([lr / optim_cfg.learning_rate for lr in learning_rates],
                              np.float32)
     self.mesh, self.step_cfg, self.objective = self.inner.mesh, step_cfg, self.inner.objective
+    self.model_cfg = self.inner.model_cfg
     self.lora, self.base_shardings = self.inner.lora, self.inner.base_shardings
     self.state_shardings = jax.tree.map(_stack_sharding, self.inner.state_shardings)
     self.param_shardings = jax.tree.map(_stack_sharding, self.inner.param_shardings)
@@ -104,12 +105,16 @@ class StackedTrainStep:
     self.inner.set_base(base)
 
   # ------------------------------------------------------------ state
-  def init_state(self, models_or_params: Sequence[Any], seed: int = 0) -> TrainState:
-    """Stacked fresh states, one per agent's model (or parameter state)."""
+  def init_state(self, models_or_params: Sequence[Any], seed: int = 0,
+                 adapters: Sequence[Any] = None) -> TrainState:
+    """Stacked fresh states, one per agent's model (or parameter state); with adapters,
+    agent a's start from `adapters[a]` (None: fresh)."""
     if len(models_or_params) != self.num_agents:
       raise ValueError(f"init_state: {len(models_or_params)} models for "
                        f"{self.num_agents} agents")
-    states = [self.inner.init_state(m, seed=seed) for m in models_or_params]
+    adapters = [None] * self.num_agents if adapters is None else adapters
+    states = [self.inner.init_state(m, seed=seed, adapters=a)
+              for m, a in zip(models_or_params, adapters)]
     return self.stack(states)
 
   def stack(self, states: Sequence[TrainState]) -> TrainState:

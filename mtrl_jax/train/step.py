@@ -13,9 +13,9 @@ What is optimised is an `Objective` (`mtrl_jax.train.objectives`): exact
 micro-batch accumulation, AdamW, the non-finite skip) is
 `mtrl_jax.train.update.one_update`; here it is jitted with the state donated.
 
-With adapters (`model.cfg.lora`, `mtrl_jax.models.lora`) `params` and AdamW's state
-are the adapters'; the frozen base (`TrainStep.base`) is an argument of every program
-and, with the adapters off, the KL reference: a run keeps no reference copy.
+With adapters (`model.cfg.lora`, `mtrl_jax.models.lora`) `params` and AdamW's state are
+the adapters'; the frozen base (`TrainStep.base`), an argument of every program, is with
+the adapters off the KL reference: a run keeps no reference copy.
 
 Metrics come back as a dict of device scalars. The loops fetch them with
 `TrainStep.fetch_metrics` right after the update that produced them: the RL
@@ -77,13 +77,11 @@ class StepConfig:
       rows (B must be divisible by it); gradients are accumulated exactly.
     nonfinite: 'skip' (keep params, count it) or 'halt' (also raise when the
       metrics are fetched) on a non-finite loss or gradient.
-    logprob_chunk_size: if set, logprobs come from the final hidden states one
-      vocabulary chunk at a time, never materialising [B, L, V] logits (no
-      entropy metric then).
+    logprob_chunk_size: if set, logprobs come from the final hidden states one vocabulary
+      chunk at a time, never materialising [B, L, V] logits (no entropy metric then).
     report_entropy: report the policy's mean token entropy on trained tokens.
-    compiler_options: XLA options for compiling the step, as (name, value)
-      pairs, e.g. (("xla_backend_optimization_level", 0),) halves CPU compile
-      time in tests.
+    compiler_options: XLA options for compiling the step, as (name, value) pairs, e.g.
+      (("xla_backend_optimization_level", 0),) halves CPU compile time in tests.
   """
 
   num_microbatches: int = 1
@@ -172,12 +170,14 @@ class TrainStep:
     return self.tx.init(jax.tree.map(lambda p: p.astype(jnp.float32)
                                      if jnp.issubdtype(p.dtype, jnp.floating) else p, params))
 
-  def init_state(self, model_or_params, seed: int = 0) -> TrainState:
+  def init_state(self, model_or_params, seed: int = 0, adapters=None) -> TrainState:
     """A fresh TrainState (step 0, zero Adam moments) born sharded; with adapters the
-    given weights become the base (`models.lora.adapters_and_base`)."""
+    given weights become the base (`models.lora.adapters_and_base`) and a plain model or
+    weights start from `adapters` (`model.lora.init_from`; None: fresh, B zero)."""
     params = model_or_params
     if self.lora is not None:
-      params, base = lora_lib.adapters_and_base(model_or_params, self._fresh_adapters)
+      params, base = lora_lib.adapters_and_base(
+          model_or_params, self._fresh_adapters if adapters is None else adapters)
       self.set_base(base)
     elif isinstance(model_or_params, nnx.Module):
       params = nnx.state(model_or_params, nnx.Param)
