@@ -250,6 +250,7 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
     summary["learning"] = watch.state()
     if warning:
       say(f"warning: {warning}")
+    ckpt.check()  # a background save that failed (a full disk) ends the run at the next step
     if step % exp.checkpoint.every == 0 or step == exp.rl.steps or halt:
       save(step)  # a halted run's last step is saved too
     if halt:  # once the save has written its copy of the summary: a resume is not halted
