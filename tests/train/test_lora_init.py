@@ -165,11 +165,12 @@ def test_adapters_that_do_not_fit_are_refused_in_one_line_before_anything_is_bui
 def test_the_train_command_refuses_a_misfit_with_exit_status_2_and_writes_nothing(tmp_path):
   path = _adapters(tmp_path, "r8", rank=8)
   workdir = tmp_path / "run"
+  before = _snapshot(path)
   out = subprocess.run(
       [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
-       "--config.sft.steps=0", "--config.model.lora.rank=4", f"--config.model.lora.init_from={path}",
-       f"--workdir={workdir}", "--progress=false"],
+       "--config.sft.steps=0", "--config.model.lora.rank=4",
+       f"--config.model.lora.init_from={path}", f"--workdir={workdir}", "--progress=false"],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 2, out.stderr[-2000:]
   assert out.stderr.count("\n") == 1 and "model.lora.rank" in out.stderr, out.stderr
-  assert not workdir.exists()
+  assert not workdir.exists() and _snapshot(path) == before
