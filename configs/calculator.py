@@ -52,6 +52,9 @@ def get_config(arg=None):
   c.sft.num_examples = 4000
   c.sft.conversations = "mtrl_jax.tasks.calculator:golden_conversation"
   c.sft.learning_rate = 3e-3
+  # With --config.model.lora.rank > 0 the warm-up still trains every weight of this
+  # from-scratch model, and RL trains adapters over the warmed-up base, which the
+  # checkpoints keep (docs/internals.md, LoRA: why the warm-up is not LoRA).
   # 130, not 100: the longer cosine lifted the three seeds' mean gain from +42.3 to +46
   # (docs/ablations.md, "130 RL steps"); one seed's run stays within 15 minutes on 2 cores.
   c.rl.steps = 130

@@ -63,6 +63,9 @@ def get_config(arg=None):
   c.sft.num_examples = 4000  # golden episodes, agent = task index parity
   c.sft.conversations = "mtrl_jax.tasks.coop:golden_conversation"
   c.sft.learning_rate = 3e-3
+  # With --config.model.lora.rank > 0 the warm-up still trains every weight (one policy,
+  # before the agents part ways), then each agent's adapters train over that one base
+  # (docs/internals.md, LoRA: why the warm-up is not LoRA).
   c.rl.steps = 150
   c.rl.roots_per_step = 16
   c.rl.length_buckets = (32, 64)

@@ -114,6 +114,8 @@ def get_config(arg=None):
   c.optim.grad_clip_norm = 0.0  # the reference does not clip
 
   c.sft.steps = 0
+  # No warm-up: with --config.model.lora.rank=16 the adapters train over the pretrained
+  # base of model.path, which checkpoints name by sha256 and never copy.
   c.rl.steps = 780  # 6 epochs x 130 problems
   c.rl.roots_per_step = 1  # one task per step, as the reference
   c.rl.length_buckets = (512, 1024, 2048, 4096)
