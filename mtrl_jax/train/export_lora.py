@@ -11,9 +11,11 @@ when each agent has its own adapters (`agent_<a>`, as `Policies.labels`):
 
 PEFT's layout of a target, e.g. q: `base_model.model.model.layers.<i>.self_attn.q_proj
 .lora_A.weight` [r, in] = A^T and `...lora_B.weight` [out, r] = B^T, with
-`lora_alpha / r` its scale, as ours. `load_adapters` reads such a directory
-back onto an adapted architecture (`model.lora.init_from`); a tensor whose
-shape does not fit is refused naming the tensor.
+`lora_alpha / r` its scale, as ours. `model.lora.init_from` starts a run's
+adapters from such a directory (`init_dirs`: one per agent or one for all):
+`check_adapters` holds it against the run's config and base from its header alone
+(validation), `load_adapters` reads its tensors (a fresh start); a field or tensor
+that does not fit is refused in one line naming it.
 """
 
 from __future__ import annotations

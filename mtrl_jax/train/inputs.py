@@ -40,8 +40,8 @@ class ModelGroup:
     attention: training attention, 'xla' (any device) or 'cudnn' (GPU fused
       flash attention, bfloat16).
     lora: low-rank adapters over the frozen model (`models.config.LoraConfig`:
-      rank, alpha, targets; rank 0, the default, trains every weight); a
-      group in the config, its `LoraConfig` here.
+      rank, alpha, targets, init_from; rank 0, the default, trains every
+      weight); a group in the config, its `LoraConfig` here.
     arch: the architecture the fields above give (set by validation, not a
       config field); a from-scratch model's vocabulary is the tokenizer's.
   """
