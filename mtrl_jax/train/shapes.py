@@ -27,7 +27,6 @@ first RL step, so the compile census stays flat for the rest of the run.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import time
 
@@ -113,9 +112,12 @@ def per_process(exp, num_processes: int):
 
 def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids: int,
                threads: int = 2) -> dict:
-  """Compiles every engine and train-step program of `shapes`, `threads` at a time (XLA
-  compiles off the Python lock); returns counts and seconds.
+  """Compiles every engine and train-step program of `shapes`; returns counts and seconds.
 
+  The engine compiles `threads` programs at a time (XLA compiles off the Python
+  lock); train-step programs compile one after another: XLA's CPU compiler keeps
+  more than one core busy on them alone, and two at a time did not finish sooner
+  on 2 cores (docs/performance.md, "Start-up time").
   `policy_state`: the shared policy's params, or `StackedStates` (separate policies)."""
   t0 = time.perf_counter()
   params = policy_state.params if isinstance(policy_state, StackedStates) else policy_state
@@ -123,16 +125,10 @@ def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids
                                       threads=threads)
   t1 = time.perf_counter()
   agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
-  # Programs of one row count share a jitted function (the step makes it on first use):
-  # one thread compiles them in turn, so no two threads make the same function.
-  groups: dict[int, list] = {}
   for spec in shapes.train_specs():
     if agents is not None:
       spec = {k: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype) for k, v in spec.items()}
-    rows = next(iter(spec.values())).shape[agents is not None]
-    groups.setdefault(rows, []).append(spec)
-  with concurrent.futures.ThreadPoolExecutor(threads) as ex:
-    list(ex.map(lambda specs: [train_step.precompile(s) for s in specs], groups.values()))
+    train_step.precompile(spec)
   t2 = time.perf_counter()
   return {"engine_programs": engine_programs, "engine_seconds": round(t1 - t0, 1),
           "train_programs": len(shapes.train_shapes()), "train_seconds": round(t2 - t1, 1)}
