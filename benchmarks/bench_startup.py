@@ -16,8 +16,9 @@ sweep arm on the same machine finds it. Runs:
                program compiled before step 1.
   demo         `configs/calculator.py` (the demo): `shapes.precompile` alone, in a
                process that builds the run's parts and compiles every program
-               `rl.train` precompiles (no SFT warm-up, no RL step), with
-               `--threads` programs at a time.
+               `rl.train` precompiles (no SFT warm-up, no RL step), the
+               engine's `--threads` programs at a time (the train step's one
+               after another).
 
 Targets on 2 quiet cores (docs/performance.md, "Start-up time"): coop cold at
 most 60 s to the first RL step, warm at most 15 s; the demo's precompilation at
@@ -38,8 +39,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COOP = "--config=configs/coop.py:smoke=True"
 
 _RUNS = flags.DEFINE_list("runs", ["coop", "coop_pre", "demo"], "coop, coop_pre and/or demo")
-_THREADS = flags.DEFINE_list("threads", ["2"], "demo: programs compiled at a time (each a "
-                             "cold and a warm row)")
+_THREADS = flags.DEFINE_list("threads", ["2"], "demo: engine programs compiled at a time "
+                             "(each a cold and a warm row)")
 _WORKER = flags.DEFINE_string("worker", None, "internal: 'demo' runs one precompilation")
 _CACHE = flags.DEFINE_string("cache", "", "internal: the worker's compile_cache")
 

@@ -13,10 +13,13 @@ compile. The config's top-level `compile_cache` says where:
 
 Every program is cached, however fast it compiled: a warm start loads the many
 small ones too. A cached executable is the same XLA executable a compile would
-give (the key covers the program, the compile options, XLA_FLAGS and the jax
-version), so results stay bit-identical. A directory that cannot be used is
-reported in one line and the run compiles without it; an unreadable entry is
-recompiled (JAX warns and carries on).
+give, so results stay bit-identical: the key covers the program, the compile
+options, XLA_FLAGS and the jax version, and also the directory itself (XLA's own
+caches live under it), so a copied or moved directory starts cold. A directory
+that cannot be used is reported in one line and the run compiles without it; an
+unreadable entry (a process killed while writing it) is compiled again, with a
+JAX warning each time, until the directory is cleared. Nothing removes old
+entries: `rm -r` the directory to reclaim its space.
 """
 
 from __future__ import annotations
