@@ -246,7 +246,8 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
     engine_m = {k: v for k, v in engine_m.items() if k.startswith("engine/")}
     m.update(across_processes(text, times, engine_m))
     writer.write(step, m)
-    warning, halt = watch.observe(step, tree, batch_m, last=step == exp.rl.steps)
+    warning, halt = watch.observe(step, tree, batch_m, success=m.get("rollout/success"),
+                                  last=step == exp.rl.steps)
     summary["learning"] = watch.state()
     if warning:
       say(f"warning: {warning}")

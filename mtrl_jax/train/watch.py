@@ -9,6 +9,9 @@ metrics of each RL step and returns
 
   a warning (one line) when the step trained nothing, with the reason;
   a halt reason (one line) after `rl.halt_if_idle_steps` such steps in a row,
+    where a step on which every sample succeeded does not count: a converged
+    policy's groups are all alike too, but there is nothing wrong to halt for
+    (it warns once per run of such steps, and resets the count),
     or when more than `rl.max_masked_fraction` of the joint actions of the
     last `rl.masked_window` steps were masked (with the first fault's message).
 
@@ -92,6 +95,7 @@ class LearningWatch:
     self.idle_steps = int(state.get("idle_steps", 0))
     self.idle_since = int(state.get("idle_since", 0))
     self.last_reason = str(state.get("last_reason", ""))
+    self.solved_steps = int(state.get("solved_steps", 0))
     self.window = collections.deque((tuple(w) for w in state.get("window", ())),
                                     maxlen=rl.masked_window)
 
@@ -99,11 +103,13 @@ class LearningWatch:
     """JSON counters: the run's summary keeps them (resumes go on from them)."""
     return {"steps": self.steps, "trained_steps": self.trained_steps,
             "idle_steps": self.idle_steps, "idle_since": self.idle_since,
-            "last_reason": self.last_reason, "window": [list(w) for w in self.window]}
+            "last_reason": self.last_reason, "solved_steps": self.solved_steps,
+            "window": [list(w) for w in self.window]}
 
-  def observe(self, step: int, tree, batch_metrics: dict, *,
+  def observe(self, step: int, tree, batch_metrics: dict, *, success: Optional[float] = None,
               last: bool = False) -> tuple[str, str]:
-    """(warning, halt reason) of RL step `step` ('' for none); `last`: the run's last
+    """(warning, halt reason) of RL step `step` ('' for none); `success`: the step's
+    `rollout/success` (1.0: every ended sample succeeded); `last`: the run's last
     step, where a masked window not yet full is judged too."""
     warning = halt = ""
     self.steps += 1
@@ -112,8 +118,17 @@ class LearningWatch:
     if self.rl.updates_per_step:
       if batch_metrics.get("batch/actions", 0) > 0:
         self.trained_steps += 1
+        self.idle_steps = self.solved_steps = 0
+      elif success is not None and success >= 1.0 and masked < total:
         self.idle_steps = 0
+        self.solved_steps += 1
+        self.last_reason = ("every sample succeeded, so every group's rewards were alike "
+                            "(nothing left to learn from these tasks)")
+        if self.solved_steps == 1:  # once per run of such steps
+          warning = (f"step {step} trained no sample: {self.last_reason}; not counted by "
+                     "rl.halt_if_idle_steps")
       else:
+        self.solved_steps = 0
         self.idle_since = self.idle_since if self.idle_steps else step
         self.idle_steps += 1
         self.last_reason = idle_reason(tree, batch_metrics)

@@ -240,6 +240,31 @@ def test_consecutive_idle_steps_halt_and_a_resumed_watch_goes_on_counting():
   assert never.final().startswith("the run trained no sample in 29 RL steps; last: every")
 
 
+def test_a_converged_policy_warns_once_and_is_not_halted_as_idle():
+  # Every sample succeeded: the groups are all alike because nothing is left to learn,
+  # not because something is wrong. 30 such steps under halt_if_idle_steps=3 never halt.
+  watch = LearningWatch(RLConfig(halt_if_idle_steps=3))
+  watch.observe(1, _tree([_action()] * 2), DROPPED, success=0.0)
+  watch.observe(2, _tree([_action()] * 2), DROPPED, success=0.5)  # 2 failing idle steps
+  warnings = [watch.observe(step, _tree([_action()] * 2), DROPPED, success=1.0)
+              for step in range(3, 33)]
+  assert all(halt == "" for _, halt in warnings)
+  assert warnings[0][0] == ("step 3 trained no sample: every sample succeeded, so every "
+                            "group's rewards were alike (nothing left to learn from these "
+                            "tasks); not counted by rl.halt_if_idle_steps")
+  assert [w for w, _ in warnings[1:] if w] == []  # once per run of such steps
+  # A failing idle step starts a new streak (the solved steps reset it) and warns again.
+  assert watch.observe(33, _tree([_action()] * 2), DROPPED, success=0.0)[0].startswith(
+      "step 33 trained no sample: every group's advantages were 0")
+  resumed = LearningWatch(watch.rl, json.loads(json.dumps(watch.state())))
+  assert resumed.observe(34, _tree([_action()] * 2), DROPPED, success=1.0)[0].startswith(
+      "step 34 trained no sample: every sample succeeded")
+  # Every sample masked is never "succeeded", whatever the metric says.
+  masked = [_action(valid=False, fault=INFRA)] * 2
+  assert "every sample was masked" in resumed.observe(35, _tree(masked), DROPPED,
+                                                      success=1.0)[0]
+
+
 def test_a_masked_window_above_the_limit_halts_with_the_first_fault():
   rl = RLConfig(max_masked_fraction=0.5, masked_window=3, halt_if_idle_steps=0)
   half = [_action(), _action(valid=False, fault=INFRA)]  # 50%: not above the limit
