@@ -61,7 +61,8 @@ class RLConfig:
     halt_if_idle_steps: stop the run, with the reason, after this many
       consecutive steps that trained no sample (every group zero-variance,
       every trajectory truncated or every sample masked; each such step also
-      warns on the console); 0: never stop (the warnings stay).
+      warns on the console; a step on which every sample succeeded does not
+      count); 0: never stop (the warnings stay).
     max_masked_fraction: stop the run, with the first fault's message, when
       more than this fraction of the joint actions of the last
       `masked_window` steps were masked (infrastructure faults: nothing to
