@@ -31,7 +31,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from mtrl_jax import checkpoint
+from mtrl_jax import checkpoint, compile_cache
 from mtrl_jax.train import components, defaults
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
@@ -211,9 +211,16 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
     not read back; the config itself is validated as at the start of training.
     'latest' skips an unreadable checkpoint for the one before (one warning line
     on stderr names it), as a resumed run does.
+  Programs compile through the run's `compile_cache` setting, as training does,
+  so an eval or export after the run, or a second one, loads what it compiled.
   """
   which = parse_checkpoint(which)
-  exp = exp_lib.validate(load_config(workdir))
+  config = load_config(workdir)
+  exp = exp_lib.validate(config)
+  try:
+    compile_cache.setup(config.get("compile_cache", compile_cache.AUTO))
+  except ValueError as e:
+    raise exp_lib.ConfigError(str(e)) from None
   if not any(os.path.isdir(os.path.join(workdir, d))
              for d in (checkpoint.CKPT_DIR, checkpoint.BEST_DIR)):
     raise exp_lib.ConfigError(f"--workdir={workdir!r} has no checkpoints; allowed: the workdir "

@@ -15,10 +15,10 @@ from mtrl_jax.train import experiment, saved
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _entry(script, *flags):
+def _entry(script, *flags, env=None):
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *flags],
-                        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
-                        text=True, timeout=600)
+                        cwd=ROOT, env=dict(env or os.environ, PYTHONPATH=ROOT),
+                        capture_output=True, text=True, timeout=600)
 
 
 def _copy(smoke_run, tmp_path) -> str:
@@ -27,10 +27,14 @@ def _copy(smoke_run, tmp_path) -> str:
   return workdir
 
 
-def test_eval_names_its_checkpoint_and_takes_more_tasks_than_slots(smoke_run):
+def test_eval_names_its_checkpoint_and_takes_more_tasks_than_slots(smoke_run, tmp_path):
   best = smoke_run.summary()["best"]
-  out = _entry("eval.py", f"--workdir={smoke_run.workdir}", "--num_tasks=20")
+  # The run's compile_cache ('auto': $MTRL_JAX_COMPILE_CACHE) holds what eval compiled.
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["MTRL_JAX_COMPILE_CACHE"] = cache = str(tmp_path / "cache")
+  out = _entry("eval.py", f"--workdir={smoke_run.workdir}", "--num_tasks=20", env=env)
   assert out.returncode == 0, out.stderr[-3000:]
+  assert os.listdir(cache)
   err = [l for l in out.stderr.splitlines() if l.strip()]
   assert f"using best checkpoint: step {best['step']} (eval/greedy/success " \
          f"{best['score']:.3g})" in err
