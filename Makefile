@@ -1,5 +1,6 @@
 # One-command set-up: `make demo` runs the default experiment, `make test` the suite
-# (`make test-fast` without the slow training loops).
+# (`make test-fast` without the slow training loops). --dist=worksteal: an idle worker takes
+# queued tests from the other, so the long tests do not leave one worker alone at the end.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -28,11 +29,11 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m experiments.demo
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n auto -q tests
+	$(BIN)/python -m pytest -n auto --dist=worksteal -q tests
 
 # Everything but the tests marked slow (pytest.ini).
 test-fast: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n auto -q -m "not slow" tests
+	$(BIN)/python -m pytest -n auto --dist=worksteal -q -m "not slow" tests
 
 # Re-pins to the venv's versions (after `pip install -U -e ".[test]"` and a passing make test).
 constraints:
