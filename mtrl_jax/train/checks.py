@@ -25,6 +25,7 @@ field, its value and what is allowed (`experiment.validate` turns it into a
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -72,6 +73,10 @@ def check_imports(exp: Experiment):
       fn = import_object(exp.sft.conversations, "sft.conversations")
       if not callable(fn):
         raise TypeError(f"{fn!r} is not callable")
+    kwargs = dict(exp.sft.conversation_kwargs)
+    with _Resolving(f"sft.conversation_kwargs={kwargs}",
+                    f"keyword arguments of {exp.sft.conversations}"):
+      inspect.signature(fn).bind(None, **kwargs)
   tok = exp.tokenizer
   if tok.kind == "byte" and tok.extra_specials:
     with _Resolving(f"tokenizer.extra_specials={tok.extra_specials!r}",

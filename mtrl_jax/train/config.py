@@ -18,6 +18,7 @@ import math
 from typing import Optional
 
 from mtrl_jax.rollout.batching import PACKINGS
+from mtrl_jax.train.inputs import kwargs_pairs
 
 
 def _int_at_least(group: str, obj, names, low: int):
@@ -120,7 +121,11 @@ class SFTConfig:
     steps: SFT warm-up updates before RL (0: none).
     batch_size: rows per SFT batch.
     num_examples: golden conversations rendered from the first train tasks.
-    conversations: 'pkg.module:fn' with fn(task) -> [(role, content), ...].
+    conversations: 'pkg.module:fn' with fn(task, **conversation_kwargs) ->
+      [(role, content), ...].
+    conversation_kwargs: keyword arguments of that function ({} in the
+      config; kept as sorted (name, value) pairs), e.g. the turns and
+      feedback mode its episodes show.
     learning_rate: the warm-up's constant AdamW rate.
     until_success: stop the warm-up once greedy success on `check_tasks` train
       tasks held out from the SFT data reaches this (0: run every step); keeps
@@ -137,6 +142,7 @@ class SFTConfig:
   batch_size: int = 32
   num_examples: int = 2000
   conversations: str = ""
+  conversation_kwargs: tuple = dataclasses.field(default_factory=dict)
   learning_rate: float = 3e-3
   until_success: float = 0.0
   check_every: int = 25
@@ -145,6 +151,7 @@ class SFTConfig:
   mix_learning_rate: float = 5e-4
 
   def __post_init__(self):
+    object.__setattr__(self, "conversation_kwargs", kwargs_pairs(self.conversation_kwargs))
     _int_at_least("sft", self, ("steps", "num_examples", "mix_every"), 0)
     _int_at_least("sft", self, ("batch_size", "check_every", "check_tasks"), 1)
     for name in ("learning_rate", "mix_learning_rate"):

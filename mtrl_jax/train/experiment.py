@@ -228,6 +228,9 @@ def check_processes(exp: Experiment):
 def check_agents(exp: Experiment):
   """Separate policies: one entry per agent, every agent of the top-level architecture."""
   exp.agents.check(exp.tree.num_agents)
+  if exp.tree.num_agents == 1 and not exp.agents.share_policy:
+    raise ValueError("config agents.share_policy=False with tree.num_agents=1; allowed: True "
+                     "(one agent has one policy)")
   if exp.sft.mix_every and not exp.agents.share_policy:
     raise ValueError(f"config sft.mix_every={exp.sft.mix_every} with agents.share_policy=False; "
                      "allowed: 0 (SFT steps mixed into RL are built for one shared policy)")

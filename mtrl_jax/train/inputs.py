@@ -20,8 +20,8 @@ from mtrl_jax.models.config import LoraConfig, ModelConfig
 _MODEL_DTYPES = ("", "float32", "bfloat16")
 
 
-def _kwargs(value) -> tuple:
-  # A keyword-argument group ({} in the config) as sorted (name, value) pairs.
+def kwargs_pairs(value) -> tuple:
+  """A keyword-argument group ({} in the config) as sorted (name, value) pairs."""
   return tuple(sorted(dict(value).items()))
 
 
@@ -137,7 +137,7 @@ class EnvConfig:
   limits: StepLimits = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
-    object.__setattr__(self, "kwargs", _kwargs(self.kwargs))
+    object.__setattr__(self, "kwargs", kwargs_pairs(self.kwargs))
     object.__setattr__(self, "limits", StepLimits(
         max_turns=self.max_turns, max_tokens=self.max_tokens,
         react_timeout_s=self.react_timeout_s,
@@ -163,4 +163,4 @@ class TasksConfig:
   kwargs: tuple = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    object.__setattr__(self, "kwargs", _kwargs(self.kwargs))
+    object.__setattr__(self, "kwargs", kwargs_pairs(self.kwargs))

@@ -15,6 +15,7 @@ random-access source of `{"ids", "trainable"}` records (e.g. a TFDS
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
@@ -197,12 +198,17 @@ def conversation_rows(make_conversation: Callable, renderer, tasks, count: int) 
   return rows
 
 
+def conversation_maker(cfg) -> Callable:
+  """task -> [(role, content), ...]: `sft.conversations` with `sft.conversation_kwargs`."""
+  return functools.partial(import_object(cfg.conversations, "sft.conversations"),
+                           **dict(cfg.conversation_kwargs))
+
+
 def golden_batcher(parts, seed: int) -> SFTBatcher:
   """Batches of the golden conversations of the first `sft.num_examples` train tasks,
   shuffled with `seed` (the warm-up's stream, or `SFTMix`'s with another seed)."""
   exp, cfg = parts.exp, parts.exp.sft
-  make = import_object(cfg.conversations, "sft.conversations")
-  rows = conversation_rows(make, parts.renderer, parts.train_tasks, cfg.num_examples)
+  rows = conversation_rows(conversation_maker(cfg), parts.renderer, parts.train_tasks, cfg.num_examples)
   return SFTBatcher(rows, cfg.batch_size, exp.rl.length_buckets, seed=seed,
                     pad_id=parts.tokenizer.pad_id)
 

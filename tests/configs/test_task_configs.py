@@ -9,6 +9,7 @@ from configs import calculator as calculator_config
 from configs import common
 from configs import coop as coop_config
 from configs import humaneval as humaneval_config
+from configs import refine as refine_config
 from mtrl_jax.train import rl
 
 
@@ -17,6 +18,7 @@ from mtrl_jax.train import rl
     (humaneval_config, "smoke=True,agents=2"),
     # One shared policy here; coop's separate-policy default runs in test_separate_policies.
     (coop_config, "smoke=True,share_policy=True"),
+    (refine_config, "smoke=True"),
 ])
 def test_smoke_config_trains_two_steps(tmp_path, module, arg):
   config = module.get_config(arg)
@@ -37,7 +39,8 @@ def test_smoke_config_trains_two_steps(tmp_path, module, arg):
              for a in (0, 1))
 
 
-@pytest.mark.parametrize("module", [calculator_config, coop_config, humaneval_config])
+@pytest.mark.parametrize("module", [calculator_config, coop_config, humaneval_config,
+                                    refine_config])
 def test_every_smoke_config_applies_the_common_overlay(module):
   """`smoke=True` is `configs.common.apply_smoke` plus what the task changes after it."""
   config = module.get_config("smoke=True")
@@ -56,6 +59,7 @@ def test_every_smoke_config_applies_the_common_overlay(module):
 def test_multi_agent_configs_default_to_one_policy_per_agent():
   """CoMLRL trains one LLM per agent: coop and HumanEval (aux + main) default to it."""
   for config in (coop_config.get_config(None), coop_config.get_config("smoke=True"),
+                 refine_config.get_config(None),
                  humaneval_config.get_config(None), humaneval_config.get_config("smoke=True")):
     assert config.tree.num_agents == 2 and not config.agents.share_policy
   assert coop_config.get_config("share_policy=True").agents.share_policy

@@ -13,6 +13,7 @@ import pytest
 from configs import calculator as calc_config
 from configs import coop as coop_config
 from configs import humaneval as humaneval_config
+from configs import refine as refine_config
 from mtrl_jax.envs import Environment, EnvironmentFactory
 from mtrl_jax.train import components, experiment
 
@@ -35,9 +36,15 @@ BAD = {
                    ["tasks.eval_split='held_out'", "'eval'"]),
     "sft_conversations": ("calculator", {"sft.conversations": f"{CALC}:no_golden"},
                           ["sft.conversations=", "no_golden"]),
+    "sft_conversation_kwargs": ("refine", {"sft.conversation_kwargs": {"turns": 2}},
+                                ["sft.conversation_kwargs={'turns': 2}", "turns",
+                                 "refine:warmup_conversation"]),
+    "single_agent_separate": ("refine", {"tree.num_agents": 1, "agents.share_policy": False},
+                              ["agents.share_policy=False with tree.num_agents=1",
+                               "allowed: True"]),
     "extra_specials": ("calculator", {"tokenizer.extra_specials": f"{CALC}:golden_conversation"},
                        ["tokenizer.extra_specials=", "tuple of strings"]),
-    "agents": ("coop", {"tree.num_agents": 1},
+    "agents": ("coop", {"tree.num_agents": 1, "agents.share_policy": True},
                ["tree.num_agents=1", "env.factory='coop'", "allowed: 2"]),
     "one_generation_mean": ("calculator", {"tree.num_generations": 1},
                             ["tree.num_generations=1", "advantage_mode='mean'", "'raw'"]),
@@ -57,7 +64,7 @@ BAD = {
 
 
 def _config(name, overrides):
-  module = {"calculator": calc_config, "coop": coop_config}[name]
+  module = {"calculator": calc_config, "coop": coop_config, "refine": refine_config}[name]
   c = module.get_config("smoke=True")
   for key, value in overrides.items():
     group, field = key.split(".")
@@ -78,7 +85,8 @@ def test_validate_refuses_in_one_line(case):
 
 def test_good_configs_and_raw_single_sample_pass():
   for c in (calc_config.get_config(), calc_config.get_config("smoke=True"),
-            coop_config.get_config(), humaneval_config.get_config("smoke=True")):
+            coop_config.get_config(), humaneval_config.get_config("smoke=True"),
+            refine_config.get_config()):
     experiment.validate(c)
   # 'raw' advantages of one sample are the returns themselves: allowed.
   experiment.validate(_config("calculator", {"tree.num_generations": 1,

@@ -59,7 +59,7 @@ def test_experiment_mirrors_the_config_group_for_group():
       got = getattr(getattr(exp, group), name)
       if (group, name) in resolved:
         continue
-      if name == "kwargs":
+      if name in ("kwargs", "conversation_kwargs"):
         got, value = dict(got), value.to_dict()
       if dataclasses.is_dataclass(got):  # a sub-group (model.lora) resolved to its dataclass
         got, value = dataclasses.asdict(got), value.to_dict()

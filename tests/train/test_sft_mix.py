@@ -113,3 +113,17 @@ def test_sft_only_control_takes_no_rl_update(tmp_path):
   for r in rows[1:]:
     assert "train/loss" not in r and r["sft_mix/tokens"] > 0
     assert "rollout/success" in r
+
+
+def test_the_warmup_conversations_take_their_keyword_arguments():
+  """`sft.conversation_kwargs` reach the conversation function: here three turns of
+  'plain' feedback of the refine task instead of its defaults (two, level feedback)."""
+  from configs import refine as refine_config
+  from mtrl_jax.tasks import refine
+  c = refine_config.get_config()
+  c.tree.num_turns = 3
+  c.env.kwargs.feedback = "plain"
+  exp = experiment.build(c)
+  convo = sft.conversation_maker(exp.sft)(refine.make_task("train", 0))
+  assert [role for role, _ in convo] == ["user", "assistant"] * 3
+  assert {text for role, text in convo[2::2]} <= {"ok", "no"}

@@ -97,3 +97,25 @@ def test_budget_curve_table_and_plot(tmp_path):
   assert table[3] == "| tree.shape=chain | 1 | 0.700 | 4k | 2 |"
   png = report.plot_budget([tree, chain], str(tmp_path / "b.png"))
   assert os.path.getsize(png) > 1000
+
+
+def test_refine_axes_share_one_base_arm_and_follow_their_field_references(tmp_path):
+  """Every axis of configs/refine.py starts with the same base runs (so a grid runs them
+  once), and T, the agent count and the feedback mode reach the env and the warm-up data."""
+  path = os.path.join(ROOT, "configs", "refine.py")
+  names = {}
+  for axis in ("turns", "generations", "joint", "feedback", "policy", "shape", "discount",
+               "agents"):
+    runs = report.expand_sweep(path, axis, str(tmp_path))
+    names[axis] = [os.path.basename(w) for w, _, _ in runs]
+    assert names[axis][:3] == ["seed=0", "seed=1", "seed=2"] and len(runs) % 3 == 0
+  every = report.expand_sweep(path, "all", str(tmp_path))
+  assert sorted(os.path.basename(w) for w, _, _ in every) == sorted(
+      {n for axis in names.values() for n in axis})
+  by_name = {os.path.basename(w): c for w, _, c in every}
+  c = by_name["tree.num_turns=3,seed=0"]
+  assert (c.env.kwargs.num_turns, c.sft.conversation_kwargs.num_turns, c.env.max_turns) == (3, 3, 3)
+  c = by_name["env.kwargs.feedback=plain,seed=1"]
+  assert c.sft.conversation_kwargs.feedback == "plain"
+  c = by_name["tree.num_agents=1,agents.share_policy=True,seed=2"]
+  assert (c.env.kwargs.agents, c.sft.conversation_kwargs.agents) == (1, 1)
