@@ -2,6 +2,8 @@
 
   python -m experiments.ablate --runs='runs/sweep_T/*' --level=0.5 --out=docs/ablations_T.md
   python -m experiments.ablate --runs='runs/shape/*' --budget --out=/tmp/shape.md  # + tokens, seconds
+  python -m experiments.ablate --runs='runs/refine/seed=*' --runs='runs/refine/tree.num_turns=*'
+      # one axis of a grid: the base runs and that axis's arms (--runs repeats)
 
 Runs are grouped by their overrides minus the seed (the directory name written
 by `experiments/sweep.py`); each row reports mean +- std over seeds of the
@@ -17,7 +19,7 @@ from absl import app, flags
 from experiments import cli
 from mtrl_jax.train import report
 
-_RUNS = flags.DEFINE_string("runs", None, "glob of run directories")
+_RUNS = flags.DEFINE_multi_string("runs", None, "glob of run directories (repeat for several)")
 _LEVEL = flags.DEFINE_float("level", 0.5, "success level for the steps-to-reach column")
 _OUT = flags.DEFINE_string("out", "", "markdown output (also printed); a PNG is written beside it")
 _BUDGET = flags.DEFINE_bool("budget", False, "also a table and a plot (<out>_budget.png) of "
@@ -27,14 +29,15 @@ flags.mark_flags_as_required(["runs"])
 
 def main(argv):
   del argv
-  started = sorted(d for d in glob.glob(_RUNS.value)
-                   if os.path.exists(os.path.join(d, "metrics.jsonl")))
+  started = sorted({d for pattern in _RUNS.value for d in glob.glob(pattern)
+                    if os.path.exists(os.path.join(d, "metrics.jsonl"))})
   # A run writes summary.json when it ends; one still running (or killed) is left out.
   workdirs = [d for d in started if os.path.exists(os.path.join(d, "summary.json"))]
   for d in sorted(set(started) - set(workdirs)):
     print(f"skipped (unfinished, no summary.json): {d}")
+  runs = " ".join(f"--runs='{pattern}'" for pattern in _RUNS.value)
   if not workdirs:
-    raise app.UsageError(f"--runs={_RUNS.value!r} matches no finished run directory; allowed: "
+    raise app.UsageError(f"{runs} matches no finished run directory; allowed: "
                          "a glob of run directories with metrics.jsonl and summary.json")
   table = report.ablation_table(workdirs, level=_LEVEL.value)
   if _BUDGET.value:
@@ -43,7 +46,7 @@ def main(argv):
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       budget = " --budget" if _BUDGET.value else ""
-      f.write(f"`python -m experiments.ablate --runs='{_RUNS.value}' --level={_LEVEL.value}"
+      f.write(f"`python -m experiments.ablate {runs} --level={_LEVEL.value}"
               f"{budget}`\n\n")
       f.write(table + "\n")
     png = report.plot_groups(workdirs, os.path.splitext(_OUT.value)[0] + ".png")

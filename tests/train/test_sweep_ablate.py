@@ -54,6 +54,26 @@ def test_ablation_table_groups_seeds(tmp_path):
   assert os.path.getsize(png) > 1000
 
 
+def test_ablate_takes_several_globs_and_names_them_in_its_table(tmp_path):
+  """One axis of a grid: the base runs and that axis's arms, leaving the other axes out."""
+  import subprocess
+  import sys
+  p = str(tmp_path)
+  for name, v in (("seed=0", 0.8), ("tree.num_turns=1,seed=0", 0.25),
+                  ("tree.num_generations=2,seed=0", 0.6)):
+    _fake_run(p, name, [(0, 0.4), (10, v)], {"step": 10, "score": v})
+  out = str(tmp_path / "turns.md")
+  res = subprocess.run([sys.executable, "-m", "experiments.ablate", f"--runs={p}/seed=*",
+                        f"--runs={p}/tree.num_turns=*", f"--out={out}"], cwd=ROOT,
+                       capture_output=True, text=True)
+  assert res.returncode == 0, res.stderr
+  text = open(out).read()
+  assert text.startswith(f"`python -m experiments.ablate --runs='{p}/seed=*' "
+                         f"--runs='{p}/tree.num_turns=*' --level=0.5`")
+  assert "| (base) | 1 |" in text and "| tree.num_turns=1 | 1 |" in text
+  assert "num_generations" not in text
+
+
 def test_sweep_skips_finished_runs(tmp_path):
   import subprocess
   import sys
