@@ -107,6 +107,23 @@ def golden_conversation_agent1(task: Mapping[str, Any]) -> list[tuple[str, str]]
   return golden_conversation(task, 1)
 
 
+def grade_joint_answers(env: Environment, threads: Sequence[Thread], target: str, source: str):
+  """(answers, success, grades) of a joint action: each agent's last <answer> (a missing
+  one reported as a model_format fault of `env`), and the joint grade: 1 when every
+  answer equals `target`, with each agent's own hit as a component."""
+  answers = [extract_answer(t.last_assistant) for t in threads]
+  for i, a in enumerate(answers):
+    if a is None:
+      env.report_fault("model_format", f"agent {i}: no <answer>...</answer>", source)
+  correct = [a == target for a in answers]
+  success = all(correct)
+  info = {"success": float(success)}
+  info.update({f"agent_{i}_correct": float(c) for i, c in enumerate(correct)})
+  reason = ("every agent answered the joint code" if success
+            else f"answers {answers}; joint code {target}")
+  return answers, success, {GRADE_NAME: Grade(float(success), reason, info)}
+
+
 class CoopEnv(Environment):
   """Two agents, private halves, one joint code; the partner's answer is the feedback.
 
@@ -135,17 +152,7 @@ class CoopEnv(Environment):
   def react_to_joint(self, threads: Sequence[Thread]):
     if len(threads) != 2:
       raise ValueError(f"CoopEnv has 2 agents, got {len(threads)} threads")
-    answers = [extract_answer(t.last_assistant) for t in threads]
-    for i, a in enumerate(answers):
-      if a is None:
-        self.report_fault("model_format", f"agent {i}: no <answer>...</answer>", "coop")
-    target = self.metadata["target"]
-    correct = [a == target for a in answers]
-    success = all(correct)
-    grades = {GRADE_NAME: Grade(float(success), "both answered the joint code" if success
-                                else f"answers {answers}; joint code {target}",
-                                {"success": float(success), "agent_0_correct": float(correct[0]),
-                                 "agent_1_correct": float(correct[1])})}
+    answers, success, grades = grade_joint_answers(self, threads, self.metadata["target"], "coop")
     if threads[0].count("assistant") >= self.num_turns:
       return None, grades
     return [t.append(Turn("user", feedback_prompt(i, answers[1 - i], success, self.show_partner)))

@@ -63,13 +63,11 @@ import numpy as np
 
 from mtrl_jax import data
 from mtrl_jax.envs import Environment, EnvironmentFactory, Thread, Turn, register_env_factory
-from mtrl_jax.envs.grades import Grade
-from mtrl_jax.text.tool_calls import extract_answer
+from mtrl_jax.tasks.coop import grade_joint_answers
 
 LETTERS = ("A", "B")
 FEEDBACK_MODES = ("level_feedback", "plain", "bandit")
 _SPLIT_SEEDS = {"train": 20, "eval": 21, "test": 22}
-GRADE_NAME = "joint"
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:
@@ -229,17 +227,8 @@ class RefineEnv(Environment):
   def react_to_joint(self, threads: Sequence[Thread]):
     if len(threads) != self.num_agents:
       raise ValueError(f"RefineEnv has {self.num_agents} agents, got {len(threads)} threads")
-    answers = [extract_answer(t.last_assistant) for t in threads]
-    for i, a in enumerate(answers):
-      if a is None:
-        self.report_fault("model_format", f"agent {i}: no <answer>...</answer>", "refine")
-    target = self.metadata["target"]
-    correct = [a == target for a in answers]
-    success = all(correct)
-    info = {"success": float(success)}
-    info.update({f"agent_{i}_correct": float(c) for i, c in enumerate(correct)})
-    grades = {GRADE_NAME: Grade(float(success), "the joint code held" if success
-                                else f"answers {answers}; code {target}", info)}
+    answers, success, grades = grade_joint_answers(self, threads, self.metadata["target"],
+                                                   "refine")
     if threads[0].count("assistant") >= self.num_turns:
       return None, grades
     return [t.append(Turn("user", feedback_prompt(self.metadata, i, answers[i], success,
