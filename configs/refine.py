@@ -12,11 +12,13 @@ The `refine` task (mtrl_jax/tasks/refine.py): agent 0 sees "A:x B?c1|c2"
 "B:y A?c1|c2"; both must answer x‖y. A turn-1 guess holds for the pair with
 chance 1/4; the feedback between joint actions ('level_feedback' names the
 wrong half of each agent's own answer) is what a second turn can use. The
-`small` byte-level policy is warmed up on episodes that guess blindly at
-every turn (format only), then trained with ENVGRPO on a T = 2, G = 4
-aligned tree, one policy per agent as CoMLRL trains them. Every joint action
-is graded (+1 when both answers are the code), and per-turn grades weigh as
-much as the final one. Held-out success: the last turn's joint success.
+`small` byte-level policy at depth 4 is warmed up on one epoch of episodes
+that guess at random at turn 1 and follow the mode's refiner at later turns
+in half of them (`warmup_conversation`), then trained with ENVGRPO for 100
+steps on a T = 2, G = 4 aligned tree, one policy per agent as CoMLRL trains
+them. Every joint action is graded (+1 when both answers are the code), and
+per-turn grades weigh as much as the final one. Held-out success: the last
+turn's joint success. The grid and what it shows: docs/refine.md.
 
 Knobs shared by the tree, the environment and the warm-up data (one
 FieldReference each, so one flag sets all of them): `tree.num_turns` (T) and

@@ -208,7 +208,8 @@ def golden_batcher(parts, seed: int) -> SFTBatcher:
   """Batches of the golden conversations of the first `sft.num_examples` train tasks,
   shuffled with `seed` (the warm-up's stream, or `SFTMix`'s with another seed)."""
   exp, cfg = parts.exp, parts.exp.sft
-  rows = conversation_rows(conversation_maker(cfg), parts.renderer, parts.train_tasks, cfg.num_examples)
+  rows = conversation_rows(conversation_maker(cfg), parts.renderer, parts.train_tasks,
+                           cfg.num_examples)
   return SFTBatcher(rows, cfg.batch_size, exp.rl.length_buckets, seed=seed,
                     pad_id=parts.tokenizer.pad_id)
 
