@@ -96,7 +96,8 @@ def make_task(split: str, index: int, digits: int = 2, hint_size: int = 2) -> di
 def first_prompt(task: Mapping[str, Any], agent: int) -> str:
   """Turn-1 message of `agent`: its letter, its half, the partner's candidates."""
   other = 1 - agent
-  return f"{LETTERS[agent]}:{task['parts'][agent]} {LETTERS[other]}?{'|'.join(task['hints'][other])}"
+  candidates = "|".join(task["hints"][other])
+  return f"{LETTERS[agent]}:{task['parts'][agent]} {LETTERS[other]}?{candidates}"
 
 
 def _judge(guess: Optional[str], truth: str) -> str:

@@ -162,15 +162,16 @@ def _plain_success(turn2: tuple) -> float:
     env = make_env(TASK, feedback="plain")
     threads = env.initial_threads()
     picks = [TASK["hints"][1 - a][g] for a, g in enumerate(guesses)]
-    code = lambda a, p: TASK["parts"][0] + p if a == 0 else p + TASK["parts"][1]
-    out = step_environment(env, [t.append(Turn("assistant", f"<answer>{code(a, picks[a])}</answer>"))
-                                 for a, t in enumerate(threads)], reward_cfg=PER_TURN)
+    def act(threads):
+      codes = [TASK["parts"][0] + picks[0], picks[1] + TASK["parts"][1]]
+      return step_environment(env, [t.append(Turn("assistant", f"<answer>{c}</answer>"))
+                                    for t, c in zip(threads, codes)], reward_cfg=PER_TURN)
+    out = act(threads)
     ok = out.next_threads[0].turns[-1].content == "ok"
     for a in range(2):
       if not ok and turn2[a] == "switch":
         picks[a] = next(c for c in TASK["hints"][1 - a] if c != picks[a])
-    out = step_environment(env, [t.append(Turn("assistant", f"<answer>{code(a, picks[a])}</answer>"))
-                                 for a, t in enumerate(out.next_threads)], reward_cfg=PER_TURN)
+    out = act(out.next_threads)
     wins.append(out.reward.total)
   return float(np.mean(wins))
 
