@@ -159,15 +159,15 @@ class SFTConfig:
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
           v > 0 and math.isfinite(v)):
         raise ValueError(f"config sft.{name}={v!r}; allowed: a finite number > 0")
-    if self.mix_every and not self.conversations:
-      raise ValueError(f"config sft.mix_every={self.mix_every} needs sft.conversations; allowed: "
-                       "'pkg.module:fn' with fn(task) -> [(role, content), ...]")
     if not 0.0 <= self.until_success <= 1.0:
       raise ValueError(f"config sft.until_success={self.until_success!r}; allowed: a number in "
                        "[0, 1] (0: run every step)")
-    if self.steps and not self.conversations:
-      raise ValueError(f"config sft.steps={self.steps} needs sft.conversations; allowed: "
-                       "'pkg.module:fn' with fn(task) -> [(role, content), ...]")
+    kwargs = dict(self.conversation_kwargs)
+    for name, value in (("steps", self.steps), ("mix_every", self.mix_every),
+                        ("conversation_kwargs", kwargs)):
+      if value and not self.conversations:
+        raise ValueError(f"config sft.{name}={value!r} needs sft.conversations; allowed: "
+                         "'pkg.module:fn' with fn(task) -> [(role, content), ...]")
 
 
 @dataclasses.dataclass(frozen=True)
