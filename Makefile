@@ -1,6 +1,7 @@
 # One-command set-up: `make demo` runs the default experiment, `make test` the suite
 # (`make test-fast` without the slow training loops). --dist=worksteal: an idle worker takes
-# queued tests from the other, so the long tests do not leave one worker alone at the end.
+# queued tests from the other, so the long tests do not leave one worker alone at the end;
+# --durations prints the slowest tests, the ones to look at when the suite grows past 10 minutes.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -29,7 +30,7 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m experiments.demo
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n auto --dist=worksteal -q tests
+	$(BIN)/python -m pytest -n auto --dist=worksteal -q --durations=25 tests
 
 # Everything but the tests marked slow (pytest.ini).
 test-fast: $(VENV)/.installed-test
