@@ -2,6 +2,7 @@
 
   python -m experiments.ablate --runs='runs/sweep_T/*' --level=0.5 --out=docs/ablations_T.md
   python -m experiments.ablate --runs='runs/shape/*' --budget --out=/tmp/shape.md  # + tokens, seconds
+  python -m experiments.ablate --runs='runs/shape/*' --budget --tokens=448e3  # success within 448k
   python -m experiments.ablate --runs='runs/refine/seed=*' --runs='runs/refine/tree.num_turns=*'
       # one axis of a grid: the base runs and that axis's arms (--runs repeats)
 
@@ -24,6 +25,8 @@ _LEVEL = flags.DEFINE_float("level", 0.5, "success level for the steps-to-reach 
 _OUT = flags.DEFINE_string("out", "", "markdown output (also printed); a PNG is written beside it")
 _BUDGET = flags.DEFINE_bool("budget", False, "also a table and a plot (<out>_budget.png) of "
                             "success against sampled tokens and RL seconds")
+_TOKENS = flags.DEFINE_float("tokens", None, "the --budget table's token budget (default: the "
+                             "smallest final sampled-token count among the runs)")
 flags.mark_flags_as_required(["runs"])
 
 
@@ -41,11 +44,13 @@ def main(argv):
                          "a glob of run directories with metrics.jsonl and summary.json")
   table = report.ablation_table(workdirs, level=_LEVEL.value)
   if _BUDGET.value:
-    table += "\n\n" + report.budget_table(workdirs)
+    table += "\n\n" + report.budget_table(workdirs, tokens=_TOKENS.value)
   print(table)
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       budget = " --budget" if _BUDGET.value else ""
+      if _BUDGET.value and _TOKENS.value is not None:
+        budget += f" --tokens={_TOKENS.value:.0f}"
       f.write(f"`python -m experiments.ablate {runs} --level={_LEVEL.value}"
               f"{budget}`\n\n")
       f.write(table + "\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -210,16 +210,28 @@ def budget_curve(workdir: str, key: str = SUCCESS_KEY) -> dict:
   return {k: np.asarray(v, np.float64) for k, v in out.items()}
 
 
-def budget_table(workdirs: Sequence[str], key: str = SUCCESS_KEY) -> str:
+def budget_table(workdirs: Sequence[str], key: str = SUCCESS_KEY,
+                 tokens: Optional[float] = None) -> str:
   """Markdown: per group, mean over seeds of the final held-out success, the tokens
-  sampled and the RL seconds spent to get there."""
-  lines = ["| setting | seeds | final | sampled tokens | RL seconds (eval excluded) |",
-           "|---|---|---|---|---|"]
-  for name, runs in _groups(workdirs).items():
-    last = [{k: v[-1] for k, v in budget_curve(w, key).items()} for w in runs]
-    mean = lambda f: float(np.mean([c[f] for c in last]))
-    lines.append(f"| {name} | {len(runs)} | {mean('success'):.3f} | "
-                 f"{mean('tokens') / 1e3:.0f}k | {mean('seconds'):.0f} |")
+  sampled and the RL seconds spent to get there, and the success within a token
+  budget.
+
+  The budget is `tokens`, by default the smallest final sampled-token count
+  among the runs (every run reached it). A run's value is its last evaluation
+  having sampled at most that many tokens (its final one if it sampled fewer):
+  a measured figure, never interpolated.
+  """
+  curves = {name: [budget_curve(w, key) for w in runs] for name, runs in _groups(workdirs).items()}
+  if tokens is None:
+    tokens = min(c["tokens"][-1] for cs in curves.values() for c in cs)
+  lines = ["| setting | seeds | final | sampled tokens | RL seconds (eval excluded) | "
+           f"within {tokens / 1e3:.0f}k tokens |", "|---|---|---|---|---|---|"]
+  for name, cs in curves.items():
+    mean = lambda f: float(np.mean([c[f][-1] for c in cs]))
+    within = [c["success"][np.flatnonzero(c["tokens"] <= tokens)[-1]] for c in cs]
+    lines.append(f"| {name} | {len(cs)} | {mean('success'):.3f} | "
+                 f"{mean('tokens') / 1e3:.0f}k | {mean('seconds'):.0f} | "
+                 f"{np.mean(within):.3f} +- {np.std(within):.3f} |")
   return "\n".join(lines)
 
 

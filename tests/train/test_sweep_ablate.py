@@ -112,9 +112,18 @@ def test_budget_curve_table_and_plot(tmp_path):
   np.testing.assert_array_equal(c["tokens"], [0, 250])
   np.testing.assert_array_equal(c["seconds"], [0, 5])  # 2 + (9 - 6)
   np.testing.assert_array_equal(c["success"], [0.2, 0.5])
-  table = report.budget_table([tree, chain]).splitlines()
-  assert table[2] == "| tree.shape=tree | 1 | 0.500 | 0k | 5 |"
-  assert table[3] == "| tree.shape=chain | 1 | 0.700 | 4k | 2 |"
+  chain_1 = run("tree.shape=chain,seed=1", [
+      {"step": 0, s: 0.1}, {"step": 1, "tree/sampled_tokens": 200.0, s: 0.4},
+      {"step": 2, "tree/sampled_tokens": 3800.0, "time/step": 2.5, s: 0.9}])
+  table = report.budget_table([tree, chain, chain_1]).splitlines()
+  # The default budget: 250, the tree's total; the chains' last evaluations within it are
+  # 0.2 (seed 0: its only RL evaluation is at 4000) and 0.4 (seed 1, at 200).
+  assert table[0].endswith("| within 0k tokens |")
+  assert table[2] == "| tree.shape=tree | 1 | 0.500 | 0k | 5 | 0.500 +- 0.000 |"
+  assert table[3] == "| tree.shape=chain | 2 | 0.800 | 4k | 2 | 0.300 +- 0.100 |"
+  # A budget of 4000 (both chains' totals): the tree sampled less (its final 0.5 counts).
+  table = report.budget_table([tree, chain, chain_1], tokens=4000).splitlines()
+  assert table[2].endswith("| 0.500 +- 0.000 |") and table[3].endswith("| 0.800 +- 0.100 |")
   png = report.plot_budget([tree, chain], str(tmp_path / "b.png"))
   assert os.path.getsize(png) > 1000
 
