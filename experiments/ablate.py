@@ -2,7 +2,7 @@
 
   python -m experiments.ablate --runs='runs/sweep_T/*' --level=0.5 --out=docs/ablations_T.md
   python -m experiments.ablate --runs='runs/shape/*' --budget --out=/tmp/shape.md  # + tokens, seconds
-  python -m experiments.ablate --runs='runs/shape/*' --budget --tokens=448e3  # success within 448k
+  python -m experiments.ablate --runs='runs/shape/*' --budget --tokens=448e3  # success at 448k
   python -m experiments.ablate --runs='runs/refine/seed=*' --runs='runs/refine/tree.num_turns=*'
       # one axis of a grid: the base runs and that axis's arms (--runs repeats)
 

@@ -217,18 +217,20 @@ def budget_table(workdirs: Sequence[str], key: str = SUCCESS_KEY,
   budget.
 
   The budget is `tokens`, by default the smallest final sampled-token count
-  among the runs (every run reached it). A run's value is its last evaluation
-  having sampled at most that many tokens (its final one if it sampled fewer):
-  a measured figure, never interpolated.
+  among the runs (every run reached it). A run's value at the budget is
+  interpolated linearly between the two evaluations around it (evaluations
+  come every `eval.every` steps, so an arm that samples more per step would
+  otherwise be read further below the budget); a run that sampled fewer
+  tokens counts with its final evaluation.
   """
   curves = {name: [budget_curve(w, key) for w in runs] for name, runs in _groups(workdirs).items()}
   if tokens is None:
     tokens = min(c["tokens"][-1] for cs in curves.values() for c in cs)
   lines = ["| setting | seeds | final | sampled tokens | RL seconds (eval excluded) | "
-           f"within {tokens / 1e3:.0f}k tokens |", "|---|---|---|---|---|---|"]
+           f"at {tokens / 1e3:.0f}k tokens |", "|---|---|---|---|---|---|"]
   for name, cs in curves.items():
     mean = lambda f: float(np.mean([c[f][-1] for c in cs]))
-    within = [c["success"][np.flatnonzero(c["tokens"] <= tokens)[-1]] for c in cs]
+    within = [np.interp(tokens, c["tokens"], c["success"]) for c in cs]
     lines.append(f"| {name} | {len(cs)} | {mean('success'):.3f} | "
                  f"{mean('tokens') / 1e3:.0f}k | {mean('seconds'):.0f} | "
                  f"{np.mean(within):.3f} +- {np.std(within):.3f} |")
