@@ -25,13 +25,15 @@ _LEVEL = flags.DEFINE_float("level", 0.5, "success level for the steps-to-reach 
 _OUT = flags.DEFINE_string("out", "", "markdown output (also printed); a PNG is written beside it")
 _BUDGET = flags.DEFINE_bool("budget", False, "also a table and a plot (<out>_budget.png) of "
                             "success against sampled tokens and RL seconds")
-_TOKENS = flags.DEFINE_float("tokens", None, "the --budget table's token budget (default: the "
-                             "smallest final sampled-token count among the runs)")
+_TOKENS = flags.DEFINE_float("tokens", None, "the --budget table's last column: held-out success "
+                             "at this many sampled tokens (default: the smallest run's total)")
 flags.mark_flags_as_required(["runs"])
 
 
 def main(argv):
   del argv
+  if _TOKENS.value is not None and not _TOKENS.value > 0:
+    raise app.UsageError(f"--tokens={_TOKENS.value}; allowed: a number of sampled tokens > 0")
   started = sorted({d for pattern in _RUNS.value for d in glob.glob(pattern)
                     if os.path.exists(os.path.join(d, "metrics.jsonl"))})
   # A run writes summary.json when it ends; one still running (or killed) is left out.

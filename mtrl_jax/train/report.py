@@ -213,7 +213,7 @@ def budget_curve(workdir: str, key: str = SUCCESS_KEY) -> dict:
 def budget_table(workdirs: Sequence[str], key: str = SUCCESS_KEY,
                  tokens: Optional[float] = None) -> str:
   """Markdown: per group, mean over seeds of the final held-out success, the tokens
-  sampled and the RL seconds spent to get there, and the success within a token
+  sampled and the RL seconds spent to get there, and the success at a token
   budget.
 
   The budget is `tokens`, by default the smallest final sampled-token count
@@ -230,10 +230,10 @@ def budget_table(workdirs: Sequence[str], key: str = SUCCESS_KEY,
            f"at {tokens / 1e3:.0f}k tokens |", "|---|---|---|---|---|---|"]
   for name, cs in curves.items():
     mean = lambda f: float(np.mean([c[f][-1] for c in cs]))
-    within = [np.interp(tokens, c["tokens"], c["success"]) for c in cs]
+    at_budget = [np.interp(tokens, c["tokens"], c["success"]) for c in cs]
     lines.append(f"| {name} | {len(cs)} | {mean('success'):.3f} | "
                  f"{mean('tokens') / 1e3:.0f}k | {mean('seconds'):.0f} | "
-                 f"{np.mean(within):.3f} +- {np.std(within):.3f} |")
+                 f"{np.mean(at_budget):.3f} +- {np.std(at_budget):.3f} |")
   return "\n".join(lines)
 
 

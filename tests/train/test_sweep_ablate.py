@@ -72,6 +72,10 @@ def test_ablate_takes_several_globs_and_names_them_in_its_table(tmp_path):
                          f"--runs='{p}/tree.num_turns=*' --level=0.5`")
   assert "| (base) | 1 |" in text and "| tree.num_turns=1 | 1 |" in text
   assert "num_generations" not in text
+  res = subprocess.run([sys.executable, "-m", "experiments.ablate", f"--runs={p}/seed=*",
+                        "--budget", "--tokens=0"], cwd=ROOT, capture_output=True, text=True)
+  assert res.returncode != 0 and "--tokens=0.0; allowed: a number of sampled tokens > 0" in (
+      res.stdout + res.stderr)
 
 
 def test_sweep_skips_finished_runs(tmp_path):
