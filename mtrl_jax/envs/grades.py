@@ -1,6 +1,9 @@
 """Grades: what an environment's `react_to` returns with a finished (or graded) turn.
 
-A `Grade` is a score with its reason and named components. Environments may
+A `Grade` is a score with its reason and named components, and optionally the
+same criterion judged for each agent alone (`agent_scores`: the local grades
+of a multi-agent joint action, mixed with the joint score by
+`agents.team_weight`; `mtrl_jax.envs.reward.compose_local`). Environments may
 return a Grade, a number, a bool, `(score, reason)`, a sequence or a mapping of
 them; `normalize_grades` turns any of these into an ordered name -> Grade dict
 for reward composition (`mtrl_jax.envs.reward`). Graders (`mtrl_jax.graders`)
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Mapping
 
 
@@ -23,11 +27,16 @@ class Grade:
     score: the scalar used for reward (graders here produce [0, 1]).
     reason: a short human-readable explanation, logged with the trajectory.
     components: named sub-scores (e.g. each part of a CombinedGrader).
+    agent_scores: agent index -> the score of the same criterion judged on that
+      agent's own message (its local grade, e.g. its own answer right or not);
+      an agent without an entry is graded by the joint `score`. Empty: a
+      joint grade only.
   """
 
   score: float
   reason: str = ""
   components: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  agent_scores: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     try:
@@ -38,9 +47,24 @@ class Grade:
       raise ValueError(f"Grade.score must be finite, got {score}")
     object.__setattr__(self, "score", score)
     object.__setattr__(self, "components", {k: float(v) for k, v in self.components.items()})
+    scores = {}
+    for agent, value in dict(self.agent_scores).items():
+      if isinstance(agent, bool) or not isinstance(agent, numbers.Integral) or agent < 0:
+        raise TypeError(f"Grade.agent_scores key {agent!r}; allowed: an agent index >= 0")
+      try:
+        value = float(value)
+      except (TypeError, ValueError):
+        raise TypeError(f"Grade.agent_scores[{agent}]={value!r}; allowed: a number") from None
+      if not math.isfinite(value):
+        raise ValueError(f"Grade.agent_scores[{agent}]={value}; allowed: a finite number")
+      scores[int(agent)] = value
+    object.__setattr__(self, "agent_scores", scores)
 
   def to_dict(self) -> dict:
-    return {"score": self.score, "reason": self.reason, "components": dict(self.components)}
+    out = {"score": self.score, "reason": self.reason, "components": dict(self.components)}
+    if self.agent_scores:  # joint-only grades keep their record as it was
+      out["agent_scores"] = {str(a): v for a, v in self.agent_scores.items()}
+    return out
 
 
 def as_grade(value: Any, what: str = "grader") -> Grade:

@@ -14,6 +14,15 @@ In `step_environment`, `outcome` is the mean score of the final grades
 (returned with `(None, grades)`), `shaping` the mean score of per-turn grades
 (returned with `(next_thread, grades)`), `steps` is 1 per environment step,
 and `invalid_calls` counts the step's penalisable faults.
+
+Local rewards (multi-agent): a grade may carry `agent_scores`, the same
+criterion judged for each agent alone. `compose_local` composes agent i's
+local reward from the same grades with each one's `agent_scores[i]` in place
+of its joint score (the joint score where the grade has none), and the same
+step and tool terms as the joint reward (faults are not attributed to an
+agent). The rollout mixes it with the joint (team) reward by
+`agents.team_weight`; an agent no grade of the step scores alone has no local
+reward (None), and its local reward is the team reward.
 """
 
 from __future__ import annotations
@@ -110,6 +119,38 @@ def mean_score(grades: Mapping) -> Optional[float]:
   if not grades:
     return None
   return sum(g.score for g in grades.values()) / len(grades)
+
+
+def agent_mean_score(grades: Mapping, agent: int) -> Optional[float]:
+  """Mean score of a name -> Grade mapping as `agent` is graded alone: each grade's
+  `agent_scores[agent]`, its joint score where it has none; None when empty."""
+  if not grades:
+    return None
+  return sum(g.agent_scores.get(agent, g.score) for g in grades.values()) / len(grades)
+
+
+def compose_local(cfg: RewardConfig, num_agents: int, *, outcome_grades: Mapping,
+                  shaping_grades: Mapping, steps: int = 0,
+                  invalid_calls: int = 0) -> tuple:
+  """Each agent's local reward of one step, composed like the joint one.
+
+  Args:
+    cfg: the weights.
+    num_agents: N.
+    outcome_grades: the step's final grades (name -> Grade).
+    shaping_grades: the step's per-turn grades.
+    steps, invalid_calls: as `compose_reward` (the joint action's).
+
+  Returns:
+    Per agent a `RewardBreakdown`, or None when no grade scores that agent alone.
+  """
+  graded = {a for g in (*outcome_grades.values(), *shaping_grades.values())
+            for a in g.agent_scores}
+  return tuple(
+      compose_reward(cfg, steps=steps, invalid_calls=invalid_calls,
+                     outcome=agent_mean_score(outcome_grades, i) or 0.0,
+                     shaping=agent_mean_score(shaping_grades, i) or 0.0)
+      if i in graded else None for i in range(num_agents))
 
 
 def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,

@@ -49,8 +49,8 @@ and guarantees:
     (with a note in its text, `tools.cap_tool_turns`) before it is tokenised;
   * with a `renderer`, the new turns are rendered into a copy of the
     ledger exactly once, so `next_thread.num_rendered == len(next_thread)`;
-  * the reward is composed from the grades (`compose_reward`): final grades
-    are the outcome, per-turn grades the shaping; masked steps score 0.
+  * the reward is composed from the grades (`compose_reward`; each agent's local one
+    by `compose_local`): final grades the outcome, per-turn grades the shaping; masked 0.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ from mtrl_jax.envs.fault_report import fault_origin, fault_source, show_fault_on
 from mtrl_jax.envs.faults import (ContractError, Fault, FaultKind, FaultPolicy,
                                   InfrastructureError, call_with_timeout, classify)
 from mtrl_jax.envs.grades import normalize_grades
-from mtrl_jax.envs.reward import RewardBreakdown, RewardConfig, compose_reward, mean_score
+from mtrl_jax.envs.reward import (RewardBreakdown, RewardConfig, compose_local,
+                                  compose_reward, mean_score)
 from mtrl_jax.envs.tools import cap_tool_turns
 from mtrl_jax.text.ledger import TokenLedger
 
@@ -132,6 +133,8 @@ class StepOutcome:
     invalid_calls: model-caused faults (penalised calls).
     history_rewrites: agents whose next thread does not extend their
       previous tokens (rendered anew; the rollout starts a new segment).
+    local: per agent its local reward (`reward.compose_local`; None where no
+      grade scores it alone); () when masked.
   """
 
   next_threads: Optional[tuple]
@@ -142,6 +145,7 @@ class StepOutcome:
   masked: bool = False
   invalid_calls: int = 0
   history_rewrites: int = 0
+  local: tuple = ()
 
   @property
   def done(self) -> bool:
@@ -164,7 +168,8 @@ class StepOutcome:
             "history_rewrites": self.history_rewrites,
             "reward": self.reward.metrics(prefix=""),
             "grades": {k: g.to_dict() for k, g in self.grades.items()},
-            "faults": [f.to_dict() for f in self.faults]}
+            "faults": [f.to_dict() for f in self.faults],
+            "local": [b and b.metrics(prefix="") for b in self.local]}
 
 
 def _validated(result, threads: Sequence[Thread], joint: bool):
@@ -186,6 +191,10 @@ def _validated(result, threads: Sequence[Thread], joint: bool):
     grades = normalize_grades(grades)
   except (TypeError, ValueError) as e:  # a non-number, NaN or infinite grade
     raise ContractError(f"react_to returned invalid grades: {e}") from None
+  for name, g in grades.items():
+    if any(a >= len(threads) for a in g.agent_scores):
+      raise ContractError(f"grade {name!r} has agent_scores for agents {sorted(g.agent_scores)}"
+                          f"; allowed: agent indices below {len(threads)}")
   if nxt is None:
     return None, grades, []
   if joint and not isinstance(nxt, (list, tuple)):
@@ -282,15 +291,19 @@ def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
     kinds = [f.kind for f in faults]
     invalid = sum(k in policy.penalise for k in kinds)
     masked = mask or any(k in policy.mask for k in kinds)
+    local = ()
     if masked:
       reward = RewardBreakdown.zero()  # never scored as reward
     else:
       reward = compose_reward(reward_cfg, steps=1, invalid_calls=invalid,
                               outcome=mean_score(outcome_grades) or 0.0,
                               shaping=mean_score(shaping_grades) or 0.0)
+      local = compose_local(reward_cfg, len(threads), outcome_grades=outcome_grades,
+                            shaping_grades=shaping_grades, steps=1, invalid_calls=invalid)
     return StepOutcome(None if next_threads is None else tuple(next_threads),
                        {**shaping_grades, **outcome_grades}, reward, tuple(faults),
-                       truncated, masked, invalid, rewrites if next_threads is not None else 0)
+                       truncated, masked, invalid, rewrites if next_threads is not None else 0,
+                       local)
 
   retries = 0
   rewrites = 0

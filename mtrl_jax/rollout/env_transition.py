@@ -83,7 +83,8 @@ def _record(out: StepOutcome, details: dict, continues_turn: bool = False) -> St
   parts.pop("total")
   return StepRecord(reward=out.reward.total, valid=not out.masked, continues_turn=continues_turn,
                     truncated=out.truncated, parts=parts, faults=tuple(out.faults),
-                    details=details)
+                    details=details,
+                    local_rewards=tuple(None if b is None else b.total for b in out.local))
 
 
 class EnvTransition:

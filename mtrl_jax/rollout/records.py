@@ -37,6 +37,8 @@ class StepRecord:
     done: the episode ended at this step (no next state); set by the engine.
     finish_reason: 'stop' | 'length' of the sampled segment this step
       answered; set by the engine.
+    local_rewards: per agent its local reward (`envs.reward.compose_local`),
+      None for an agent no grade scored alone; () when none was composed.
   """
 
   reward: float
@@ -48,18 +50,27 @@ class StepRecord:
   details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   done: bool = False
   finish_reason: str = ""
+  local_rewards: tuple = ()
 
   @property
   def outcome(self) -> float:
     """The outcome component of the reward (0 when none was composed)."""
     return float(self.parts.get("outcome", 0.0))
 
+  def local(self, agent: int) -> float:
+    """`agent`'s local reward of this step: its own, else the step's (team) reward."""
+    mine = self.local_rewards[agent] if agent < len(self.local_rewards) else None
+    return self.reward if mine is None else mine
+
   def to_json(self) -> dict:
-    return {"reward": float(self.reward), "valid": self.valid, "done": self.done,
-            "truncated": self.truncated, "continues_turn": self.continues_turn,
-            "finish_reason": self.finish_reason,
-            "parts": {k: float(v) for k, v in self.parts.items()},
-            "faults": [f.to_dict() for f in self.faults], **dict(self.details)}
+    out = {"reward": float(self.reward), "valid": self.valid, "done": self.done,
+           "truncated": self.truncated, "continues_turn": self.continues_turn,
+           "finish_reason": self.finish_reason,
+           "parts": {k: float(v) for k, v in self.parts.items()},
+           "faults": [f.to_dict() for f in self.faults], **dict(self.details)}
+    if any(r is not None for r in self.local_rewards):
+      out["local_rewards"] = [None if r is None else float(r) for r in self.local_rewards]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +129,16 @@ class ActionRecord:
   def outcome(self) -> float:
     """The outcome of the action's last step (what success is judged on)."""
     return self.steps[-1].outcome
+
+  def local_rewards(self, num_agents: int) -> list[float]:
+    """Per agent the sum of its steps' local rewards (a step's team reward where the
+    agent had none: then exactly `reward`)."""
+    return [float(sum(s.local(i) for s in self.steps)) for i in range(num_agents)]
+
+  def local_graded(self, num_agents: int) -> list[bool]:
+    """Per agent: some step of the action scored it alone."""
+    return [any(i < len(s.local_rewards) and s.local_rewards[i] is not None
+                for s in self.steps) for i in range(num_agents)]
 
   @property
   def faults(self) -> list[Fault]:

@@ -12,7 +12,9 @@ x‖y, x's digits then y's (e.g. x = 37, y = 52: both answer 3752). An episode
     assistant:  <answer>3752</answer>    (golden: own half + partner's half, A first)
 
 Reward of every joint action (CoMLRL style, one grade per turn): +1 when both
-answers equal x‖y, else 0. The env stops itself after `num_turns` joint
+answers equal x‖y, else 0. The grade also scores each agent alone
+(`Grade.agent_scores`: 1 when its own answer is x‖y), the local reward that
+`agents.team_weight` < 1 mixes in. The env stops itself after `num_turns` joint
 actions, so configs weigh per-turn grades and the final one alike
 (`reward.shaping_weight = reward.outcome_weight = 1`, configs/coop.py).
 
@@ -110,7 +112,8 @@ def golden_conversation_agent1(task: Mapping[str, Any]) -> list[tuple[str, str]]
 def grade_joint_answers(env: Environment, threads: Sequence[Thread], target: str, source: str):
   """(answers, success, grades) of a joint action: each agent's last <answer> (a missing
   one reported as a model_format fault of `env`), and the joint grade: 1 when every
-  answer equals `target`, with each agent's own hit as a component."""
+  answer equals `target`, with each agent's own hit as a component and as its local
+  grade (`Grade.agent_scores`)."""
   answers = [extract_answer(t.last_assistant) for t in threads]
   for i, a in enumerate(answers):
     if a is None:
@@ -121,7 +124,8 @@ def grade_joint_answers(env: Environment, threads: Sequence[Thread], target: str
   info.update({f"agent_{i}_correct": float(c) for i, c in enumerate(correct)})
   reason = ("every agent answered the joint code" if success
             else f"answers {answers}; joint code {target}")
-  return answers, success, {GRADE_NAME: Grade(float(success), reason, info)}
+  local = {i: float(c) for i, c in enumerate(correct)}
+  return answers, success, {GRADE_NAME: Grade(float(success), reason, info, local)}
 
 
 class CoopEnv(Environment):

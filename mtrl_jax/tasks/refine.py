@@ -32,7 +32,8 @@ and how much it says is the `feedback` mode (CoMLRL's external modes):
                     fresh guess (CoMLRL's no-feedback control).
 
 Reward (CoMLRL style, one grade per joint action): +1 when both answers are
-the code, else 0. The env runs all `num_turns` joint actions (a solved pair
+the code, else 0; each agent is also graded alone (`Grade.agent_scores`: its
+own answer is the code), the local reward `agents.team_weight` < 1 mixes in. The env runs all `num_turns` joint actions (a solved pair
 must keep its answer; the episode does not end early, so 'bandit' carries no
 verdict by its length). Held-out success is the last turn's joint success.
 
