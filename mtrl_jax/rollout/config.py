@@ -2,7 +2,8 @@
 
 `TreeConfig` fixes the tree semantics of a multi-agent multi-turn rollout (the
 CoMLRL / MAGRPO tree): T turns, G generations per agent per node, N agents,
-`align` (G joint actions per node) or `cross` (G^N) joint actions, early
+`align` (G joint actions per node), `cross` (G^N) or `marginal` (G^N graded,
+the G aligned ones branched; `rollout.credit`) joint actions, early
 termination by mean sibling reward, discounted returns and the sibling
 baseline. `branch_on` says what a tree turn is: every policy message
 ('every_turn', CoMLRL), or a user turn ('user_turn': the policy's tool calls
@@ -23,7 +24,7 @@ from typing import Optional
 
 from mtrl_jax.rollout.returns import BASELINES
 
-JOINT_MODES = ("align", "cross")
+JOINT_MODES = ("align", "cross", "marginal")
 ADVANTAGE_MODES = tuple(BASELINES)
 CROSS_RETURNS = ("sum", "mean")
 BRANCH_ON = ("every_turn", "user_turn")
@@ -40,7 +41,11 @@ class TreeConfig:
     num_generations: G, completions sampled per agent at every node, >= 1.
     num_agents: N, agents acting at every node (N = 1 is plain GRPO).
     joint_mode: 'align' pairs the g-th sample of every agent (G joint actions);
-      'cross' takes the Cartesian product (G^N, agent 0 slowest).
+      'cross' takes the Cartesian product (G^N, agent 0 slowest); 'marginal'
+      grades the Cartesian product but branches (creates children) only for
+      its G aligned combinations, and each sample's return is its mean reward
+      over the partners' samples plus its aligned action's continuation
+      (`rollout.credit`); needs num_agents >= 2.
     termination_threshold: tau; a node whose mean reward is strictly above tau
       becomes a leaf (still trained on). None disables early termination.
     discount: gamma in R_j = r_j + gamma * mean(child returns).
@@ -68,6 +73,9 @@ class TreeConfig:
       samples are done, its child's requests when the step returns) or
       'barrier' (level by level: every sample of a level, then every step,
       then each sub-step round, then the next level).
+    team_weight: lambda in [0, 1] (config `agents.team_weight`): agent i's
+      reward is lambda * team + (1 - lambda) * local_i, local_i its own grade
+      (`Grade.agent_scores`), the team reward where it has none.
   """
 
   num_turns: int
@@ -83,6 +91,7 @@ class TreeConfig:
   max_substeps: int = 4
   shape: str = "tree"
   schedule: str = "continuous"
+  team_weight: float = 1.0
 
   def __post_init__(self):
     for name in ("num_turns", "num_generations", "num_agents"):
@@ -95,6 +104,14 @@ class TreeConfig:
     _check_choice("branch_on", self.branch_on, BRANCH_ON)
     _check_choice("shape", self.shape, SHAPES)
     _check_choice("schedule", self.schedule, SCHEDULES)
+    if self.joint_mode == "marginal" and self.num_agents < 2:
+      raise ValueError(f"TreeConfig.joint_mode='marginal' needs num_agents >= 2 (config "
+                       f"tree.num_agents={self.num_agents}); allowed with one agent: "
+                       "'align', 'cross'")
+    w = self.team_weight
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+      raise ValueError(f"config agents.team_weight={w!r}; allowed: a number in [0, 1] "
+                       "(1: the team reward only)")
     if self.shape == "chain" and self.joint_mode != "align":
       raise ValueError(f"TreeConfig.shape='chain' needs joint_mode='align', got "
                        f"{self.joint_mode!r}: a chain is G independent trajectories")
@@ -132,8 +149,15 @@ class TreeConfig:
 
   @property
   def branching(self) -> int:
-    """Joint actions per node, B: G (align) or G^N (cross)."""
+    """Children per node, B: G (align, marginal) or G^N (cross)."""
     if self.joint_mode == "cross":
+      return self.num_generations ** self.num_agents
+    return self.num_generations
+
+  @property
+  def actions_per_node(self) -> int:
+    """Joint actions graded per node: G (align) or G^N (cross, marginal)."""
+    if self.joint_mode in ("cross", "marginal"):
       return self.num_generations ** self.num_agents
     return self.num_generations
 
@@ -142,8 +166,12 @@ class TreeConfig:
     return self.num_generations if self.shape == "tree" or turn == 0 else 1
 
   def branching_at(self, turn: int) -> int:
-    """Joint actions of a node of depth `turn` (B at a tree node or a root)."""
+    """Children of a node of depth `turn` (B at a tree node or a root)."""
     return self.branching if self.shape == "tree" or turn == 0 else 1
+
+  def actions_at(self, turn: int) -> int:
+    """Joint actions of a node of depth `turn` (`actions_per_node`, 1 below a chain's root)."""
+    return self.actions_per_node if self.shape == "tree" or turn == 0 else 1
 
   def replace(self, **kw) -> "TreeConfig":
     return dataclasses.replace(self, **kw)
@@ -165,7 +193,8 @@ class TreePlan:
     nodes: tree nodes over all roots, sum_{t<T} B^t per root.
     generations: sampled segments, nodes * N * G (* (1 + max_substeps)
       under 'user_turn').
-    reward_calls: environment steps, nodes * B (* (1 + max_substeps)).
+    reward_calls: environment steps, nodes * joint actions per node
+      (`actions_at`; * (1 + max_substeps)).
     rows: training rows, one per (node, agent, sample): nodes * N * G.
     tokens: rows * (max_prompt_len + max_new_tokens), the packed batch size.
     level_nodes: nodes per tree level over all roots (level t: roots * B^t).
@@ -229,7 +258,7 @@ def plan_tree(cfg: TreeConfig, num_roots: int, max_prompt_len: int, max_new_toke
   steps = 1 + cfg.max_substeps if cfg.substeps else 1  # env steps (segments) per action
   # Per level: samples (rows) and joint actions (environment steps).
   rows = sum(k * n * cfg.generations_at(t) for t, k in enumerate(level_nodes))
-  actions = sum(k * cfg.branching_at(t) for t, k in enumerate(level_nodes))
+  actions = sum(k * cfg.actions_at(t) for t, k in enumerate(level_nodes))
   plan = TreePlan(
       nodes=nodes,
       generations=rows * steps,

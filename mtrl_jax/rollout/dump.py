@@ -3,7 +3,9 @@
 Each line holds the node's place in the tree (`node_id`, `root`, `parent_id`,
 `parent_action`, `turn`, `children`), its joint actions with `rewards`,
 `returns` and `valid` flags, per agent per sample `advantages`,
-`agent_returns` and `weights`, `terminated`, each joint action's record
+`agent_returns` and `weights`, `terminated`, with several agents per agent
+per joint action `agent_rewards` (the mixed reward each is trained on) and
+`local_rewards` (`rollout.credit`), each joint action's record
 (`actions`: reward, validity, faults and every environment step, from
 `rollout.records.ActionRecord.to_json`), and the texts (prompt per agent, completion per agent per
 sample) when a decoder is given, token ids otherwise.
@@ -83,6 +85,9 @@ def node_records(tree: Tree, decode: Optional[Callable] = None) -> list[dict]:
         "weights": _nums(node.weight_NxG),
         "actions": [_jsonable(a.to_json()) for a in node.actions],
     }
+    if tree.cfg.num_agents > 1:
+      rec["agent_rewards"] = _nums(node.agent_rewards_BxN)
+      rec["local_rewards"] = _nums(node.local_BxN)
     comps = node.completions or []
     rec["finish_reasons"] = [[c.finish_reason for c in agent] for agent in comps]
     if decode is not None:

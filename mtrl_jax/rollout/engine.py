@@ -13,6 +13,10 @@ slots whose KV cache persists, `mtrl_jax.sampling.engine`) and a
     once (the engine admits them between decode chunks), or, under
     `branch_on='user_turn'` when the environment answered with tool turns, a
     continuation of the same action from its own cache;
+  * under `joint_mode='marginal'` every combination is stepped (graded) but
+    only the aligned ones spawn children (`Tree.child_slot`), named as an
+    align tree's children (with a deterministic environment both sample the
+    same tokens);
   * with a termination threshold a node's children wait for all of its
     actions (termination depends on their mean reward); without one, each
     action's child starts when the action is stepped.
@@ -213,7 +217,7 @@ class _Rollout:
     rnd = len(act.steps)
     index = nr.node.full_id - self.offsets[nr.node.turn]
     key, rows = request_keys(self.round_key(nr.node.turn, rnd), 0,
-                             index * self.cfg.branching_at(nr.node.turn) + act.j, 1, 1,
+                             index * self.cfg.actions_at(nr.node.turn) + act.j, 1, 1,
                              self.policy.separate)
     handle = nr.handles[0][g]
     req = Request(("cont", act), prompt, key, rows, agent=0, parent=handle)
@@ -244,13 +248,14 @@ class _Rollout:
     nxt = act.next_state
     if nxt is not None:
       record = nr.node.actions[act.j]
-      if may_expand and record.valid and not act.limit_reached:
+      slot = self.tree.child_slot(nr.node, act.j)  # -1: a marginal node's unaligned one
+      if may_expand and record.valid and not act.limit_reached and slot >= 0:
         b = self.cfg.branching_at(nr.node.turn)
         index = nr.node.full_id - self.offsets[nr.node.turn]
         child = self.tree.add_child(nr.node, act.j, self.transition.prompts(nxt), nxt,
-                                    full_id=self.offsets[nr.node.turn + 1] + index * b + act.j)
+                                    full_id=self.offsets[nr.node.turn + 1] + index * b + slot)
         self.add_node(child)
-      else:  # terminated node, last turn, masked or truncated action: the branch ends here
+      else:  # terminated node, last turn, masked, truncated or unbranched: the branch ends
         self.close(nxt)
     for i, g in act.samples:
       nr.uses[i, g] -= 1

@@ -35,12 +35,25 @@ BASELINES = {
 def joint_actions(cfg: TreeConfig) -> np.ndarray:
   """Sample index of every agent in every joint action, int [B, N].
 
-  align: row g is (g, ..., g); cross: itertools.product order (agent 0 slowest).
+  align: row g is (g, ..., g); cross and marginal: itertools.product order
+  (agent 0 slowest).
   """
   g, n = cfg.num_generations, cfg.num_agents
-  if cfg.joint_mode == "cross":
+  if cfg.joint_mode in ("cross", "marginal"):
     return np.asarray(list(itertools.product(range(g), repeat=n)), np.int64).reshape(-1, n)
   return np.repeat(np.arange(g, dtype=np.int64)[:, None], n, axis=1)
+
+
+def child_slots(cfg: TreeConfig) -> np.ndarray:
+  """Per joint action, which of a node's children it spawns, int [B]: j itself
+  (align, cross); under 'marginal' g for the aligned combination (g, ..., g), -1
+  for the others (graded, never branched). Slots name children in the complete
+  tree (`Node.full_id`), so a marginal tree's nodes are an align tree's."""
+  joint_BxN = joint_actions(cfg)
+  if cfg.joint_mode != "marginal":
+    return np.arange(joint_BxN.shape[0], dtype=np.int64)
+  aligned_B = (joint_BxN == joint_BxN[:, :1]).all(axis=1)
+  return np.where(aligned_B, joint_BxN[:, 0], -1).astype(np.int64)
 
 
 def should_terminate(cfg: TreeConfig, rewards_B: np.ndarray, valid_B: np.ndarray) -> bool:
@@ -58,7 +71,8 @@ def agent_returns(cfg: TreeConfig, joint_BxN: np.ndarray, returns_B: np.ndarray,
   Args:
     cfg: tree config (joint_mode, cross_return).
     joint_BxN: sample index of each agent in each joint action.
-    returns_B: return of each joint action.
+    returns_B: return of each joint action, [B] (every agent's), or [B, N]
+      (column i: agent i's, with per-agent rewards).
     valid_B: validity of each joint action.
     num_generations: samples per agent at this node (default: cfg.num_generations).
 
@@ -75,7 +89,8 @@ def agent_returns(cfg: TreeConfig, joint_BxN: np.ndarray, returns_B: np.ndarray,
     # onehot_GxB[k, j]: joint action j contains sample k of agent i.
     onehot_GxB = joint_BxN[:, i][None, :] == np.arange(g)[:, None]
     valid_NxG[i] = ~(onehot_GxB & ~valid_B[None, :]).any(axis=1)
-    total_G = (onehot_GxB * np.where(valid_B, returns_B, 0.0)[None, :]).sum(axis=1)
+    mine_B = returns_B[:, i] if np.ndim(returns_B) == 2 else returns_B
+    total_G = (onehot_GxB * np.where(valid_B, mine_B, 0.0)[None, :]).sum(axis=1)
     if cfg.joint_mode == "cross" and cfg.cross_return == "mean":
       total_G = total_G / onehot_GxB.sum(axis=1)
     out_NxG[i] = np.where(valid_NxG[i], total_G, 0.0)

@@ -13,6 +13,7 @@ import numpy as np
 
 from mtrl_jax.envs.fault_report import show_fault_once
 from mtrl_jax.envs.faults import FaultKind
+from mtrl_jax.rollout.credit import credit_metrics
 from mtrl_jax.rollout.records import REWARD_PARTS
 
 
@@ -67,12 +68,16 @@ def path_success(tree, success_threshold: float) -> float:
   neither ended nor has a child (cut at turn T, early termination) counts as no success.
   Unlike `rollout/success` (the share of ended actions that succeed, where a tree lists
   an early success once and a late one G times per level), it is comparable with the
-  held-out success of single-path evaluation. NaN when no root has a valid action."""
+  held-out success of single-path evaluation. NaN when no root has a valid action.
+  A marginal node's unaligned combinations that went on are left out: the tree never
+  followed them, so they say nothing about where a path goes."""
   chance = {}
   for node in reversed(tree.nodes):  # children always have larger ids
     vals = []
     for b, action in _valid_actions(node):
       child = int(node.children_B[b])
+      if not action.ended and tree.child_slot(node, b) < 0:
+        continue
       if action.ended:
         vals.append(float(action.outcome > success_threshold))
       elif child < 0:
@@ -87,7 +92,8 @@ def path_success(tree, success_threshold: float) -> float:
 
 def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
   """Training-rollout statistics: success of ended actions and of sampled paths
-  (`path_success`), returns, reward components, faults."""
+  (`path_success`), returns, reward components, faults, and with several agents
+  their per-agent rewards and influence (`rollout.credit.credit_metrics`)."""
   ended = [a for node in tree.nodes for a in node.actions or [] if a is not None and a.ended]
   roots = [n for n in tree.nodes if n.parent_id < 0]
   return {"rollout/success": sum(a.outcome > success_threshold for a in ended)
@@ -95,7 +101,7 @@ def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
           "rollout/path_success": path_success(tree, success_threshold),
           "rollout/return": float(np.mean([n.returns_B[n.valid_B].mean() for n in roots
                                            if n.valid_B.any()] or [np.nan])),
-          **reward_metrics(tree), **fault_counts(tree)}
+          **reward_metrics(tree), **fault_counts(tree), **credit_metrics(tree)}
 
 
 def path_results(tree) -> list[dict]:

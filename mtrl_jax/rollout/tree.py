@@ -2,17 +2,22 @@
 
 A tree rollout has one root per task. At every node each of the N agents has G
 sampled completions; joint actions combine one sample per agent (`align`: the
-g-th of every agent; `cross`: the Cartesian product, agent 0 slowest). Each
-joint action j has a reward r_j and possibly a child node. Post-order:
+g-th of every agent; `cross`: the Cartesian product, agent 0 slowest;
+`marginal`: the Cartesian product graded, only the aligned combinations
+branched). Each joint action j has a reward r_j and possibly a child node.
+Post-order:
 
   leaf (last turn, terminated node, or an action the environment stopped):
       R_j = r_j
   inner:  R_j = r_j + gamma * mean_k R^{child_j}_k
 
 Per agent the G sample returns are the joint returns (align) or the sum / mean
-over the G^(N-1) joint actions containing the sample (cross); advantages use
-the sibling baseline of `TreeConfig.advantage_mode`, optionally standardised
-(`rollout.returns`).
+over the G^(N-1) joint actions containing the sample (cross), or the
+marginal-contribution return (`rollout.credit`); advantages use the sibling
+baseline of `TreeConfig.advantage_mode`, optionally standardised
+(`rollout.returns`). With local grades each agent has its own reward
+(`TreeConfig.team_weight`, `rollout.credit.mix_rewards`) and runs the same
+recursion on it; `rewards_B` and `returns_B` stay the team's.
 
 Under `branch_on='user_turn'` a joint action may span several environment
 steps (tool sub-steps): r_j is the sum of their rewards and the action's
@@ -40,7 +45,8 @@ import numpy as np
 from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.rollout.config import TreeConfig
 from mtrl_jax.rollout.records import ActionRecord, StepRecord
-from mtrl_jax.rollout.returns import (advantages, agent_returns, joint_actions,
+from mtrl_jax.rollout import credit
+from mtrl_jax.rollout.returns import (advantages, agent_returns, child_slots, joint_actions,
                                       should_terminate)
 
 __all__ = ["Completion", "Node", "Tree", "advantages", "agent_returns", "joint_actions",
@@ -68,14 +74,18 @@ class Node:
       the engine only.
     completions: per agent, G Completions (None until sampled); under
       branch_on='user_turn' each holds every segment of its action.
-    rewards_B: reward of each joint action.
+    rewards_B: (team) reward of each joint action.
+    local_BxN: per joint action each agent's local reward (the team reward where
+      no grade scored it alone); local_graded_BxN: where one did.
+    agent_rewards_BxN: each agent's reward, lambda * team + (1 - lambda) * local.
     valid_B: False where the joint action hit an infrastructure fault.
     children_B: child node id per joint action, -1 when none.
     terminated: the mean reward exceeded the termination threshold.
     actions: per joint action, its `ActionRecord` (None until stepped).
     substeps_B: continuation segments sampled per joint action (sub-steps
       within the turn; always 0 under branch_on='every_turn').
-    returns_B, agent_returns_NxG, advantages_NxG, weight_NxG: set by `Tree.finalize`.
+    returns_B, returns_BxN (per agent), agent_returns_NxG, advantages_NxG,
+      weight_NxG: set by `Tree.finalize`.
   """
 
   node_id: int
@@ -93,7 +103,11 @@ class Node:
   terminated: bool = False
   actions: Optional[list] = None
   substeps_B: Optional[np.ndarray] = None
+  local_BxN: Optional[np.ndarray] = None
+  local_graded_BxN: Optional[np.ndarray] = None
+  agent_rewards_BxN: Optional[np.ndarray] = None
   returns_B: Optional[np.ndarray] = None
+  returns_BxN: Optional[np.ndarray] = None
   agent_returns_NxG: Optional[np.ndarray] = None
   advantages_NxG: Optional[np.ndarray] = None
   weight_NxG: Optional[np.ndarray] = None
@@ -107,6 +121,7 @@ class Tree:
     self.cfg = cfg
     self.nodes: list[Node] = []
     self.joint_BxN = joint_actions(cfg)
+    self.slot_B = child_slots(cfg)
     # Below a chain's root every agent has one sample: one joint action.
     self._joint_below_1xN = np.zeros((1, cfg.num_agents), np.int64)
     self.num_roots = 0
@@ -117,6 +132,13 @@ class Tree:
     if self.cfg.shape == "chain" and node.turn > 0:
       return self._joint_below_1xN
     return self.joint_BxN
+
+  def child_slot(self, node: Node, action: int) -> int:
+    """Which child of `node` joint action `action` spawns (`returns.child_slots`): -1
+    for a marginal node's unaligned combinations, which are graded, never branched."""
+    if self.cfg.shape == "chain" and node.turn > 0:
+      return action
+    return int(self.slot_B[action])
 
   # ------------------------------------------------------------ building
   def add_root(self, prompts: Sequence[Sequence[int]], state: Any = None,
@@ -135,6 +157,9 @@ class Tree:
                        "record it first")
     if parent.children_B[action] >= 0:
       raise ValueError(f"node {parent.node_id} action {action} already has a child")
+    if self.child_slot(parent, action) < 0:
+      raise ValueError(f"node {parent.node_id} action {action} is an unaligned combination "
+                       "of a marginal node: graded, never branched")
     node = self._new_node(parent.root, parent.node_id, action, parent.turn + 1, prompts, state,
                           full_id)
     parent.children_B[action] = node.node_id
@@ -146,13 +171,14 @@ class Tree:
                        f"got {len(prompts)}")
     if turn >= self.cfg.num_turns:
       raise ValueError(f"turn {turn} is past num_turns={self.cfg.num_turns}")
-    b = self.cfg.branching_at(turn)
+    b, n = self.cfg.actions_at(turn), self.cfg.num_agents
     node = Node(node_id=len(self.nodes), root=root, parent_id=parent_id,
                 parent_action=parent_action, turn=turn,
                 prompts=[list(map(int, p)) for p in prompts], full_id=int(full_id), state=state,
                 rewards_B=np.zeros(b, np.float64), valid_B=np.ones(b, bool),
                 children_B=np.full(b, -1, np.int64), actions=[None] * b,
-                substeps_B=np.zeros(b, np.int64))
+                substeps_B=np.zeros(b, np.int64), local_BxN=np.zeros((b, n)),
+                local_graded_BxN=np.zeros((b, n), bool), agent_rewards_BxN=np.zeros((b, n)))
     self.nodes.append(node)
     return node
 
@@ -176,6 +202,12 @@ class Tree:
     node.rewards_B[action] = reward
     node.valid_B[action] = record.valid
     node.substeps_B[action] = record.substeps
+    n = self.cfg.num_agents
+    node.local_BxN[action] = record.local_rewards(n)
+    node.local_graded_BxN[action] = record.local_graded(n)
+    node.agent_rewards_BxN[action] = credit.mix_rewards(node.rewards_B[action],
+                                                        node.local_BxN[action],
+                                                        self.cfg.team_weight)
 
   def close_node(self, node: Node) -> bool:
     """Decides termination once every joint action of `node` is recorded.
@@ -200,7 +232,10 @@ class Tree:
 
     Args:
       node: the node whose actions were stepped.
-      rewards_B: reward of each joint action.
+      rewards_B: (team) reward of each joint action.
+    local_BxN: per joint action each agent's local reward (the team reward where
+      no grade scored it alone); local_graded_BxN: where one did.
+    agent_rewards_BxN: each agent's reward, lambda * team + (1 - lambda) * local.
       valid_B: False where an action hit an infrastructure fault (default: all valid).
       actions: per joint action its `ActionRecord` (default: one step each, with
         the given reward and validity); its rewards and validity must be the
@@ -209,7 +244,7 @@ class Tree:
     Returns:
       True when the node may have children (`close_node`).
     """
-    b = self.cfg.branching_at(node.turn)
+    b = self.cfg.actions_at(node.turn)
     rewards_B = np.asarray(rewards_B, np.float64)
     valid_B = np.ones(b, bool) if valid_B is None else np.asarray(valid_B, bool)
     if rewards_B.shape != (b,) or valid_B.shape != (b,):
@@ -256,8 +291,11 @@ class Tree:
       if not node.recorded:
         raise ValueError(f"node {node.node_id} is not recorded; record() every node first")
     for node in reversed(self.nodes):  # children always have larger ids
-      returns_B = node.rewards_B.copy()
       valid_B = node.valid_B.copy()
+      # Channel 0 is the team, channel 1 + i agent i: the same recursion on each.
+      rewards_BxK = np.column_stack([node.rewards_B, node.agent_rewards_BxN])
+      cont_BxK = np.zeros_like(rewards_BxK)
+      child_B = np.zeros(valid_B.shape, bool)
       for j, child_id in enumerate(node.children_B):
         if child_id < 0 or not valid_B[j]:
           continue
@@ -265,11 +303,25 @@ class Tree:
         if not child.valid_B.any():  # every child action faulted: no value estimate
           valid_B[j] = False
           continue
-        returns_B[j] += cfg.discount * child.returns_B[child.valid_B].mean()
-      node.returns_B = np.where(valid_B, returns_B, 0.0)
+        child_B[j] = True
+        cont_BxK[j] = cfg.discount * credit.node_values(child)
+      returns_BxK = rewards_BxK.copy()
+      returns_BxK[child_B] += cont_BxK[child_B]
+      if cfg.joint_mode == "marginal":
+        open_B = valid_B & ~child_B & np.asarray(
+            [a is not None and not a.ended for a in node.actions]) & self.may_expand(node)
+        returns_BxK = credit.impute_open(returns_BxK, cont_BxK, child_B, open_B)
+      node.returns_B = np.where(valid_B, returns_BxK[:, 0], 0.0)
+      node.returns_BxN = np.where(valid_B[:, None], returns_BxK[:, 1:], 0.0)
       node.valid_B = valid_B
-      node.agent_returns_NxG, valid_NxG = agent_returns(
-          cfg, self.node_joint(node), node.returns_B, valid_B, cfg.generations_at(node.turn))
+      g = cfg.generations_at(node.turn)
+      if cfg.joint_mode == "marginal":
+        node.agent_returns_NxG, valid_NxG = credit.marginal_returns(
+            self.node_joint(node), node.agent_rewards_BxN, cont_BxK[:, 1:], valid_B,
+            self.slot_B, g)
+      else:
+        node.agent_returns_NxG, valid_NxG = agent_returns(
+            cfg, self.node_joint(node), node.returns_BxN, valid_B, g)
       node.advantages_NxG = np.stack([
           advantages(node.agent_returns_NxG[i], valid_NxG[i], cfg.advantage_mode,
                      cfg.advantage_std_norm) for i in range(cfg.num_agents)])

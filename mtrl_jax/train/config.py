@@ -251,14 +251,23 @@ class AgentsConfig:
     presets: per-agent model presets ('' or empty: the top-level `model`);
       an agent's preset must give the top-level architecture (agents of
       different architectures would need one program per agent: not built).
+    team_weight: lambda in [0, 1]: agent i's reward is lambda * team +
+      (1 - lambda) * local_i, local_i its own grade (`Grade.agent_scores`;
+      the team reward where the environment grades only jointly). 1: the
+      team reward only. Validation hands it to `TreeConfig.team_weight`.
   """
 
   share_policy: bool = True
   learning_rates: tuple = ()
   paths: tuple = ()
   presets: tuple = ()
+  team_weight: float = 1.0
 
   def __post_init__(self):
+    w = self.team_weight
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+      raise ValueError(f"config agents.team_weight={w!r}; allowed: a number in [0, 1] "
+                       "(1: the team reward only)")
     object.__setattr__(self, "learning_rates", tuple(self.learning_rates))
     object.__setattr__(self, "paths", tuple(self.paths))
     object.__setattr__(self, "presets", tuple(self.presets))

@@ -38,7 +38,7 @@ GROUPS = {
     "mesh": (sharding.MeshConfig, ()),  # -1 takes the remaining devices
     "env": (EnvConfig, ()),
     "tasks": (TasksConfig, ()),
-    "tree": (TreeConfig, ()),
+    "tree": (TreeConfig, ("team_weight",)),  # team_weight: from agents.team_weight
     "sampling": (SamplingConfig, ("greedy",)),  # greedy: evaluations set it themselves
     "engine": (EngineGroup, ()),
     "reward": (RewardConfig, ()),

@@ -90,7 +90,8 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   tokenizer = _fields(c.tokenizer, TokenizerConfig)
   if tokenizer.kind == "hf" and not model.path:
     raise ValueError("config tokenizer.kind='hf' needs model.path (its tokenizer.json)")
-  tree = _fields(c.tree, TreeConfig)
+  # The tree mixes each agent's reward by the agents group's team weight.
+  tree = _fields(c.tree, TreeConfig, team_weight=c.agents.get("team_weight", 1.0))
   sampling = _fields(c.sampling, SamplingConfig)
   rl = _fields(c.rl, RLConfig)
   sft = _fields(c.sft, SFTConfig)
@@ -231,6 +232,9 @@ def check_agents(exp: Experiment):
   if exp.tree.num_agents == 1 and not exp.agents.share_policy:
     raise ValueError("config agents.share_policy=False with tree.num_agents=1; allowed: True "
                      "(one agent has one policy)")
+  if exp.tree.num_agents == 1 and exp.agents.team_weight != 1.0:
+    raise ValueError(f"config agents.team_weight={exp.agents.team_weight!r} with tree.num_agents"
+                     "=1; allowed: 1.0 (one agent has no team to weigh its own grade against)")
   if exp.sft.mix_every and not exp.agents.share_policy:
     raise ValueError(f"config sft.mix_every={exp.sft.mix_every} with agents.share_policy=False; "
                      "allowed: 0 (SFT steps mixed into RL are built for one shared policy)")
