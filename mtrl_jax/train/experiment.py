@@ -187,6 +187,10 @@ def check_fields(c: ml_collections.ConfigDict):
   if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 1 < cap < float("inf"):
     raise ValueError(f"config loss.is_cap={cap!r}; allowed: a finite number > 1 (ratios are "
                      "kept in [1/is_cap, is_cap])")
+  if c.tree.joint_mode == "marginal" and c.tree.num_agents < 2:
+    raise ValueError(f"config tree.joint_mode='marginal' with tree.num_agents="
+                     f"{c.tree.num_agents}: marginal credit averages over partners; allowed: "
+                     "tree.num_agents >= 2, or joint_mode 'align', 'cross'")
   if c.tree.num_generations == 1 and c.tree.advantage_mode in _SIBLING_BASELINES:
     raise ValueError(f"config tree.num_generations=1 with tree.advantage_mode="
                      f"{c.tree.advantage_mode!r}: a sibling baseline of one sample makes every "

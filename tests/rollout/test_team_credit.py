@@ -313,3 +313,68 @@ def test_marginal_plan_counts_align_nodes_and_cross_grades():
   p_m, p_a, p_c = (plan_tree(c, 1, 8, 8) for c in (marginal, align, cross))
   assert (p_m.nodes, p_m.generations) == (p_a.nodes, p_a.generations) == (4, 24)
   assert p_m.reward_calls == 4 * 9 and p_c.reward_calls == 10 * 9
+
+
+class _OneRightAgent0:
+  """Agent 0's sample 0 answers the joint code, its sample 1 does not; agent 1 always
+  answers it. Built on the test fakes of the engine."""
+
+  @staticmethod
+  def make():
+    import re
+
+    from mtrl_jax.testing import FakePolicy, byte_renderer
+    renderer = byte_renderer()
+    tok = renderer.tokenizer
+
+    class Policy(FakePolicy):
+      def completion(self, req, g):
+        first = re.findall(r"<\|user\|>(.*?)<\|end\|>", tok.decode(list(req.prompt)))[0]
+        task = Policy.tasks[first]
+        text = task["target"] if (req.agent == 1 or g == 0) else "00"
+        ids = tok.encode(f"<answer>{text}</answer>") + [renderer.fmt.stop_ids[0]]
+        return np.asarray(ids, np.int32), np.zeros(len(ids), np.float32), "stop"
+
+    return Policy, renderer
+
+
+@pytest.mark.parametrize("mode", ["align", "marginal", "cross"])
+def test_coop_tree_per_agent_credit_on_the_engine(mode):
+  """On the coop task: the marginal tree has the align tree's nodes and samples, grades
+  every combination, and credits agent 0 alone for the choice that decides the reward."""
+  import jax
+
+  from mtrl_jax.envs import RewardConfig
+  from mtrl_jax.rollout import expand_tree, node_records
+  from mtrl_jax.rollout.env_transition import EnvTransition
+  from mtrl_jax.tasks import coop
+  policy_cls, renderer = _OneRightAgent0.make()
+  tasks = [coop.make_task("eval", i) for i in range(2)]
+  policy_cls.tasks = {coop.first_prompt(t, a): t for t in tasks for a in (0, 1)}
+  transition = EnvTransition(renderer, num_agents=2,
+                             reward_cfg=RewardConfig(outcome_weight=1.0, shaping_weight=1.0))
+  cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode=mode,
+                   discount=GAMMA, team_weight=0.5)
+  roots = [transition.root_state(coop.CoopEnv(t)) for t in tasks]
+  tree = expand_tree(cfg, policy_cls(), transition, roots, jax.random.key(0))
+  per_root = 1 + cfg.branching
+  assert len(tree.nodes) == 2 * per_root
+  root = tree.nodes[0]
+  assert root.rewards_B.size == cfg.actions_per_node
+  # Team reward: 1 exactly where agent 0 plays its sample 0; agent 0's local reward too,
+  # agent 1's is always 1.
+  j0 = tree.node_joint(root)[:, 0]
+  np.testing.assert_array_equal(root.rewards_B, (j0 == 0).astype(float))
+  np.testing.assert_array_equal(root.local_BxN[:, 1], np.ones(root.rewards_B.size))
+  leaf = tree.nodes[-1]
+  if mode != "align":
+    # Agent 0's choice explains all of the variance, agent 1's none.
+    m = credit_metrics(tree)
+    assert (m["agent_0/influence"], m["agent_1/influence"]) == (1.0, 0.0)
+    # At a leaf: agent 0's sample means over partners (1, 0) -> A = (0.5, -0.5) (cross
+    # sums: (2, 0) -> (1, -1)); agent 1's means (0.75, 0.75) -> 0.
+    scale = 2.0 if mode == "cross" else 1.0
+    np.testing.assert_allclose(leaf.advantages_NxG, [[0.5 * scale, -0.5 * scale], [0.0, 0.0]],
+                               atol=1e-12)
+  rec = node_records(tree)[0]
+  assert len(rec["agent_rewards"]) == cfg.actions_per_node and len(rec["local_rewards"][0]) == 2
