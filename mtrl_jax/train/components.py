@@ -34,6 +34,7 @@ from mtrl_jax.rollout.policy import EnginePolicy
 from mtrl_jax.sampling import DecodeEngine
 from mtrl_jax.train import export_lora, shapes as shapes_lib
 from mtrl_jax.train.evaluate import Evaluator
+from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
 from mtrl_jax.train.inputs import TasksConfig, TokenizerConfig
 from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.policies import Policies, SharedPolicy, StackedPolicies, agent_labels
@@ -156,8 +157,9 @@ def check_lora(exp: Experiment) -> None:
 
 def make_policies(exp: Experiment, model, mesh) -> Policies:
   """The shared policy, or one policy per agent (each from its `agents.paths` entry or
-  the top-level model), with the train step that updates them. With `model.lora` the
-  step trains adapters over `model` (`models.lora.attach`), the policies' base."""
+  the top-level model), with the train step that updates them (frozen agents,
+  `agents.trainable`: `train.frozen_agents`). With `model.lora` the step trains adapters
+  over `model` (`models.lora.attach`), the policies' base."""
   # Several updates per batch, or rollouts a step behind: the clipped ratio uses
   # the trainer's own old logprobs (the loop adds them), the sampler's enter only
   # loss.is_correction.
@@ -175,7 +177,11 @@ def make_policies(exp: Experiment, model, mesh) -> Policies:
   paths = exp.agents.paths or ("",) * n
   models = [make_model(exp, mesh, path=p) if p else model for p in paths]
   rates = exp.agents.learning_rates or (exp.optim.learning_rate,) * n
-  step = StackedTrainStep(trained, objective, exp.optim, rates, mesh=mesh, step_cfg=exp.step)
+  if all(exp.agents.trainable):  # every agent trains (empty: the default)
+    step = StackedTrainStep(trained, objective, exp.optim, rates, mesh=mesh, step_cfg=exp.step)
+  else:
+    step = PartlyFrozenTrainStep(trained, objective, exp.optim, rates, exp.agents.trainable,
+                                 mesh=mesh, step_cfg=exp.step)
   return StackedPolicies(models, step, seed=exp.seed)
 
 

@@ -251,6 +251,10 @@ class AgentsConfig:
     presets: per-agent model presets ('' or empty: the top-level `model`);
       an agent's preset must give the top-level architecture (agents of
       different architectures would need one program per agent: not built).
+    trainable: per-agent bools (empty: every agent trains); a False agent is
+      frozen: it acts with its own weights but never updates, and has no
+      optimizer state (`train.frozen_agents`). At least one True; a shared
+      policy allows only all True.
     team_weight: lambda in [0, 1]: agent i's reward is lambda * team +
       (1 - lambda) * local_i, local_i its own grade (`Grade.agent_scores`;
       the team reward where the environment grades only jointly). 1: the
@@ -261,6 +265,7 @@ class AgentsConfig:
   learning_rates: tuple = ()
   paths: tuple = ()
   presets: tuple = ()
+  trainable: tuple = ()
   team_weight: float = 1.0
 
   def __post_init__(self):
@@ -268,13 +273,28 @@ class AgentsConfig:
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
       raise ValueError(f"config agents.team_weight={w!r}; allowed: a number in [0, 1] "
                        "(1: the team reward only)")
+    if not isinstance(self.trainable, (tuple, list)):
+      raise ValueError(f"config agents.trainable={self.trainable!r}; allowed: a tuple of True "
+                       "or False, one per agent (or empty)")
+    object.__setattr__(self, "trainable", tuple(self.trainable))
+    if not all(isinstance(t, bool) for t in self.trainable):
+      raise ValueError(f"config agents.trainable={self.trainable!r}; allowed: True or False, "
+                       "one per agent (or empty)")
+    if self.trainable and not any(self.trainable):
+      raise ValueError(f"config agents.trainable={self.trainable!r} freezes every agent: a run "
+                       "that trains nothing; allowed: at least one True")
+    if self.share_policy and not all(self.trainable):
+      raise ValueError(f"config agents.trainable={self.trainable!r} with agents.share_policy="
+                       "True: the one policy acts for every agent; allowed: all True or empty, "
+                       "or agents.share_policy=False")
     object.__setattr__(self, "learning_rates", tuple(self.learning_rates))
     object.__setattr__(self, "paths", tuple(self.paths))
     object.__setattr__(self, "presets", tuple(self.presets))
     if any(isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0
            for r in self.learning_rates):
       raise ValueError(f"config agents.learning_rates={self.learning_rates!r}; allowed: "
-                       "positive numbers, one per agent (or empty)")
+                       "positive numbers, one per agent (or empty); agents.trainable "
+                       "freezes an agent")
     for name in ("paths", "presets"):
       if not all(isinstance(p, str) for p in getattr(self, name)):
         raise ValueError(f"config agents.{name}={getattr(self, name)!r}; allowed: strings, one "
@@ -288,7 +308,7 @@ class AgentsConfig:
                          f"{preset!r}; allowed: at most one of them per agent")
 
   def check(self, num_agents: int):
-    for name in ("learning_rates", "paths", "presets"):
+    for name in ("learning_rates", "paths", "presets", "trainable"):
       v = getattr(self, name)
       if v and len(v) != num_agents:
         raise ValueError(f"config agents.{name}={v!r} has {len(v)} entries; allowed: "

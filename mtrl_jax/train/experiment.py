@@ -242,6 +242,11 @@ def check_agents(exp: Experiment):
   if exp.sft.mix_every and not exp.agents.share_policy:
     raise ValueError(f"config sft.mix_every={exp.sft.mix_every} with agents.share_policy=False; "
                      "allowed: 0 (SFT steps mixed into RL are built for one shared policy)")
+  if not all(exp.agents.trainable) and exp.model.lora.enabled and exp.sft.steps:
+    raise ValueError(f"config agents.trainable={exp.agents.trainable!r} with model.lora.rank="
+                     f"{exp.model.lora.rank} and sft.steps={exp.sft.steps}: the warm-up trains "
+                     "the base every agent's adapters share, a frozen agent's too; allowed: "
+                     "sft.steps=0, every agent trainable, or model.lora.rank=0")
   m = exp.model.arch
   same = dict(remat=m.remat, attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype)
   for a, preset in enumerate(exp.agents.presets):

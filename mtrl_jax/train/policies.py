@@ -20,6 +20,15 @@ warm-up, checkpoints and saved runs never ask which one they hold:
 Checkpoint layout: a shared policy saves its tree as it is; stacked policies
 save one subtree per agent, {"agent_0": ..., "agent_1": ...}.
 
+Frozen agents (`agents.trainable`, `train.frozen_agents`): a frozen agent acts
+with its own weights and never updates. It starts from its own model even
+after an SFT warm-up (the warm-up trains the shared start of the trained agents
+only, and its stop check samples the frozen agents with their own weights);
+its samples are left out of the packed batch (its stacked rows are padding,
+which the update never reads); it has no `agent_<a>/train/*` or
+`agent_<a>/batch/*` metrics (absent, not zero), and `train/*` is the mean over
+the trained agents; its saved train state has opt_state None.
+
 With low-rank adapters (`model.lora`) a state's params are the adapters; what
 the engine samples with and what is exported (`sampler_states`, `per_policy`)
 are the plain weights with the adapters merged in (`TrainStep.merged`), merged
@@ -30,19 +39,36 @@ on a resume), else fresh (B zero).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import jax
+import numpy as np
+from flax import nnx
 
 from mtrl_jax import distributed
 from mtrl_jax.rollout.batching import global_batch, make_agent_batches, make_train_batch
 from mtrl_jax.rollout.policy import StackedStates
 from mtrl_jax.train import export_lora
 from mtrl_jax.train.stacked import agent_slice, stack_trees
+from mtrl_jax.train.step import TrainState
 
 
 def agent_labels(num_agents: int) -> list[str]:
   """Each agent's name in checkpoints, exports and metrics when agents have their own
   policies: agent_0, agent_1, ..."""
   return [f"agent_{a}" for a in range(num_agents)]
+
+
+def without_agents(tree, trainable):
+  """A view of a finalized `tree` whose frozen agents' samples (`trainable[a]` False)
+  have weight 0, so batching packs none of them; `tree` itself is unchanged (its
+  metrics and dumps still see every sample)."""
+  frozen_Nx1 = ~np.asarray(trainable, bool)[:, None]
+  view = copy.copy(tree)
+  view.nodes = [dataclasses.replace(n, weight_NxG=np.where(frozen_Nx1, 0.0, n.weight_NxG))
+                for n in tree.nodes]
+  return view
 
 
 class Policies:
@@ -129,8 +155,16 @@ class StackedPolicies(Policies):
     """Each agent's name in checkpoints, exports and metrics."""
     return agent_labels(len(self.models))
 
+  @property
+  def trainable(self) -> tuple[bool, ...]:
+    """Whether each agent trains (`agents.trainable`: a frozen agent acts, never updates)."""
+    return getattr(self.train_step, "trainable", (True,) * len(self.models))
+
   def init_state(self, params=None):
-    starts = self.models if params is None else [params] * len(self.models)
+    """A fresh state from every agent's model, or (after the SFT warm-up) from `params`
+    for the trained agents and their own model for the frozen ones."""
+    starts = self.models if params is None else [
+        params if t else m for m, t in zip(self.models, self.trainable)]
     return self.train_step.init_state(starts, seed=self.seed, adapters=self.start_adapters())
 
   def sampler_states(self, params):
@@ -138,22 +172,36 @@ class StackedPolicies(Policies):
     return StackedStates(self.train_step.merged(params), len(self.models))
 
   def one_for_all(self, params):
-    """One policy's params as every agent's (the SFT warm-up's check, before the agents
-    part ways)."""
-    return StackedStates(stack_trees([params] * len(self.models)), len(self.models))
+    """One policy's params as every trained agent's, a frozen agent keeping its own (the
+    SFT warm-up's check, before the agents part ways)."""
+    trees = [params if t else nnx.state(m, nnx.Param)
+             for m, t in zip(self.models, self.trainable)]
+    return StackedStates(stack_trees(trees), len(self.models))
 
   def _batch(self, tree, cfg):
-    return make_agent_batches(tree, cfg)
+    if all(self.trainable):
+      return make_agent_batches(tree, cfg)
+    batch, m = make_agent_batches(without_agents(tree, self.trainable), cfg)
+    frozen = [label for label, t in zip(self.labels, self.trainable) if not t]
+    m = {k: v for k, v in m.items() if not k.startswith(tuple(f"{f}/" for f in frozen))}
+    if "batch/padding_fraction" in m:  # over the trained agents' rows, the ones updated
+      n, t = len(self.models), sum(self.trainable)
+      m["batch/padding_fraction"] = 1.0 - (1.0 - m["batch/padding_fraction"]) * n / t
+    return batch, m
 
   def train_metrics(self, device_metrics) -> dict:
-    """`agent_<a>/train/<name>` per agent, and `train/<name>` the mean over agents."""
+    """`agent_<a>/train/<name>` per trained agent, and `train/<name>` the mean over them
+    (a frozen agent has none)."""
     m = self.train_step.fetch_metrics(device_metrics)
     out = {f"train/{k}": float(sum(r[k] for r in m) / len(m)) for k in m[0]}
-    for label, row in zip(self.labels, m):
+    trained = [label for label, t in zip(self.labels, self.trainable) if t]
+    for label, row in zip(trained, m):
       out.update({f"{label}/train/{k}": v for k, v in row.items()})
     return out
 
   def to_saved(self, tree):
+    if isinstance(tree, TrainState) and not all(self.trainable):  # opt_state: trained only
+      return {label: self.train_step.agent_state(tree, a) for a, label in enumerate(self.labels)}
     return {label: agent_slice(tree, a) for a, label in enumerate(self.labels)}
 
   def state_from_saved(self, saved):
@@ -164,7 +212,8 @@ class StackedPolicies(Policies):
 
   def saved_state_target(self):
     one = self.train_step.inner.abstract_state()
-    return {label: one for label in self.labels}
+    return {label: one if t else one.replace(opt_state=None)
+            for label, t in zip(self.labels, self.trainable)}
 
   def per_policy(self, params) -> list:
     merged = self.train_step.merged(params)

@@ -184,7 +184,7 @@ class StackedTrainStep:
     key = ("old_logprobs",) + _shape_key(fwd)
     fn = self._jitted.get(key)
     if fn is None:
-      fn = jax.jit(jax.vmap(self.inner._old_logp, in_axes=(0, None, 0)),
+      fn = jax.jit(self._mapped_old_logp,
                    in_shardings=(self.param_shardings, self.base_shardings,
                                  self._batch_shardings(fwd)),
                    out_shardings=self._logp_sharding(fwd["tokens_BxL"].shape[1]))
@@ -208,6 +208,10 @@ class StackedTrainStep:
     one = lambda s, r, b, c: self.inner._step(s, r, b, update_scale=c, with_ref=with_ref)
     frozen_axis = None if frozen is None or self.lora else 0  # the base is shared
     return jax.vmap(one, in_axes=(0, frozen_axis, 0, 0))(state, frozen, batch, scales)
+
+  def _mapped_old_logp(self, params, base, fwd):
+    # Traced body of `old_logprobs`: the single-agent forward mapped over the agent axis.
+    return jax.vmap(self.inner._old_logp, in_axes=(0, None, 0))(params, base, fwd)
 
   def precompile(self, batch: Mapping[str, Any], with_ref=None) -> None:
     """Compiles the step for this stacked batch's shapes (arrays or ShapeDtypeStructs);
