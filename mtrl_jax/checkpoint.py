@@ -20,17 +20,26 @@ checkpoint (a truncated file, garbage metadata) with one warning line naming it
 and moves it to `workdir/ckpt.unreadable/<step>` (one process, not read-only);
 none readable: `CheckpointError` naming the directory. Orbax's log records are
 kept off the console.
+
+A failed background save leaves Orbax threads (not daemons) waiting up to five
+minutes for a signal its failed step never sends, and Python's exit waits for
+them: the Checkpointer ends them when it records the failure
+(`release_stalled_saves`), after its other manager's save has finished, so a
+run that cannot save exits in seconds.
 """
 
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import logging
 import math
 import os
 import re
 import sys
+import threading
+import types
 from typing import Any, Callable, Optional
 
 import jax
@@ -116,6 +125,55 @@ def reason(exc: BaseException) -> str:
   return first if status else f"{type(e).__name__}: {first}"
 
 
+def _close_coroutines(obj, depth: int = 0) -> None:
+  """Closes the never-started coroutines `obj` holds (a function's closure, a coroutine's
+  arguments, nested), so dropping them later warns nothing ('was never awaited')."""
+  if depth > 6:
+    return
+  if isinstance(obj, types.CoroutineType):
+    if inspect.getcoroutinestate(obj) == inspect.CORO_CREATED:  # its arguments: unawaited
+      for value in list(obj.cr_frame.f_locals.values()):
+        _close_coroutines(value, depth + 1)
+    obj.close()
+  elif isinstance(obj, types.FunctionType):
+    for cell in obj.__closure__ or ():
+      try:
+        _close_coroutines(cell.cell_contents, depth + 1)
+      except ValueError:  # an empty cell
+        pass
+  elif isinstance(obj, (list, tuple)):
+    for value in obj:
+      _close_coroutines(value, depth + 1)
+
+
+def release_stalled_saves(timeout: float = 10.0) -> int:
+  """Ends this process's Orbax save threads that still wait for a signal (what a failed
+  background save leaves behind); returns how many there were.
+
+  Each one is cancelled, then given the signal it waits for, so it returns at once
+  instead of after Orbax's coordination timeout; the work it never started is
+  dropped without 'coroutine ... was never awaited' warnings. Call it only when no
+  save of this process should still complete.
+  """
+  try:
+    from orbax.checkpoint._src.futures import future as ocp_future
+    thread_type, set_signals = ocp_future._SignalingThread, ocp_future.set_signals
+  except (ImportError, AttributeError):  # another Orbax: its threads end on their timeout
+    return 0
+  stalled = [t for t in threading.enumerate()
+             if isinstance(t, thread_type) and t.is_alive()]
+  for t in stalled:
+    t.cancel()
+    try:
+      set_signals(t._receive_signals, operation_id=t._operation_id)
+    except Exception:  # pylint: disable=broad-except  # it ends on its timeout instead
+      pass
+  for t in stalled:
+    threading.Thread.join(t, timeout)  # not Orbax's join, which raises the cancellation
+    _close_coroutines(getattr(t, "_target", None))
+  return len(stalled)
+
+
 def step_dirs(directory: str) -> list[int]:
   """Steps of the complete checkpoints in `directory` (Orbax names a step's directory
   `<step>` once every file of it is written)."""
@@ -187,7 +245,20 @@ class Checkpointer:
     which = f"{directory}/{step}" if step is not None else f"a checkpoint under {directory}"
     self._failed = CheckpointError(f"checkpoint {which} was not written: {reason(exc)}; the "
                                    f"last complete checkpoint there: {last}")
+    self._end_failed_save(manager)
     return self._failed
+
+  def _end_failed_save(self, failed: ocp.CheckpointManager) -> None:
+    """Lets the other manager's save finish, then ends the threads the failed one left
+    waiting (`release_stalled_saves`): the process can exit at once."""
+    for manager in (self._latest, self._best):
+      if manager is not failed:
+        self._writing.pop(id(manager), None)
+        try:
+          manager.wait_until_finished()
+        except Exception:  # pylint: disable=broad-except  # the first failure is reported
+          pass
+    release_stalled_saves()
 
   def check(self) -> None:
     """Raises `CheckpointError` if a background save has failed; never blocks."""

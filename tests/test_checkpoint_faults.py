@@ -234,3 +234,59 @@ def test_reason_is_one_short_line():
                                     '[5, 9) is not valid')
   assert checkpoint.reason(KeyError("x" * 500)).startswith("KeyError: 'xxx")
   assert len(checkpoint.reason(KeyError("x" * 500))) < 260
+
+
+_BLOCKED_SCRIPT = """
+import os, sys
+from mtrl_jax.checkpoint import Checkpointer, CheckpointError
+from tests.test_checkpoint_faults import _state
+ckpt = Checkpointer(sys.argv[1], keep=3)
+try:
+  ckpt.save(0, _state(0.0), {"step": 0})  # in the background while the best one fails
+  ckpt.maybe_save_best(0, 0.5, _state(0.0))
+  ckpt.save(1, _state(1.0), {"step": 1})
+except CheckpointError as e:  # leaves without close(), as a run's exception does
+  print(e)
+  sys.exit(1)
+"""
+
+
+def test_a_failed_background_save_lets_the_process_exit_at_once(tmp_path):
+  # A file where Orbax must create the best checkpoint's directory: the OS refuses the
+  # write even to root (ENOTDIR), and Orbax's other save threads of that step wait for a
+  # signal that never comes (five minutes) unless the Checkpointer ends them.
+  (tmp_path / "best").write_text("keep")
+  t0 = time.time()
+  out = subprocess.run([sys.executable, "-c", _BLOCKED_SCRIPT, str(tmp_path)], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                       timeout=200)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert time.time() - t0 < 30
+  assert out.stdout.strip() == (f"checkpoint {tmp_path}/best/0 was not written: Not a directory "
+                                "(errno 20); the last complete checkpoint there: none is complete")
+  assert "never awaited" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert (tmp_path / "best").read_text() == "keep"
+  with Checkpointer(str(tmp_path)) as ckpt:  # the other save, in flight, was finished
+    step, state, meta = ckpt.restore_latest(_target())
+  assert (step, meta) == (0, {"step": 0}) and float(state["w"][1]) == 1.0
+
+
+@pytest.mark.slow
+def test_a_run_that_cannot_save_exits_in_one_line_at_once(tmp_path):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "best").write_text("keep")  # where the step-0 best checkpoint must go
+  t0 = time.time()
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
+       f"--workdir={workdir}", "--config.model.preset=tiny", "--config.rl.steps=1",
+       "--config.rl.precompile=false", "--progress=false"],
+      cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+      timeout=280)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert time.time() - t0 < 150  # start-up and the step-0 evaluation; no wait at exit
+  errors = [l for l in out.stderr.splitlines() if l.startswith("error: ")]
+  assert errors == [f"error: checkpoint {workdir}/best/0 was not written: Not a directory "
+                    "(errno 20); the last complete checkpoint there: none is complete"], out.stderr
+  assert "never awaited" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert (workdir / "best").read_text() == "keep" and (workdir / "config.json").is_file()
