@@ -21,29 +21,25 @@ and moves it to `workdir/ckpt.unreadable/<step>` (one process, not read-only);
 none readable: `CheckpointError` naming the directory. Orbax's log records are
 kept off the console.
 
-A failed background save leaves Orbax threads (not daemons) waiting up to five
-minutes for a signal its failed step never sends, and Python's exit waits for
-them: the Checkpointer ends them when it records the failure
-(`release_stalled_saves`), after its other manager's save has finished, so a
-run that cannot save exits in seconds.
+A failed background save leaves Orbax threads waiting for a signal its failed
+step never sends: the Checkpointer ends them when it records the failure
+(`storage.release_stalled_saves`), after its other manager's save has
+finished, so a run that cannot save exits in seconds.
 """
 
 from __future__ import annotations
 
-import gc
-import inspect
 import json
-import logging
 import math
 import os
 import re
 import sys
-import threading
-import types
 from typing import Any, Callable, Optional
 
 import jax
 import orbax.checkpoint as ocp
+
+from mtrl_jax.storage import collect_quietly, quiet_orbax, release_stalled_saves
 
 CKPT_DIR = "ckpt"
 BEST_DIR = "best"
@@ -61,47 +57,6 @@ class CheckpointError(RuntimeError):
 def print_warning(line: str) -> None:
   sys.stderr.write(f"warning: {line}\n")
   sys.stderr.flush()
-
-
-def _not_orbax(record: logging.LogRecord) -> bool:  # a logging filter
-  return f"{os.sep}orbax{os.sep}" not in record.pathname
-
-
-def _from_orbax(unraisable) -> bool:
-  """An exception a failed Orbax read or write left unraisable (a dropped coroutine)."""
-  exc, obj = unraisable.exc_value, unraisable.object
-  code = getattr(obj, "cr_code", None)
-  if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
-    return True
-  return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
-
-
-def _quiet_hook(previous):
-  def hook(unraisable):
-    if not _from_orbax(unraisable):
-      previous(unraisable)
-  hook.quiet_orbax = True
-  return hook
-
-
-def quiet_orbax() -> None:
-  """Keeps Orbax's log records (it logs through absl) and the exceptions its dropped
-  coroutines leave behind off the console; idempotent."""
-  for name in ("absl", "orbax"):
-    if _not_orbax not in logging.getLogger(name).filters:
-      logging.getLogger(name).addFilter(_not_orbax)
-  if not getattr(sys.unraisablehook, "quiet_orbax", False):
-    sys.unraisablehook = _quiet_hook(sys.unraisablehook)
-
-
-def _collect_quietly() -> None:
-  """Finalizes what a failed Orbax call left behind now, under `_quiet_hook`."""
-  previous = sys.unraisablehook
-  sys.unraisablehook = _quiet_hook(previous)
-  try:
-    gc.collect()
-  finally:
-    sys.unraisablehook = previous
 
 
 def reason(exc: BaseException) -> str:
@@ -123,55 +78,6 @@ def reason(exc: BaseException) -> str:
   first = text.splitlines()[0] if text else ""
   first = first if len(first) <= 240 else first[:237] + "..."
   return first if status else f"{type(e).__name__}: {first}"
-
-
-def _close_coroutines(obj, depth: int = 0) -> None:
-  """Closes the never-started coroutines `obj` holds (a function's closure, a coroutine's
-  arguments, nested), so dropping them later warns nothing ('was never awaited')."""
-  if depth > 6:
-    return
-  if isinstance(obj, types.CoroutineType):
-    if inspect.getcoroutinestate(obj) == inspect.CORO_CREATED:  # its arguments: unawaited
-      for value in list(obj.cr_frame.f_locals.values()):
-        _close_coroutines(value, depth + 1)
-    obj.close()
-  elif isinstance(obj, types.FunctionType):
-    for cell in obj.__closure__ or ():
-      try:
-        _close_coroutines(cell.cell_contents, depth + 1)
-      except ValueError:  # an empty cell
-        pass
-  elif isinstance(obj, (list, tuple)):
-    for value in obj:
-      _close_coroutines(value, depth + 1)
-
-
-def release_stalled_saves(timeout: float = 10.0) -> int:
-  """Ends this process's Orbax save threads that still wait for a signal (what a failed
-  background save leaves behind); returns how many there were.
-
-  Each one is cancelled, then given the signal it waits for, so it returns at once
-  instead of after Orbax's coordination timeout; the work it never started is
-  dropped without 'coroutine ... was never awaited' warnings. Call it only when no
-  save of this process should still complete.
-  """
-  try:
-    from orbax.checkpoint._src.futures import future as ocp_future
-    thread_type, set_signals = ocp_future._SignalingThread, ocp_future.set_signals
-  except (ImportError, AttributeError):  # another Orbax: its threads end on their timeout
-    return 0
-  stalled = [t for t in threading.enumerate()
-             if isinstance(t, thread_type) and t.is_alive()]
-  for t in stalled:
-    t.cancel()
-    try:
-      set_signals(t._receive_signals, operation_id=t._operation_id)
-    except Exception:  # pylint: disable=broad-except  # it ends on its timeout instead
-      pass
-  for t in stalled:
-    threading.Thread.join(t, timeout)  # not Orbax's join, which raises the cancellation
-    _close_coroutines(getattr(t, "_target", None))
-  return len(stalled)
 
 
 def step_dirs(directory: str) -> list[int]:
@@ -467,5 +373,5 @@ def _restore(manager: ocp.CheckpointManager, step: int, target) -> tuple[Any, di
                             f"({_diagnose(manager, step, e)})")
   else:
     return out["state"], dict(out["meta"] or {})
-  _collect_quietly()
+  collect_quietly()
   raise error

@@ -7,8 +7,8 @@ an import from a lower layer into a higher one or a cycle between packages.
 
 Layers, bottom to top (a package may import its own layer and the ones below):
 
-  infrastructure: sharding, distributed, checkpoint, metrics, registry, data, buckets,
-                  resources, seeds, compile_cache
+  infrastructure: sharding, distributed, checkpoint, storage, metrics, registry, data,
+                  buckets, resources, seeds, compile_cache
   text, models, losses
   sampling
   envs
@@ -39,8 +39,8 @@ IMPORTERS = ("mtrl_jax", "tests", "benchmarks", "experiments", "configs")
 MAX_LINES = 400
 
 LAYERS = (
-    ("sharding", "distributed", "checkpoint", "metrics", "registry", "data", "buckets",
-     "resources", "seeds", "compile_cache"),
+    ("sharding", "distributed", "checkpoint", "storage", "metrics", "registry", "data",
+     "buckets", "resources", "seeds", "compile_cache"),
     ("text", "models", "losses"),
     ("sampling",),
     ("envs",),

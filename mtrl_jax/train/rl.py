@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from mtrl_jax import checkpoint, distributed, metrics as metrics_lib
+from mtrl_jax import checkpoint, distributed, metrics as metrics_lib, storage
 from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout.gather import gather_tree
 from mtrl_jax.rollout.stats import add_fault_totals, rollout_metrics
@@ -102,8 +102,25 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
 def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: str, *,
           progress: bool = True) -> dict:
   """Runs (or resumes) the job of `exp`, validated from `config` by `experiment.start`
-  (config.json keeps `config`); returns a summary dict."""
+  (config.json keeps `config`); returns a summary dict.
+
+  The process that writes files holds `workdir`'s lock (`storage.WorkdirLock`) until
+  it returns or raises: a second run of the workdir is refused (`ConfigError` naming
+  the holder's pid) before it reads or writes anything there.
+  """
   launched = time.perf_counter()  # time/first_step counts from here
+  if not distributed.is_writer():  # process 0 alone writes files, and locks
+    return _train(exp, config, workdir, launched, progress)
+  try:
+    lock = storage.WorkdirLock(workdir)
+  except storage.WorkdirBusy as e:
+    raise exp_lib.ConfigError(str(e)) from None
+  with lock:
+    return _train(exp, config, workdir, launched, progress)
+
+
+def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: str,
+           launched: float, progress: bool) -> dict:
   writes = distributed.is_writer()  # process 0 alone writes files
   saved.check_resume(config, workdir)  # another run's workdir: refused before any compute
   if writes:
