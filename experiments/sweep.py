@@ -17,7 +17,10 @@ given, else on their own. An axis of one value sets that field in every run
 and stays out of the run names (e.g. --axis=env.factory=weather). Each run's
 workdir is named after its overrides, so a sweep re-run skips finished runs
 (those with summary.json; --rerun runs them again), resumes unfinished ones at
-their last checkpoint, and `experiments/ablate.py` can read them back. With
+their last checkpoint, and `experiments/ablate.py` can read them back. Every
+arm that will run is validated (as experiments/train.py validates at start)
+before the first one runs: an arm that cannot run is refused in one line
+naming it and the field (exit status 2), nothing trained. With
 --parallel=K the runs are K `experiments/train.py` processes at a time (each
 logs to <workdir>.log), e.g. several small runs sharing one GPU.
 """
@@ -35,7 +38,7 @@ from absl import app, flags, logging
 from ml_collections import config_dict
 
 from experiments import cli
-from mtrl_jax.train import report
+from mtrl_jax.train import experiment, report
 
 _CONFIG = flags.DEFINE_string("config", None, "config file (path[:arg])")
 _SWEEP = flags.DEFINE_string("sweep", "", "argument of get_sweep(arg)")
@@ -140,6 +143,25 @@ def expand(config_spec: str, sweep_arg: str, axes: list[str], parent: str) -> li
   return runs
 
 
+def validate_arms(runs) -> None:
+  """Validates every arm's config as `experiments/train.py` does at start, before the
+  first arm runs: a config that cannot run is refused in one line naming the arm (its
+  run directory) and the field, instead of after the arms before it have trained.
+
+  Args:
+    runs: (workdir, overrides, ConfigDict) per arm, as `expand` returns them.
+  Raises:
+    app.UsageError: the first arm that does not validate.
+  """
+  for workdir, _, config in runs:
+    try:
+      if experiment.distributed_config(config).mode == "off":
+        experiment.validate(config)  # several processes: each arm's own processes validate
+    except (experiment.ConfigError, ValueError, TypeError) as e:
+      raise app.UsageError(f"sweep arm {os.path.basename(workdir)} ({workdir}): "
+                           f"{cli.one_line(e)}") from None
+
+
 def run_parallel(commands, k: int) -> None:
   """Runs (workdir, command) pairs, k at a time; reports each exit status."""
   pending, active, failed = list(commands), {}, []
@@ -187,6 +209,8 @@ def main(argv):
     for w in done:
       print(f"skipped (finished; --rerun runs it again): {w}", flush=True)
     runs = [r for r in runs if r[0] not in done]
+  if not _PRINT.value:
+    validate_arms(runs)  # every arm that will run, before the first one computes
   if _PARALLEL.value > 0 and not _PRINT.value:
     commands = [(w, report.train_command(_CONFIG.value, w, o) + " --progress=false")
                 for w, o, _ in runs]
