@@ -9,7 +9,8 @@
 Runs are grouped by their overrides minus the seed (the directory name written
 by `experiments/sweep.py`); each row reports mean +- std over seeds of the
 held-out success after SFT, final and best, and the RL steps to first reach
---level.
+--level (a success rate in [0, 1]). --out must be a file in an existing folder
+(checked at start; the folder is not created).
 """
 
 import glob
@@ -17,7 +18,7 @@ import os
 
 from absl import app, flags
 
-from experiments import cli
+from experiments import cli, outputs
 from mtrl_jax.train import report
 
 _RUNS = flags.DEFINE_multi_string("runs", None, "glob of run directories (repeat for several)")
@@ -34,6 +35,10 @@ def main(argv):
   del argv
   if _TOKENS.value is not None and not _TOKENS.value > 0:
     raise app.UsageError(f"--tokens={_TOKENS.value}; allowed: a number of sampled tokens > 0")
+  if not 0.0 <= _LEVEL.value <= 1.0:  # a success rate: any other level is never reached
+    raise app.UsageError(f"--level={_LEVEL.value}; allowed: a success level in [0, 1]")
+  if _OUT.value:  # written after the tables: a path that cannot be is refused now
+    outputs.check_output_file("--out", _OUT.value)
   started = sorted({d for pattern in _RUNS.value for d in glob.glob(pattern)
                     if os.path.exists(os.path.join(d, "metrics.jsonl"))})
   # A run writes summary.json when it ends; one still running (or killed) is left out.

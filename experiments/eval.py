@@ -16,8 +16,8 @@ stderr names the checkpoint used ("using best checkpoint: step 40
 untrained step 0; an unreadable latest checkpoint is skipped for the one before,
 with a warning line naming it. --num_tasks is not bounded by the run's
 buckets or engine slots (the engine queues the prompts). A bad flag or a
-workdir without that checkpoint is refused in one line before any model is
-built.
+workdir without that checkpoint, or a --json file in a missing folder, is
+refused in one line before any model is built.
 """
 
 import json
@@ -25,7 +25,7 @@ import sys
 
 from absl import app, flags, logging
 
-from experiments import cli
+from experiments import cli, outputs
 from mtrl_jax.train import experiment, saved
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training run's directory")
@@ -47,6 +47,8 @@ def main(argv):
       raise experiment.ConfigError(
           f"--num_tasks={_NUM_TASKS.value}, --samples={_SAMPLES.value}; allowed: "
           "num_tasks >= 0 (0: the run's eval.num_tasks), samples >= 1")
+    if _JSON.value:  # written after the evaluation: a path that cannot be is refused now
+      outputs.check_output_file("--json", _JSON.value)
     if not _GREEDY.value and _SAMPLES.value == 1:
       raise experiment.ConfigError("--nogreedy with --samples=1 evaluates one sampled attempt; "
                                    "allowed: --greedy, or --samples > 1")

@@ -32,3 +32,19 @@ def test_a_sweep_refuses_a_bad_arm_before_the_first_arm_trains(tmp_path):
             "num_generations=0")
   assert "Traceback" not in out.stderr
   assert os.listdir(tmp_path) == []  # the G=2 arm did not train
+
+
+def test_output_files_in_a_missing_folder_and_a_bad_level_are_refused_at_start(tmp_path):
+  missing = tmp_path / "no_such" / "rows.json"
+  out = _entry("eval", f"--workdir={tmp_path / 'run'}", f"--json={missing}")
+  _one_line(out, f"--json={str(missing)!r}: its folder {tmp_path}/no_such does not exist",
+            "allowed: a file in an existing folder")
+  table = tmp_path / "no_such" / "table.md"
+  out = _entry("ablate", f"--runs={tmp_path}/*", f"--out={table}")
+  _one_line(out, f"--out={str(table)!r}: its folder {tmp_path}/no_such does not exist")
+  out = _entry("ablate", f"--runs={tmp_path}/*", f"--out={tmp_path}")
+  _one_line(out, f"--out={str(tmp_path)!r} is a directory")
+  for level in ("1.5", "-0.1"):
+    out = _entry("ablate", f"--runs={tmp_path}/*", f"--level={level}")
+    _one_line(out, f"--level={float(level)}; allowed: a success level in [0, 1]")
+  assert os.listdir(tmp_path) == []
