@@ -21,6 +21,11 @@ field, its value and what is allowed (`experiment.validate` turns it into a
   success_threshold    `eval.success_threshold`, resolved from the factory's
                        `outcome_range` when unset, refused when no outcome
                        (or every outcome) passes it.
+
+`advisories` names what runs but is probably not meant (off-policy rollouts
+left uncorrected, adapters as wide as the model, a cross tree far wider than
+the step's roots): one line each, printed once at start (`experiment.start`)
+as `warning: ...`.
 """
 
 from __future__ import annotations
@@ -245,3 +250,39 @@ def success_threshold(exp: Experiment, factory) -> float:
                      f"in [{w * lo:g}, {w * hi:g}), or None (a full score: "
                      f"{success_threshold_for((lo, hi), w):g})")
   return float(t)
+
+
+# A cross tree whose joint actions per node exceed this many times the step's roots:
+# each step's samples come from few tasks, however large the batch.
+CROSS_WIDTH_RATIO = 4
+
+
+def advisories(exp: Experiment) -> list[str]:
+  """One line per setting that is legal but probably not what was meant.
+
+  Args:
+    exp: the validated experiment.
+  Returns:
+    The lines (without the `warning: ` prefix), in field order; [] for none.
+  """
+  out = []
+  if exp.rl.max_staleness >= 1 and exp.loss.is_correction == "none":
+    out.append(f"config rl.max_staleness={exp.rl.max_staleness} with loss.is_correction='none':"
+               " rollouts sample with parameters one update old and nothing reweights the "
+               "ratio to the policy being trained; 'tis', 'mis_token' or 'mis_action' "
+               "corrects for it")
+  rank, width = exp.model.lora.rank, exp.model.arch.d_model
+  if rank and rank >= width:
+    out.append(f"config model.lora.rank={rank} is at or above the model width d_model={width}: "
+               "the adapters are not low-rank (at least as many parameters as the weights "
+               "they adapt); a rank below d_model, or 0 (full fine-tuning), trains the same "
+               "directions for less")
+  tree, roots = exp.tree, exp.rl.roots_per_step
+  if tree.joint_mode == "cross" and tree.actions_per_node > CROSS_WIDTH_RATIO * roots:
+    out.append(f"config tree.joint_mode='cross' with tree.num_generations="
+               f"{tree.num_generations} and tree.num_agents={tree.num_agents}: "
+               f"{tree.actions_per_node} joint actions (G^N) per node against "
+               f"rl.roots_per_step={roots}, so a step's samples come from few tasks; "
+               "joint_mode='align' or 'marginal', a smaller G, or more roots per step "
+               "spread them")
+  return out

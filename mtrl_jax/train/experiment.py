@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 
 import ml_collections
 
@@ -159,6 +160,8 @@ def validate(config: ml_collections.ConfigDict) -> Experiment:
 def start(config: ml_collections.ConfigDict) -> Experiment:
   """Joins the run's processes (`config.distributed`; validation counts them), then
   validates: what a run does once, before any device is touched or file written.
+  Process 0 prints what is legal but probably not meant (`checks.advisories`), one
+  `warning: ...` line each on stderr.
 
   Raises:
     ConfigError (one line) for a bad `config.distributed` or any other refusal.
@@ -170,7 +173,11 @@ def start(config: ml_collections.ConfigDict) -> Experiment:
     raise
   except ValueError as e:
     raise ConfigError(_one_line(e)) from e
-  return validate(config)
+  exp = validate(config)
+  if distributed.is_writer():
+    for line in checks.advisories(exp):
+      print(f"warning: {line}", file=sys.stderr, flush=True)
+  return exp
 
 
 def _one_line(err: Exception) -> str:
