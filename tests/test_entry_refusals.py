@@ -48,3 +48,33 @@ def test_output_files_in_a_missing_folder_and_a_bad_level_are_refused_at_start(t
     out = _entry("ablate", f"--runs={tmp_path}/*", f"--level={level}")
     _one_line(out, f"--level={float(level)}; allowed: a success level in [0, 1]")
   assert os.listdir(tmp_path) == []
+
+
+def _fake_run(path):
+  """What marks a run directory, with contents to check after a refusal."""
+  os.makedirs(path / "ckpt" / "3")
+  (path / "config.json").write_text('{"seed": 0}')
+  (path / "metrics.jsonl").write_text('{"step": 0}\n')
+  return path
+
+
+def _tree(path) -> dict:
+  out = {}
+  for d, _, names in os.walk(path):
+    for n in names:
+      with open(os.path.join(d, n)) as f:
+        out[os.path.relpath(os.path.join(d, n), path)] = f.read()
+  return out
+
+
+def test_export_refuses_an_out_that_is_holds_or_is_inside_a_run_even_with_force(tmp_path):
+  source = _fake_run(tmp_path / "source")
+  other = _fake_run(tmp_path / "runs" / "other")
+  before = _tree(tmp_path)
+  for out_dir, needle in (
+      (other, "is a run directory (it holds config.json, and metrics.jsonl or ckpt/)"),
+      (tmp_path / "runs", f"contains the run directory {other}"),
+      (other / "ckpt", f"is inside ckpt/ of the run directory {other}")):
+    out = _entry("export", f"--workdir={source}", f"--out={out_dir}", "--force")
+    _one_line(out, f"--out={str(out_dir)!r} {needle}", "even with --force")
+  assert _tree(tmp_path) == before  # other's config.json is still there
