@@ -38,7 +38,7 @@ from absl import app, flags, logging
 from ml_collections import config_dict
 
 from experiments import cli
-from mtrl_jax.train import experiment, report
+from mtrl_jax.train import budget, experiment, report
 
 _CONFIG = flags.DEFINE_string("config", None, "config file (path[:arg])")
 _SWEEP = flags.DEFINE_string("sweep", "", "argument of get_sweep(arg)")
@@ -143,20 +143,25 @@ def expand(config_spec: str, sweep_arg: str, axes: list[str], parent: str) -> li
   return runs
 
 
-def validate_arms(runs) -> None:
+def validate_arms(runs, memory: bool) -> None:
   """Validates every arm's config as `experiments/train.py` does at start, before the
   first arm runs: a config that cannot run is refused in one line naming the arm (its
   run directory) and the field, instead of after the arms before it have trained.
 
   Args:
     runs: (workdir, overrides, ConfigDict) per arm, as `expand` returns them.
+    memory: also check that each arm's tree fits this machine's memory
+      (`budget.check_memory`: it touches the devices, so only when the arms run in
+      this process; with --parallel each train.py checks its own at start).
   Raises:
     app.UsageError: the first arm that does not validate.
   """
   for workdir, _, config in runs:
     try:
       if experiment.distributed_config(config).mode == "off":
-        experiment.validate(config)  # several processes: each arm's own processes validate
+        exp = experiment.validate(config)  # several processes: each arm's own validate
+        if memory:
+          budget.check_memory(exp)
     except (experiment.ConfigError, ValueError, TypeError) as e:
       raise app.UsageError(f"sweep arm {os.path.basename(workdir)} ({workdir}): "
                            f"{cli.one_line(e)}") from None
@@ -210,7 +215,7 @@ def main(argv):
       print(f"skipped (finished; --rerun runs it again): {w}", flush=True)
     runs = [r for r in runs if r[0] not in done]
   if not _PRINT.value:
-    validate_arms(runs)  # every arm that will run, before the first one computes
+    validate_arms(runs, memory=_PARALLEL.value <= 0)  # before the first arm computes
   if _PARALLEL.value > 0 and not _PRINT.value:
     commands = [(w, report.train_command(_CONFIG.value, w, o) + " --progress=false")
                 for w, o, _ in runs]

@@ -28,7 +28,7 @@ from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train import checks, components
+from mtrl_jax.train import budget, checks, components
 from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EngineGroup, EvalConfig,
                                    RLConfig, SFTConfig)
 from mtrl_jax.train.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
@@ -160,8 +160,9 @@ def validate(config: ml_collections.ConfigDict) -> Experiment:
 def start(config: ml_collections.ConfigDict) -> Experiment:
   """Joins the run's processes (`config.distributed`; validation counts them), then
   validates: what a run does once, before any device is touched or file written.
-  Process 0 prints what is legal but probably not meant (`checks.advisories`), one
-  `warning: ...` line each on stderr.
+  A tree whose KV cache and batch cannot fit the machine's memory is refused
+  (`budget.check_memory`); process 0 prints the estimate and what is legal but
+  probably not meant (`checks.advisories`, one `warning: ...` line each on stderr).
 
   Raises:
     ConfigError (one line) for a bad `config.distributed` or any other refusal.
@@ -174,7 +175,12 @@ def start(config: ml_collections.ConfigDict) -> Experiment:
   except ValueError as e:
     raise ConfigError(_one_line(e)) from e
   exp = validate(config)
+  try:  # the tree's KV cache and batch must fit this machine's memory
+    tree = budget.check_memory(exp)
+  except ValueError as e:
+    raise ConfigError(_one_line(e)) from e
   if distributed.is_writer():
+    print(budget.describe(tree), flush=True)
     for line in checks.advisories(exp):
       print(f"warning: {line}", file=sys.stderr, flush=True)
   return exp
