@@ -149,7 +149,7 @@ def step(arm, tree_cfg, transition, batch_cfg, seed: int) -> dict:
   jax.block_until_ready(arm.update(batch))
   t2 = time.perf_counter()
   return {"rollout": t1 - t0, "train": t2 - t1, "step": t2 - t0,
-          "shape": "x".join(map(str, batch["tokens_BxL"].shape))}
+          "shape": "x".join(map(str, batch.tokens_BxL.shape))}
 
 
 def main(argv):

@@ -60,6 +60,7 @@ from mtrl_jax.losses import LossConfig
 from mtrl_jax.models import create_model, lora
 from mtrl_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig, get_preset
 from mtrl_jax.models.transformer import Transformer, init_cache
+from mtrl_jax.rollout.train_batch import from_rows
 from mtrl_jax.train.optim import OptimConfig, make_optimizer
 from mtrl_jax.train.step import TrainStep
 
@@ -137,10 +138,9 @@ def time_train_step(cfg: ModelConfig, rank: int, rows: int, kl_coef: float,
   r = np.random.default_rng(0)
   mask = np.zeros((rows, 96), bool)
   mask[:, 32:] = True
-  batch = {"tokens_BxL": r.integers(0, cfg.vocab_size, (rows, 96)).astype(np.int32),
-           "loss_mask_BxL": mask, "old_logp_BxL": np.full((rows, 96), -5.0, np.float32),
-           "adv_B": r.standard_normal(rows).astype(np.float32),
-           "row_weight_B": np.ones(rows, np.float32)}
+  batch = from_rows(r.integers(0, cfg.vocab_size, (rows, 96)).astype(np.int32), mask,
+                    old_logp_BxL=np.full((rows, 96), -5.0, np.float32),
+                    adv=r.standard_normal(rows).astype(np.float32))
 
   def one():
     box[0], m = step(box[0], ref, batch)

@@ -12,7 +12,7 @@ with beta = 0.05, Adam lr 1e-5, one update per step on every sampled sequence):
   grpo     one turn: 16 sequences of 32 + 64 tokens. Ours: `expand_tree` with T = 1
            (the rollout engine: each prompt prefilled once and forked G ways), rewards
            from `mtrl_jax.testing.TokenTransition` (parity of the first token),
-           `pack_tree`, one jitted `TrainStep` (reference logprobs inside). Tunix:
+           `make_train_batch`, one jitted `TrainStep` (reference logprobs inside). Tunix:
            its GRPOLearner (`benchmarks/tunix_rl_worker.py`).
   longctx  (ours only, rows vs tree) a 512-token system prompt shared by 2 roots, each
            with a 32-token task prompt, T = 3, G = 4, 64 new tokens per turn: 2 x 21
@@ -154,7 +154,7 @@ def bench_ours(cfg, workload: str, steps: int, warmup: int, packing: str, rollou
                  "environment": t1 - t0 - generation, "packing": t2 - t1,
                  "train": t3 - t2, "tokens": tokens,
                  "trained": batch_m["batch/tokens_trained"],
-                 "shape": "x".join(map(str, batch["tokens_BxL"].shape))})
+                 "shape": "x".join(map(str, batch.tokens_BxL.shape))})
   timed = rows[warmup:]
   out = {k: statistics.median(r[k] for r in timed) for k in timed[0] if k != "shape"}
   out["shape"] = timed[-1]["shape"]

@@ -32,6 +32,7 @@ from mtrl_jax.losses import LossConfig
 from mtrl_jax.models import create_model, get_preset
 from mtrl_jax.rollout import Completion, Tree, TreeConfig
 from mtrl_jax.rollout.batching import BatchConfig, make_train_batch
+from mtrl_jax.rollout.train_batch import TrainBatch, from_rows
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import TrainStep
 
@@ -68,16 +69,14 @@ def measure_peak(n: int, repeats: int, dtype: str = "float32") -> float:
   return 2 * n ** 3 / statistics.median(times)
 
 
-def batch(cfg, rows: int) -> dict:
+def batch(cfg, rows: int) -> TrainBatch:
   rng = np.random.default_rng(0)
   length = PROMPT + NEW
   tokens = rng.integers(0, cfg.vocab_size, (rows, length)).astype(np.int32)
   mask = np.zeros((rows, length), bool)
   mask[:, PROMPT:] = True
-  return {"tokens_BxL": tokens, "loss_mask_BxL": mask,
-          "old_logp_BxL": np.full((rows, length), -5.0, np.float32),
-          "adv_B": rng.standard_normal(rows).astype(np.float32),
-          "row_weight_B": np.ones(rows, np.float32)}
+  return from_rows(tokens, mask, old_logp_BxL=np.full((rows, length), -5.0, np.float32),
+                   adv=rng.standard_normal(rows).astype(np.float32))
 
 
 def _median_step(cfg, kl_coef: float, b: dict, repeats: int):
@@ -136,9 +135,9 @@ def tree_batches(cfg, roots: int, system: int, length: int) -> dict:
   b = out["tree"]
   d, h, k, dh, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   matmul = 2 * (d * h * dh + 2 * d * k * dh + h * dh * d + 3 * d * f)
-  real = b["tokens_BxL"] != 0
-  keys = float((b["positions_BxL"][real] + 1).sum())
-  unique, trained = float(real.sum()), float(b["loss_mask_BxK"].sum())
+  real = b.tokens_BxL != 0
+  keys = float((b.positions_BxL[real] + 1).sum())
+  unique, trained = float(real.sum()), float(b.loss_mask_BxK.sum())
   out["useful_fwd_flops"] = (cfg.num_layers * (matmul * unique + 4 * h * dh * keys)
                              + 2 * d * cfg.vocab_size * trained)
   out["trained"] = trained
@@ -180,7 +179,7 @@ def main(argv):
     for packing in _PACKING.value:
       for kl in map(float, _KLS.value):
         s, fps, compiles = time_tree_case(preset, packing, kl, work, _REPEATS.value)
-        shape = "x".join(map(str, work[packing]["tokens_BxL"].shape))
+        shape = "x".join(map(str, work[packing].tokens_BxL.shape))
         print(f"| {preset} | {packing} | {'on' if kl else 'off'} | {shape} | "
               f"{work[packing + '_tokens']:.0f} | {work['trained']:.0f} | {s * 1e3:.1f} | "
               f"{fps / 1e9:.2f} | {fps / peak:.1%} | {compiles} |")

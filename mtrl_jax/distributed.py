@@ -239,17 +239,18 @@ def gather_lists(items: Sequence) -> list:
   return [x for part in allgather(list(items)) for x in part]
 
 
-def take_rows(batch: dict, mesh) -> dict:
-  """A host batch every process holds in full (e.g. an SFT batch) as global
-  arrays, each process contributing only its `share` of the rows; the batch
-  itself with one process."""
+def take_rows(batch, mesh):
+  """A host batch every process holds in full (e.g. an SFT batch; any pytree of
+  [rows, ...] arrays) as global arrays, each process contributing only its
+  `share` of the rows; the batch itself with one process."""
   if jax.process_count() == 1:
     return batch
   from mtrl_jax import sharding  # same layer
-  out = {}
-  for key, x in batch.items():
+
+  def one(x):
     rows = x.shape[0]
     s = sharding.batch_sharding(mesh, x.ndim, rows)
     start, stop = row_block(s, rows)
-    out[key] = global_rows(x[start:stop], s)
-  return out
+    return global_rows(x[start:stop], s)
+
+  return jax.tree.map(one, batch)

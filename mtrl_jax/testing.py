@@ -336,3 +336,33 @@ class ToolThenUserEnv(Environment):
   def close(self):
     with _CLOSED_LOCK:
       CLOSED.append(self)
+
+
+def rows_batch(rows: dict):
+  """A `TrainBatch` of plain row arrays as tests write them: tokens_BxL, loss_mask_BxL
+  and optionally old_logp_BxL, adv_B (or adv_BxL), row_weight_B
+  (`rollout.train_batch.from_rows`: each row one causal path)."""
+  from mtrl_jax.rollout.train_batch import from_rows
+  return from_rows(rows["tokens_BxL"], rows["loss_mask_BxL"],
+                   old_logp_BxL=rows.get("old_logp_BxL"),
+                   adv=rows.get("adv_BxL", rows.get("adv_B")),
+                   row_weight_B=rows.get("row_weight_B"))
+
+
+def dense_rows(batch, x_BxK, fill=0.0) -> np.ndarray:
+  """Per-token values `[B, K]` of a `rows_batch` back at their row positions `[B, L]`
+  (token t's slot is where prev = t - 1; `fill` elsewhere)."""
+  x_BxK, mask_BxK = np.asarray(x_BxK), np.asarray(batch.loss_mask_BxK)
+  out = np.full(np.shape(batch.tokens_BxL), fill, x_BxK.dtype)
+  rows, slots = np.nonzero(mask_BxK)
+  out[rows, np.asarray(batch.prev_BxK)[rows, slots] + 1] = x_BxK[rows, slots]
+  return out
+
+
+def rows_of(tree, length_buckets):
+  """A finalized tree's trained samples as the rows layout (`rl.packing='rows'`): one row
+  per action, agent-major then in node and sample order, no zero-variance filter."""
+  from mtrl_jax.rollout.batching import BatchConfig, make_train_batch
+  batch, _ = make_train_batch(tree, BatchConfig(packing="rows", length_buckets=tuple(
+      length_buckets), zero_variance_filter=False))
+  return batch

@@ -5,9 +5,10 @@ describes token t given tokens[b, :t], so it comes from the logits at t - 1:
 
   logp[b, t] = log_softmax(logits[b, t - 1])[tokens[b, t]],   logp[b, 0] = 0.
 
-`chunked_token_logprobs` computes the same numbers from the final hidden
-states and the LM-head weight, one vocabulary chunk at a time, so the full
-[B, L, V] logits never exist at once (forward or backward).
+`chunked_target_logprobs` (and its row alignment `chunked_token_logprobs`)
+computes the same numbers from the final hidden states and the LM-head
+weight, one vocabulary chunk at a time, so the full [B, L, V] logits never
+exist at once (forward or backward).
 """
 
 from __future__ import annotations
@@ -101,16 +102,11 @@ def token_entropy(logits_BxLxV, *, temperature: float = 1.0):
 
 def chunked_token_logprobs(hidden_BxLxD, weight_DxV, tokens_BxL, chunk_size: int, *,
                            temperature: float = 1.0):
-  """`token_logprobs(hidden @ weight, tokens)` without materialising [B, L, V].
-
-  The log-normaliser is a running logsumexp over vocabulary chunks inside a
-  rematerialised `lax.scan`, so the backward pass recomputes one chunk of
-  logits at a time instead of storing them all.
+  """`token_logprobs(hidden @ weight, tokens)` without materialising [B, L, V]
+  (`chunked_target_logprobs` with the row alignment: logp[:, 0] = 0).
 
   Args:
-    hidden_BxLxD: final hidden states after the final norm (what the LM head
-      multiplies); their dtype is the matmul's compute dtype, accumulated in
-      float32 like `Transformer.head`.
+    hidden_BxLxD: final hidden states after the final norm.
     weight_DxV: LM-head weight (`embed.T` for tied embeddings).
     tokens_BxL: int token ids in [0, V).
     chunk_size: vocabulary entries per chunk; need not divide V.
@@ -120,13 +116,41 @@ def chunked_token_logprobs(hidden_BxLxD, weight_DxV, tokens_BxL, chunk_size: int
     logp_BxL, float32, logp[:, 0] = 0.
   """
   _check("chunked_token_logprobs: hidden_BxLxD", hidden_BxLxD, tokens_BxL, 3)
-  if weight_DxV.ndim != 2 or weight_DxV.shape[0] != hidden_BxLxD.shape[-1]:
-    raise ValueError(f"chunked_token_logprobs: weight_DxV shape {weight_DxV.shape} does not "
-                     f"match hidden width {hidden_BxLxD.shape[-1]}")
+  return _shift_pad(chunked_target_logprobs(hidden_BxLxD[:, :-1], weight_DxV,
+                                            tokens_BxL[:, 1:], chunk_size,
+                                            temperature=temperature))
+
+
+def chunked_target_logprobs(hidden_BxKxD, weight_DxV, targets_BxK, chunk_size: int, *,
+                            temperature: float = 1.0):
+  """`target_logprobs(hidden @ weight, targets)` without materialising [B, K, V].
+
+  The log-normaliser is a running logsumexp over vocabulary chunks inside a
+  rematerialised `lax.scan`, so the backward pass recomputes one chunk of
+  logits at a time instead of storing them all.
+
+  Args:
+    hidden_BxKxD: final hidden states (after the final norm) of the positions
+      whose next token is scored; their dtype is the matmul's compute dtype,
+      accumulated in float32 like `Transformer.project`.
+    weight_DxV: LM-head weight (`embed.T` for tied embeddings).
+    targets_BxK: int token ids in [0, V): the token after each position.
+    chunk_size: vocabulary entries per chunk; need not divide V.
+    temperature: the logits are divided by it.
+
+  Returns:
+    logp_BxK, float32.
+  """
+  if hidden_BxKxD.ndim != 3 or hidden_BxKxD.shape[:2] != targets_BxK.shape:
+    raise ValueError(f"chunked_target_logprobs: hidden shape {hidden_BxKxD.shape} does not "
+                     f"match targets {targets_BxK.shape}")
+  if weight_DxV.ndim != 2 or weight_DxV.shape[0] != hidden_BxKxD.shape[-1]:
+    raise ValueError(f"chunked_target_logprobs: weight_DxV shape {weight_DxV.shape} does not "
+                     f"match hidden width {hidden_BxKxD.shape[-1]}")
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-    raise ValueError(f"chunked_token_logprobs: chunk_size={chunk_size!r}; needs a positive int")
-  h = hidden_BxLxD[:, :-1]
-  targets = tokens_BxL[:, 1:].astype(jnp.int32)
+    raise ValueError(f"chunked_target_logprobs: chunk_size={chunk_size!r}; needs a positive int")
+  h = hidden_BxKxD
+  targets = targets_BxK.astype(jnp.int32)
   vocab = weight_DxV.shape[1]
 
   def add_chunk(carry, start, size):
@@ -155,4 +179,4 @@ def chunked_token_logprobs(hidden_BxLxD, weight_DxV, tokens_BxL, chunk_size: int
   if tail:
     carry = jax.checkpoint(lambda c: add_chunk(c, num_full * chunk_size, tail))(carry)
   run_max, run_sum, picked = carry
-  return _shift_pad(picked - (run_max + jnp.log(run_sum)))
+  return picked - (run_max + jnp.log(run_sum))

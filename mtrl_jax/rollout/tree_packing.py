@@ -1,8 +1,10 @@
 """Tree packing: every token of a rollout tree appears once in the training batch.
 
-The row layout (`packing.pack_tree`) writes one row per (node, agent, sample),
-each repeating its whole context. Here each agent's trained actions are
-inserted into a token trie instead: an action's path is its prompt followed by
+A rollout tree's trained actions (`tree_actions`) become a `TrainBatch`
+(`rollout.train_batch`) in one of two ways. `pack_rows` writes one row per
+action, each repeating its whole context (a tree without shared prefixes:
+the baseline). `pack_actions` inserts each agent's actions into a token trie
+instead: an action's path is its prompt followed by
 its completion; prompts share every prefix already present (a child's prompt
 runs through its parent's completion, siblings share their node's prompt, and
 roots share a common system prompt), while each action's completion tokens are
@@ -25,9 +27,7 @@ there only) and its id (`target_BxK`). Per-token training arrays are `[B, K]`
 actions of a row, so GSPO's sequence ratio and the `seq-mean-*` aggregations
 see one action as one sequence wherever it sits.
 
-Batch fields: tokens_BxL, positions_BxL, ends_BxL int32 (the attention
-structure), prev_BxK, target_BxK, action_BxK int32, loss_mask_BxK bool,
-old_logp_BxK, adv_BxK float32, row_weight_B float32 (0 on padding rows).
+Batch fields: `rollout.train_batch.TrainBatch`.
 """
 
 from __future__ import annotations
@@ -38,29 +38,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from mtrl_jax.buckets import bucket, row_count
+from mtrl_jax.rollout.train_batch import TrainBatch, empty, from_rows, logit_buckets
 from mtrl_jax.rollout.tree import Tree
-
-TREE_BATCH_KEYS = ("tokens_BxL", "positions_BxL", "ends_BxL", "prev_BxK", "target_BxK",
-                   "action_BxK", "loss_mask_BxK", "old_logp_BxK", "adv_BxK", "row_weight_B")
-_DTYPES = {"tokens_BxL": np.int32, "positions_BxL": np.int32, "ends_BxL": np.int32,
-           "prev_BxK": np.int32, "target_BxK": np.int32, "action_BxK": np.int32,
-           "loss_mask_BxK": np.bool_, "old_logp_BxK": np.float32, "adv_BxK": np.float32,
-           "row_weight_B": np.float32}
-
-
-def tree_batch_spec(num_rows: int, length: int, num_logits: int) -> dict:
-  """Shapes and dtypes of a `pack_tree_packed` batch as `jax.ShapeDtypeStruct`s."""
-  import jax  # the packing itself is numpy only
-
-  def shape(k):
-    return {"L": (num_rows, length), "K": (num_rows, num_logits)}.get(k[-1], (num_rows,))
-
-  return {k: jax.ShapeDtypeStruct(shape(k), _DTYPES[k]) for k in TREE_BATCH_KEYS}
-
-
-def logit_buckets(length: int) -> tuple[int, ...]:
-  """Allowed K (trained tokens per row) for rows of `length`: a quarter, a half, all."""
-  return tuple(sorted({max(length // 4, 1), max(length // 2, 1), length}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +158,7 @@ def _items(trie: _Trie, max_len: int) -> list[tuple[tuple[int, ...], list[int]]]
 
 def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
                  row_buckets: Optional[Sequence[int]] = None, row_multiple: int = 1,
-                 pad_id: int = 0) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+                 pad_id: int = 0) -> tuple[TrainBatch, dict[str, float]]:
   """Packs trained actions (one list per agent: agents never share context) into a batch.
 
   Args:
@@ -191,7 +170,7 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
     pad_id: token id of padding.
 
   Returns:
-    (batch, stats): the batch (module docstring) and counts: tokens_trained
+    (batch, stats): the `TrainBatch` and counts: tokens_trained
     (tokens in rows), tokens_rows_equivalent (what one row per action would
     hold), padding_fraction, rows, actions.
   """
@@ -233,16 +212,11 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
   most = max((sum(sum(items[i][5]) for i in b) for b in bins), default=1)
   k = bucket(max(most, 1), logit_buckets(length), "trained tokens per row")
 
-  tokens = np.full((r, length), pad_id, np.int32)
-  positions = np.zeros((r, length), np.int32)
-  ends = np.tile(np.arange(1, length + 1, dtype=np.int32), (r, 1))  # padding: itself only
-  prev = np.zeros((r, k), np.int32)
-  target = np.full((r, k), pad_id, np.int32)
-  action = np.zeros((r, k), np.int32)
-  loss_mask = np.zeros((r, k), bool)
-  old_logp = np.zeros((r, k), np.float32)
-  adv = np.zeros((r, k), np.float32)
-  row_weight = np.zeros(r, np.float32)
+  out = empty(r, length, k, pad_id)  # padding positions: their own subtree only
+  tokens, positions, ends = out.tokens_BxL, out.positions_BxL, out.ends_BxL
+  prev, target, action = out.prev_BxK, out.target_BxK, out.action_BxK
+  loss_mask, old_logp, adv, row_weight = (out.loss_mask_BxK, out.old_logp_BxK, out.adv_BxK,
+                                          out.row_weight_B)
   used = 0
   for row, b in enumerate(bins):
     off, j, local_actions = 0, 0, {}
@@ -267,13 +241,55 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
       off = stop
     row_weight[row] = 1.0
     used += off
-  batch = {"tokens_BxL": tokens, "positions_BxL": positions, "ends_BxL": ends,
-           "prev_BxK": prev, "target_BxK": target, "action_BxK": action,
-           "loss_mask_BxK": loss_mask, "old_logp_BxK": old_logp, "adv_BxK": adv,
-           "row_weight_B": row_weight}
   stats = {"tokens_trained": float(used), "tokens_rows_equivalent": float(equivalent),
            "padding_fraction": 1.0 - used / float(r * length), "rows": float(r),
            "actions": float(sum(len(a) for a in actions_by_agent))}
+  return out, stats
+
+
+def pack_rows(actions_by_agent: Sequence[Sequence[Action]], *, length_buckets: Sequence[int],
+              row_buckets: Optional[Sequence[int]] = None, row_multiple: int = 1,
+              pad_id: int = 0) -> tuple[TrainBatch, dict[str, float]]:
+  """One row per action (its prompt, then its completion), right-padded: `pack_actions`'
+  layout without shared prefixes, each row one causal path with K = L slots.
+
+  Args:
+    actions_by_agent: per agent, its trained actions.
+    length_buckets: allowed row lengths; the smallest that holds the longest action.
+    row_buckets, row_multiple, pad_id: as for `pack_actions`.
+  Returns:
+    (batch, stats) as `pack_actions`; nothing is shared, so tokens_trained equals
+    tokens_rows_equivalent.
+  """
+  actions = [a for per in actions_by_agent for a in per]
+  if any(len(a.prompt) == 0 for a in actions):
+    raise ValueError("an action with an empty prompt (position 0 must be context)")
+  longest = max((len(a.prompt) + len(a.ids) for a in actions), default=1)
+  length = bucket(longest, length_buckets, "row length")
+  if row_buckets is not None:
+    rows = bucket(max(len(actions), 1), row_buckets, "row count")
+    if rows % row_multiple:
+      raise ValueError(f"row bucket {rows} is not a multiple of row_multiple={row_multiple}")
+  else:
+    rows = row_count(len(actions), row_multiple)
+  tokens_BxL = np.full((rows, length), pad_id, np.int32)
+  mask_BxL = np.zeros((rows, length), bool)
+  old_BxL = np.zeros((rows, length), np.float32)
+  adv_B = np.zeros(rows, np.float32)
+  for b, act in enumerate(actions):
+    p, c = len(act.prompt), len(act.ids)
+    tokens_BxL[b, :p] = act.prompt
+    tokens_BxL[b, p:p + c] = act.ids
+    mask_BxL[b, p:p + c] = act.trainable
+    old_BxL[b, p:p + c] = act.logprobs
+    adv_B[b] = act.advantage
+  weight_B = (np.arange(rows) < len(actions)).astype(np.float32)
+  batch = from_rows(tokens_BxL, mask_BxL, old_logp_BxL=old_BxL, adv=adv_B,
+                    row_weight_B=weight_B, num_logits=length)
+  used = float(sum(len(a.prompt) + len(a.ids) for a in actions))
+  stats = {"tokens_trained": used, "tokens_rows_equivalent": used,
+           "padding_fraction": 1.0 - used / float(rows * length), "rows": float(rows),
+           "actions": float(len(actions))}
   return batch, stats
 
 

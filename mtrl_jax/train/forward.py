@@ -1,58 +1,47 @@
-"""The policy forward of training: per-token logprobs of a row or tree-packed batch.
+"""The policy forward of training: per-token logprobs of a `TrainBatch`.
 
 One function serves the train step, the old-logprob pass of several updates
-per batch and the stacked (one policy per agent) step, so the layouts they
-read are named once (`forward_keys`).
+per batch and the stacked (one policy per agent) step. The forward uses the
+batch's attention structure (`rollout.train_batch`: packed trees, or causal
+rows) and the LM head runs only at `prev_BxK`, each trained token's
+predecessor, giving [B, K] logprobs of `target_BxK`.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from mtrl_jax import losses
-from mtrl_jax.train.objectives import is_tree_batch
 
 
 def forward_logprobs(graphdef, params, batch, chunk_size: int, want_entropy: bool,
                      temperature: float):
-  """Per-token logprobs (and entropies, without gradient) of one parameter state.
+  """Per-token logprobs [B, K] (and entropies, without gradient) of one parameter state.
 
-  Row batches: every position of `tokens_BxL`, aligned as `losses.token_logprobs`;
-  `chunk_size` > 0 computes them in sequence chunks without the full
-  [B, L, V] logits (no entropy then). Tree-packed batches: the forward uses the
-  packed attention structure and the LM head runs only at `prev_BxK` (each
-  trained token's predecessor), giving [B, K] logprobs of `target_BxK`.
+  Args:
+    graphdef, params: the model (`nnx.split`).
+    batch: a `rollout.train_batch.TrainBatch` (its forward fields).
+    chunk_size: > 0: the LM head's logsumexp runs over vocabulary chunks
+      (`losses.chunked_target_logprobs`), never materialising [B, K, V]
+      logits (no entropy then).
+    want_entropy: also return the entropy of each scored distribution.
+    temperature: logprobs of softmax(logits / temperature).
+  Returns:
+    (logp_BxK, entropy_BxK or None).
   """
   model = nnx.merge(graphdef, params)
-  tokens_BxL = batch["tokens_BxL"]
-  if is_tree_batch(batch):
-    if chunk_size:
-      raise ValueError("StepConfig.logprob_chunk_size is not supported for tree-packed "
-                       "batches (their logits are already limited to trained tokens)")
-    hidden = model.hidden(tokens_BxL, batch["positions_BxL"], tree_ends_BxL=batch["ends_BxL"])
-    logits_BxKxV = model.logits_at(hidden, batch["prev_BxK"])
-    logp = losses.target_logprobs(logits_BxKxV, batch["target_BxK"], temperature=temperature)
-    entropy = None
-    if want_entropy:
-      entropy = losses.target_entropy(jax.lax.stop_gradient(logits_BxKxV),
-                                      temperature=temperature)
-    return logp, entropy
+  hidden = model.hidden(batch.tokens_BxL, batch.positions_BxL, tree_ends_BxL=batch.ends_BxL)
   if chunk_size:
-    hidden = model.hidden(tokens_BxL)
-    logp = losses.chunked_token_logprobs(hidden, model.head_weight(), tokens_BxL,
-                                         chunk_size, temperature=temperature)
+    h = jnp.take_along_axis(hidden, batch.prev_BxK[..., None].astype(jnp.int32), axis=1)
+    logp = losses.chunked_target_logprobs(h, model.head_weight(), batch.target_BxK,
+                                          chunk_size, temperature=temperature)
     return logp, None
-  logits_BxLxV = model(tokens_BxL)
-  logp = losses.token_logprobs(logits_BxLxV, tokens_BxL, temperature=temperature)
+  logits_BxKxV = model.logits_at(hidden, batch.prev_BxK)
+  logp = losses.target_logprobs(logits_BxKxV, batch.target_BxK, temperature=temperature)
   entropy = None
   if want_entropy:
-    entropy = losses.token_entropy(jax.lax.stop_gradient(logits_BxLxV), temperature=temperature)
+    entropy = losses.target_entropy(jax.lax.stop_gradient(logits_BxKxV),
+                                    temperature=temperature)
   return logp, entropy
-
-
-def forward_keys(batch) -> tuple:
-  """The entries a forward pass of `batch` reads (row or tree-packed layout)."""
-  if is_tree_batch(batch):
-    return ("tokens_BxL", "positions_BxL", "ends_BxL", "prev_BxK", "target_BxK")
-  return ("tokens_BxL",)

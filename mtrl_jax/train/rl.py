@@ -229,7 +229,7 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
     with timer.section("train"):
       if batch is not None and exp.rl.updates_per_step:
         if train_step.objective.recompute_old:  # pi_old before the first update
-          batch = {**batch, **train_step.old_logprobs(run_state.state.params, batch)}
+          batch = train_step.old_logprobs(run_state.state.params, batch)
         for _ in range(exp.rl.updates_per_step):
           run_state.state, dm = train_step(run_state.state, run_state.ref, batch)
         train_m = policies.train_metrics(dm)

@@ -28,40 +28,34 @@ from mtrl_jax import distributed, sharding
 from mtrl_jax.buckets import bucket, round_up
 from mtrl_jax.data import epoch_order
 from mtrl_jax.registry import import_object
+from mtrl_jax.rollout.train_batch import TrainBatch, batch_spec, from_rows
 from mtrl_jax.train import optim
 from mtrl_jax.train.evaluate import indexed
 from mtrl_jax.train.objectives import train_mask
 from mtrl_jax.train.step import StepConfig, TrainStep
 
-SFT_BATCH_KEYS = ("tokens_BxL", "loss_mask_BxL", "row_weight_B")
-
-
 @dataclasses.dataclass(frozen=True)
 class SFTObjective:
   """Token-mean negative log-likelihood of the trainable tokens.
 
-  loss = -sum_{b,t} m[b,t] logp[b,t] / sum_{b,t} m[b,t], with m the loss mask
-  minus padding rows (row_weight 0) and position 0.
+  loss = -sum_{b,k} m[b,k] logp[b,k] / sum_{b,k} m[b,k], with m the trained
+  tokens of a `TrainBatch` minus padding rows (row_weight 0).
   """
 
   @property
   def needs_ref(self) -> bool:
     return False
 
-  @property
-  def batch_keys(self) -> tuple[str, ...]:
-    return SFT_BATCH_KEYS
-
-  def terms(self, logp_BxL, ref_logp_BxL, entropy_BxL, batch):
-    del ref_logp_BxL
-    mask_BxL = train_mask(batch)
-    maskf = mask_BxL.astype(jnp.float32)
+  def terms(self, logp_BxK, ref_logp_BxK, entropy_BxK, batch):
+    del ref_logp_BxK
+    mask_BxK = train_mask(batch)
+    maskf = mask_BxK.astype(jnp.float32)
     # where, not multiply: masked positions never reach the loss or its gradient.
-    num = -jnp.sum(jnp.where(mask_BxL, logp_BxL, 0.0))
+    num = -jnp.sum(jnp.where(mask_BxK, logp_BxK, 0.0))
     sums = {"nll_sum": jax.lax.stop_gradient(num), "tokens": maskf.sum(),
-            "rows": jnp.any(mask_BxL, axis=-1).astype(jnp.float32).sum()}
-    if entropy_BxL is not None:
-      sums["entropy_sum"] = jnp.sum(jnp.where(mask_BxL, entropy_BxL, 0.0))
+            "rows": jnp.any(mask_BxK, axis=-1).astype(jnp.float32).sum()}
+    if entropy_BxK is not None:
+      sums["entropy_sum"] = jnp.sum(jnp.where(mask_BxK, entropy_BxK, 0.0))
     return num, maskf.sum(), sums
 
   def merge(self, a, b):
@@ -91,8 +85,9 @@ def _row(example) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pack_sft_rows(rows: Sequence, length_buckets: Sequence[int], *, pad_id: int = 0,
-                  num_rows: Optional[int] = None, row_multiple: int = 1) -> dict[str, np.ndarray]:
-  """Right-pads example rows into one fixed-shape SFT batch.
+                  num_rows: Optional[int] = None, row_multiple: int = 1) -> TrainBatch:
+  """Right-pads example rows into one fixed-shape SFT batch (each row a single-path tree,
+  `rollout.train_batch.from_rows`, with one trained-token slot per position).
 
   Args:
     rows: `(ids, trainable_mask)` pairs (or dicts with those keys), e.g. a
@@ -103,7 +98,7 @@ def pack_sft_rows(rows: Sequence, length_buckets: Sequence[int], *, pad_id: int 
       `row_multiple`. Padding rows get row_weight 0.
     row_multiple: B is a multiple of this (e.g. the data-parallel size).
   Returns:
-    {"tokens_BxL": int32, "loss_mask_BxL": bool, "row_weight_B": float32}.
+    The `TrainBatch` (B x L x L).
   """
   parsed = [_row(r) for r in rows]
   for i, (ids, trainable) in enumerate(parsed):
@@ -127,8 +122,8 @@ def pack_sft_rows(rows: Sequence, length_buckets: Sequence[int], *, pad_id: int 
     tokens_BxL[b, :ids.size] = ids
     loss_mask_BxL[b, :ids.size] = trainable
     row_weight_B[b] = 1.0
-  return {"tokens_BxL": tokens_BxL, "loss_mask_BxL": loss_mask_BxL,
-          "row_weight_B": row_weight_B}
+  # K = L: one SFT program per (rows, length), whatever the rows' trained counts.
+  return from_rows(tokens_BxL, loss_mask_BxL, row_weight_B=row_weight_B, num_logits=length)
 
 
 class SFTBatcher:
@@ -269,10 +264,7 @@ class SFTMix:
   def precompile(self, num_rows: int):
     """Compiles the step for every length bucket (rows of any bucket may come)."""
     for length in self.batcher.length_buckets:
-      self.step_fn.precompile({
-          "tokens_BxL": jax.ShapeDtypeStruct((num_rows, length), jnp.int32),
-          "loss_mask_BxL": jax.ShapeDtypeStruct((num_rows, length), jnp.bool_),
-          "row_weight_B": jax.ShapeDtypeStruct((num_rows,), jnp.float32)})
+      self.step_fn.precompile(batch_spec(num_rows, length, length))
 
 
 def warm_up(parts) -> tuple[Any, list[dict]]:

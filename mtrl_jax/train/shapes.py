@@ -18,8 +18,9 @@ A jitted function compiles once per shape bucket (docs/design.md invariant 5), s
                     down to a 32nd, since packed trees fill few rows;
   train lengths     'rows': `rl.length_buckets`; 'tree': the largest of them
                     (bin packing fills rows, so one length serves);
-  trained tokens    'tree' only: a quarter, a half or all of the row length
-                    (`tree_packing.logit_buckets`): the LM head runs there.
+  trained tokens    'tree': a quarter, a half or all of the row length
+                    (`train_batch.logit_buckets`): the LM head runs there;
+                    'rows': the row length (one slot per position).
 
 `precompile` then compiles every engine and train-step program before the
 first RL step, so the compile census stays flat for the rest of the run.
@@ -34,9 +35,8 @@ import jax
 
 from mtrl_jax.buckets import round_up
 from mtrl_jax.rollout import plan_tree
-from mtrl_jax.rollout.packing import batch_spec
 from mtrl_jax.rollout.policy import StackedStates
-from mtrl_jax.rollout.tree_packing import logit_buckets, tree_batch_spec
+from mtrl_jax.rollout.train_batch import TrainBatch, batch_spec, logit_buckets
 from mtrl_jax.sampling import EngineConfig
 
 
@@ -51,17 +51,14 @@ class ShapePlan:
   train_lens: tuple
   packing: str = "rows"
 
-  def train_shapes(self) -> list[tuple[int, ...]]:
-    """(rows, length) of every train program, plus trained tokens per row for 'tree'."""
-    if self.packing == "tree":
-      return [(b, l, k) for b in self.train_rows for l in self.train_lens
-              for k in logit_buckets(l)]
-    return [(b, l) for b in self.train_rows for l in self.train_lens]
+  def train_shapes(self) -> list[tuple[int, int, int]]:
+    """(rows, length, trained tokens per row) of every train program."""
+    logits = logit_buckets if self.packing == "tree" else lambda l: (l,)
+    return [(b, l, k) for b in self.train_rows for l in self.train_lens for k in logits(l)]
 
-  def train_specs(self) -> list[dict]:
+  def train_specs(self) -> list[TrainBatch]:
     """The batch specs (`jax.ShapeDtypeStruct`s) of every train program."""
-    spec = tree_batch_spec if self.packing == "tree" else batch_spec
-    return [spec(*shape) for shape in self.train_shapes()]
+    return [batch_spec(*shape) for shape in self.train_shapes()]
 
 
 def plan_shapes(exp, row_multiple: int, local_shards: int) -> ShapePlan:
@@ -127,7 +124,7 @@ def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids
   agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
   for spec in shapes.train_specs():
     if agents is not None:
-      spec = {k: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype) for k, v in spec.items()}
+      spec = jax.tree.map(lambda v: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype), spec)
     train_step.precompile(spec)
   t2 = time.perf_counter()
   return {"engine_programs": engine_programs, "engine_seconds": round(t1 - t0, 1),

@@ -36,18 +36,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import sharding
 from mtrl_jax.models import lora as lora_lib
-from mtrl_jax.train.objectives import trainer_old_key
-from mtrl_jax.train.forward import forward_keys
-from mtrl_jax.train.step import StepConfig, TrainState, TrainStep, compile_step
+from mtrl_jax.rollout.train_batch import TrainBatch, as_arrays
+from mtrl_jax.train.compile import compile_step
+from mtrl_jax.train.step import StepConfig, TrainState, TrainStep
 
 
 def _stack_sharding(s: NamedSharding) -> NamedSharding:
   return NamedSharding(s.mesh, P(None, *s.spec))
-
-
-def _shape_key(batch_A: Mapping[str, Any]) -> tuple:
-  # A stacked batch's program key: each entry's rank and row count (axis 1).
-  return tuple(sorted((k, len(v.shape), v.shape[1]) for k, v in batch_A.items()))
 
 
 def stack_trees(trees: Sequence[Any]):
@@ -147,52 +142,53 @@ class StackedTrainStep:
     return self._merge_fn(self.base, params)
 
   # ------------------------------------------------------------ step
-  def _select(self, batch_A: Mapping[str, Any]) -> dict:
+  def _select(self, batch_A: TrainBatch) -> TrainBatch:
     out = self.inner._select(batch_A, rows_axis=1)
-    for k, v in out.items():
+    for k, v in as_arrays(out).items():
       if np.shape(v)[0] != self.num_agents:
         raise ValueError(f"stacked batch {k} has leading size {np.shape(v)[0]}; expected "
                          f"{self.num_agents} agents")
     return out
 
-  def __call__(self, state: TrainState, ref_params, batch: Mapping[str, Any]):
+  def __call__(self, state: TrainState, ref_params, batch: TrainBatch):
     """One update of every agent: `state` (donated), `ref_params` [A, ...] or None,
-    `batch` {key: [A, B, ...]}. Returns (new state, metrics {name: [A]})."""
+    `batch` a `TrainBatch` of [A, B, ...] fields. Returns (new state, metrics {name: [A]})."""
     batch = self._select(batch)
     frozen = self.inner.frozen_arg(ref_params, self.objective.needs_ref)
     fn = self._fn_for(batch, not self.objective.needs_ref)
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
       return fn(state, frozen, batch, self.scales)
 
-  def old_logprobs(self, params, batch_A: Mapping[str, Any]) -> dict:
-    """Every agent's own logprobs of its rows at its `params` [A, ...] (no gradient),
-    stacked [A, B, ...]: the `trainer_old_key` entry that several updates per batch
+  def old_logprobs(self, params, batch_A: TrainBatch) -> TrainBatch:
+    """`batch_A` with every agent's own logprobs of its rows at its `params` [A, ...]
+    (no gradient) as `trainer_old_logp_BxK` [A, B, K], which several updates per batch
     read (`TrainStep.old_logprobs`, mapped over the agent axis)."""
-    fwd = {k: batch_A[k] for k in forward_keys(batch_A)}
+    fwd = batch_A.forward_part()
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
-      return {trainer_old_key(batch_A): self._old_fn_for(fwd)(params, self.base, fwd)}
+      old = self._old_fn_for(fwd)(params, self.base, fwd)
+    return batch_A.replace(trainer_old_logp_BxK=old)
 
   def _logp_sharding(self, rows: int) -> NamedSharding:
-    # Stacked per-token logprobs [A, B, L], B = `rows` split like the batch rows.
+    # Stacked per-token logprobs [A, B, K], B = `rows` split like the batch rows.
     return _stack_sharding(sharding.batch_sharding(self.mesh, 2, rows))
 
   def _batch_shardings(self, batch_A):
-    return {k: _stack_sharding(sharding.batch_sharding(self.mesh, len(v.shape) - 1, v.shape[1]))
-            for k, v in batch_A.items()}
+    return jax.tree.map(lambda v: _stack_sharding(
+        sharding.batch_sharding(self.mesh, len(v.shape) - 1, v.shape[1])), batch_A)
 
   def _old_fn_for(self, fwd):
-    key = ("old_logprobs",) + _shape_key(fwd)
+    key = ("old_logprobs",) + fwd.program_key(rows_axis=1)
     fn = self._jitted.get(key)
     if fn is None:
       fn = jax.jit(self._mapped_old_logp,
                    in_shardings=(self.param_shardings, self.base_shardings,
                                  self._batch_shardings(fwd)),
-                   out_shardings=self._logp_sharding(fwd["tokens_BxL"].shape[1]))
+                   out_shardings=self._logp_sharding(fwd.tokens_BxL.shape[1]))
       self._jitted[key] = fn
     return fn
 
   def _fn_for(self, batch, no_ref: bool):
-    key = (no_ref,) + _shape_key(batch)
+    key = (no_ref,) + batch.program_key(rows_axis=1)
     fn = self._jitted.get(key)
     if fn is None:
       rep = sharding.replicated(self.mesh)
@@ -213,7 +209,7 @@ class StackedTrainStep:
     # Traced body of `old_logprobs`: the single-agent forward mapped over the agent axis.
     return jax.vmap(self.inner._old_logp, in_axes=(0, None, 0))(params, base, fwd)
 
-  def precompile(self, batch: Mapping[str, Any], with_ref=None) -> None:
+  def precompile(self, batch: TrainBatch, with_ref=None) -> None:
     """Compiles the step for this stacked batch's shapes (arrays or ShapeDtypeStructs);
     with several updates per batch also the old-logprob forward (as `TrainStep`)."""
     compile_step(self, batch, with_ref, self.inner.rules,

@@ -41,8 +41,10 @@ from flax import nnx
 from mtrl_jax import losses, models, sharding
 from mtrl_jax.models import lora as lora_lib
 from mtrl_jax.train import optim
-from mtrl_jax.train.forward import forward_keys, forward_logprobs
-from mtrl_jax.train.objectives import PolicyObjective, is_tree_batch, trainer_old_key
+from mtrl_jax.rollout.train_batch import TrainBatch
+from mtrl_jax.train.forward import forward_logprobs
+from mtrl_jax.train.compile import compile_step
+from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.update import one_update
 
 _NONFINITE = ("skip", "halt")
@@ -241,20 +243,23 @@ class TrainStep:
     """Traces (= compilations) of the step so far: one per batch shape bucket."""
     return self._num_traces
 
-  def _batch_shardings(self, batch):
-    return {k: sharding.batch_sharding(self.mesh, len(v.shape), v.shape[0])
-            for k, v in batch.items()}
+  def _batch_shardings(self, batch: TrainBatch):
+    return jax.tree.map(lambda v: sharding.batch_sharding(self.mesh, len(v.shape), v.shape[0]),
+                        batch)
 
-  def _select(self, batch: Mapping[str, Any], rows_axis: int = 0) -> dict:
-    """The objective's entries of `batch`, checked (token ids, micro-batch rows);
-    `rows_axis` 1 for agent-stacked batches (`train.stacked`)."""
-    keys_for = getattr(self.objective, "keys_for", None)
-    keys = list(keys_for(batch) if keys_for else self.objective.batch_keys)
-    missing = [k for k in keys if k not in batch]
-    if missing:
-      raise KeyError(f"train batch lacks {missing}; has {sorted(batch)}")
-    out = {k: batch[k] for k in keys}
-    tokens = out["tokens_BxL"]
+  def _select(self, batch: TrainBatch, rows_axis: int = 0) -> TrainBatch:
+    """`batch` checked (token ids, micro-batch rows, what the objective reads), without
+    the fields the objective does not read; `rows_axis` 1 for agent-stacked batches
+    (`train.stacked`)."""
+    if not isinstance(batch, TrainBatch):
+      raise TypeError(f"train batch is a {type(batch).__name__}; allowed: "
+                      "rollout.train_batch.TrainBatch")
+    check = getattr(self.objective, "check", None)
+    if check is not None:
+      check(batch)
+    if not getattr(self.objective, "recompute_old", False):
+      batch = batch.replace(trainer_old_logp_BxK=None)
+    tokens = batch.tokens_BxL
     if isinstance(tokens, np.ndarray) and tokens.size and (
         tokens.min() < 0 or tokens.max() >= self.model_cfg.vocab_size):
       # jnp.take would silently return NaN rows for out-of-range ids.
@@ -264,16 +269,16 @@ class TrainStep:
     m = self.step_cfg.num_microbatches
     if b % m:
       raise ValueError(f"batch rows B={b} not divisible by StepConfig.num_microbatches={m}")
-    return out
+    return batch
 
-  def __call__(self, state: TrainState, ref_params, batch: Mapping[str, Any]):
+  def __call__(self, state: TrainState, ref_params, batch: TrainBatch):
     """One update. `state` is donated; `ref_params` may be None unless needed.
 
     Args:
       state: the current TrainState (its buffers are donated).
       ref_params: frozen reference parameters (same graph), used when the
         objective needs reference logprobs (kl_coef > 0); else ignored.
-      batch: host or device arrays (extra keys such as ids are dropped).
+      batch: a `TrainBatch` of host or device arrays.
     Returns:
       (new_state, metrics): metrics a dict of device scalars.
     """
@@ -283,19 +288,20 @@ class TrainStep:
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
       return fn(state, frozen, batch)
 
-  def old_logprobs(self, params, batch: Mapping[str, Any]) -> dict:
-    """The trainer's own logprobs of `batch` at `params` (no gradient), as the
-    entry `PolicyObjective(recompute_old=True)` reads (`trainer_old_key`): the
-    RL loop adds it before the first of several updates on one batch."""
-    fwd = {k: batch[k] for k in forward_keys(batch)}
+  def old_logprobs(self, params, batch: TrainBatch) -> TrainBatch:
+    """`batch` with `trainer_old_logp_BxK`: the trainer's own logprobs at `params`
+    (no gradient), which `PolicyObjective(recompute_old=True)` reads; the RL loop
+    adds them before the first of several updates on one batch."""
+    fwd = batch.forward_part()
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      return {trainer_old_key(batch): self._old_fn_for(fwd)(params, self.base, fwd)}
+      old = self._old_fn_for(fwd)(params, self.base, fwd)
+    return batch.replace(trainer_old_logp_BxK=old)
 
-  def _old_fn_for(self, fwd: Mapping[str, Any]):
-    key = ("old_logprobs",) + tuple(sorted((k, len(v.shape), v.shape[0]) for k, v in fwd.items()))
+  def _old_fn_for(self, fwd: TrainBatch):
+    key = ("old_logprobs",) + fwd.program_key()
     fn = self._jitted.get(key)
     if fn is None:
-      rows = fwd["tokens_BxL"].shape[0]
+      rows = fwd.tokens_BxL.shape[0]
       fn = jax.jit(self._old_logp, in_shardings=(self.param_shardings, self.base_shardings,
                                                  self._batch_shardings(fwd)),
                    out_shardings=sharding.batch_sharding(self.mesh, 2, rows))
@@ -311,10 +317,10 @@ class TrainStep:
                                False, getattr(self.objective, "temperature", 1.0))
     return jax.lax.stop_gradient(logp)
 
-  def _fn_for(self, batch: Mapping[str, Any], no_ref: bool):
+  def _fn_for(self, batch: TrainBatch, no_ref: bool):
     # Shardings depend on the row count only; jax.jit's own cache adds one
     # executable per length bucket.
-    key = (no_ref,) + tuple(sorted((k, len(v.shape), v.shape[0]) for k, v in batch.items()))
+    key = (no_ref,) + batch.program_key()
     fn = self._jitted.get(key)
     if fn is None:
       frozen = self.base_shardings if self.lora else None if no_ref else self.param_shardings
@@ -326,11 +332,11 @@ class TrainStep:
       self._jitted[key] = fn
     return fn
 
-  def precompile(self, batch: Mapping[str, Any], with_ref: Optional[bool] = None) -> None:
+  def precompile(self, batch: TrainBatch, with_ref: Optional[bool] = None) -> None:
     """Compiles the step for this batch's shapes without running it.
 
     `batch` may hold arrays or `jax.ShapeDtypeStruct`s (see
-    `rollout.packing.abstract_batch`). A later call with a batch of the same
+    `rollout.train_batch.batch_spec`). A later call with a batch of the same
     shapes and dtypes reuses the program (jax.jit's cache), so a training loop
     can compile all its shape buckets before the first step.
     `with_ref` defaults to whether the objective needs reference logprobs.
@@ -360,41 +366,3 @@ class TrainStep:
           f"grad_norm={out.get('grad_norm')}; the update was skipped and "
           "StepConfig.nonfinite='halt' stops the run (use 'skip' to continue)")
     return out
-
-
-def compile_step(step, batch: Mapping[str, Any], with_ref: Optional[bool], rules,
-                 old_sharding, *extra_args) -> None:
-  """The body of `TrainStep.precompile` and `StackedTrainStep.precompile`: lowers
-  and compiles `step`'s update for `batch`'s shapes (arrays or ShapeDtypeStructs).
-
-  With several updates per batch (`recompute_old`) the batch also carries the
-  trainer's old logprobs, shaped like old_logp and computed by a forward of
-  their own, which is compiled too; `old_sharding(shape)` is the sharding
-  `old_logprobs` returns, so the step's cache entry matches. `extra_args`
-  follow the batch in the step's signature.
-  """
-  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-  mesh = step.mesh
-  if getattr(step.objective, "recompute_old", False):
-    like = batch["old_logp_BxK" if is_tree_batch(batch) else "old_logp_BxL"]
-    old = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=old_sharding(like.shape))
-    batch = {trainer_old_key(batch): old, **batch}
-    fwd = {k: sds(batch[k]) for k in forward_keys(batch)}
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-      step._old_fn_for(fwd).lower(step.abstract_state().params, _abstract_base(step),
-                                  fwd).compile()
-  batch = step._select(batch)
-  no_ref = not (step.objective.needs_ref if with_ref is None else with_ref)
-  fn = step._fn_for(batch, no_ref)
-  abstract = {k: v if isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None
-              else sds(v) for k, v in batch.items()}
-  state = step.abstract_state()
-  frozen = _abstract_base(step) if step.lora else None if no_ref else state.params
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    fn.lower(state, frozen, abstract, *extra_args).compile()
-
-
-def _abstract_base(step):
-  """The abstract frozen base of a step with adapters (else None)."""
-  sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  return jax.tree.map(sds, step.base, step.base_shardings) if step.lora else None

@@ -52,7 +52,7 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
     state: the current state.
     ref_params: frozen reference parameters, or None when the objective needs
       no reference logprobs.
-    batch: the objective's entries, [B, ...] each.
+    batch: a `rollout.train_batch.TrainBatch` ([B, ...] fields).
     graphdef: the model's graph (`nnx.split(model, nnx.Param)[0]`).
     objective: the `Objective` minimised.
     step_cfg: the `StepConfig` (micro-batches, logprob chunking, entropy).
@@ -94,7 +94,7 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
   if m == 1:
     (num, (den, sums)), grads = grad_fn(state.params, batch)
   else:
-    b = batch["tokens_BxL"].shape[0]
+    b = batch.tokens_BxL.shape[0]
     axes = sharding.batch_sharding(mesh, 2, b // m).spec[0]
     mbs = split_microbatches(batch, m, mesh, axes)
 

@@ -82,12 +82,10 @@ def test_rewritten_history_starts_a_new_segment_and_keeps_earlier_actions(packin
   actions = [(n, g) for n in tree.nodes for g in range(2)]
   assert m["batch/actions"] == len(actions)
   lengths = [len(n.completions[0][g].ids) for n, g in actions]
-  mask = batch["loss_mask_BxK" if packing == "tree" else "loss_mask_BxL"]
-  old = batch["old_logp_BxK" if packing == "tree" else "old_logp_BxL"]
+  mask = batch.loss_mask_BxK
   assert mask.sum() == sum(lengths)  # every action trains on all of its own sampled tokens
-  np.testing.assert_array_equal(old[mask], LOGP)
-  adv = (batch["adv_BxK"][mask] if packing == "tree"
-         else np.repeat(batch["adv_B"], mask.sum(axis=1)))
+  np.testing.assert_array_equal(batch.old_logp_BxK[mask], LOGP)
+  adv = batch.adv_BxK[mask]
   expected = np.concatenate([np.full(n_tok, n.advantages_NxG[0, g])
                              for (n, g), n_tok in zip(actions, lengths)])
   np.testing.assert_allclose(np.sort(adv), np.sort(expected), rtol=1e-6)

@@ -10,9 +10,10 @@ import pytest
 
 from mtrl_jax.envs import RewardConfig, StepLimits, resolve_factory
 from mtrl_jax.tasks import calculator
-from mtrl_jax.rollout import (TreeConfig, expand_tree, node_records, pack_tree,
+from mtrl_jax.rollout import (TreeConfig, expand_tree, node_records,
                               write_rollout_dump)
 from mtrl_jax.rollout.env_transition import EnvTransition
+from mtrl_jax import testing
 from mtrl_jax.testing import FakePolicy, byte_renderer, byte_tokenizer
 from mtrl_jax.text import compact
 
@@ -88,14 +89,16 @@ def test_golden_episodes_as_two_user_turns(tmp_path):
     np.testing.assert_array_equal(node.substeps_B, [1, 1])
   np.testing.assert_allclose(tree.nodes[0].returns_B, -0.1 + 0.9 * 0.9, atol=1e-12)
 
-  batch = pack_tree(tree, length_buckets=(128, 256))
+  batch = testing.rows_of(tree, (128, 256))
+  loss_mask_BxL = testing.dense_rows(batch, batch.loss_mask_BxK, fill=False)
+  old_logp_BxL = testing.dense_rows(batch, batch.old_logp_BxK)
   rows = [(n, g) for n in tree.nodes for g in range(2)]
   for b, (node, g) in enumerate(rows):
     task = tasks[node.root]
     msgs = [c for r, c in calculator.golden_conversation(task) if r == "assistant"]
     tool_result = tool_results(task)
-    mask = batch["loss_mask_BxL"][b]
-    tokens = batch["tokens_BxL"][b]
+    mask = loss_mask_BxL[b]
+    tokens = batch.tokens_BxL[b]
     # Trainable text: this user turn's assistant messages, each with its stop token.
     call, answer = msgs[2 * node.turn], msgs[2 * node.turn + 1]
     assert TOK.decode(tokens[mask].tolist()) == call + END + answer + END
@@ -104,7 +107,7 @@ def test_golden_episodes_as_two_user_turns(tmp_path):
     context = tokens[p:p + c][~mask[p:p + c]]
     assert TOK.decode(context.tolist()) == f"<|tool|>{tool_result[node.turn]}{END}<|assistant|>"
     lps = [-0.01 * np.arange(1, len(TOK.encode(m)) + 2) for m in (call, answer)]
-    np.testing.assert_allclose(batch["old_logp_BxL"][b, mask], np.concatenate(lps), rtol=1e-6)
+    np.testing.assert_allclose(old_logp_BxL[b, mask], np.concatenate(lps), rtol=1e-6)
     assert not mask[:p].any()
 
   path = write_rollout_dump(tree, str(tmp_path / "step.jsonl"), decode=transition.decode)

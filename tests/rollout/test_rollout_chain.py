@@ -4,9 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree, plan_tree
+from mtrl_jax.rollout import TreeConfig, expand_tree, plan_tree
 from mtrl_jax.rollout.config import generations_per_root
 from mtrl_jax.rollout.dump import node_records
+from mtrl_jax import testing
 from mtrl_jax.testing import FakePolicy, ScriptedTransition
 
 KEY = jax.random.key(3)
@@ -121,12 +122,14 @@ def test_chain_advantages_equal_numpy_group_baseline(mode, std_norm, num_agents)
         assert tree.nodes[k].weight_NxG.tolist() == [[1.0]] * num_agents
   assert lengths == {2, 3}
   # Packing trains every action of a chain with its trajectory's advantage.
-  batch = pack_tree(tree, length_buckets=(64,), row_multiple=1)
-  by_node = {n.node_id: n for n in tree.nodes}
-  for b in range(len(batch["adv_B"])):
-    if batch["row_weight_B"][b] > 0:
-      node = by_node[int(batch["node_B"][b])]
-      assert batch["adv_B"][b] in node.advantages_NxG[int(batch["agent_B"][b])].astype(np.float32)
+  batch = testing.rows_of(tree, (64,))
+  rows = batch.row_weight_B > 0
+  np.testing.assert_array_equal(  # one action per row, its advantage on every token
+      np.sort(batch.adv_BxK[rows, 0]),
+      np.sort([n.advantages_NxG[i, g] for n in tree.nodes for i, g in zip(
+          *np.nonzero(n.weight_NxG > 0))]).astype(np.float32))
+  assert all((batch.adv_BxK[b, batch.loss_mask_BxK[b]] == batch.adv_BxK[b, 0]).all()
+             for b in np.flatnonzero(rows))
   records = node_records(tree)
   assert all(len(r["joint_actions"]) == (5 if r["parent_id"] < 0 else 1) for r in records)
 

@@ -6,8 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree, plan_tree
+from mtrl_jax.rollout import TreeConfig, expand_tree, plan_tree
+from mtrl_jax.rollout.train_batch import as_arrays
 from mtrl_jax.rollout.dump import node_records
+from mtrl_jax import testing
 from mtrl_jax.testing import FEEDBACK, FakePolicy, ScriptedTransition
 
 KEY = jax.random.key(0)
@@ -121,20 +123,20 @@ def test_fault_masks_samples_and_spawns_no_child():
       if bad:
         assert root.advantages_NxG[0, j] == 0.0
   assert masked > 0
-  batch = pack_tree(tree, length_buckets=(64,))
-  assert batch["row_weight_B"].sum() == tree.counts()["generations"] - masked
+  batch = testing.rows_of(tree, (64,))
+  assert batch.row_weight_B.sum() == tree.counts()["generations"] - masked
 
 
 def test_reproducible_bit_for_bit():
   cfg = TreeConfig(num_turns=2, num_generations=3, num_agents=2, joint_mode="cross",
                    termination_threshold=0.6, advantage_std_norm=True)
   runs = [_run(cfg, num_roots=2)[0] for _ in range(2)]
-  b0, b1 = (pack_tree(t, length_buckets=(32, 64)) for t in runs)
+  b0, b1 = (as_arrays(testing.rows_of(t, (32, 64))) for t in runs)
   for k in b0:
     assert b0[k].dtype == b1[k].dtype and b0[k].tobytes() == b1[k].tobytes(), k
   assert node_records(runs[0]) == node_records(runs[1])
-  other = pack_tree(_run(cfg, num_roots=2, key=jax.random.key(1))[0], length_buckets=(32, 64))
-  assert other["tokens_BxL"].tobytes() != b0["tokens_BxL"].tobytes()
+  other = testing.rows_of(_run(cfg, num_roots=2, key=jax.random.key(1))[0], (32, 64))
+  assert other.tokens_BxL.tobytes() != b0["tokens_BxL"].tobytes()
 
 
 

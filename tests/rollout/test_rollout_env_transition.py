@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from mtrl_jax.envs import RewardConfig, StepLimits
-from mtrl_jax.rollout import TreeConfig, expand_tree, pack_tree
+from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
+from mtrl_jax import testing
 from mtrl_jax.testing import (CLOSED, DuoEnv, FakePolicy, SoloEnv, ToolThenUserEnv,
                               byte_renderer, byte_tokenizer)
 from mtrl_jax.text import compact
@@ -58,8 +59,8 @@ def test_two_agent_tree_histories_and_rewards():
         assert kid.prompts[i][start:start + len(c)] == c
       assert kid.state.env.steps == kid.turn
       assert f"step {kid.turn}: agent 0" in TOK.decode(kid.prompts[0])
-  batch = pack_tree(tree, length_buckets=(128, 256))
-  assert batch["loss_mask_BxL"].sum() == sum(len(c.ids) for n in tree.nodes
+  batch = testing.rows_of(tree, (128, 256))
+  assert batch.loss_mask_BxK.sum() == sum(len(c.ids) for n in tree.nodes
                                              for a in n.completions for c in a)
 
 

@@ -1,4 +1,4 @@
-"""Packing into fixed-shape rows, and the per-node JSONL dump."""
+"""Packing into fixed-shape rows (one action per row), and the per-node JSONL dump."""
 
 import json
 import os
@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.rollout import (BATCH_KEYS, Completion, Tree, TreeConfig, expand_tree, pack_tree,
-                              write_rollout_dump)
+from mtrl_jax.rollout import Completion, Tree, TreeConfig, expand_tree, write_rollout_dump
+from mtrl_jax.rollout.train_batch import FIELDS, as_arrays
+from mtrl_jax.rollout.tree_packing import pack_rows, tree_actions
 from mtrl_jax.rollout.dump import dump_path
 from mtrl_jax.testing import FakePolicy, ScriptedTransition
 
@@ -32,69 +33,67 @@ def _hand_tree():
 
 def test_rows_by_hand():
   # Child: R = [0, 2], A = [-1, 1]. Root: R = [1 + 0.5 * 1, 0] = [1.5, 0], A = [0.75, -0.75].
-  batch = pack_tree(_hand_tree(), length_buckets=(4, 8, 16), row_multiple=1)
-  assert set(batch) == set(BATCH_KEYS)
-  assert batch["tokens_BxL"].shape == (4, 8)  # 4 rows; longest row 5 + 3 = 8
-  np.testing.assert_array_equal(batch["tokens_BxL"], [
+  batch, stats = pack_rows(tree_actions(_hand_tree()), length_buckets=(4, 8, 16))
+  assert set(as_arrays(batch)) == set(FIELDS)
+  assert batch.shape == (4, 8, 8)  # 4 rows; longest row 5 + 3 = 8; K = L
+  np.testing.assert_array_equal(batch.tokens_BxL, [
       [5, 6, 7, 8, 0, 0, 0, 0],
       [5, 6, 9, 0, 0, 0, 0, 0],
       [5, 6, 7, 8, 3, 4, 0, 0],
       [5, 6, 7, 8, 3, 4, 4, 2]])
-  # Only this row's own completion is trainable: the earlier policy turn [7, 8]
-  # inside the child's context is not (it is trained in the root's row).
-  np.testing.assert_array_equal(batch["loss_mask_BxL"].astype(int), [
-      [0, 0, 1, 1, 0, 0, 0, 0],
-      [0, 0, 1, 0, 0, 0, 0, 0],
-      [0, 0, 0, 0, 0, 1, 0, 0],
-      [0, 0, 0, 0, 0, 1, 1, 1]])
-  np.testing.assert_allclose(batch["old_logp_BxL"][0], [0, 0, -0.1, -0.2, 0, 0, 0, 0])
-  np.testing.assert_allclose(batch["old_logp_BxL"][3], [0, 0, 0, 0, 0, -0.5, -0.6, -0.7])
-  np.testing.assert_allclose(batch["adv_B"], [0.75, -0.75, -1.0, 1.0])
-  np.testing.assert_array_equal(batch["node_B"], [0, 0, 1, 1])
-  np.testing.assert_array_equal(batch["turn_B"], [0, 0, 1, 1])
-  np.testing.assert_array_equal(batch["row_weight_B"], [1, 1, 1, 1])
-  assert batch["tokens_BxL"].dtype == np.int32 and batch["adv_B"].dtype == np.float32
+  # Only this row's own completion trains: the earlier policy turn [7, 8] inside
+  # the child's context does not (it is trained in the root's row). Each trained
+  # token is scored from the position before it, on a causal row.
+  np.testing.assert_array_equal(batch.loss_mask_BxK.sum(1), [2, 1, 1, 3])
+  np.testing.assert_array_equal(batch.prev_BxK[:, :3], [[1, 2, 0], [1, 0, 0], [4, 0, 0],
+                                                        [4, 5, 6]])
+  np.testing.assert_array_equal(batch.target_BxK[3, :3], [4, 4, 2])
+  np.testing.assert_allclose(batch.old_logp_BxK[0, :2], [-0.1, -0.2])
+  np.testing.assert_allclose(batch.old_logp_BxK[3, :3], [-0.5, -0.6, -0.7])
+  np.testing.assert_allclose(batch.adv_BxK[:, 0], [0.75, -0.75, -1.0, 1.0])
+  np.testing.assert_array_equal(batch.positions_BxL[2], np.arange(8))
+  np.testing.assert_array_equal(batch.ends_BxL, 8)  # causal over the whole row
+  np.testing.assert_array_equal(batch.action_BxK, 0)  # one action per row
+  np.testing.assert_array_equal(batch.row_weight_B, [1, 1, 1, 1])
+  assert stats["tokens_trained"] == stats["tokens_rows_equivalent"] == 4 + 3 + 6 + 8
+  assert batch.tokens_BxL.dtype == np.int32 and batch.adv_BxK.dtype == np.float32
 
 
 def test_padding_rows_and_buckets():
-  tree = _hand_tree()
-  batch = pack_tree(tree, length_buckets=(16, 32), row_buckets=(8, 16), pad_id=1)
-  assert batch["tokens_BxL"].shape == (8, 16)
-  assert (batch["tokens_BxL"][4:] == 1).all() and not batch["loss_mask_BxL"][4:].any()
-  np.testing.assert_array_equal(batch["row_weight_B"], [1, 1, 1, 1, 0, 0, 0, 0])
-  np.testing.assert_array_equal(batch["node_B"][4:], -1)
-  assert pack_tree(tree, length_buckets=(8,), row_multiple=3)["adv_B"].shape == (6,)
+  actions = tree_actions(_hand_tree())
+  batch, _ = pack_rows(actions, length_buckets=(16, 32), row_buckets=(8, 16), pad_id=1)
+  assert batch.shape == (8, 16, 16)
+  assert (batch.tokens_BxL[4:] == 1).all() and not batch.loss_mask_BxK[4:].any()
+  np.testing.assert_array_equal(batch.row_weight_B, [1, 1, 1, 1, 0, 0, 0, 0])
+  assert pack_rows(actions, length_buckets=(8,), row_multiple=3)[0].shape[0] == 6
   with pytest.raises(ValueError, match="row length 8 exceeds the largest bucket 6"):
-    pack_tree(tree, length_buckets=(6,))
+    pack_rows(actions, length_buckets=(6,))
   with pytest.raises(ValueError, match="row count 4 exceeds"):
-    pack_tree(tree, length_buckets=(8,), row_buckets=(2,))
+    pack_rows(actions, length_buckets=(8,), row_buckets=(2,))
 
 
-def test_masks_cover_only_policy_tokens_in_engine_run():
+def test_actions_cover_only_policy_tokens_in_engine_run():
   cfg = TreeConfig(num_turns=3, num_generations=2, num_agents=2, joint_mode="cross")
   policy = FakePolicy(vocab=64, max_new_tokens=4, stop_id=2, low=8)
   tr = ScriptedTransition()
   tree = expand_tree(cfg, policy, tr, tr.roots(2, 2), jax.random.key(3))
-  batch = pack_tree(tree, length_buckets=(64,))
-  rows = [(n, i, g) for n in tree.nodes for i in range(2) for g in range(2)]
-  for b, (node, i, g) in enumerate(rows):
-    comp = node.completions[i][g]
-    p = len(node.prompts[i])
-    mask = batch["loss_mask_BxL"][b]
-    np.testing.assert_array_equal(np.flatnonzero(mask), np.arange(p, p + len(comp.ids)))
-    np.testing.assert_array_equal(batch["tokens_BxL"][b, mask], comp.ids)
-    np.testing.assert_array_equal(batch["old_logp_BxL"][b, mask], comp.logprobs)
-    assert not mask[0]
-    assert batch["adv_B"][b] == np.float32(node.advantages_NxG[i, g])
-    assert (batch["agent_B"][b], batch["node_B"][b]) == (i, node.node_id)
-  assert (batch["old_logp_BxL"][~batch["loss_mask_BxL"]] == 0).all()
-  # One batch per separate policy: agent 1's rows only, same order.
-  agent1 = pack_tree(tree, length_buckets=(64,), agents=[1])
-  keep = batch["agent_B"] == 1
-  assert (agent1["agent_B"][:keep.sum()] == 1).all()
-  np.testing.assert_array_equal(agent1["tokens_BxL"][:keep.sum()], batch["tokens_BxL"][keep])
-  with pytest.raises(ValueError, match=r"agents=\[2\]"):
-    pack_tree(tree, length_buckets=(64,), agents=[2])
+  actions = tree_actions(tree)
+  for i in range(2):  # per agent, in node and sample order
+    want = [(n, g) for n in tree.nodes for g in range(2)]
+    assert len(actions[i]) == len(want)
+    for act, (node, g) in zip(actions[i], want):
+      comp = node.completions[i][g]
+      assert list(act.prompt) == list(node.prompts[i])
+      np.testing.assert_array_equal(act.ids, comp.ids)
+      np.testing.assert_array_equal(act.logprobs, comp.logprobs)
+      np.testing.assert_array_equal(act.trainable, np.ones(len(comp.ids), bool))
+      assert act.advantage == node.advantages_NxG[i, g]
+  # Agent 1's rows alone hold exactly its tokens, in order.
+  agent1, _ = pack_rows([[], actions[1]], length_buckets=(64,))
+  for b, act in enumerate(actions[1]):
+    p, c = len(act.prompt), len(act.ids)
+    np.testing.assert_array_equal(agent1.tokens_BxL[b, p:p + c], act.ids)
+    np.testing.assert_array_equal(agent1.target_BxK[b, :c], act.ids)
 
 
 def test_rollout_dump(tmp_path):

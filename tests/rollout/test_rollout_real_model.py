@@ -23,11 +23,12 @@ from flax import nnx
 
 from mtrl_jax.envs import RewardConfig, StepLimits, resolve_factory
 from mtrl_jax.models import create_model
-from mtrl_jax.rollout import (EnginePolicy, StackedStates, TreeConfig, expand_tree, pack_tree)
+from mtrl_jax.rollout import EnginePolicy, StackedStates, TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.sampling import DecodeEngine, EngineConfig, SamplingConfig
 from mtrl_jax.sampling.generation import LocalLLM
 from mtrl_jax.tasks import calculator, coop
+from mtrl_jax import testing
 from mtrl_jax.testing import (DuoEnv, ScriptedTransition, ToolThenUserEnv, byte_renderer,
                               tiny_model)
 from mtrl_jax.train.stacked import stack_trees
@@ -245,7 +246,9 @@ def test_tool_substeps_continue_from_the_sample_cache(tiny_model):
   assert stats["reused_tokens"] > 0
   assert stats["prefill_tokens"] < sum(len(n.prompts[0]) for n in tree.nodes)
   assert policy.engine.num_compiles <= 8
-  batch = pack_tree(tree, length_buckets=(128,))
+  batch = testing.rows_of(tree, (128,))
+  loss_mask_BxL = testing.dense_rows(batch, batch.loss_mask_BxK, fill=False)
+  old_logp_BxL = testing.dense_rows(batch, batch.old_logp_BxK)
   rows = [(n, g) for n in tree.nodes for g in range(2)]
   for b, (node, g) in enumerate(rows):
     comp, action = node.completions[0][g], node.actions[g]
@@ -253,6 +256,6 @@ def test_tool_substeps_continue_from_the_sample_cache(tiny_model):
       continue  # an id past the tokenizer: the environment never answered
     assert comp.num_segments == 1 + node.substeps_B[g] == 2
     assert action.steps[0].details["env_roles"] == [["tool"]]
-    mask = batch["loss_mask_BxL"][b]
-    assert mask.sum() == comp.sampled_mask.sum() and (batch["old_logp_BxL"][b, mask] <= 0).all()
-  assert np.isfinite(batch["old_logp_BxL"]).all() and batch["row_weight_B"].sum() == 2 * nodes
+    mask = loss_mask_BxL[b]
+    assert mask.sum() == comp.sampled_mask.sum() and (old_logp_BxL[b, mask] <= 0).all()
+  assert np.isfinite(batch.old_logp_BxK).all() and batch.row_weight_B.sum() == 2 * nodes

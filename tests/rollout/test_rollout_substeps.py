@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from mtrl_jax.rollout import (ActionOutcome, ActionRecord, Completion, StepRecord, Tree,
-                              TreeConfig, expand_tree, node_records, pack_tree, plan_tree,
+                              TreeConfig, expand_tree, node_records, plan_tree,
                               write_rollout_dump)
+from mtrl_jax import testing
 from mtrl_jax.testing import FEEDBACK, TOOL, FakePolicy, ScriptedTransition
 
 KEY = jax.random.key(0)
@@ -140,8 +141,8 @@ def test_masked_substep_masks_the_whole_action():
         assert [s.valid for s in steps] == [True, False]
         assert root.advantages_NxG[0, j] == 0.0
   assert 0 < masked < 12
-  batch = pack_tree(tree, length_buckets=(64,))
-  assert batch["row_weight_B"].sum() == 4 * len(tree.nodes) - masked
+  batch = testing.rows_of(tree, (64,))
+  assert batch.row_weight_B.sum() == 4 * len(tree.nodes) - masked
 
 
 def test_packing_masks_exactly_the_sampled_tokens():
@@ -154,35 +155,37 @@ def test_packing_masks_exactly_the_sampled_tokens():
   tree.record(root, [1.0, 0.0], actions=[two_steps, ActionRecord((StepRecord(0.0),))])
   np.testing.assert_array_equal(root.substeps_B, [1, 0])
   tree.finalize()
-  batch = pack_tree(tree, length_buckets=(10,))
-  np.testing.assert_array_equal(batch["tokens_BxL"], [[3, 4, 7, 8, 2, 6, 9, 5, 2, 0],
-                                                      [3, 4, 11, 0, 0, 0, 0, 0, 0, 0]])
-  np.testing.assert_array_equal(batch["loss_mask_BxL"].astype(int),
+  batch = testing.rows_of(tree, (10,))
+  np.testing.assert_array_equal(batch.tokens_BxL, [[3, 4, 7, 8, 2, 6, 9, 5, 2, 0],
+                                                   [3, 4, 11, 0, 0, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(testing.dense_rows(batch, batch.loss_mask_BxK).astype(int),
                                 [[0, 0, 1, 1, 1, 0, 0, 1, 1, 0], [0, 0, 1, 0, 0, 0, 0, 0, 0, 0]])
-  np.testing.assert_allclose(batch["old_logp_BxL"][0],
+  np.testing.assert_allclose(testing.dense_rows(batch, batch.old_logp_BxK)[0],
                              [0, 0, -0.1, -0.2, -0.3, 0, 0, -0.4, -0.5, 0], rtol=0, atol=1e-7)
-  np.testing.assert_allclose(batch["adv_B"], [0.5, -0.5])
+  np.testing.assert_allclose(batch.adv_BxK[:, 0], [0.5, -0.5])
   assert comp.spans() == [(0, 3, True), (3, 5, False), (5, 7, True)]
 
 
 def test_packing_of_an_engine_run_lines_up():
   cfg = TreeConfig(num_turns=2, num_generations=3, branch_on="user_turn")
   tree, _ = _run(cfg, _transition())
-  batch = pack_tree(tree, length_buckets=(64,))
+  batch = testing.rows_of(tree, (64,))
+  loss_mask_BxL = testing.dense_rows(batch, batch.loss_mask_BxK, fill=False)
+  old_logp_BxL = testing.dense_rows(batch, batch.old_logp_BxK)
   rows = [(n, g) for n in tree.nodes for g in range(3)]
   for b, (node, g) in enumerate(rows):
     comp, p = node.completions[0][g], len(node.prompts[0])
-    mask = batch["loss_mask_BxL"][b]
+    mask = loss_mask_BxL[b]
     np.testing.assert_array_equal(np.flatnonzero(mask), p + np.flatnonzero(comp.sampled_mask))
-    row = batch["tokens_BxL"][b]
+    row = batch.tokens_BxL[b]
     np.testing.assert_array_equal(row[:p + len(comp.ids)], node.prompts[0] + comp.ids.tolist())
     # The sampled tokens of all segments, in order, with their sampling logprobs.
     segs = [comp.ids[a:e] for a, e, s in comp.spans() if s]
     seg_lps = [comp.logprobs[a:e] for a, e, s in comp.spans() if s]
     np.testing.assert_array_equal(row[mask], np.concatenate(segs))
-    np.testing.assert_array_equal(batch["old_logp_BxL"][b, mask], np.concatenate(seg_lps))
+    np.testing.assert_array_equal(old_logp_BxL[b, mask], np.concatenate(seg_lps))
     assert (row[p:p + len(comp.ids)][~comp.sampled_mask] == TOOL).all()
-  assert (batch["old_logp_BxL"][~batch["loss_mask_BxL"]] == 0).all()
+  assert (old_logp_BxL[~loss_mask_BxL] == 0).all()
 
 
 def test_dump_shows_segments_and_tool_turns(tmp_path):

@@ -4,8 +4,9 @@ Random trees cover T 1-3, G 2-4, N 1-2, align and cross, terminated nodes,
 fault-masked actions, user-turn sub-steps (completions with tool context
 inside), a shared system prompt across roots, and an environment that rewrites
 history (a child prompt that does not extend its parent's). The reference is
-the row layout (`pack_tree`), which the rest of the suite checks against
-hand-worked values and numpy.
+the row layout (`pack_rows`: one causal row per action) scored by the plain
+causal forward (`model(tokens)` and `losses.token_logprobs`), which the rest
+of the suite checks against hand-worked values and numpy.
 """
 
 import functools
@@ -18,9 +19,9 @@ from flax import nnx
 
 from mtrl_jax import losses, models, sharding
 from mtrl_jax.models.transformer import tree_attention_mask
-from mtrl_jax.rollout import Completion, Tree, TreeConfig, pack_tree
-from mtrl_jax.rollout.tree_packing import (logit_buckets, pack_actions, tree_actions,
-                                           tree_batch_spec, TREE_BATCH_KEYS)
+from mtrl_jax.rollout import Completion, Tree, TreeConfig
+from mtrl_jax.rollout.train_batch import FIELDS, as_arrays, batch_spec, logit_buckets
+from mtrl_jax.rollout.tree_packing import pack_actions, pack_rows, tree_actions
 from mtrl_jax.train import OptimConfig, StepConfig, TrainStep
 from mtrl_jax.train.objectives import PolicyObjective, train_mask
 from mtrl_jax.train.forward import forward_logprobs
@@ -93,21 +94,28 @@ def _with_policy_logprobs(tree, noise_seed=0):
   Ratios then sit near 1 (some clipped), as in training; unrelated logprobs
   would give ratios of e^±15 whose gradients are float32 rounding noise.
   """
-  rows = pack_tree(tree, length_buckets=ROW_LENGTHS)
+  every = [(node, i, g) for node in tree.nodes for i in range(tree.cfg.num_agents)
+           for g in range(len(node.completions[i]))]
+  tokens = np.zeros((len(every), max(ROW_LENGTHS)), np.int32)
+  for b, (node, i, g) in enumerate(every):
+    path = list(node.prompts[i]) + list(node.completions[i][g].ids)
+    tokens[b, :len(path)] = path
   graphdef, params = nnx.split(_model(), nnx.Param)
   logp = np.asarray(jax.jit(lambda p, t: losses.token_logprobs(nnx.merge(graphdef, p)(t), t))(
-      params, rows["tokens_BxL"]))
+      params, tokens))
   r = np.random.RandomState(noise_seed)
-  b = 0
-  for node in tree.nodes:
-    for i in range(tree.cfg.num_agents):
-      for g, comp in enumerate(node.completions[i]):
-        p, c = len(node.prompts[i]), len(comp.ids)
-        lp = (logp[b, p:p + c] + 0.1 * r.randn(c)) * comp.sampled_mask
-        node.completions[i][g] = Completion(comp.ids, lp.astype(np.float32),
-                                            comp.finish_reason, comp.trainable)
-        b += 1
+  for b, (node, i, g) in enumerate(every):
+    comp = node.completions[i][g]
+    p, c = len(node.prompts[i]), len(comp.ids)
+    lp = (logp[b, p:p + c] + 0.1 * r.randn(c)) * comp.sampled_mask
+    node.completions[i][g] = Completion(comp.ids, lp.astype(np.float32), comp.finish_reason,
+                                        comp.trainable)
   return tree
+
+
+def _rows(tree, **kw):
+  return pack_rows(tree_actions(tree), length_buckets=kw.pop("length_buckets", ROW_LENGTHS),
+                   **kw)[0]
 
 
 # Between them: T 1-3, G 2-4, N 1-2, align and cross, early termination (tau),
@@ -126,16 +134,26 @@ class _Layout:
   A loss's gradient is its cotangent on the per-token logprobs pulled back
   through the forward (the chain rule the train step's value_and_grad
   applies in one piece), so each loss configuration costs only the small
-  loss program, not a new forward and backward.
+  loss program, not a new forward and backward. `plain`: the forward is the
+  plain causal one over whole rows (`model(tokens)`, `losses.token_logprobs`),
+  read at each trained token's row position: the reference for row batches.
   """
 
-  def __init__(self, batch, ref_params=None, temperature=0.7):
+  def __init__(self, batch, ref_params=None, temperature=0.7, plain=False):
     graphdef, self.params = nnx.split(_model(), nnx.Param)
-    self.batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    self.batch = jax.tree.map(jnp.asarray, batch)
     self.obj = PolicyObjective(losses.LossConfig(), temperature=temperature)
+    at_BxK = self.batch.prev_BxK + 1  # a row's trained token t is scored from t - 1
 
     def fwd(p, want_entropy=False):
-      return forward_logprobs(graphdef, p, self.batch, 0, want_entropy, temperature)
+      if not plain:
+        return forward_logprobs(graphdef, p, self.batch, 0, want_entropy, temperature)
+      logits = nnx.merge(graphdef, p)(self.batch.tokens_BxL)
+      tokens = self.batch.tokens_BxL
+      logp = losses.token_logprobs(logits, tokens, temperature=temperature)
+      entropy = losses.token_entropy(jax.lax.stop_gradient(logits), temperature=temperature)
+      take = lambda x: jnp.take_along_axis(x, at_BxK, axis=1)
+      return take(logp), take(entropy) if want_entropy else None
 
     self.logp, self.entropy = jax.jit(lambda p: fwd(p, True))(self.params)
     self.ref = None if ref_params is None else jax.jit(lambda p: fwd(p)[0])(ref_params)
@@ -193,11 +211,11 @@ LOSSES = [losses.LossConfig(algorithm=a, aggregation=agg, kl_coef=kl, kl_estimat
                                       for c in range(1, len(CASES))])
 def test_tree_packing_equals_rows_every_loss(case):
   tree = _with_policy_logprobs(random_tree(100 + case, **CASES[case]))
-  rows = pack_tree(tree, length_buckets=ROW_LENGTHS)
+  rows = _rows(tree)
   packed, stats = pack_actions(tree_actions(tree), length=64)
   assert stats["tokens_trained"] < stats["tokens_rows_equivalent"]
   ref = _ref_params()
-  row_layout, tree_layout = _Layout(rows, ref), _Layout(packed, ref)
+  row_layout, tree_layout = _Layout(rows, ref, plain=True), _Layout(packed, ref)
   # Every algorithm x aggregation x KL estimator on one case; a rotating
   # slice of them on the others keeps the suite's time in bounds.
   chosen = LOSSES if case == 0 else LOSSES[case::6]
@@ -207,30 +225,33 @@ def test_tree_packing_equals_rows_every_loss(case):
 
 def test_every_trained_token_once_and_only_policy_tokens():
   tree = random_tree(3, turns=3, gens=3, agents=2, mode="cross", substeps=True)
-  rows = pack_tree(tree, length_buckets=ROW_LENGTHS)
+  rows = _rows(tree)
   packed, stats = pack_actions(tree_actions(tree), length=32, row_multiple=4)
-  assert packed["tokens_BxL"].shape[0] % 4 == 0
-  # Same multiset of (target token, old logprob) over trained tokens.
-  m = rows["loss_mask_BxL"] & (rows["row_weight_B"] > 0)[:, None]
-  want = sorted(zip(rows["tokens_BxL"][m].tolist(), rows["old_logp_BxL"][m].tolist()))
-  got = sorted(zip(packed["target_BxK"][packed["loss_mask_BxK"]].tolist(),
-                   packed["old_logp_BxK"][packed["loss_mask_BxK"]].tolist()))
+  assert packed.tokens_BxL.shape[0] % 4 == 0
+  # Same multiset of (target token, old logprob) over trained tokens; in rows each
+  # trained token sits right after the position it is scored from.
+  m = rows.loss_mask_BxK & (rows.row_weight_B > 0)[:, None]
+  b_idx, k_idx = np.nonzero(m)
+  np.testing.assert_array_equal(rows.tokens_BxL[b_idx, rows.prev_BxK[m] + 1], rows.target_BxK[m])
+  want = sorted(zip(rows.target_BxK[m].tolist(), rows.old_logp_BxK[m].tolist()))
+  got = sorted(zip(packed.target_BxK[packed.loss_mask_BxK].tolist(),
+                   packed.old_logp_BxK[packed.loss_mask_BxK].tolist()))
   assert got == want
-  assert packed["target_BxK"].shape[1] in logit_buckets(32)
+  assert packed.target_BxK.shape[1] in logit_buckets(32)
   # Row-equivalent tokens: what one row per trained action holds.
-  n_rows = int((rows["row_weight_B"] > 0).sum())
+  n_rows = int((rows.row_weight_B > 0).sum())
   assert stats["actions"] == n_rows
   assert 0 <= stats["padding_fraction"] < 1
 
 
 def test_subtrees_split_to_fit_short_rows_still_equal():
   tree = _with_policy_logprobs(random_tree(11, turns=3, gens=3, agents=1, roots=3))
-  rows = pack_tree(tree, length_buckets=ROW_LENGTHS)
+  rows = _rows(tree)
   longest = max(len(n.prompts[0]) + len(c.ids) for n in tree.nodes for c in n.completions[0])
   short, _ = pack_actions(tree_actions(tree), length=longest)  # forces splits
   cfg = losses.LossConfig(algorithm="gspo", aggregation="seq-mean-token-mean",
                           clip_eps_low=0.05, clip_eps_high=0.05)
-  want = _Layout(rows).loss_metrics_grads(cfg)
+  want = _Layout(rows, plain=True).loss_metrics_grads(cfg)
   got = _Layout(short).loss_metrics_grads(cfg)
   _assert_same(got, want, cfg)
   assert got[1]["rows"] == want[1]["rows"]
@@ -242,7 +263,7 @@ def test_attention_sees_only_its_own_path():
   """A token's output is unchanged when tokens outside its path are replaced."""
   tree = random_tree(5, turns=3, gens=2, agents=1, roots=2)
   packed, _ = pack_actions(tree_actions(tree), length=128)
-  tokens, pos, ends = packed["tokens_BxL"], packed["positions_BxL"], packed["ends_BxL"]
+  tokens, pos, ends = packed.tokens_BxL, packed.positions_BxL, packed.ends_BxL
   mask = np.asarray(tree_attention_mask(jnp.asarray(ends)))
   model = _model()
   fwd = jax.jit(lambda t: model.hidden(t, jnp.asarray(pos), tree_ends_BxL=jnp.asarray(ends)))
@@ -262,7 +283,7 @@ def test_attention_sees_only_its_own_path():
 
 def test_equal_on_eight_devices_with_a_2x2x2_mesh():
   tree = _with_policy_logprobs(random_tree(21, turns=2, gens=3, agents=2, mode="align"))
-  rows = pack_tree(tree, length_buckets=(128,), row_multiple=4)
+  rows = _rows(tree, length_buckets=(128,), row_multiple=4)
   packed, _ = pack_actions(tree_actions(tree), length=64, row_multiple=4)
   cfg = losses.LossConfig(algorithm="grpo", aggregation="seq-mean-token-mean", kl_coef=0.05)
   opt = OptimConfig(learning_rate=1e-3, eps=1e-4, grad_clip_norm=1.0)
@@ -285,8 +306,8 @@ def test_equal_on_eight_devices_with_a_2x2x2_mesh():
 def test_spec_matches_batch():
   tree = random_tree(1, turns=2, gens=2, agents=1)
   packed, _ = pack_actions(tree_actions(tree), length=64)
-  spec = tree_batch_spec(*packed["tokens_BxL"].shape, packed["target_BxK"].shape[1])
-  assert set(spec) == set(packed) == set(TREE_BATCH_KEYS)
-  for k, v in packed.items():
-    assert spec[k].shape == v.shape and spec[k].dtype == v.dtype, k
-  assert train_mask(packed).shape == packed["loss_mask_BxK"].shape
+  spec = batch_spec(*packed.shape)
+  assert set(as_arrays(spec)) == set(as_arrays(packed)) == set(FIELDS)
+  for k, v in as_arrays(packed).items():
+    assert getattr(spec, k).shape == v.shape and getattr(spec, k).dtype == v.dtype, k
+  assert train_mask(packed).shape == packed.loss_mask_BxK.shape

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtrl_jax import losses, models
+from mtrl_jax import losses, models, testing
 from mtrl_jax.models import lora
 from mtrl_jax.models.config import LoraConfig
 from mtrl_jax.train import OptimConfig, StepConfig, TrainStep, defaults, experiment
 from mtrl_jax.train.sft import SFTObjective
+from mtrl_jax.rollout.train_batch import stack
 from mtrl_jax.train.stacked import StackedTrainStep, agent_slice
 
 CFG = models.get_preset("tiny")
@@ -23,7 +24,7 @@ FAST = StepConfig(compiler_options=(("xla_backend_optimization_level", 0),))
 L = 12
 
 
-def _batch(seed, rows=4):
+def _rows(seed, rows=4):
   r = np.random.RandomState(seed)
   mask = np.zeros((rows, L), bool)
   for b in range(rows):
@@ -32,6 +33,10 @@ def _batch(seed, rows=4):
           "loss_mask_BxL": mask,
           "old_logp_BxL": (-5.0 + 0.3 * r.randn(rows, L)).astype(np.float32),
           "adv_B": r.randn(rows).astype(np.float32), "row_weight_B": np.ones(rows, np.float32)}
+
+
+def _batch(seed, rows=4):
+  return testing.rows_batch(_rows(seed, rows))
 
 
 def _adapted(seed=0, adapter_seed=1):
@@ -59,8 +64,8 @@ def test_a_lora_step_moves_only_the_adapters_as_a_plain_jax_adamw_reference():
   n_adapter = sum(x.size for x in jax.tree.leaves(a0))
   n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)
   assert n_opt == 2 * n_adapter < sum(x.size for x in jax.tree.leaves(base))
-  batch = _batch(0)
-  state, m = step(state, None, batch)
+  batch = _rows(0)
+  state, m = step(state, None, testing.rows_batch(batch))
 
   # Reference: the adapted forward, token-mean NLL, global-norm clip, one AdamW step.
   def nll(adapters):
@@ -111,7 +116,7 @@ def test_stacked_lora_update_equals_independent_updates_and_agents_never_mix():
   rates = (1e-2, 3e-2)
   st = StackedTrainStep(models_[0], LOSS, OPT, rates, step_cfg=FAST)
   batches = [_batch(2), _batch(3)]
-  stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+  stacked = stack(batches)
   state, m = st(st.init_state(models_), None, stacked)
   assert st.num_compiles == 1
 
@@ -124,11 +129,11 @@ def test_stacked_lora_update_equals_independent_updates_and_agents_never_mix():
     np.testing.assert_allclose(float(m["loss"][a]), float(m1["loss"]), rtol=1e-5)
 
   # Agent 1's batch changes: agent 0's new adapters do not move by one bit.
-  other = dict(stacked)
-  other["adv_B"] = stacked["adv_B"].copy()
-  other["adv_B"][1] *= -3.0
-  other["tokens_BxL"] = stacked["tokens_BxL"].copy()
-  other["tokens_BxL"][1] = (other["tokens_BxL"][1] + 7) % CFG.vocab_size
+  other = stacked.replace(adv_BxK=stacked.adv_BxK.copy(), tokens_BxL=stacked.tokens_BxL.copy(),
+                          target_BxK=stacked.target_BxK.copy())
+  other.adv_BxK[1] *= -3.0
+  other.target_BxK[1] = (other.target_BxK[1] + 7) % CFG.vocab_size
+  other.tokens_BxL[1] = (other.tokens_BxL[1] + 7) % CFG.vocab_size
   state2, _ = st(st.init_state(models_), None, other)
   for x, y in zip(_leaves(agent_slice(state.params, 0)), _leaves(agent_slice(state2.params, 0))):
     np.testing.assert_array_equal(x, y)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from mtrl_jax import losses, testing
 from mtrl_jax.train import OptimConfig, StepConfig, TrainStep
-from mtrl_jax.train.objectives import PolicyObjective, train_mask
+from mtrl_jax.train.objectives import PolicyObjective
 
 B, L = 8, 16
 FAST = (("xla_backend_optimization_level", 0),)
@@ -40,7 +40,8 @@ def _direct_loss(params, batch, old, cfg):
   logp = losses.token_logprobs(nnx.merge(graphdef, params)(batch["tokens_BxL"]),
                                batch["tokens_BxL"])
   arrays = {k: jnp.asarray(v) for k, v in batch.items()}
-  loss, m = losses.policy_loss(logp, old, None, arrays["adv_B"], train_mask(arrays), cfg,
+  mask = arrays["loss_mask_BxL"] & (arrays["row_weight_B"] > 0)[:, None]
+  loss, m = losses.policy_loss(logp, old, None, arrays["adv_B"], mask.at[:, 0].set(False), cfg,
                                sampler_logp=arrays["old_logp_BxL"])
   return float(loss), m
 
@@ -51,14 +52,14 @@ def test_updates_use_the_trainers_old_logprobs_and_correct_the_sampler_gap():
   ts = TrainStep(model, PolicyObjective(cfg, recompute_old=True), OPT,
                  step_cfg=StepConfig(compiler_options=FAST))
   state = ts.init_state(model)
-  batch, logp0 = _batch()
-  batch.update(ts.old_logprobs(state.params, batch))
-  old = batch["trainer_old_logp_BxL"]
-  np.testing.assert_allclose(np.asarray(old), logp0, atol=2e-5)
-  gap = np.abs(logp0 - batch["old_logp_BxL"])[:, 5:].mean()
+  rows, logp0 = _batch()
+  batch = ts.old_logprobs(state.params, testing.rows_batch(rows))
+  old = testing.dense_rows(batch, batch.trainer_old_logp_BxK)
+  np.testing.assert_allclose(old[:, 5:], logp0[:, 5:], atol=2e-5)
+  gap = np.abs(logp0 - rows["old_logp_BxL"])[:, 5:].mean()
   losses_seen = []
   for update in range(3):
-    want, _ = _direct_loss(state.params, batch, old, cfg)
+    want, _ = _direct_loss(state.params, rows, old, cfg)
     state, m = ts(state, None, batch)
     m = ts.fetch_metrics(m)
     np.testing.assert_allclose(m["loss"], want, rtol=1e-5, atol=1e-6)
@@ -77,9 +78,9 @@ def test_one_update_with_masked_is_takes_the_current_policy_as_old():
   model = testing.tiny_model()
   ts = TrainStep(model, PolicyObjective(cfg), OPT, step_cfg=StepConfig(compiler_options=FAST))
   state = ts.init_state(model)
-  batch, logp0 = _batch()
-  want, direct = _direct_loss(state.params, batch, jnp.asarray(logp0), cfg)
-  _, m = ts(state, None, batch)
+  rows, logp0 = _batch()
+  want, direct = _direct_loss(state.params, rows, jnp.asarray(logp0), cfg)
+  _, m = ts(state, None, testing.rows_batch(rows))
   m = ts.fetch_metrics(m)
   np.testing.assert_allclose(m["loss"], want, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(m["is_masked_frac"], float(direct["is_masked_frac"]), atol=1e-6)
@@ -91,13 +92,12 @@ def test_precompile_covers_the_old_logprobs_forward_and_the_step_that_reads_them
   model = testing.tiny_model()
   ts = TrainStep(model, PolicyObjective(cfg, recompute_old=True), OPT,
                  step_cfg=StepConfig(compiler_options=FAST))
-  batch, _ = _batch()
-  ts.precompile({k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype)
-                 for k, v in batch.items()})
+  batch = testing.rows_batch(_batch()[0])
+  ts.precompile(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), batch))
   compiled = ts.num_compiles
   assert compiled == 2  # the forward and the update
   state = ts.init_state(model)
-  batch.update(ts.old_logprobs(state.params, batch))
+  batch = ts.old_logprobs(state.params, batch)
   state, m = ts(state, None, batch)
   assert ts.num_compiles == compiled
   assert np.isfinite(ts.fetch_metrics(m)["loss"])

@@ -133,7 +133,7 @@ def test_precompiled_run_never_compiles_after_warmup(tmp_path):
 
 def test_shape_plan_sizes_the_engine_from_the_config():
   from mtrl_jax.rollout import plan_tree
-  from mtrl_jax.rollout.tree_packing import logit_buckets
+  from mtrl_jax.rollout.train_batch import logit_buckets
   from mtrl_jax.train import shapes
   c = smoke_config()
   c.sft.until_success = 0.5
@@ -157,7 +157,8 @@ def test_shape_plan_sizes_the_engine_from_the_config():
   c.rl.packing = "rows"
   c.engine.slots, c.engine.capacity = 24, 512
   plan = shapes.plan_shapes(experiment.build(c), row_multiple=2, local_shards=2)
-  assert plan.train_shapes() == [(b, l) for b in plan.train_rows for l in plan.train_lens]
+  # Rows: one trained-token slot per position (K = L).
+  assert plan.train_shapes() == [(b, l, l) for b in plan.train_rows for l in plan.train_lens]
   assert (plan.engine.slots, plan.engine.capacity) == (24, 512)
 
 
@@ -166,6 +167,7 @@ def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policie
   params, every train spec gets a leading agent axis; shared params: plain specs
   (recording fakes, no compile)."""
   from mtrl_jax.rollout.policy import StackedStates
+  from mtrl_jax.rollout.train_batch import as_arrays
   from mtrl_jax.train import shapes
 
   class Engine:
@@ -195,7 +197,8 @@ def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policie
     assert len(step.specs) == n_specs
     for spec, plain in zip(step.specs, plan.train_specs()):
       lead = (2,) if kind == "stacked" else ()
-      assert {k: v.shape for k, v in spec.items()} == {k: lead + v.shape for k, v in plain.items()}
+      assert ({k: v.shape for k, v in as_arrays(spec).items()}
+              == {k: lead + v.shape for k, v in as_arrays(plain).items()})
 
 @pytest.mark.slow
 def test_rollouts_one_step_ahead_are_one_update_stale_and_resume_exactly(tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mtrl_jax import losses, models
-from mtrl_jax.rollout.batching import pad_batch
+from mtrl_jax.rollout.train_batch import from_rows, pad_batch, stack
 from mtrl_jax.train import OptimConfig, StepConfig, TrainStep
 from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.stacked import StackedTrainStep, agent_slice
@@ -26,10 +26,9 @@ def _batch(seed, rows):
   mask = np.zeros((rows, L), bool)
   for b in range(rows):
     mask[b, 3 + b % 3:L - b % 2] = True
-  return {"tokens_BxL": r.randint(0, CFG.vocab_size, (rows, L)).astype(np.int32),
-          "loss_mask_BxL": mask,
-          "old_logp_BxL": (-2.0 + 0.3 * r.randn(rows, L)).astype(np.float32),
-          "adv_B": r.randn(rows).astype(np.float32), "row_weight_B": np.ones(rows, np.float32)}
+  return from_rows(r.randint(0, CFG.vocab_size, (rows, L)).astype(np.int32), mask,
+                   old_logp_BxL=(-2.0 + 0.3 * r.randn(rows, L)).astype(np.float32),
+                   adv=r.randn(rows).astype(np.float32), num_logits=L)
 
 
 def _models():
@@ -37,9 +36,8 @@ def _models():
 
 
 def _stacked(batches):
-  rows = max(b["tokens_BxL"].shape[0] for b in batches)
-  padded = [pad_batch(b, rows, L, None, pad_id=0) for b in batches]
-  return {k: np.stack([p[k] for p in padded]) for k in padded[0]}
+  rows = max(b.tokens_BxL.shape[0] for b in batches)
+  return stack([pad_batch(b, rows, L, L) for b in batches])
 
 
 def _run_stacked(batches, steps=2):
@@ -80,7 +78,7 @@ def test_one_agents_tokens_never_change_the_others_update(changed):
   kept = 1 - changed
   base = [_batch(0, 8), _batch(1, 8)]
   other = list(base)
-  other[changed] = {**_batch(7, 8), "adv_B": -base[changed]["adv_B"]}
+  other[changed] = _batch(7, 8).replace(adv_BxK=-base[changed].adv_BxK)
   s1, _, _ = _run_stacked(base, steps=1)
   s2, _, _ = _run_stacked(other, steps=1)
   for x, y in zip(jax.tree.leaves(agent_slice(s1.params, kept)),
@@ -97,7 +95,7 @@ def test_stacked_step_refuses_bad_inputs():
     StackedTrainStep(ms[0], LOSS, OPT, (1e-3, -1.0))
   st = StackedTrainStep(ms[0], LOSS, OPT, RATES, step_cfg=StepConfig(compiler_options=FAST))
   state = st.init_state(ms)
-  one_agent = {k: v[:1] for k, v in _stacked([_batch(0, 8), _batch(1, 8)]).items()}
+  one_agent = jax.tree.map(lambda v: v[:1], _stacked([_batch(0, 8), _batch(1, 8)]))
   with pytest.raises(ValueError, match="2 agents"):
     st(state, st.copy_params(state.params), one_agent)
 
@@ -110,11 +108,11 @@ def test_several_updates_per_batch_use_each_agents_own_old_logprobs():
   stacked = _stacked(batches)
   ms = _models()
   st = StackedTrainStep(ms[0], objective, OPT, RATES, step_cfg=StepConfig(compiler_options=FAST))
-  st.precompile({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in stacked.items()})
+  st.precompile(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), stacked))
   assert st.num_compiles == 2  # the old-logprob forward and the update
   state = st.init_state(ms, seed=0)
   ref = st.copy_params(state.params)
-  stacked.update(st.old_logprobs(state.params, stacked))
+  stacked = st.old_logprobs(state.params, stacked)
   for _ in range(3):
     state, m = st(state, ref, stacked)
   assert st.num_compiles == 2
@@ -124,10 +122,10 @@ def test_several_updates_per_batch_use_each_agents_own_old_logprobs():
                        step_cfg=StepConfig(compiler_options=FAST))
     s = single.init_state(model, seed=0)
     r = single.copy_params(s.params)
-    batch = {**batches[a], **single.old_logprobs(s.params, batches[a])}
-    rows = batches[a]["tokens_BxL"].shape[0]
-    np.testing.assert_allclose(np.asarray(stacked["trainer_old_logp_BxL"][a, :rows]),
-                               np.asarray(batch["trainer_old_logp_BxL"]), rtol=1e-6, atol=1e-6)
+    batch = single.old_logprobs(s.params, batches[a])
+    rows = batches[a].tokens_BxL.shape[0]
+    np.testing.assert_allclose(np.asarray(stacked.trainer_old_logp_BxK[a, :rows]),
+                               np.asarray(batch.trainer_old_logp_BxK), rtol=1e-6, atol=1e-6)
     for _ in range(3):
       s, one = single(s, r, batch)
     one = single.fetch_metrics(one)

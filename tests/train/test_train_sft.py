@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from mtrl_jax import models
+from mtrl_jax.rollout.train_batch import from_rows
 from mtrl_jax.train import (OptimConfig, SFTBatcher, SFTObjective, StepConfig, make_sft_step,
                             pack_sft_rows)
 
@@ -22,32 +23,38 @@ def _row(n, start, seed):
   return ids.tolist(), [False] * start + [True] * (n - start)
 
 
+def _rows_batch(mask_BxL, row_weight_B):
+  """A `TrainBatch` of rows with this loss mask (tokens irrelevant to the objective)."""
+  mask_BxL = np.asarray(mask_BxL, bool)
+  return from_rows(np.zeros(mask_BxL.shape, np.int32), mask_BxL, row_weight_B=row_weight_B,
+                   num_logits=mask_BxL.shape[1])
+
+
 def test_objective_matches_hand_worked_example():
-  # Row 0 trains positions 1, 2: -(-1 - 2) = 3 over 2 tokens. Row 1 trains
-  # positions 2, 3: 4 + 8 = 12. Loss = (3 + 12) / 4 = 3.75; with row 1 a
-  # padding row (weight 0) only row 0 counts: 3 / 2 = 1.5.
-  logp = jnp.array([[0.0, -1.0, -2.0, -3.0], [0.0, -0.5, -4.0, -8.0]])
-  batch = {"loss_mask_BxL": jnp.array([[0, 1, 1, 0], [0, 0, 1, 1]], bool),
-           "row_weight_B": jnp.array([1.0, 1.0])}
-  num, den, _ = SFTObjective().terms(logp, None, None, batch)
+  # Row 0 trains positions 1, 2 (logp -1, -2): 3 over 2 tokens. Row 1 trains
+  # positions 2, 3 (logp -4, -8): 12. Loss = (3 + 12) / 4 = 3.75; with row 1 a
+  # padding row (weight 0) only row 0 counts: 3 / 2 = 1.5. Trained tokens sit
+  # in the first K slots of their row, in order.
+  logp_BxK = jnp.array([[-1.0, -2.0, 0.0, 0.0], [-4.0, -8.0, 0.0, 0.0]])
+  mask = [[0, 1, 1, 0], [0, 0, 1, 1]]
+  num, den, _ = SFTObjective().terms(logp_BxK, None, None, _rows_batch(mask, [1.0, 1.0]))
   assert float(num) / float(den) == 3.75
-  batch["row_weight_B"] = jnp.array([1.0, 0.0])
-  num, den, sums = SFTObjective().terms(logp, None, None, batch)
+  num, den, sums = SFTObjective().terms(logp_BxK, None, None, _rows_batch(mask, [1.0, 0.0]))
   assert float(num) / float(den) == 1.5 and float(sums["rows"]) == 1
 
 
 def test_masked_positions_get_zero_gradient():
-  mask = jnp.array([[1, 1, 0, 1, 0, 0], [0, 0, 1, 1, 1, 0]], bool)  # position 0 forced off
-  logp = jnp.where(mask, -1.5, jnp.nan)  # anything at masked positions, NaN included
-  batch = {"loss_mask_BxL": mask, "row_weight_B": jnp.array([1.0, 1.0])}
+  mask = np.array([[1, 1, 0, 1, 0, 0], [0, 0, 1, 1, 1, 0]], bool)  # position 0 forced off
+  batch = _rows_batch(mask, [1.0, 1.0])
+  trained = batch.loss_mask_BxK
+  assert trained.sum() == 5  # (0, 1), (0, 3), (1, 2), (1, 3), (1, 4)
+  logp = jnp.where(trained, -1.5, jnp.nan)  # anything at empty slots, NaN included
 
   def loss(lp):
     num, den, _ = SFTObjective().terms(lp, None, None, batch)
     return num / den
 
   value, grad = jax.value_and_grad(loss)(logp)
-  trained = np.asarray(mask).copy()
-  trained[:, 0] = False
   assert float(value) == pytest.approx(1.5)
   np.testing.assert_array_equal(np.asarray(grad)[~trained], 0.0)
   np.testing.assert_allclose(np.asarray(grad)[trained], -1.0 / trained.sum(), rtol=1e-7)
@@ -56,12 +63,15 @@ def test_masked_positions_get_zero_gradient():
 def test_pack_sft_rows_shapes_and_errors():
   rows = [_row(5, 2, 0), _row(9, 3, 1), ({"ids": [4, 5, 6], "trainable": [0, 1, 1]})]
   batch = pack_sft_rows(rows, length_buckets=(8, 16), pad_id=0, num_rows=4)
-  assert batch["tokens_BxL"].shape == (4, 16) and batch["tokens_BxL"].dtype == np.int32
-  np.testing.assert_array_equal(batch["row_weight_B"], [1, 1, 1, 0])
-  np.testing.assert_array_equal(batch["tokens_BxL"][1, :9], rows[1][0])
-  assert batch["tokens_BxL"][1, 9:].tolist() == [0] * 7
-  assert batch["loss_mask_BxL"].sum(1).tolist() == [3, 6, 2, 0]
-  assert pack_sft_rows(rows, (16,), row_multiple=8)["tokens_BxL"].shape == (8, 16)
+  assert batch.shape == (4, 16, 16) and batch.tokens_BxL.dtype == np.int32
+  np.testing.assert_array_equal(batch.row_weight_B, [1, 1, 1, 0])
+  np.testing.assert_array_equal(batch.tokens_BxL[1, :9], rows[1][0])
+  assert batch.tokens_BxL[1, 9:].tolist() == [0] * 7
+  assert batch.loss_mask_BxK.sum(1).tolist() == [3, 6, 2, 0]
+  # Each trained token is scored from its predecessor's position.
+  np.testing.assert_array_equal(batch.prev_BxK[1, :6], [2, 3, 4, 5, 6, 7])
+  np.testing.assert_array_equal(batch.target_BxK[1, :6], rows[1][0][3:])
+  assert pack_sft_rows(rows, (16,), row_multiple=8).shape == (8, 16, 16)
   with pytest.raises(ValueError, match="position 0 is trainable"):
     pack_sft_rows([([1, 2], [True, True])], (8,))
   with pytest.raises(ValueError, match="exceeds the largest bucket"):
@@ -76,16 +86,15 @@ def test_batcher_is_deterministic_and_resumes():
   rows = [_row(4 + i, 2, i) for i in range(10)]
   a = SFTBatcher(rows, batch_size=4, length_buckets=(16,), seed=3)
   seen = [next(a) for _ in range(3)]
-  first_epoch = {tuple(t[t > 0]) for b in seen[:2] for t in b["tokens_BxL"]}
-  first_epoch |= {tuple(t[t > 0]) for t in seen[2]["tokens_BxL"][:2]}
+  first_epoch = {tuple(t[t > 0]) for b in seen[:2] for t in b.tokens_BxL}
+  first_epoch |= {tuple(t[t > 0]) for t in seen[2].tokens_BxL[:2]}
   assert first_epoch == {tuple(r[0]) for r in rows}  # 10 rows, each once per epoch
   state = a.get_state()
   want = next(a)
   b = SFTBatcher(rows, batch_size=4, length_buckets=(16,), seed=3)
   b.set_state(state)
   got = next(b)
-  for k in want:
-    np.testing.assert_array_equal(got[k], want[k])
+  jax.tree.map(np.testing.assert_array_equal, got, want)
   with pytest.raises(ValueError, match="seed"):
     SFTBatcher(rows, 4, (16,), seed=4).set_state(state)
 
@@ -137,7 +146,7 @@ def test_tfds_source_round_trip(tmp_path):
   got = {(tuple(e["ids"].tolist()), tuple(e["trainable"].tolist())) for e in source}
   assert got == {(tuple(i), tuple(m)) for i, m in rows}
   batch = next(SFTBatcher(source, batch_size=6, length_buckets=(16,), shuffle=False))
-  assert batch["loss_mask_BxL"].sum() == sum(sum(m) for _, m in rows)
+  assert batch.loss_mask_BxK.sum() == sum(sum(m) for _, m in rows)
 
 
 @functools.cache
@@ -154,7 +163,7 @@ def test_step_loss_equals_numpy_float64_cross_entropy():
   model, step = _sft(1e-2)
   graphdef, params = nnx.split(model, nnx.Param)
   logits = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(
-      params, batch["tokens_BxL"]), np.float64)
+      params, batch.tokens_BxL), np.float64)
   # log p(tokens[t] | tokens[:t]) from the logits at t - 1, in float64.
   logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
   nll = 0.0

@@ -35,7 +35,7 @@ def _sampler_logp(seed):
   return tokens, np.asarray(fwd(params, tokens))
 
 
-def make_batch(seed=0):
+def make_rows(seed=0):
   # old_logp = the policy's own logprobs plus noise, as after a few updates:
   # ratios near 1 (some clipped). Unrelated old_logp would make ratios of
   # e^±15 that turn the gradient into float32 rounding noise.
@@ -51,6 +51,11 @@ def make_batch(seed=0):
           "old_logp_BxL": (logp + 0.15 * r.randn(B, L)).astype(np.float32),
           "adv_B": r.randn(B).astype(np.float32), "row_weight_B": row_weight,
           "node_B": np.arange(B, dtype=np.int32)}
+
+
+def make_batch(seed=0):
+  """`make_rows` as the step's `TrainBatch` (each row one causal path)."""
+  return testing.rows_batch(make_rows(seed))
 
 
 def _mesh(shape):
@@ -83,7 +88,7 @@ def _run(shape, num_microbatches):
 def _reference_step():
   """Independent single-device reference: policy_loss + jax.grad + optax."""
   graphdef, params = nnx.split(testing.tiny_model(), nnx.Param)
-  b = {k: jnp.asarray(v) for k, v in make_batch().items()}
+  b = {k: jnp.asarray(v) for k, v in make_rows().items()}
   mask = b["loss_mask_BxL"] & (b["row_weight_B"] > 0)[:, None]
   tx = make_optimizer(OPT)
 
@@ -178,9 +183,9 @@ def test_nonfinite_batch_skips_update_and_is_counted():
   state = ts.init_state(model)
   ref = ts.copy_params(state.params)
   before = [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))]
-  bad = make_batch()
+  bad = make_rows()
   bad["old_logp_BxL"][2, 10] = np.nan  # a trainable position
-  state, metrics = ts(state, ref, bad)
+  state, metrics = ts(state, ref, testing.rows_batch(bad))
   m = ts.fetch_metrics(metrics)  # 'skip' does not raise
   assert m["skipped"] == 1 and m["num_skipped"] == 1 and not np.isfinite(m["loss"])
   after = [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))]
@@ -216,9 +221,10 @@ def test_padding_rows_and_empty_batches_change_nothing():
   state = ts.init_state(model)
   ref = ts.copy_params(state.params)
   batch = make_batch()
-  batch["tokens_BxL"][-1] = 7  # the row_weight-0 row
-  batch["old_logp_BxL"][-1] = 1e4
-  batch["adv_B"][-1] = 1e6
+  batch.tokens_BxL[-1] = 7  # the row_weight-0 row
+  batch.old_logp_BxK[-1] = 1e4
+  batch.adv_BxK[-1] = 1e6
+  batch.loss_mask_BxK[-1] = True  # (wrongly) on: row_weight 0 must still drop it
   state, metrics = ts(state, ref, batch)
   m = ts.fetch_metrics(metrics)
   assert m["loss"] == base["loss"] and m["grad_norm"] == base["grad_norm"]
@@ -226,7 +232,7 @@ def test_padding_rows_and_empty_batches_change_nothing():
   state = ts.init_state(model)
   before = [np.asarray(x) for x in jax.tree.leaves(state.params)]
   empty = make_batch()
-  empty["row_weight_B"][:] = 0.0
+  empty.row_weight_B[:] = 0.0
   state, metrics = ts(state, ref, empty)
   m = ts.fetch_metrics(metrics)
   assert m["empty_batch"] == 1 and m["skipped"] == 0 and m["loss"] == 0
@@ -244,14 +250,13 @@ def test_bad_inputs_raise_clear_errors():
   state = ts.init_state(model)
   batch = make_batch()
   with pytest.raises(ValueError, match="num_microbatches=4"):
-    ts(state, state.params, {k: v[:6] for k, v in batch.items()})
-  del batch["old_logp_BxL"]
-  with pytest.raises(KeyError, match="old_logp_BxL"):
-    ts(state, state.params, batch)
+    ts(state, state.params, jax.tree.map(lambda v: v[:6], batch))
+  with pytest.raises(TypeError, match="allowed: rollout.train_batch.TrainBatch"):
+    ts(state, state.params, make_rows())
   with pytest.raises(ValueError, match="ref_params is None"):
     ts(state, None, make_batch())
   bad = make_batch()
-  bad["tokens_BxL"][0, 3] = CFG.vocab_size
+  bad.tokens_BxL[0, 3] = CFG.vocab_size
   with pytest.raises(ValueError, match="vocab_size=300"):
     ts(state, state.params, bad)
 
@@ -259,14 +264,15 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2)])
 def test_precompiled_shapes_run_without_compiling(shape):
   from mtrl_jax.metrics import CompileCensus
-  from mtrl_jax.rollout.packing import batch_spec
+  from mtrl_jax.rollout.train_batch import batch_spec
   model = testing.tiny_model()
   ts = TrainStep(model, LOSS, OPT, _mesh(shape), StepConfig(compiler_options=FAST))
-  ts.precompile(batch_spec(B, L))
+  ts.precompile(batch_spec(B, L, L))
   assert ts.num_compiles == 1
   state = ts.init_state(model)
   ref = ts.copy_params(state.params)
   batch = make_batch()  # (its logprobs come from a jitted forward: compile it first)
+  assert batch.shape == (B, L, L)
   census = CompileCensus()
   census.register("train_step", ts)
   state, metrics = ts(state, ref, batch)
@@ -282,7 +288,7 @@ def test_bfloat16_params_keep_dtype_and_float32_moments_without_recompiling():
   state = ts.init_state(model)
   ref = ts.copy_params(state.params)
   tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (B, L)).astype(np.int32)
-  batch = {**make_batch(), "tokens_BxL": tokens}
+  batch = testing.rows_batch({**make_rows(), "tokens_BxL": tokens})
   for _ in range(2):
     state, metrics = ts(state, ref, batch)
   assert np.isfinite(ts.fetch_metrics(metrics)["loss"])
@@ -319,9 +325,9 @@ def test_policy_objective_at_the_sampler_temperature_is_on_policy():
   mask[:, 4:] = True
   old_logp = np.zeros((B, L), np.float32)
   old_logp[:, 4:] = np.stack([s.logprobs for s in samples])
-  batch = {"tokens_BxL": tokens.astype(np.int32), "loss_mask_BxL": mask,
-           "old_logp_BxL": old_logp, "adv_B": np.random.RandomState(4).randn(B).astype(
-               np.float32), "row_weight_B": np.ones(B, np.float32)}
+  batch = testing.rows_batch({"tokens_BxL": tokens.astype(np.int32), "loss_mask_BxL": mask,
+                              "old_logp_BxL": old_logp,
+                              "adv_B": np.random.RandomState(4).randn(B).astype(np.float32)})
   gaps = {}
   for temperature in (tau, 1.0):
     ts = TrainStep(model, PolicyObjective(LOSS, temperature=temperature), OPT,
