@@ -8,6 +8,10 @@ message, and the environment answers
     (next_thread, grades)   continue, with per-turn grades (shaping)
     (None, grades)          stop, with the final grades (outcome)
 
+An episode the tree cuts (the environment would go on past the tree's last
+turn) is graded as ended there by `env.on_cut(thread)` (default: `finalize`,
+else a failure: the bottom of the factory's `outcome_range`).
+
 `grades` is a `Grade`, a list of them, or a dict name -> Grade. The
 framework (`mtrl_jax.envs.runner.step_environment`) renders the new turns into
 the thread's token ledger once, enforces the turn cap and token budget, and
@@ -248,6 +252,28 @@ class Environment:
     """
     del thread
     return None
+
+  def on_cut(self, thread) -> Grades:
+    """Final grades of an episode the tree cut: after the tree's last turn
+    (`tree.num_turns`) this environment would have gone on.
+
+    The framework grades the cut episode as ended at that turn: the step's
+    reward becomes what it would be had `react_to` returned
+    `(None, on_cut(thread))` (outcome from these grades, the step's
+    penalties, no shaping). Grade it as a natural end does: run the
+    trajectory graders (a task not finished is a failure), so that quitting
+    at the tree's depth never pays more than failing there.
+
+    Args:
+      thread: the thread the environment would continue (with its new
+        turns); for a multi-agent environment the list of agent threads.
+
+    Returns:
+      Grades; None (the default when `finalize` returns None) or no grades:
+      the framework scores the cut as a failure, the bottom of the
+      factory's `outcome_range`. Default: `finalize(thread)`.
+    """
+    return self.finalize(thread)
 
   def fork(self) -> "Environment":
     """An independent copy for one branch of a tree rollout (default: deep copy).

@@ -10,6 +10,8 @@ source) on the console as one line (wrapped here):
 
 so a bug in environment code is seen at the step it first happens, not only
 in the rollout dumps; every fault is still counted (`faults/<kind>`).
+`show_notice_once` prints other first occurrences the same way (an episode
+the tree cut, per-turn grades whose weight is 0).
 """
 
 from __future__ import annotations
@@ -103,6 +105,18 @@ class FaultConsole:
     print(fault.console_line(), file=self.stream or sys.stderr, flush=True)
     return True
 
+  def notice(self, key: str, line: str) -> bool:
+    """Prints `line`, a one-line notice that is not a fault (a cut episode, grades
+    that earn nothing), the first time `key` is noticed; False when already shown."""
+    with self._lock:
+      if key in self._seen:
+        return False
+      self._seen.add(key)
+    if not _writes_files():
+      return False
+    print(line, file=self.stream or sys.stderr, flush=True)
+    return True
+
   def reset(self) -> None:
     """Forgets what was shown (tests, or a new run in the same process)."""
     with self._lock:
@@ -123,3 +137,8 @@ FAULT_CONSOLE = FaultConsole()
 def show_fault_once(fault: Fault) -> bool:
   """Prints the first fault of its (kind, source) once (`FaultConsole.show`)."""
   return FAULT_CONSOLE.show(fault)
+
+
+def show_notice_once(key: str, line: str) -> bool:
+  """Prints a one-line notice the first time `key` is noticed (`FaultConsole.notice`)."""
+  return FAULT_CONSOLE.notice(key, line)

@@ -19,7 +19,9 @@ slots whose KV cache persists, `mtrl_jax.sampling.engine`) and a
     same tokens);
   * with a termination threshold a node's children wait for all of its
     actions (termination depends on their mean reward); without one, each
-    action's child starts when the action is stepped.
+    action's child starts when the action is stepped;
+  * a last-turn step whose environment goes on (not a tool sub-step the action
+    continues) is a cut episode, graded as ended there by `Transition.cut`.
 
 Tree semantics do not depend on the schedule: every request's sampling keys
 and every step's seed are named by the node's place in the complete tree
@@ -57,7 +59,7 @@ from mtrl_jax.rollout.config import TreeConfig
 from mtrl_jax.rollout.inflight import (ActRun, NodeRun, RolloutTimes, action_seed,
                                        takes_seed)
 from mtrl_jax.rollout.policy import RolloutPolicy, request_keys
-from mtrl_jax.rollout.records import ActionRecord, Transition, step_record
+from mtrl_jax.rollout.records import ActionOutcome, ActionRecord, Transition, step_record
 from mtrl_jax.rollout.tree import Tree
 from mtrl_jax.sampling.slots import Request, Sample
 from mtrl_jax.seeds import call_seed
@@ -72,6 +74,7 @@ class _Rollout:
     self.executor = executor
     self.tree = Tree(cfg)
     self.close = getattr(transition, "close", None) or (lambda state: None)
+    self.cut = getattr(transition, "cut", None)
     self.seeded = takes_seed(transition)
     self.done_q: queue.Queue = queue.Queue()
     self.in_flight = 0
@@ -170,8 +173,20 @@ class _Rollout:
     if self.in_flight == 0:
       self._env_since = time.perf_counter()
     self.in_flight += 1
-    future = self.executor.submit(self.transition.step, state, comps, **kw)
+    # At the last turn a step that goes on is a cut, unless a sub-step continues it.
+    last = node.turn == self.cfg.num_turns - 1 and self.cut is not None
+    may_continue = self.cfg.substeps and substep < self.cfg.max_substeps
+    future = self.executor.submit(self.step_env, state, comps, kw, last, may_continue)
     future.add_done_callback(lambda f, a=act, st=state: self.done_q.put((a, st, f)))
+
+  def step_env(self, state, comps, kw: dict, last: bool, may_continue: bool):
+    """One environment step (on a worker thread); at the last turn a step that goes
+    on past the tree is graded as ended there (`Transition.cut`)."""
+    out = self.transition.step(state, comps, **kw)
+    if last and isinstance(out, ActionOutcome) and out.next_state is not None:
+      if out.step.valid and not (may_continue and out.step.continues_turn):
+        out = self.cut(out, self.cfg.num_turns)
+    return out
 
   def on_step_done(self, act: ActRun, state, future) -> None:
     self.in_flight -= 1

@@ -37,6 +37,13 @@ environment (or thread metadata) that cannot be forked masks the action with a
 contract fault naming `fork` and `SharedResource` (`core.fork_error_message`).
 Each fault is shown once on the console (`fault_report.show_fault_once`).
 Thread metadata is private per branch: every acted thread is a `Thread.fork`.
+
+Cut episodes (`cut`): when a step at the tree's last turn continues, the
+engine asks the transition to grade the episode as ended there: the
+environment's `on_cut` grades (default `finalize`, else the failure outcome,
+the bottom of `outcome_range`) replace the step's per-turn grades in its
+reward, so a cut pays what failing at that turn pays, never more. The first
+cut of a run prints one line naming `tree.num_turns` and `env.max_turns`.
 """
 
 from __future__ import annotations
@@ -48,10 +55,13 @@ import numpy as np
 
 from mtrl_jax.envs import StepLimits, StepOutcome, Thread, Turn, step_environment
 from mtrl_jax.envs.core import fork_error_message
-from mtrl_jax.envs.fault_report import fault_origin, fault_source, show_fault_once
+from mtrl_jax.envs.cuts import cut_notice, grade_cut
+from mtrl_jax.envs.fault_report import (fault_origin, fault_source, show_fault_once,
+                                        show_notice_once)
 from mtrl_jax.envs.runner import render_thread
 from mtrl_jax.envs.faults import ContractError, Fault, FaultKind, classify
-from mtrl_jax.envs.reward import RewardBreakdown, RewardConfig, compose_reward
+from mtrl_jax.envs.reward import (RewardBreakdown, RewardConfig, compose_local, compose_reward,
+                                  mean_score)
 from mtrl_jax.rollout.records import ActionOutcome, StepRecord
 from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.seeds import call_seed
@@ -96,14 +106,19 @@ class EnvTransition:
     num_agents: N; every environment must have `num_agents == N`.
     limits: turn cap / token budget / timeout / fault policy of each step.
     reward_cfg: reward composition weights (`mtrl_jax.envs.RewardConfig`).
+    outcome_range: (lowest, highest) final-grade score of the factory's
+      environments (`EnvironmentFactory.outcome_range`); a cut episode the
+      environment does not grade scores the lowest (`cut`).
   """
 
   def __init__(self, renderer: ChatRenderer, num_agents: int = 1, *,
-               limits: StepLimits = StepLimits(), reward_cfg=None):
+               limits: StepLimits = StepLimits(), reward_cfg=None,
+               outcome_range: tuple = (0.0, 1.0)):
     self.renderer = renderer
     self.num_agents = num_agents
     self.limits = limits
     self.reward_cfg = reward_cfg
+    self.failure_outcome = float(outcome_range[0])
 
   # ---------------------------------------------------------------- roots
   def root_state(self, env) -> EnvState:
@@ -205,6 +220,48 @@ class EnvTransition:
              and all(turns and turns[-1].role == "tool" for turns in new_turns))
     return ActionOutcome(EnvState(env, tuple(out.next_threads), state.steps + 1),
                          _record(out, details, continues_turn=waits))
+
+  def cut(self, out: ActionOutcome, num_turns: int) -> ActionOutcome:
+    """Grades an episode the tree cut (a step at its last turn that went on) as ended.
+
+    The step's reward becomes what it would be had `react_to` ended the episode
+    with the cut's grades (`envs.cuts.grade_cut`): outcome from them, the step's
+    own step and tool penalties, no shaping (its per-turn grades stay in the
+    record's `grades`). Closes the branch's environment.
+
+    Args:
+      out: the step's outcome, with a next state.
+      num_turns: the tree's depth (`tree.num_turns`), for the notice.
+
+    Returns:
+      The outcome with no next state and `StepRecord.cut` set.
+    """
+    state, record = out.next_state, out.step
+    threads = list(state.threads)
+    grades, faults, masked = grade_cut(state.env, threads if self.num_agents > 1 else threads[0],
+                                       self.failure_outcome, self.limits.faults, num_turns)
+    state.env.close()
+    show_notice_once("tree/cut_episodes", cut_notice(num_turns, self.limits.max_turns))
+    for f in faults:
+      show_fault_once(f)
+    cfg = self.reward_cfg or RewardConfig()
+    invalid = int(record.details.get("invalid_calls", 0))
+    local = ()
+    if masked:
+      reward = RewardBreakdown.zero()
+    else:
+      reward = compose_reward(cfg, steps=1, invalid_calls=invalid,
+                              outcome=mean_score(grades) or 0.0)
+      local = compose_local(cfg, self.num_agents, outcome_grades=grades, shaping_grades={},
+                            steps=1, invalid_calls=invalid)
+    parts = reward.metrics(prefix="")
+    parts.pop("total")
+    details = {**record.details, "cut_grades": {k: g.to_dict() for k, g in grades.items()}}
+    step = dataclasses.replace(
+        record, reward=reward.total, valid=not masked, continues_turn=False, parts=parts,
+        faults=tuple(record.faults) + tuple(faults), details=details, cut=True,
+        local_rewards=tuple(None if b is None else b.total for b in local))
+    return ActionOutcome(None, step)
 
   def _fork_fault(self, obj, exc: Exception) -> Fault:
     """The fault of a fork (of an environment or a thread) that raised: a contract

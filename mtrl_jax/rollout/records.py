@@ -39,6 +39,8 @@ class StepRecord:
       answered; set by the engine.
     local_rewards: per agent its local reward (`envs.reward.compose_local`),
       None for an agent no grade scored alone; () when none was composed.
+    cut: the environment would have gone on, but the step was at the tree's
+      last turn: the episode was graded as ended there (`envs.cuts`).
   """
 
   reward: float
@@ -51,6 +53,7 @@ class StepRecord:
   done: bool = False
   finish_reason: str = ""
   local_rewards: tuple = ()
+  cut: bool = False
 
   @property
   def outcome(self) -> float:
@@ -70,6 +73,8 @@ class StepRecord:
            "faults": [f.to_dict() for f in self.faults], **dict(self.details)}
     if any(r is not None for r in self.local_rewards):
       out["local_rewards"] = [None if r is None else float(r) for r in self.local_rewards]
+    if self.cut:  # records of episodes that ended within the tree stay as they were
+      out["cut"] = True
     return out
 
 
@@ -124,6 +129,11 @@ class ActionRecord:
   def ended(self) -> bool:
     """The episode ended with this action (the environment stopped, or a truncation)."""
     return self.steps[-1].done or self.limit_reached
+
+  @property
+  def cut(self) -> bool:
+    """The tree cut the episode at this action: graded as ended (`StepRecord.cut`)."""
+    return self.steps[-1].cut
 
   @property
   def outcome(self) -> float:
@@ -187,6 +197,11 @@ class Transition(Protocol):
   # Optional: `close(state)` releases a state's resources. The engine owns
   # every state it is given or returned (root states included) and calls it
   # once no branch will step the state again.
+  #
+  # Optional: `cut(out, num_turns) -> ActionOutcome` grades an episode the tree
+  # cuts (a step at the last turn whose `out.next_state` goes on) as ended:
+  # no next state (its state closed), `StepRecord.cut` set. Runs on the step's
+  # worker thread. Without it the branch just ends (the action is not ended).
 
 
 def step_record(out: Optional[ActionOutcome]) -> StepRecord:

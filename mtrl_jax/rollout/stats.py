@@ -90,10 +90,35 @@ def path_success(tree, success_threshold: float) -> float:
   return float(np.mean(roots)) if roots else float("nan")
 
 
+def is_cut(tree, node, action: int) -> bool:
+  """The tree cut the episode at this valid joint action: the environment would have
+  gone on past the last turn (graded as ended, `ActionRecord.cut`, or left open by a
+  transition without `cut`)."""
+  record = node.actions[action]
+  if record is None or not node.valid_B[action]:
+    return False
+  return record.cut or (node.turn == tree.cfg.num_turns - 1 and not record.ended)
+
+
+def cut_metrics(tree) -> dict[str, float]:
+  """`tree/cut_episodes`: valid joint actions whose episode the environment would have
+  continued past the tree's last turn; `tree/cut_fraction`: their share of the episodes
+  (valid joint actions without a child: every way a branch ends)."""
+  cut = episodes = 0
+  for node in tree.nodes:
+    for b, _ in _valid_actions(node):
+      if node.children_B[b] < 0:
+        episodes += 1
+        cut += is_cut(tree, node, b)
+  return {"tree/cut_episodes": float(cut),
+          "tree/cut_fraction": cut / episodes if episodes else 0.0}
+
+
 def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
   """Training-rollout statistics: success of ended actions and of sampled paths
-  (`path_success`), returns, reward components, faults, and with several agents
-  their per-agent rewards and influence (`rollout.credit.credit_metrics`)."""
+  (`path_success`), returns, reward components, faults, cut episodes
+  (`cut_metrics`), and with several agents their per-agent rewards and influence
+  (`rollout.credit.credit_metrics`)."""
   ended = [a for node in tree.nodes for a in node.actions or [] if a is not None and a.ended]
   roots = [n for n in tree.nodes if n.parent_id < 0]
   return {"rollout/success": sum(a.outcome > success_threshold for a in ended)
@@ -101,11 +126,13 @@ def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
           "rollout/path_success": path_success(tree, success_threshold),
           "rollout/return": float(np.mean([n.returns_B[n.valid_B].mean() for n in roots
                                            if n.valid_B.any()] or [np.nan])),
-          **reward_metrics(tree), **fault_counts(tree), **credit_metrics(tree)}
+          **reward_metrics(tree), **fault_counts(tree), **cut_metrics(tree),
+          **credit_metrics(tree)}
 
 
 def path_results(tree) -> list[dict]:
-  """Per root of a single-path tree (G = 1): outcome, return, turns, success inputs."""
+  """Per root of a single-path tree (G = 1): outcome, return, turns, success inputs, and
+  whether the tree cut the episode (`is_cut`)."""
   by_id = {n.node_id: n for n in tree.nodes}
   out = []
   for root in (n for n in tree.nodes if n.parent_id < 0):
@@ -119,7 +146,8 @@ def path_results(tree) -> list[dict]:
         break
       node = by_id[child]
     out.append({"return": total, "outcome": action.outcome, "ended": action.ended,
-                "turns": turns, "masked": not bool(node.valid_B[0])})
+                "turns": turns, "masked": not bool(node.valid_B[0]),
+                "cut": is_cut(tree, node, 0)})
   return out
 
 

@@ -29,6 +29,8 @@ Returns follow the same recursion (a child mean over one action is that
 action's return), the root's G trajectory returns get the sibling baseline,
 and every action of trajectory j carries the root's advantage of j.
 
+A last-turn action whose environment goes on is a cut, graded as ended (`Transition.cut`).
+
 Infrastructure faults make a joint action invalid: it is excluded from child
 means and baselines, and every sample in it gets weight 0 (never rewarded,
 never penalised). Node ids are canonical (`Tree.renumber`: level by level), so

@@ -4,6 +4,10 @@ The policy answers "What is the temperature in <city>?" by calling
 `get_weather` and then replying with `<answer>N</answer>`. Every tool-calling
 turn is graded (did the calls succeed?); the finished conversation is graded
 on the answer and on efficiency, combined with `CombinedGrader`.
+An episode the tree cuts (still calling tools at `tree.num_turns`) is graded
+by `on_cut` as a natural end is: the trajectory grader, so not answering
+never pays more than a wrong answer; the per-turn grader counts only with
+`reward.shaping_weight > 0` (the run says so once otherwise).
 Tasks come from the "weather" task source (one city per task, a deterministic
 function of split and index; the task dict is the metadata `create_environment`
 gets). Run by name with `python -m experiments.train --config=configs/base.py`
@@ -82,6 +86,11 @@ class WeatherEnv(Environment):
     if next_thread is not None:  # tool turns appended: continue, graded per turn
       return next_thread, {"tools_ok": self.turn_grader.grade(next_thread)}
     return None, {"final": self.final_grader.grade(thread)}
+
+  def on_cut(self, thread):
+    """The tree cut the episode (still calling tools at its last turn): graded as a
+    natural end is, so the unanswered question scores as a wrong answer does."""
+    return {"final": self.final_grader.grade(thread)}
 
 
 @register_env_factory("weather")

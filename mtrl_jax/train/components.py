@@ -209,7 +209,7 @@ def build(exp: Experiment) -> Components:
   rollout_policy = EnginePolicy(engine, None, exp.sampling, stop_ids=renderer.fmt.stop_ids,
                                 pad_id=tokenizer.pad_id, fanout=shapes.fanout)
   transition = EnvTransition(renderer, exp.tree.num_agents, limits=exp.env.limits,
-                             reward_cfg=exp.reward)
+                             reward_cfg=exp.reward, outcome_range=factory.outcome_range)
   evaluator = Evaluator(engine, renderer, transition, factory, exp.tree, exp.sampling,
                         success_threshold=exp.eval.success_threshold)
   census = metrics_lib.CompileCensus()

@@ -42,7 +42,11 @@ class Evaluator:
 
   def __call__(self, params, tasks: Sequence[dict], *, greedy: bool, key,
                samples: int = 1) -> dict[str, float]:
-    """Mean success, outcome, return, turns and masked fraction over `tasks`.
+    """Mean success, outcome, return, turns, masked and cut fraction over `tasks`.
+
+    `cut_fraction`: the share of episodes the tree cut at its last turn (the
+    environment would have gone on); their outcome is the cut's grade
+    (`Environment.on_cut`, default the failure outcome), not a silent 0.
 
     `samples` > 1 rolls each task that many times (independent attempts; use
     greedy=False) and adds `pass@{samples}`: the fraction of tasks that any of
@@ -70,7 +74,8 @@ class Evaluator:
            "outcome": float(np.mean([r["outcome"] for r in res])),
            "return": float(np.mean([r["return"] for r in res])),
            "turns": float(np.mean([r["turns"] for r in res])),
-           "masked": float(np.mean([r["masked"] for r in res]))}
+           "masked": float(np.mean([r["masked"] for r in res])),
+           "cut_fraction": float(np.mean([r["cut"] for r in res]))}
     if samples > 1:
       out[f"pass@{samples}"] = float(np.mean([any(solved[i:i + samples])
                                               for i in range(0, len(solved), samples)]))

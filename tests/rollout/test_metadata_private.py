@@ -28,6 +28,8 @@ class _Counts(Environment):
     thread.metadata["turns"] = thread.metadata.get("turns", 0) + 1
     thread.metadata.setdefault("seen", []).append(thread.last_assistant)
     score = 0.95 + thread.metadata["turns"] - 1  # 0.95 at turn 0, 1.95 at turn 1, ...
+    if thread.metadata["turns"] == 2:  # ends within the tree: the count is the outcome
+      return None, Grade(score)
     return thread.append(Turn("user", "again")), Grade(score)
 
 
