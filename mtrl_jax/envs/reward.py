@@ -8,7 +8,9 @@
 Every component is logged separately (`RewardBreakdown.metrics`). The outcome
 must dominate (a policy that finishes the task should always beat one that
 farms shaping or avoids penalties by quitting early); `check_reward_dominance`
-warns at start-up when it may not.
+warns at start-up when it may not. Per-turn grades count only with
+`shaping_weight > 0`; `note_unweighted_shaping` says so once when an
+environment returns them under weight 0.
 
 In `step_environment`, `outcome` is the mean score of the final grades
 (returned with `(None, grades)`), `shaping` the mean score of per-turn grades
@@ -31,6 +33,8 @@ import dataclasses
 import math
 import warnings
 from typing import Mapping, Optional
+
+from mtrl_jax.envs.fault_report import show_notice_once
 
 
 class RewardDominanceWarning(UserWarning):
@@ -151,6 +155,29 @@ def compose_local(cfg: RewardConfig, num_agents: int, *, outcome_grades: Mapping
                      outcome=agent_mean_score(outcome_grades, i) or 0.0,
                      shaping=agent_mean_score(shaping_grades, i) or 0.0)
       if i in graded else None for i in range(num_agents))
+
+
+def note_unweighted_shaping(cfg: RewardConfig, shaping_grades: Mapping) -> bool:
+  """Prints one line, once per run, the first time an environment returns per-turn
+  grades while `reward.shaping_weight` is 0: they are logged and add nothing to the
+  reward. A warning rather than a default weight, so existing runs stay as they are.
+
+  Args:
+    cfg: the reward weights.
+    shaping_grades: the per-turn grades of one step (name -> Grade).
+
+  Returns:
+    True when the line was printed now.
+  """
+  if not shaping_grades or cfg.shaping_weight != 0:
+    return False
+  names = ", ".join(sorted(shaping_grades))
+  return show_notice_once(
+      "reward/unweighted_shaping",
+      f"reward: the environment returns per-turn grades ({names}) but "
+      "reward.shaping_weight=0, so they are logged and add nothing to the reward; set "
+      "--config.reward.shaping_weight (e.g. 0.1; the start-up dominance check bounds it) "
+      "to train on them (shown once)")
 
 
 def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,

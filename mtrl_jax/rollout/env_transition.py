@@ -44,6 +44,8 @@ environment's `on_cut` grades (default `finalize`, else the failure outcome,
 the bottom of `outcome_range`) replace the step's per-turn grades in its
 reward, so a cut pays what failing at that turn pays, never more. The first
 cut of a run prints one line naming `tree.num_turns` and `env.max_turns`.
+The first per-turn grades under `reward.shaping_weight=0` print one line too
+(`reward.note_unweighted_shaping`).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from mtrl_jax.envs.fault_report import (fault_origin, fault_source, show_fault_o
 from mtrl_jax.envs.runner import render_thread
 from mtrl_jax.envs.faults import ContractError, Fault, FaultKind, classify
 from mtrl_jax.envs.reward import (RewardBreakdown, RewardConfig, compose_local, compose_reward,
-                                  mean_score)
+                                  mean_score, note_unweighted_shaping)
 from mtrl_jax.rollout.records import ActionOutcome, StepRecord
 from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.seeds import call_seed
@@ -213,6 +215,8 @@ class EnvTransition:
     if out.done:
       env.close()
       return ActionOutcome(None, _record(out, details))
+    if not out.masked:  # a continuing step's grades are all per-turn grades
+      note_unweighted_shaping(self.reward_cfg or RewardConfig(), out.grades)
     new_turns = [nxt.turns[len(old.turns):] for old, nxt in zip(acted, out.next_threads)]
     details["env_turns"] = [[t.content for t in turns] for turns in new_turns]
     details["env_roles"] = [[t.role for t in turns] for turns in new_turns]

@@ -1,4 +1,5 @@
-"""Episodes the tree cuts at its last turn are graded as ended and counted."""
+"""Episodes the tree cuts at its last turn are graded as ended and counted; per-turn
+grades under reward.shaping_weight=0 are reported once."""
 
 import dataclasses
 
@@ -21,6 +22,7 @@ FMT = compact(TOK)
 ASSISTANT = TOK.token_to_id("<|assistant|>")
 REWARD = RewardConfig(step_penalty=-0.05, shaping_weight=0.1)
 CUT_LINE = "tree.num_turns=2"
+SHAPING_LINE = "reward.shaping_weight=0"
 
 
 class GuessEnv(Environment):
@@ -185,6 +187,19 @@ def test_an_on_cut_that_raises_masks_the_action():
   grades, faults, masked = grade_cut(Broken({"secret": 64}), Thread(), -1.0)
   assert masked and faults[0].kind.value == "contract" and "on_cut" in faults[0].where
   assert grades["cut"].score == -1.0
+
+
+def test_per_turn_grades_under_zero_weight_are_reported_once(capsys):
+  reward = dataclasses.replace(REWARD, shaping_weight=0.0)
+  for key in range(2):
+    _tree([["32"], ["48"]], num_turns=2, generations=2, reward=reward, key=key)
+  lines = [line for line in capsys.readouterr().err.splitlines() if SHAPING_LINE in line]
+  assert len(lines) == 1 and "(closeness)" in lines[0]
+
+
+def test_per_turn_grades_with_a_weight_are_not_reported(capsys):
+  _tree([["32"], ["48"]], num_turns=2, generations=2, reward=REWARD)
+  assert SHAPING_LINE not in capsys.readouterr().err
 
 
 def test_the_weather_template_grades_a_cut_as_a_wrong_answer():
