@@ -59,7 +59,8 @@ from mtrl_jax import sharding
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.models import create_model, lora
 from mtrl_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig, get_preset
-from mtrl_jax.models.transformer import Transformer, init_cache
+from mtrl_jax.models.cache import init_cache
+from mtrl_jax.models.transformer import Transformer
 from mtrl_jax.rollout.train_batch import from_rows
 from mtrl_jax.train.optim import OptimConfig, make_optimizer
 from mtrl_jax.train.step import TrainStep

@@ -84,8 +84,10 @@ def get_sweep(arg=None):
   Axes: turns (T in 1, 2, 3: T = 1 is one joint answer with no partner
   feedback), joint (align vs cross), feedback (the turn-2 message shows the
   partner's answer or not), policy (one shared policy vs one per agent), shape
-  (tree vs chain at equal joint actions per root), and 'all' (the config, then
-  one change at a time). docs/ablations.md's coop table ran `cpu` and
+  (tree vs chain at equal joint actions per root), trainer (CoMLRL's trainers:
+  MAGRPO, the config's sibling baselines; IAC, an independent value-head critic
+  per agent with a REINFORCE loss and batch-normalised TD(0) advantages, at
+  G = 4 and G = 1), and 'all' (the config, then one change at a time). docs/ablations.md's coop table ran `cpu` and
   `feedback` with `configs/coop.py:share_policy=True`.
   """
   axes = {
@@ -95,6 +97,9 @@ def get_sweep(arg=None):
       "policy": [{"agents.share_policy": True}, {"agents.share_policy": False}],
       # Equal joint actions per root (rollout.config.generations_per_root): 4 + 16 = 10 x 2.
       "shape": [{"tree.shape": "tree"}, {"tree.shape": "chain", "tree.num_generations": 10}],
+      "trainer": [{}] + [{"critic.kind": "independent", "critic.estimator": "td0",
+                          "loss.algorithm": "reinforce", "tree.num_generations": g}
+                         for g in (4, 1)],
   }
   axes["all"] = ([{}, axes["turns"][0], axes["turns"][2]] + axes["joint"][1:]
                  + axes["feedback"][1:])

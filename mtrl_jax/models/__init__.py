@@ -7,7 +7,8 @@ from flax import nnx
 
 from mtrl_jax import sharding
 from mtrl_jax.models.config import PRESETS, ModelConfig, get_preset
-from mtrl_jax.models.transformer import KVCache, Transformer, init_cache
+from mtrl_jax.models.cache import KVCache, init_cache
+from mtrl_jax.models.transformer import Transformer
 
 __all__ = ["ModelConfig", "PRESETS", "get_preset", "Transformer", "KVCache", "init_cache",
            "create_model", "state_shardings"]

@@ -100,6 +100,9 @@ class ModelConfig:
   attention: str = "xla"
   # Low-rank adapters on the linear layers (`mtrl_jax.models.lora`); None: none.
   lora: Optional[LoraConfig] = None
+  # A linear value head on the final hidden state (`Transformer.values_at`): the
+  # critic of `critic.kind` != 'none', trained with the policy; never exported.
+  value_head: bool = False
 
   def __post_init__(self):
     if self.attention not in ("xla", "cudnn"):

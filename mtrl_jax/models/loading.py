@@ -190,7 +190,8 @@ def _dtype_name(dtype) -> str:
 
 
 def from_pretrained(path: str, *, mesh: Optional[jax.sharding.Mesh] = None,
-                    rules=sharding.TRAIN_RULES, dtype=None) -> Transformer:
+                    rules=sharding.TRAIN_RULES, dtype=None,
+                    value_head: bool = False) -> Transformer:
   """Loads a local HF-format Llama / Qwen2 / Qwen3 checkpoint.
 
   Args:
@@ -200,6 +201,7 @@ def from_pretrained(path: str, *, mesh: Optional[jax.sharding.Mesh] = None,
     rules: logical-axis rules (filtered by `sharding.rules_for`).
     dtype: parameter and compute dtype ('float32' | 'bfloat16' | 'float16' or
       the jnp dtype); default: the checkpoint's own (config.json `dtype`).
+    value_head: add a zero value head (`ModelConfig.value_head`: not in HF files).
   Returns:
     The model, each parameter created directly with its NamedSharding.
   Raises:
@@ -211,7 +213,7 @@ def from_pretrained(path: str, *, mesh: Optional[jax.sharding.Mesh] = None,
     overrides = dict(param_dtype=_dtype_name(dtype), dtype=_dtype_name(dtype))
   if not os.path.exists(os.path.join(path, "config.json")):
     raise FileNotFoundError(f"{path}: no config.json found")
-  cfg = ModelConfig.from_hf_json(path, **overrides)
+  cfg = ModelConfig.from_hf_json(path, **overrides).replace(value_head=value_head)
   mesh = mesh if mesh is not None else sharding.single_device_mesh()
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules_for(cfg, mesh, rules)):
@@ -221,6 +223,11 @@ def from_pretrained(path: str, *, mesh: Optional[jax.sharding.Mesh] = None,
   abs_flat = dict(nnx.to_flat_state(abs_state))
 
   entries = _entries(cfg)
+  filled = {}
+  if value_head:  # a fresh critic: zero, as `Transformer` makes it
+    var = abs_flat.pop(("value_head",))
+    filled[("value_head",)] = var.replace(jax.device_put(
+        np.zeros(var.get_value().shape, np.float32), shardings[("value_head",)].get_value()))
   if {e.path for e in entries} != set(abs_flat):
     raise AssertionError(  # the table above is out of sync with Transformer
         f"loading table {sorted(e.path for e in entries)} != model state {sorted(abs_flat)}")
@@ -230,7 +237,6 @@ def from_pretrained(path: str, *, mesh: Optional[jax.sharding.Mesh] = None,
   by_file: dict[str, list[_Entry]] = {}
   for e in entries:
     by_file.setdefault(weight_map[e.hf_name], []).append(e)
-  filled = {}
   for fpath, file_entries in by_file.items():
     reader = _SafetensorsFile(fpath)
     for e in file_entries:
@@ -288,9 +294,10 @@ def save_pretrained(model: Transformer, path: str, *,
   """
   if max_shard_bytes <= 0:
     raise ValueError(f"save_pretrained max_shard_bytes={max_shard_bytes}; must be > 0")
-  cfg = model.cfg
+  cfg = model.cfg.replace(value_head=False)  # a critic's value head is not an HF weight
   _check_representable(cfg)
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  flat.pop(("value_head",), None)
   entries = _entries(cfg)
   if {e.path for e in entries} != set(flat):
     raise AssertionError(

@@ -25,39 +25,14 @@ from __future__ import annotations
 
 import math
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtrl_jax.models.cache import KVCache
 from mtrl_jax.models.config import ModelConfig
 
 _NEG_INF = -1e30
-
-
-@flax.struct.dataclass
-class KVCache:
-  """Per-layer key/value buffers, each [B, K, S, Dh]: heads before slots, so a decode
-  step's attention reads each head's slots in place (no transpose of the cache)."""
-
-  k: tuple
-  v: tuple
-
-  @property
-  def size(self) -> int:
-    return self.k[0].shape[2]
-
-  @property
-  def batch(self) -> int:
-    return self.k[0].shape[0]
-
-
-def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=None) -> KVCache:
-  """An all-zero cache of `size` slots for `batch` rows."""
-  dtype = dtype or cfg.jnp_dtype
-  shape = (batch, cfg.num_kv_heads, size, cfg.head_dim)
-  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-  return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -302,6 +277,9 @@ class Transformer(nnx.Module):
     if cfg.lora is not None and cfg.lora.enabled:  # drawn last: the base's weights stay put
       for block in self.blocks:
         _add_adapters(block, cfg, rngs)
+    if cfg.value_head:  # zero: a fresh critic predicts 0 (advantages start as returns)
+      self.value_head = nnx.Param(jnp.zeros((cfg.d_model,), jnp.float32),
+                                  out_sharding=("embed",))
 
   # ------------------------------------------------------------ pieces
   def embed_tokens(self, tokens_BxL):
@@ -348,6 +326,12 @@ class Transformer(nnx.Module):
     """Logits [B, K, V] (float32) of the positions `index_BxK` of `hidden`."""
     h = jnp.take_along_axis(hidden_BxLxD, index_BxK[..., None].astype(jnp.int32), axis=1)
     return self.project(h)
+
+  def values_at(self, hidden_BxLxD, index_BxK):
+    """The value head (`cfg.value_head`) at the positions `index_BxK` of the final-normed
+    hidden states: [B, K] float32."""
+    h = jnp.take_along_axis(hidden_BxLxD, index_BxK[..., None].astype(jnp.int32), axis=1)
+    return jnp.einsum("bkd,d->bk", h.astype(jnp.float32), self.value_head[...])
 
   def project(self, normed_BxLxD):
     """LM head of final-normed hidden states; logits in float32."""

@@ -48,6 +48,8 @@ class BatchConfig:
     zero_variance_filter: drop groups whose advantages are all exactly 0
       (unless keep_kl).
     keep_kl: the loss has a KL term, so no group is dropped.
+    values: a value critic's target, 'v' or 'q': batches carry the value
+      fields (`train_batch.VALUE_FIELDS`); None: no critic.
   """
 
   packing: str = "tree"
@@ -57,10 +59,13 @@ class BatchConfig:
   pad_id: int = 0
   zero_variance_filter: bool = True
   keep_kl: bool = False
+  values: Optional[str] = None
 
   def __post_init__(self):
     if self.packing not in PACKINGS:
       raise ValueError(f"BatchConfig.packing={self.packing!r}; allowed: {list(PACKINGS)}")
+    if self.values not in (None, "v", "q"):
+      raise ValueError(f"BatchConfig.values={self.values!r}; allowed: None, 'v', 'q'")
 
 
 def trained_samples(tree: Tree, zero_variance_filter: bool = True,
@@ -78,16 +83,18 @@ def trained_samples(tree: Tree, zero_variance_filter: bool = True,
   return out, dropped
 
 
-def _pack(tree: Tree, cfg: BatchConfig, trained: list) -> tuple[Optional[TrainBatch], dict]:
-  """The batch of the `trained` samples (None when there are none) and its packing stats."""
-  actions = tree_actions(tree, trained)
+def _pack(tree: Tree, cfg: BatchConfig, trained: list,
+          critic: Optional[tuple] = None) -> tuple[Optional[TrainBatch], dict]:
+  """The batch of the `trained` samples (None when there are none) and its packing stats;
+  `critic`: per node (values, targets) of the actions (`tree_actions`)."""
+  actions = tree_actions(tree, trained, critic)
   if not any(actions):
     return None, {"actions": 0.0, "tokens_trained": 0.0, "tokens_rows_equivalent": 0.0}
   if cfg.packing == "tree":
     return pack_actions(actions, length=max(cfg.length_buckets), row_buckets=cfg.row_buckets,
-                        row_multiple=cfg.row_multiple, pad_id=cfg.pad_id)
+                        row_multiple=cfg.row_multiple, pad_id=cfg.pad_id, values=cfg.values)
   return pack_rows(actions, length_buckets=cfg.length_buckets, row_buckets=cfg.row_buckets,
-                   row_multiple=cfg.row_multiple, pad_id=cfg.pad_id)
+                   row_multiple=cfg.row_multiple, pad_id=cfg.pad_id, values=cfg.values)
 
 
 def _batch_metrics(stats: dict, rows: int, length: int, copies: int = 1) -> dict:
@@ -97,17 +104,20 @@ def _batch_metrics(stats: dict, rows: int, length: int, copies: int = 1) -> dict
           "batch/padding_fraction": 1.0 - stats["tokens_trained"] / float(copies * rows * length)}
 
 
-def make_train_batch(tree: Tree, cfg: BatchConfig) -> tuple[Optional[TrainBatch], dict]:
-  """The train batch of a finalized tree (None when no sample trains) and its metrics."""
+def make_train_batch(tree: Tree, cfg: BatchConfig,
+                     critic: Optional[tuple] = None) -> tuple[Optional[TrainBatch], dict]:
+  """The train batch of a finalized tree (None when no sample trains) and its metrics;
+  `critic`: per node (values, value targets) [N, G] for the value fields."""
   trained, dropped = trained_samples(tree, cfg.zero_variance_filter, cfg.keep_kl)
-  batch, stats = _pack(tree, cfg, trained)
+  batch, stats = _pack(tree, cfg, trained, critic)
   metrics = {"batch/zero_variance_groups": float(dropped), "batch/actions": stats["actions"]}
   if batch is not None:
     metrics.update(_batch_metrics(stats, *batch.tokens_BxL.shape))
   return batch, metrics
 
 
-def make_agent_batches(tree: Tree, cfg: BatchConfig) -> tuple[Optional[TrainBatch], dict]:
+def make_agent_batches(tree: Tree, cfg: BatchConfig,
+                       critic: Optional[tuple] = None) -> tuple[Optional[TrainBatch], dict]:
   """One batch per agent, stacked on a leading agent axis: every field [A, B, ...].
 
   Agent a's batch holds only its own trained samples (separate policies never
@@ -116,14 +126,13 @@ def make_agent_batches(tree: Tree, cfg: BatchConfig) -> tuple[Optional[TrainBatc
   every agent (`train.stacked`). An agent with nothing to train gets an
   all-padding batch (its update is skipped). Returns (None, metrics) when no
   agent trains. Metrics: the overall `batch/*` ones plus `agent_<a>/batch/actions`
-  and `agent_<a>/batch/tokens_trained`.
+  and `agent_<a>/batch/tokens_trained`. `critic` as for `make_train_batch`.
   """
   trained, dropped = trained_samples(tree, cfg.zero_variance_filter, cfg.keep_kl)
   n = tree.cfg.num_agents
   per = []
   for a in range(n):
-    only_a = [t & (np.arange(t.shape[0]) == a)[:, None] for t in trained]
-    per.append(_pack(tree, cfg, only_a))
+    per.append(_pack(tree, cfg, _only(trained, [a]), critic))
   metrics = {"batch/zero_variance_groups": float(dropped),
              "batch/actions": float(sum(st["actions"] for _, st in per))}
   for a, (_, st) in enumerate(per):
@@ -132,13 +141,54 @@ def make_agent_batches(tree: Tree, cfg: BatchConfig) -> tuple[Optional[TrainBatc
   present = [b for b, _ in per if b is not None]
   if not present:
     return None, metrics
-  rows, length, k = (max(b.shape[i] for b in present) for i in range(3))
-  batches = [train_batch.empty(rows, length, k, cfg.pad_id) if b is None
-             else train_batch.pad_batch(b, rows, length, k, cfg.pad_id) for b, _ in per]
-  stacked = train_batch.stack(batches)
+  stacked = _stack([b for b, _ in per], cfg)
+  rows, length = stacked.tokens_BxL.shape[1:]
   total = {f: sum(st[f] for _, st in per) for f in ("tokens_trained", "tokens_rows_equivalent")}
   metrics.update(_batch_metrics(total, rows, length, copies=n))
   return stacked, metrics
+
+
+def _only(trained: list, agents) -> list:
+  """`trained` keeping only `agents`' samples."""
+  return [t & np.isin(np.arange(t.shape[0]), agents)[:, None] for t in trained]
+
+
+def _stack(batches: list, cfg: BatchConfig) -> TrainBatch:
+  """Per-agent batches (None: nothing) padded to one shape and stacked [A, ...]."""
+  present = [b for b in batches if b is not None]
+  rows, length, k = (max(b.shape[i] for b in present) for i in range(3))
+  return train_batch.stack([
+      train_batch.empty(rows, length, k, cfg.pad_id, cfg.values is not None) if b is None
+      else train_batch.pad_batch(b, rows, length, k, cfg.pad_id) for b in batches])
+
+
+def critic_values(tree: Tree, cfg: BatchConfig, values_fn, per_agent: bool) -> list:
+  """A value critic's value of every sampled action, per node [N, G] (0 where masked).
+
+  One value pass: every valid action (weight > 0) packed as for training, with
+  the value fields of `cfg.values`, and `values_fn(batch)` run once on it
+  (`TrainStep.values`: [B, K]; per agent, `StackedTrainStep.values` on the
+  agents' stacked batches: [A, B, K]); each action's value is read at its value
+  slot.
+  """
+  valid = [node.weight_NxG > 0 for node in tree.nodes]
+  n = tree.cfg.num_agents
+  groups = [[a] for a in range(n)] if per_agent else [list(range(n))]
+  packs = [_pack(tree, cfg, _only(valid, agents)) for agents in groups]
+  out = [np.zeros(v.shape, np.float64) for v in valid]
+  if all(b is None for b, _ in packs):
+    return out
+  if per_agent:
+    values = np.asarray(values_fn(_stack([b for b, _ in packs], cfg)))
+  else:
+    values = np.asarray(values_fn(packs[0][0]))[None]
+  for a, (agents, (_, stats)) in enumerate(zip(groups, packs)):
+    if "value_slots" not in stats:
+      continue
+    keys = [(k, i, g) for i in agents for k, ok in enumerate(valid) for g in np.flatnonzero(ok[i])]
+    for (k, i, g), (row, slot) in zip(keys, stats["value_slots"]):
+      out[k][i, g] = values[a, row, slot]
+  return out
 
 
 def global_batch(batch: Optional[TrainBatch], metrics: dict, cfg: BatchConfig,
@@ -166,7 +216,8 @@ def global_batch(batch: Optional[TrainBatch], metrics: dict, cfg: BatchConfig,
   if not shapes:
     return None, {k: out[k] for k in summed[:2]}
   rows, length, k = (max(s[i] for s in shapes) for i in range(3))
-  local = (train_batch.empty(rows, length, k, cfg.pad_id) if batch is None
+  local = (train_batch.empty(rows, length, k, cfg.pad_id, cfg.values is not None)
+           if batch is None
            else train_batch.pad_batch(batch, rows, length, k, cfg.pad_id))
   total = rows * distributed.process_count()
   arrays = jax.tree.map(

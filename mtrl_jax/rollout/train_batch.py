@@ -20,6 +20,9 @@ Per-token training arrays are `[B, K]` (K trained-token slots per row;
 read one layout. `action_BxK` numbers the actions (GSPO sequences) of a row.
 `trainer_old_logp_BxK` is filled only when several updates share a batch
 (the trainer's own logprobs before the first update; `TrainStep.old_logprobs`).
+The value fields (`VALUE_FIELDS`) are filled only with a value critic
+(`critic.kind`): one slot per action, its first trained token's, carries the
+position the value head reads and the action's value target.
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ class TrainBatch:
     row_weight_B: float32, 1 on rows with content, 0 on padding rows.
     trainer_old_logp_BxK: float32 trainer logprobs before the first of several
       updates on this batch, or None.
+    value_pos_BxK: int32 row position the value head reads for the slot's action
+      (V: its last prompt token, the history before it; Q: its last token), or None.
+    value_mask_BxK: bool, True on one slot per action (its first trained token).
+    value_target_BxK: float32 the action's value target (`rollout.critic`).
+    old_value_BxK: float32 the value the rollout's critic gave it (value clipping).
   """
 
   tokens_BxL: Any
@@ -66,6 +74,10 @@ class TrainBatch:
   adv_BxK: Any
   row_weight_B: Any
   trainer_old_logp_BxK: Any = None
+  value_pos_BxK: Any = None
+  value_mask_BxK: Any = None
+  value_target_BxK: Any = None
+  old_value_BxK: Any = None
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -91,8 +103,12 @@ _DTYPES = {"tokens_BxL": np.int32, "positions_BxL": np.int32, "ends_BxL": np.int
            "loss_mask_BxK": np.bool_, "old_logp_BxK": np.float32, "adv_BxK": np.float32,
            "row_weight_B": np.float32}
 _FILL = {"positions_BxL": 0, "prev_BxK": 0, "action_BxK": 0, "loss_mask_BxK": False,
-         "old_logp_BxK": 0.0, "adv_BxK": 0.0, "row_weight_B": 0.0}
+         "old_logp_BxK": 0.0, "adv_BxK": 0.0, "row_weight_B": 0.0, "value_pos_BxK": 0,
+         "value_mask_BxK": False, "value_target_BxK": 0.0, "old_value_BxK": 0.0}
 FIELDS = tuple(_DTYPES)
+VALUE_FIELDS = ("value_pos_BxK", "value_mask_BxK", "value_target_BxK", "old_value_BxK")
+_DTYPES.update(value_pos_BxK=np.int32, value_mask_BxK=np.bool_, value_target_BxK=np.float32,
+               old_value_BxK=np.float32)
 
 
 def logit_buckets(length: int) -> tuple[int, ...]:
@@ -100,31 +116,43 @@ def logit_buckets(length: int) -> tuple[int, ...]:
   return tuple(sorted({max(length // 4, 1), max(length // 2, 1), length}))
 
 
-def batch_spec(num_rows: int, length: int, num_logits: int) -> TrainBatch:
-  """Shapes and dtypes of a batch as `jax.ShapeDtypeStruct`s (for precompiling)."""
+def _fields(values: bool) -> tuple[str, ...]:
+  return FIELDS + (VALUE_FIELDS if values else ())
+
+
+def _shape(name: str, num_rows: int, length: int, num_logits: int) -> tuple[int, ...]:
+  return {"L": (num_rows, length), "K": (num_rows, num_logits)}.get(name[-1], (num_rows,))
+
+
+def batch_spec(num_rows: int, length: int, num_logits: int, values: bool = False) -> TrainBatch:
+  """Shapes and dtypes of a batch as `jax.ShapeDtypeStruct`s (for precompiling);
+  `values`: with the value fields of a critic."""
   import jax  # the packing itself is numpy only
-
-  def shape(name):
-    return {"L": (num_rows, length), "K": (num_rows, num_logits)}.get(name[-1], (num_rows,))
-
-  return TrainBatch(**{f: jax.ShapeDtypeStruct(shape(f), _DTYPES[f]) for f in FIELDS})
+  return TrainBatch(**{f: jax.ShapeDtypeStruct(_shape(f, num_rows, length, num_logits),
+                                               _DTYPES[f]) for f in _fields(values)})
 
 
-def empty(num_rows: int, length: int, num_logits: int, pad_id: int = 0) -> TrainBatch:
+def empty(num_rows: int, length: int, num_logits: int, pad_id: int = 0,
+          values: bool = False) -> TrainBatch:
   """An all-padding batch: no trained token, every position its own subtree."""
-  b = {f: np.full((num_rows, length) if f.endswith("L") else
-                  (num_rows, num_logits) if f.endswith("K") else (num_rows,),
-                  _FILL.get(f, pad_id), _DTYPES[f]) for f in FIELDS}
+  b = {f: np.full(_shape(f, num_rows, length, num_logits), _FILL.get(f, pad_id), _DTYPES[f])
+       for f in _fields(values)}
   b["ends_BxL"] = np.tile(np.arange(1, length + 1, dtype=np.int32), (num_rows, 1))
   return TrainBatch(**b)
+
+
+def has_values(batch: TrainBatch) -> bool:
+  """Whether `batch` carries the value fields of a critic."""
+  return batch.value_mask_BxK is not None
 
 
 def pad_batch(batch: TrainBatch, rows: int, length: int, num_logits: int,
               pad_id: int = 0) -> TrainBatch:
   """`batch` padded to `rows` x `length` x `num_logits`; padding never changes the loss."""
-  out = empty(rows, length, num_logits, pad_id)
+  values = has_values(batch)
+  out = empty(rows, length, num_logits, pad_id, values)
   fields = {}
-  for f in FIELDS:
+  for f in _fields(values):
     x, y = getattr(batch, f), getattr(out, f)
     y[tuple(slice(0, n) for n in x.shape)] = x
     fields[f] = y
@@ -133,7 +161,8 @@ def pad_batch(batch: TrainBatch, rows: int, length: int, num_logits: int,
 
 def stack(batches: Sequence[TrainBatch]) -> TrainBatch:
   """Batches of one shape stacked on a leading agent axis: every field [A, ...]."""
-  return TrainBatch(**{f: np.stack([getattr(b, f) for b in batches]) for f in FIELDS})
+  return TrainBatch(**{f: np.stack([getattr(b, f) for b in batches])
+                       for f in _fields(has_values(batches[0]))})
 
 
 def from_rows(tokens_BxL, loss_mask_BxL, *, old_logp_BxL=None, adv=None,

@@ -51,6 +51,8 @@ class Action:
   logprobs: np.ndarray
   trainable: np.ndarray  # bool, sampled tokens of the completion
   advantage: float
+  value_target: float = 0.0  # the critic's target for this action (`rollout.critic`)
+  old_value: float = 0.0  # the rollout critic's value of it (value clipping)
 
 
 class _Trie:
@@ -158,7 +160,8 @@ def _items(trie: _Trie, max_len: int) -> list[tuple[tuple[int, ...], list[int]]]
 
 def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
                  row_buckets: Optional[Sequence[int]] = None, row_multiple: int = 1,
-                 pad_id: int = 0) -> tuple[TrainBatch, dict[str, float]]:
+                 pad_id: int = 0, values: Optional[str] = None
+                 ) -> tuple[TrainBatch, dict[str, float]]:
   """Packs trained actions (one list per agent: agents never share context) into a batch.
 
   Args:
@@ -168,18 +171,24 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
     row_buckets: allowed row counts; default: powers of two (times row_multiple).
     row_multiple: the row count is a multiple of this (the data shards).
     pad_id: token id of padding.
+    values: a critic's value fields: 'v' (read at each action's last prompt
+      token) or 'q' (at its last token); None: none.
 
   Returns:
     (batch, stats): the `TrainBatch` and counts: tokens_trained
     (tokens in rows), tokens_rows_equivalent (what one row per action would
-    hold), padding_fraction, rows, actions.
+    hold), padding_fraction, rows, actions; with `values` also value_slots,
+    int [actions, 2]: the (row, slot) of each action's value, agent by agent
+    in the order given.
   """
-  items = []  # (trie, sizes, depths, path length, nodes, loss flags, action-of-node, actions)
+  items = []  # (trie, sizes, depths, path length, nodes, loss flags, actions, last nodes)
   equivalent = 0
+  first_action = {}  # id(trie) -> index of its agent's first action among all agents'
   for actions in actions_by_agent:
     if not actions:
       continue
     trie = _Trie()
+    first_action[id(trie)] = sum(map(len, actions_by_agent[:len(first_action)]))
     last = {}
     for a, act in enumerate(actions):
       if len(act.prompt) == 0:
@@ -200,7 +209,8 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
           assigned.add(a)
           mine.add(a)
       loss = [trie.action[n] in mine and trie.trainable[n] for n in nodes]
-      items.append((trie, size, depth, len(path), nodes, loss, actions))
+      items.append((trie, size, depth, len(path), nodes, loss, actions,
+                    {a: n for n, a in last.items()}))
   bins = _first_fit_decreasing([len(it[4]) for it in items], length)
   num_rows = len(bins)
   if row_buckets is not None:
@@ -212,16 +222,18 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
   most = max((sum(sum(items[i][5]) for i in b) for b in bins), default=1)
   k = bucket(max(most, 1), logit_buckets(length), "trained tokens per row")
 
-  out = empty(r, length, k, pad_id)  # padding positions: their own subtree only
+  out = empty(r, length, k, pad_id, values is not None)  # padding: its own subtree only
   tokens, positions, ends = out.tokens_BxL, out.positions_BxL, out.ends_BxL
   prev, target, action = out.prev_BxK, out.target_BxK, out.action_BxK
   loss_mask, old_logp, adv, row_weight = (out.loss_mask_BxK, out.old_logp_BxK, out.adv_BxK,
                                           out.row_weight_B)
   used = 0
+  valued: set = set()
+  slots = np.zeros((sum(map(len, actions_by_agent)), 2), np.int64)
   for row, b in enumerate(bins):
     off, j, local_actions = 0, 0, {}
     for i in sorted(b):
-      trie, size, depth, num_path, nodes, loss, actions = items[i]
+      trie, size, depth, num_path, nodes, loss, actions, last_node = items[i]
       where = {n: off + pos for pos, n in enumerate(nodes)}
       stop = off + len(nodes)
       for pos, n in enumerate(nodes):
@@ -237,6 +249,15 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
           loss_mask[row, j] = True
           old_logp[row, j] = trie.logp[n]
           adv[row, j] = actions[trie.action[n]].advantage
+          if values is not None and (id(trie), trie.action[n]) not in valued:
+            valued.add((id(trie), trie.action[n]))  # the action's first trained token
+            act = actions[trie.action[n]]
+            out.value_mask_BxK[row, j] = True
+            out.value_pos_BxK[row, j] = (prev[row, j] if values == "v"
+                                         else where[last_node[trie.action[n]]])
+            out.value_target_BxK[row, j] = act.value_target
+            out.old_value_BxK[row, j] = act.old_value
+            slots[first_action[id(trie)] + trie.action[n]] = (row, j)
           j += 1
       off = stop
     row_weight[row] = 1.0
@@ -244,19 +265,22 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
   stats = {"tokens_trained": float(used), "tokens_rows_equivalent": float(equivalent),
            "padding_fraction": 1.0 - used / float(r * length), "rows": float(r),
            "actions": float(sum(len(a) for a in actions_by_agent))}
+  if values is not None:
+    stats["value_slots"] = slots
   return out, stats
 
 
 def pack_rows(actions_by_agent: Sequence[Sequence[Action]], *, length_buckets: Sequence[int],
               row_buckets: Optional[Sequence[int]] = None, row_multiple: int = 1,
-              pad_id: int = 0) -> tuple[TrainBatch, dict[str, float]]:
+              pad_id: int = 0, values: Optional[str] = None
+              ) -> tuple[TrainBatch, dict[str, float]]:
   """One row per action (its prompt, then its completion), right-padded: `pack_actions`'
   layout without shared prefixes, each row one causal path with K = L slots.
 
   Args:
     actions_by_agent: per agent, its trained actions.
     length_buckets: allowed row lengths; the smallest that holds the longest action.
-    row_buckets, row_multiple, pad_id: as for `pack_actions`.
+    row_buckets, row_multiple, pad_id, values: as for `pack_actions`.
   Returns:
     (batch, stats) as `pack_actions`; nothing is shared, so tokens_trained equals
     tokens_rows_equivalent.
@@ -286,18 +310,36 @@ def pack_rows(actions_by_agent: Sequence[Sequence[Action]], *, length_buckets: S
   weight_B = (np.arange(rows) < len(actions)).astype(np.float32)
   batch = from_rows(tokens_BxL, mask_BxL, old_logp_BxL=old_BxL, adv=adv_B,
                     row_weight_B=weight_B, num_logits=length)
+  if values is not None:  # slot 0 of a row: its action's first trained token
+    n = len(actions)
+    first_B = np.zeros(rows, np.int32)
+    first_B[:n] = [len(a.prompt) - 1 if values == "v" else len(a.prompt) + len(a.ids) - 1
+                   for a in actions]
+    batch = batch.replace(
+        value_pos_BxK=np.pad(first_B[:, None], ((0, 0), (0, length - 1))),
+        value_mask_BxK=np.pad((np.arange(rows) < n)[:, None], ((0, 0), (0, length - 1))),
+        value_target_BxK=np.pad(np.asarray([a.value_target for a in actions] + [0.0] * (
+            rows - n), np.float32)[:, None], ((0, 0), (0, length - 1))),
+        old_value_BxK=np.pad(np.asarray([a.old_value for a in actions] + [0.0] * (
+            rows - n), np.float32)[:, None], ((0, 0), (0, length - 1))))
   used = float(sum(len(a.prompt) + len(a.ids) for a in actions))
   stats = {"tokens_trained": used, "tokens_rows_equivalent": used,
            "padding_fraction": 1.0 - used / float(rows * length), "rows": float(rows),
            "actions": float(len(actions))}
+  if values is not None:
+    stats["value_slots"] = np.stack([np.arange(len(actions)), np.zeros(len(actions),
+                                                                       np.int64)], axis=1)
   return batch, stats
 
 
-def tree_actions(tree: Tree, trained_NxG_per_node: Optional[list] = None) -> list[list[Action]]:
-  """The trained actions of a finalized tree, per agent, in node order.
+def tree_actions(tree: Tree, trained_NxG_per_node: Optional[list] = None,
+                 critic: Optional[tuple] = None) -> list[list[Action]]:
+  """The trained actions of a finalized tree, per agent, in node and sample order.
 
   An action is trained when its weight is > 0 (no infrastructure fault) and,
   if `trained_NxG_per_node` is given (the zero-variance filter), where it says so.
+  `critic`: (values, targets), per node [N, G] each (`rollout.critic`): the
+  actions' old values and value targets.
   """
   if not tree.finalized:
     raise ValueError("tree packing needs a finalized tree (call Tree.finalize())")
@@ -315,5 +357,9 @@ def tree_actions(tree: Tree, trained_NxG_per_node: Optional[list] = None) -> lis
           out[i].append(Action(prompt=node.prompts[i], ids=np.asarray(comp.ids, np.int32),
                                logprobs=np.asarray(comp.logprobs, np.float32),
                                trainable=comp.sampled_mask,
-                               advantage=float(node.advantages_NxG[i, g])))
+                               advantage=float(node.advantages_NxG[i, g]),
+                               value_target=0.0 if critic is None else float(
+                                   critic[1][idx][i, g]),
+                               old_value=0.0 if critic is None else float(
+                                   critic[0][idx][i, g])))
   return out

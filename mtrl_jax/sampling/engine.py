@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from mtrl_jax.models.config import ModelConfig
-from mtrl_jax.models.transformer import KVCache
+from mtrl_jax.models.cache import KVCache
 from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
 from mtrl_jax import distributed
 from mtrl_jax.buckets import bucket, next_pow2

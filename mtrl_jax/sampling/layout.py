@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from mtrl_jax.models.config import ModelConfig
-from mtrl_jax.models.transformer import KVCache, Transformer
+from mtrl_jax.models.cache import KVCache
+from mtrl_jax.models.transformer import Transformer
 from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
 from mtrl_jax import distributed
 

@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import sharding
-from mtrl_jax.models.transformer import KVCache
+from mtrl_jax.models.cache import KVCache
 from mtrl_jax.sampling.filters import choose_tokens
 
 

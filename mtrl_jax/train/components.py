@@ -90,7 +90,8 @@ def make_model(exp: Experiment, mesh, path: str = ""):
   from mtrl_jax import models
   if path or exp.model.path:
     from mtrl_jax.models import loading
-    return loading.from_pretrained(path or exp.model.path, mesh=mesh)
+    return loading.from_pretrained(path or exp.model.path, mesh=mesh,
+                                   value_head=exp.model.arch.value_head)
   return models.create_model(exp.model.arch, seed=exp.seed, mesh=mesh)
 
 
@@ -165,7 +166,9 @@ def make_policies(exp: Experiment, model, mesh) -> Policies:
   # loss.is_correction.
   objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature,
                               recompute_old=exp.rl.updates_per_step > 1
-                              or exp.rl.max_staleness > 0)
+                              or exp.rl.max_staleness > 0,
+                              value_coef=exp.critic.value_coef if exp.critic.enabled else None,
+                              value_clip=exp.critic.value_clip)
   trained = model
   if exp.model.lora.enabled:
     from mtrl_jax.models import lora
@@ -203,7 +206,9 @@ def build(exp: Experiment) -> Components:
   batch_cfg = BatchConfig(
       packing=exp.rl.packing, length_buckets=exp.rl.length_buckets,
       row_buckets=shapes.train_rows, row_multiple=rows, pad_id=tokenizer.pad_id,
-      zero_variance_filter=exp.rl.zero_variance_filter, keep_kl=exp.loss.kl_coef > 0)
+      # With a critic every valid sample trains: its value target teaches the critic.
+      zero_variance_filter=exp.rl.zero_variance_filter and not exp.critic.enabled,
+      keep_kl=exp.loss.kl_coef > 0, values=exp.critic.target if exp.critic.enabled else None)
   engine = DecodeEngine(exp.model.arch, shapes.engine, mesh=mesh,
                         num_agents=len(policies.models))
   rollout_policy = EnginePolicy(engine, None, exp.sampling, stop_ids=renderer.fmt.stop_ids,

@@ -26,6 +26,7 @@ from mtrl_jax.rollout import TreeConfig
 from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EngineGroup, EvalConfig,
                                    RLConfig, SFTConfig)
+from mtrl_jax.train.critic_config import CriticGroup
 from mtrl_jax.train.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import StepConfig
@@ -51,6 +52,7 @@ GROUPS = {
     "rl": (RLConfig, ()),
     "eval": (EvalConfig, ()),
     "agents": (AgentsConfig, ()),
+    "critic": (CriticGroup, ()),
     "curriculum": (data.CurriculumConfig, ()),
     "checkpoint": (CheckpointConfig, ()),
     "distributed": (distributed.DistributedConfig, ()),

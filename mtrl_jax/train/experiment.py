@@ -31,6 +31,7 @@ from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.train import budget, checks, components
 from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EngineGroup, EvalConfig,
                                    RLConfig, SFTConfig)
+from mtrl_jax.train.critic_config import CriticGroup
 from mtrl_jax.train.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import StepConfig
@@ -58,6 +59,7 @@ class Experiment:
   rl: RLConfig
   eval: EvalConfig
   agents: AgentsConfig
+  critic: CriticGroup
   curriculum: data.CurriculumConfig
   checkpoint: CheckpointConfig
   distributed: distributed.DistributedConfig
@@ -115,10 +117,14 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       env=env, tasks=_fields(c.tasks, TasksConfig), tree=tree, sampling=sampling,
       engine=_fields(c.get("engine"), EngineGroup), reward=reward, loss=loss, optim=optim,
       step=_fields(c.step, StepConfig), sft=sft, rl=rl, eval=_fields(c.eval, EvalConfig),
-      agents=_fields(c.agents, AgentsConfig),
+      agents=_fields(c.agents, AgentsConfig), critic=_fields(c.get("critic"), CriticGroup),
       curriculum=_fields(c.get("curriculum"), data.CurriculumConfig),
       checkpoint=_fields(c.checkpoint, CheckpointConfig), distributed=distributed_config(c))
   check_agents(exp)
+  exp.critic.check(exp)
+  if exp.critic.enabled:  # the critic is a value head on each policy
+    exp = dataclasses.replace(exp, model=dataclasses.replace(
+        exp.model, arch=exp.model.arch.replace(value_head=True)))
   components.check_lora(exp)  # what adapters cannot be combined with; init_from fits the base
   check_processes(exp)
   # Size the tree before launch: a config that cannot fit fails here.
@@ -204,10 +210,13 @@ def check_fields(c: ml_collections.ConfigDict):
     raise ValueError(f"config tree.joint_mode='marginal' with tree.num_agents="
                      f"{c.tree.num_agents}: marginal credit averages over partners; allowed: "
                      "tree.num_agents >= 2, or joint_mode 'align', 'cross'")
-  if c.tree.num_generations == 1 and c.tree.advantage_mode in _SIBLING_BASELINES:
+  critic = c.get("critic", {}).get("kind", "none") != "none"  # its value is the baseline
+  if (c.tree.num_generations == 1 and c.tree.advantage_mode in _SIBLING_BASELINES
+      and not critic):
     raise ValueError(f"config tree.num_generations=1 with tree.advantage_mode="
                      f"{c.tree.advantage_mode!r}: a sibling baseline of one sample makes every "
-                     f"advantage 0; allowed: num_generations >= 2, or advantage_mode='raw'")
+                     f"advantage 0; allowed: num_generations >= 2, advantage_mode='raw', or a "
+                     f"critic (critic.kind)")
 
 
 def distributed_config(c: ml_collections.ConfigDict) -> distributed.DistributedConfig:

@@ -12,9 +12,10 @@ objective on the same step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from mtrl_jax import losses
 
@@ -41,6 +42,11 @@ def train_mask(batch) -> jax.Array:
   return batch.loss_mask_BxK.astype(bool) & (batch.row_weight_B > 0)[:, None]
 
 
+def value_mask(batch) -> jax.Array:
+  """The value slots of a critic's `TrainBatch` (one per trained action), padding removed."""
+  return batch.value_mask_BxK.astype(bool) & (batch.row_weight_B > 0)[:, None]
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyObjective:
   """GRPO / GSPO / REINFORCE with a KL penalty (`mtrl_jax.losses`).
@@ -65,11 +71,19 @@ class PolicyObjective:
       Without it, a correction other than 'none' takes pi_old = the current
       policy (stop-gradient): exact for one update per batch, where the two
       coincide.
+    value_coef: a value critic's loss weight (`critic.value_coef`); None: no
+      critic. The loss is then pg_num / pg_den + value_coef * value_num /
+      value_den (`value_terms`), each over the whole batch.
+    value_clip: the value loss is max((v - y)^2, (v_clip - y)^2) / 2 with
+      v_clip = v_old + clip(v - v_old, -value_clip, value_clip) (PPO's value
+      clipping, as CoMLRL's critics); 0: (v - y)^2 / 2.
   """
 
   loss_cfg: losses.LossConfig
   temperature: float = 1.0
   recompute_old: bool = False
+  value_coef: Optional[float] = None
+  value_clip: float = 0.0
 
   def __post_init__(self):
     t = self.temperature
@@ -100,8 +114,44 @@ class PolicyObjective:
                                     train_mask(batch), self.loss_cfg, entropy=entropy_BxK,
                                     action_ids=batch.action_BxK, sampler_logp=sampler)
 
+  def den(self, batch):
+    """The policy term's denominator over `batch` (a count: its masks alone decide it)."""
+    zeros = jnp.zeros(batch.target_BxK.shape, jnp.float32)
+    return losses.aggregate(zeros, train_mask(batch), self.loss_cfg.aggregation,
+                            self.loss_cfg.max_len, batch.action_BxK)[1]
+
+  def value_den(self, batch):
+    """The value term's denominator over `batch`: its value slots."""
+    return value_mask(batch).astype(jnp.float32).sum()
+
+  def value_terms(self, values_BxK, batch):
+    """(value_num, metric sums) of a critic's (clipped) squared error on the value slots."""
+    mask = value_mask(batch)
+    y, old = batch.value_target_BxK, batch.old_value_BxK
+    err = jnp.square(values_BxK - y)
+    if self.value_clip > 0:
+      clipped = old + jnp.clip(values_BxK - old, -self.value_clip, self.value_clip)
+      err = jnp.maximum(err, jnp.square(clipped - y))
+    num = 0.5 * jnp.sum(jnp.where(mask, err, 0.0))
+    v = jax.lax.stop_gradient(jnp.where(mask, values_BxK, 0.0))
+    return num, {"value_loss_sum": jax.lax.stop_gradient(num),
+                 "value_count": mask.astype(jnp.float32).sum(), "value_sum": v.sum(),
+                 "value_target_sum": jnp.where(mask, y, 0.0).sum(),
+                 "value_target_sq_sum": jnp.where(mask, y * y, 0.0).sum(),
+                 "value_sq_err_sum": jnp.where(mask, jnp.square(v - y), 0.0).sum()}
+
   def merge(self, a, b):
     return losses.merge_metric_sums(a, b)
 
   def finalize(self, sums):
-    return losses.finalize_metrics(sums)
+    out = losses.finalize_metrics(sums)
+    if "value_count" in sums:  # value_loss, value_mean, value_target_mean, explained variance
+      n = sums["value_count"]
+      mean_y = losses.safe_divide(sums["value_target_sum"], n)
+      var_y = losses.safe_divide(sums["value_target_sq_sum"], n) - mean_y * mean_y
+      mse = losses.safe_divide(sums["value_sq_err_sum"], n)
+      out.update(value_loss=losses.safe_divide(sums["value_loss_sum"], n),
+                 value_mean=losses.safe_divide(sums["value_sum"], n), value_target_mean=mean_y,
+                 value_explained_var=jnp.where(var_y > 0, 1.0 - mse / jnp.where(
+                     var_y > 0, var_y, 1.0), 0.0))
+    return out

@@ -47,7 +47,8 @@ import numpy as np
 from flax import nnx
 
 from mtrl_jax import distributed
-from mtrl_jax.rollout.batching import global_batch, make_agent_batches, make_train_batch
+from mtrl_jax.rollout.batching import (critic_values, global_batch, make_agent_batches,
+                                      make_train_batch)
 from mtrl_jax.rollout.policy import StackedStates
 from mtrl_jax.train import export_lora
 from mtrl_jax.train.stacked import agent_slice, stack_trees
@@ -86,10 +87,11 @@ class Policies:
   def __init__(self, models: list, train_step, seed: int):
     self.models, self.train_step, self.seed = list(models), train_step, seed
 
-  def make_batch(self, tree, cfg):
+  def make_batch(self, tree, cfg, critic=None):
     """(batch | None, metrics) of a tree; with several processes `tree` is this
-    process's share and the batch global."""
-    batch, m = self._batch(tree, cfg)
+    process's share and the batch global. `critic`: per node (values, value targets)
+    of a value critic (`critic_values`, `rollout.critic`)."""
+    batch, m = self._batch(tree, cfg, critic)
     if distributed.process_count() == 1:
       return batch, m
     return global_batch(batch, m, cfg, self.train_step.mesh)
@@ -105,7 +107,13 @@ class Policies:
     return jax.tree.map(lambda s: s.params, self.saved_state_target(),
                         is_leaf=lambda x: hasattr(x, "opt_state"))
 
-  def _batch(self, tree, cfg):
+  def critic_values(self, params, tree, cfg) -> list:
+    """A value critic's value of every sampled action of `tree` at `params`, per node
+    [N, G] (one value pass: `rollout.batching.critic_values`)."""
+    return critic_values(tree, cfg, lambda b: jax.device_get(self.train_step.values(params, b)),
+                         per_agent=self.per_agent)
+
+  def _batch(self, tree, cfg, critic):
     raise NotImplementedError
 
 
@@ -123,8 +131,8 @@ class SharedPolicy(Policies):
   def one_for_all(self, params):
     return params
 
-  def _batch(self, tree, cfg):
-    return make_train_batch(tree, cfg)
+  def _batch(self, tree, cfg, critic):
+    return make_train_batch(tree, cfg, critic)
 
   def train_metrics(self, device_metrics) -> dict:
     return {f"train/{k}": v for k, v in self.train_step.fetch_metrics(device_metrics).items()}
@@ -178,9 +186,9 @@ class StackedPolicies(Policies):
              for m, t in zip(self.models, self.trainable)]
     return StackedStates(stack_trees(trees), len(self.models))
 
-  def _batch(self, tree, cfg):
+  def _batch(self, tree, cfg, critic):
     if all(self.trainable):
-      return make_agent_batches(tree, cfg)
+      return make_agent_batches(tree, cfg, critic)
     batch, m = make_agent_batches(without_agents(tree, self.trainable), cfg)
     frozen = [label for label, t in zip(self.labels, self.trainable) if not t]
     m = {k: v for k, v in m.items() if not k.startswith(tuple(f"{f}/" for f in frozen))}

@@ -27,6 +27,7 @@ import jax
 
 from mtrl_jax import distributed
 from mtrl_jax.rollout import expand_tree
+from mtrl_jax.rollout.critic import critic_advantages
 from mtrl_jax.rollout.stats import engine_metrics
 
 
@@ -83,7 +84,14 @@ class RolloutProducer:
       parts.rollout_policy.set_states(parts.policies.sampler_states(params))
       roots = parts.transition.root_states(parts.factory, tasks[distributed.share(len(tasks))])
       tree = expand_tree(exp.tree, parts.rollout_policy, parts.transition, roots, key)
-      batch, batch_m = parts.policies.make_batch(tree, parts.batch_cfg)
+      critic = None
+      if exp.critic.enabled:  # the critic's advantages replace the sibling baselines
+        values = parts.policies.critic_values(params, tree, parts.batch_cfg)
+        adv, targets = critic_advantages(tree, values, exp.critic.advantage_config())
+        for node, adv_NxG in zip(tree.nodes, adv):
+          node.advantages_NxG = adv_NxG
+        critic = (values, targets)
+      batch, batch_m = parts.policies.make_batch(tree, parts.batch_cfg, critic)
       return Rollout(step, tree, batch, batch_m, engine_metrics(tree), staleness,
                      text_counts(parts.renderer, before))
 

@@ -50,6 +50,7 @@ class ShapePlan:
   train_rows: tuple
   train_lens: tuple
   packing: str = "rows"
+  values: bool = False  # batches carry a critic's value fields
 
   def train_shapes(self) -> list[tuple[int, int, int]]:
     """(rows, length, trained tokens per row) of every train program."""
@@ -58,7 +59,7 @@ class ShapePlan:
 
   def train_specs(self) -> list[TrainBatch]:
     """The batch specs (`jax.ShapeDtypeStruct`s) of every train program."""
-    return [batch_spec(*shape) for shape in self.train_shapes()]
+    return [batch_spec(*shape, values=self.values) for shape in self.train_shapes()]
 
 
 def plan_shapes(exp, row_multiple: int, local_shards: int) -> ShapePlan:
@@ -92,7 +93,8 @@ def plan_shapes(exp, row_multiple: int, local_shards: int) -> ShapePlan:
     fractions, train_lens = (4, 2, 1), tuple(rl.length_buckets)
   train_rows = tuple(sorted({round_up(max(total // d, 1), row_multiple) for d in fractions}))
   return ShapePlan(engine=engine, samplings=tuple(samplings), fanout=tree.num_generations,
-                   train_rows=train_rows, train_lens=train_lens, packing=rl.packing)
+                   train_rows=train_rows, train_lens=train_lens, packing=rl.packing,
+                   values=exp.critic.enabled)
 
 
 def per_process(exp, num_processes: int):

@@ -168,6 +168,20 @@ class StackedTrainStep:
       old = self._old_fn_for(fwd)(params, self.base, fwd)
     return batch_A.replace(trainer_old_logp_BxK=old)
 
+  def values(self, params, batch_A: TrainBatch):
+    """Every agent's critic values [A, B, K] of its rows at its `params` (no gradient;
+    `TrainStep.values` mapped over the agent axis)."""
+    fwd = batch_A.forward_part().replace(value_pos_BxK=batch_A.value_pos_BxK)
+    key = ("values",) + fwd.program_key(rows_axis=1)
+    fn = self._jitted.get(key)
+    if fn is None:
+      fn = jax.jit(jax.vmap(self.inner._values), in_shardings=(
+          self.param_shardings, self._batch_shardings(fwd)),
+                   out_shardings=self._logp_sharding(fwd.tokens_BxL.shape[1]))
+      self._jitted[key] = fn
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
+      return fn(params, fwd)
+
   def _logp_sharding(self, rows: int) -> NamedSharding:
     # Stacked per-token logprobs [A, B, K], B = `rows` split like the batch rows.
     return _stack_sharding(sharding.batch_sharding(self.mesh, 2, rows))

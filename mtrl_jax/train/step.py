@@ -42,7 +42,7 @@ from mtrl_jax import losses, models, sharding
 from mtrl_jax.models import lora as lora_lib
 from mtrl_jax.train import optim
 from mtrl_jax.rollout.train_batch import TrainBatch
-from mtrl_jax.train.forward import forward_logprobs
+from mtrl_jax.train.forward import forward_logprobs, forward_values
 from mtrl_jax.train.compile import compile_step
 from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.update import one_update
@@ -297,6 +297,24 @@ class TrainStep:
       old = self._old_fn_for(fwd)(params, self.base, fwd)
     return batch.replace(trainer_old_logp_BxK=old)
 
+  def values(self, params, batch: TrainBatch):
+    """A critic's values [B, K] of `batch` at `params` (no gradient): the value head
+    at `value_pos_BxK`, from one forward of the packed batch (the rollout's value pass)."""
+    fwd = batch.forward_part().replace(value_pos_BxK=batch.value_pos_BxK)
+    key = ("values",) + fwd.program_key()
+    fn = self._jitted.get(key)
+    if fn is None:
+      fn = jax.jit(self._values, in_shardings=(self.param_shardings,
+                                               self._batch_shardings(fwd)),
+                   out_shardings=sharding.batch_sharding(self.mesh, 2, fwd.tokens_BxL.shape[0]))
+      self._jitted[key] = fn
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
+      return fn(params, fwd)
+
+  def _values(self, params, fwd):
+    self._num_traces += 1
+    return jax.lax.stop_gradient(forward_values(self.graphdef, params, fwd))
+
   def _old_fn_for(self, fwd: TrainBatch):
     key = ("old_logprobs",) + fwd.program_key()
     fn = self._jitted.get(key)
@@ -313,8 +331,8 @@ class TrainStep:
     `base` the frozen base with adapters, else None."""
     self._num_traces += 1
     full = params if base is None else nnx.merge_state(params, base)
-    logp, _ = forward_logprobs(self.graphdef, full, fwd, self.step_cfg.logprob_chunk_size,
-                               False, getattr(self.objective, "temperature", 1.0))
+    logp, _, _ = forward_logprobs(self.graphdef, full, fwd, self.step_cfg.logprob_chunk_size,
+                                  False, getattr(self.objective, "temperature", 1.0))
     return jax.lax.stop_gradient(logp)
 
   def _fn_for(self, batch: TrainBatch, no_ref: bool):

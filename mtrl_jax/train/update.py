@@ -71,12 +71,24 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
   obj, cfg = objective, step_cfg
   want_entropy = cfg.report_entropy and cfg.logprob_chunk_size is None
   temperature = getattr(obj, "temperature", 1.0)
+  # A critic's value loss is a second ratio (`PolicyObjective.value_terms`): both
+  # denominators are counts known from the whole batch's masks, so each
+  # micro-batch adds num / den of each term exactly (the critic-free path below
+  # keeps its single division at the end, bit for bit).
+  critic = getattr(obj, "value_coef", None) is not None
+  if critic:
+    inv_dens = (1.0 / jnp.maximum(obj.den(batch), 1.0),
+                1.0 / jnp.maximum(obj.value_den(batch), 1.0))
 
   def num_fn(params, mb, ref_logp):
     full = params if frozen is None else nnx.merge_state(params, frozen)
-    logp, entropy = forward_logprobs(graphdef, full, mb, cfg.logprob_chunk_size,
-                                     want_entropy, temperature)
+    logp, entropy, values = forward_logprobs(graphdef, full, mb, cfg.logprob_chunk_size,
+                                             want_entropy, temperature)
     num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
+    if critic:
+      vnum, vsums = obj.value_terms(values, mb)
+      num = num * inv_dens[0] + obj.value_coef * vnum * inv_dens[1]
+      sums = {**sums, **vsums}
     return num, (den, sums)
 
   def grad_fn(params, mb):
@@ -85,8 +97,9 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
     # refuses variables captured from an outer trace).
     ref_logp = None
     if ref_params is not None:
-      ref_logp, _ = forward_logprobs(ref_graphdef or graphdef, ref_params, mb,
-                                     cfg.logprob_chunk_size, False, temperature)
+      ref_logp, _, _ = forward_logprobs(ref_graphdef or graphdef, ref_params,
+                                        mb.replace(value_pos_BxK=None),
+                                        cfg.logprob_chunk_size, False, temperature)
       ref_logp = jax.lax.stop_gradient(ref_logp)
     return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
 
@@ -110,9 +123,12 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
     sums = functools.reduce(obj.merge, [jax.tree.map(lambda x, i=i: x[i], sums_M)
                                         for i in range(m)])
 
-  inv_den = 1.0 / jnp.maximum(den, 1.0)  # dens are counts: exact, 0 when empty
-  loss = num * inv_den
-  grads = jax.tree.map(lambda g: g * inv_den, grads)
+  if critic:  # each micro-batch's num is already divided (above)
+    loss = num
+  else:
+    inv_den = 1.0 / jnp.maximum(den, 1.0)  # dens are counts: exact, 0 when empty
+    loss = num * inv_den
+    grads = jax.tree.map(lambda g: g * inv_den, grads)
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   apply = finite & (den > 0)  # an empty batch (no trained token) changes nothing

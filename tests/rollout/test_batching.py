@@ -44,7 +44,7 @@ def test_make_train_batch_metrics(packing):
   batch, m = make_train_batch(tree, cfg)
   # Three trained samples of 3 prompt + 2 completion tokens each.
   assert m["batch/actions"] == 3 and m["batch/tokens_rows_equivalent"] == 15
-  rows, length = batch["tokens_BxL"].shape
+  rows, length = batch.tokens_BxL.shape
   assert rows % 2 == 0 and (m["batch/rows"], m["batch/length"]) == (rows, length)
   if packing == "tree":
     assert m["batch/tokens_trained"] == 3 + 3 * 2  # the shared prompt once
