@@ -95,17 +95,9 @@ class FaultConsole:
     """Prints `fault.console_line()` if its (kind, source) was not shown yet."""
     if fault.kind == FaultKind.TRUNCATION:
       return False
-    key = (fault.kind, fault.source)
-    with self._lock:
-      if key in self._seen:
-        return False
-      self._seen.add(key)
-    if not _writes_files():
-      return False
-    print(fault.console_line(), file=self.stream or sys.stderr, flush=True)
-    return True
+    return self.notice((fault.kind, fault.source), fault.console_line())
 
-  def notice(self, key: str, line: str) -> bool:
+  def notice(self, key, line: str) -> bool:
     """Prints `line`, a one-line notice that is not a fault (a cut episode, grades
     that earn nothing), the first time `key` is noticed; False when already shown."""
     with self._lock:
