@@ -62,7 +62,10 @@ def _policy(cfg, states, sampling=SAMPLING, stop=STOP, pad=0, slots=32, **engine
   return EnginePolicy(engine, states, sampling, stop_ids=stop, pad_id=pad)
 
 
-def _assert_same_nodes(want, tree, exact_logprobs=False):
+def _assert_same_nodes(want, tree, exact_logprobs=False, cut_at=None):
+  """`cut_at`: the tree's last turn, where an environment that never ends is now cut
+  and graded as failed (`Environment.on_cut`): the recorded rewards there, and the
+  returns and advantages above them, predate that rule; the tokens do not."""
   assert len(want) == len(tree.nodes)
   for w, n in zip(want, tree.nodes):
     assert (w["node_id"], w["parent_id"], w["parent_action"], w["turn"], w["root"]) == (
@@ -74,9 +77,14 @@ def _assert_same_nodes(want, tree, exact_logprobs=False):
         assert wc["trainable"] == nc.sampled_mask.tolist()
         np.testing.assert_allclose(nc.logprobs, wc["logprobs"], rtol=0,
                                    atol=0 if exact_logprobs else LOGP_TOL)
-    np.testing.assert_array_equal(n.rewards_B, w["rewards"])
     np.testing.assert_array_equal(n.valid_B, w["valid"])
     assert n.terminated == w["terminated"] and n.substeps_B.tolist() == w["substeps"]
+    if cut_at is not None:
+      assert all(a.cut for a in n.actions) == (n.turn == cut_at)
+      if n.turn < cut_at:
+        np.testing.assert_array_equal(n.rewards_B, w["rewards"])
+      continue
+    np.testing.assert_array_equal(n.rewards_B, w["rewards"])
     np.testing.assert_allclose(n.returns_B, w["returns"], rtol=0, atol=1e-12)
     np.testing.assert_allclose(n.advantages_NxG, w["advantages"], rtol=0, atol=1e-9)
 
@@ -127,7 +135,7 @@ def test_same_greedy_trees_and_local_llm_replies_as_before(states, fixtures):
   tree = expand_tree(TreeConfig(num_turns=3, num_generations=1, num_agents=2),
                      _policy(model_cfg, s0, greedy, renderer.fmt.stop_ids,
                              renderer.tokenizer.pad_id), duo, roots, KEY)
-  _assert_same_nodes(fixtures["greedy_duo"]["nodes"], tree)
+  _assert_same_nodes(fixtures["greedy_duo"]["nodes"], tree, cut_at=2)  # DuoEnv never ends
   calc_renderer = byte_renderer(calculator.EXTRA_SPECIALS)
   calc = EnvTransition(calc_renderer, reward_cfg=RewardConfig(shaping_weight=0.2))
   roots = calc.root_states(calculator.CalculatorFactory(),

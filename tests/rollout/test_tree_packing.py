@@ -147,7 +147,7 @@ class _Layout:
 
     def fwd(p, want_entropy=False):
       if not plain:
-        return forward_logprobs(graphdef, p, self.batch, 0, want_entropy, temperature)
+        return forward_logprobs(graphdef, p, self.batch, 0, want_entropy, temperature)[:2]
       logits = nnx.merge(graphdef, p)(self.batch.tokens_BxL)
       tokens = self.batch.tokens_BxL
       logp = losses.token_logprobs(logits, tokens, temperature=temperature)
