@@ -35,10 +35,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from mtrl_jax import sharding
-from mtrl_jax.models import lora as lora_lib
 from mtrl_jax.train.stacked import StackedTrainStep, stack_trees
 from mtrl_jax.train.step import StepConfig, TrainState
 
@@ -90,16 +88,10 @@ class PartlyFrozenTrainStep(StackedTrainStep):
 
   def _frozen_state(self, model_or_params, seed: int, adapters) -> TrainState:
     # `TrainStep.init_state` without the optimizer state.
-    params = model_or_params
-    if self.lora is not None:
-      fresh = self.inner._fresh_adapters if adapters is None else adapters
-      params, base = lora_lib.adapters_and_base(model_or_params, fresh)
-      self.set_base(base)
-    elif isinstance(params, nnx.Module):
-      params = nnx.state(params, nnx.Param)
     return TrainState(step=jnp.zeros((), jnp.int32),
-                      params=jax.device_put(params, self.inner.param_shardings), opt_state=None,
-                      rng=jax.random.PRNGKey(seed), num_skipped=jnp.zeros((), jnp.int32))
+                      params=self.inner.start_params(model_or_params, adapters),
+                      opt_state=None, rng=jax.random.PRNGKey(seed),
+                      num_skipped=jnp.zeros((), jnp.int32))
 
   def stack(self, states: Sequence[TrainState]) -> TrainState:
     """Per-agent states (a frozen agent's opt_state None or ignored) -> one state:

@@ -176,13 +176,7 @@ class TrainStep:
     """A fresh TrainState (step 0, zero Adam moments) born sharded; with adapters the
     given weights become the base (`models.lora.adapters_and_base`) and a plain model or
     weights start from `adapters` (`model.lora.init_from`; None: fresh, B zero)."""
-    params = model_or_params
-    if self.lora is not None:
-      params, base = lora_lib.adapters_and_base(
-          model_or_params, self._fresh_adapters if adapters is None else adapters)
-      self.set_base(base)
-    elif isinstance(model_or_params, nnx.Module):
-      params = nnx.state(model_or_params, nnx.Param)
+    params = self.start_params(model_or_params, adapters)
     if self._init_fn is None:
 
       def init(params, key):
@@ -191,8 +185,20 @@ class TrainStep:
                           num_skipped=jnp.zeros((), jnp.int32))
 
       self._init_fn = jax.jit(init, out_shardings=self.state_shardings)
-    params = jax.device_put(params, self.param_shardings)
     return self._init_fn(params, jax.random.PRNGKey(seed))
+
+  def start_params(self, model_or_params, adapters=None):
+    """The trained parameters a state starts from, laid out as the step's: with adapters
+    the given weights become the base and the adapters start from `adapters` (None:
+    fresh), else the model's (or the given) parameters."""
+    params = model_or_params
+    if self.lora is not None:
+      params, base = lora_lib.adapters_and_base(
+          model_or_params, self._fresh_adapters if adapters is None else adapters)
+      self.set_base(base)
+    elif isinstance(model_or_params, nnx.Module):
+      params = nnx.state(model_or_params, nnx.Param)
+    return jax.device_put(params, self.param_shardings)
 
   def abstract_state(self) -> TrainState:
     """ShapeDtypeStructs with shardings: the target of a checkpoint restore."""
