@@ -184,11 +184,12 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
   items = []  # (trie, sizes, depths, path length, nodes, loss flags, actions, last nodes)
   equivalent = 0
   first_action = {}  # id(trie) -> index of its agent's first action among all agents'
-  for actions in actions_by_agent:
+  offsets = np.cumsum([0] + [len(a) for a in actions_by_agent])
+  for agent, actions in enumerate(actions_by_agent):
     if not actions:
       continue
     trie = _Trie()
-    first_action[id(trie)] = sum(map(len, actions_by_agent[:len(first_action)]))
+    first_action[id(trie)] = int(offsets[agent])
     last = {}
     for a, act in enumerate(actions):
       if len(act.prompt) == 0:

@@ -136,3 +136,21 @@ def test_value_head_loads_zero_and_is_never_exported(tmp_path):
   assert back.cfg.value_head and float(jnp.abs(back.value_head[...]).max()) == 0.0
   a = nnx.state(loading.from_pretrained(str(tmp_path / "with_head")), nnx.Param)
   assert "value_head" not in a
+
+
+def test_value_slots_follow_every_agent_when_an_earlier_agent_has_none():
+  # Agent 0 packs nothing: agent 2's value slots must still come after agent 1's actions.
+  from mtrl_jax.rollout.tree_packing import Action, pack_actions
+
+  def act(prompt, ids):
+    n = len(ids)
+    return Action(prompt=prompt, ids=np.asarray(ids, np.int32), logprobs=np.zeros(n, np.float32),
+                  trainable=np.ones(n, bool), advantage=0.0)
+
+  per_agent = [[], [act([5, 6], [7]), act([5, 6], [8, 9])], [act([4], [3, 2])]]
+  batch, stats = pack_actions(per_agent, length=16, values="q")
+  slots = stats["value_slots"]
+  assert len(slots) == 3
+  for (row, slot), a in zip(slots, [a for per in per_agent for a in per]):
+    assert batch.target_BxK[row, slot] == a.ids[0]  # the action's first trained token
+    assert batch.tokens_BxL[row, batch.value_pos_BxK[row, slot]] == a.ids[-1]  # Q: its last
