@@ -1,45 +1,111 @@
-"""Defaults written once: the base config's values are its dataclasses' defaults, except
-the run's choices (`defaults.RUN_CHOICES`), and the `Experiment` mirrors it group for group."""
+"""Defaults written once: the base config holds the values the documentation states, the
+run's choices (`defaults.RUN_CHOICES`) depart from their dataclasses' library defaults,
+and the `Experiment` mirrors the config group for group."""
 
 import dataclasses
 
 import pytest
 
+from mtrl_jax.rollout import TreeConfig
 from mtrl_jax.train import defaults, experiment
 
+# (group, field) -> the default the documentation states, and where it states it.
+DOCUMENTED = {
+    # README.md, "LoRA policies"; docs/internals.md, LoRA
+    ("model", "lora.rank"): 0,
+    ("model", "lora.targets"): ("q", "k", "v", "o", "gate", "up", "down"),
+    # README.md, "Separate policies per agent" (empty: the top-level value for every agent)
+    ("agents", "learning_rates"): (),
+    ("agents", "paths"): (),
+    ("agents", "presets"): (),
+    ("agents", "trainable"): (),
+    # README.md, "Per-agent credit"
+    ("agents", "team_weight"): 1.0,
+    ("tree", "joint_mode"): "align",
+    # README.md, "Value critics"
+    ("critic", "kind"): "none",
+    ("critic", "target"): "v",
+    ("critic", "estimator"): "td0",
+    ("critic", "gae_lambda"): 0.95,
+    ("critic", "normalize"): True,
+    ("critic", "value_coef"): 0.5,
+    ("critic", "value_clip"): 0.2,
+    # README.md, "A run that learns nothing says so"
+    ("rl", "halt_if_idle_steps"): 10,
+    ("rl", "max_masked_fraction"): 0.5,
+    ("rl", "masked_window"): 5,
+    # docs/internals.md: tree shape, packing, success threshold
+    ("tree", "shape"): "tree",
+    ("rl", "packing"): "tree",
+    ("eval", "success_threshold"): None,
+    # docs/performance.md: precompilation, the guarded environment step
+    ("rl", "precompile"): True,
+    ("env", "react_timeout_s"): 30.0,
+    # docs/multihost.md, the `distributed` group
+    ("distributed", "mode"): "off",
+    ("distributed", "heartbeat_timeout_s"): 100,
+    ("distributed", "initialization_timeout_s"): 300,
+    ("distributed", "gather_timeout_s"): 600,
+}
 
-def _dataclass_default(field):
-  if field.default is not dataclasses.MISSING:
-    return field.default
-  if field.default_factory is not dataclasses.MISSING:
-    return field.default_factory()
-  return dataclasses.MISSING
+# The run's choices, as `defaults.RUN_CHOICES` states them with their reasons, and the
+# library defaults they replace (docs/internals.md: `branch_on='every_turn'` is
+# TreeConfig's; the others are their dataclasses' documented fields).
+CHOSEN = {
+    ("tree", "num_turns"): 2,
+    ("tree", "num_generations"): 4,
+    ("tree", "branch_on"): "user_turn",
+    ("sampling", "max_new_tokens"): 48,
+    ("reward", "step_penalty"): -0.05,
+    ("reward", "tool_penalty"): -0.2,
+    ("loss", "clip_eps_high"): 0.28,
+    ("loss", "max_len"): 0,
+    ("optim", "learning_rate"): 1e-4,
+}
 
 
-@pytest.mark.parametrize("group", list(defaults.GROUPS))
-def test_every_base_config_field_takes_its_dataclass_default(group):
-  cls, internal = defaults.GROUPS[group]
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  choices = defaults.RUN_CHOICES.get(group, {})
-  base = defaults.base_config()[group]
-  assert set(base) == {n for n, f in fields.items() if f.init and n not in internal}
-  for name, value in base.items():
-    default = _dataclass_default(fields[name])
-    if name in choices:
-      # A choice restating the dataclass's default would be a second copy of it.
-      assert value == choices[name] and value != default, (group, name)
-    else:
-      if isinstance(default, dict):  # a ConfigDict holds a dict as a ConfigDict
-        value = value.to_dict()
-      assert value == default and type(value) is type(default), (group, name, value, default)
+def _library(group):
+  """The group's dataclass with its own defaults (TreeConfig has none for T and G)."""
+  cls = defaults.GROUPS[group][0]
+  return cls(num_turns=2, num_generations=4) if cls is TreeConfig else cls()
+
+
+def _get(obj, dotted):
+  for name in dotted.split("."):
+    obj = obj[name] if isinstance(obj, dict) or hasattr(obj, "to_dict") else getattr(obj, name)
+  return obj
+
+
+def test_the_base_config_holds_the_documented_defaults_as_the_library_does():
+  base = defaults.base_config()
+  wrong = []
+  for (group, name), want in DOCUMENTED.items():
+    got, lib = _get(base[group], name), _get(_library(group), name)
+    # The library's own default is that value too: the config does not restate it.
+    if not (got == want == lib and type(got) is type(want) is type(lib)):
+      wrong.append((group, name, got, lib, want))
+  assert not wrong
+
+
+def test_the_runs_choices_are_the_documented_values_and_not_the_librarys():
+  chosen = {(g, n): v for g, values in defaults.RUN_CHOICES.items() for n, v in values.items()}
+  assert chosen == CHOSEN
+  base = defaults.base_config()
+  for (group, name), want in CHOSEN.items():
+    got = base[group][name]
+    assert got == want and type(got) is type(want), (group, name, got)
+    if (group, name) not in (("tree", "num_turns"), ("tree", "num_generations")):  # no default
+      assert getattr(_library(group), name) != want, (group, name)
+  assert _library("tree").branch_on == "every_turn"  # docs/internals.md, branch_on
 
 
 def test_run_choices_name_real_fields_and_groups_cover_the_config():
-  for group, choices in defaults.RUN_CHOICES.items():
-    cls, internal = defaults.GROUPS[group]
-    names = {f.name for f in dataclasses.fields(cls)}
-    assert set(choices) <= names - set(internal), group
-  assert set(defaults.base_config()) == {"seed", *defaults.GROUPS}
+  base = defaults.base_config()
+  for group, (cls, internal) in defaults.GROUPS.items():
+    fields = {f.name for f in dataclasses.fields(cls) if f.init} - set(internal)
+    assert set(base[group]) == fields, group  # every field of the dataclass, no other
+    assert set(defaults.RUN_CHOICES.get(group, {})) <= fields, group
+  assert set(base) == {"seed", *defaults.GROUPS}
 
 
 def test_experiment_mirrors_the_config_group_for_group():
