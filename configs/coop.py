@@ -58,6 +58,7 @@ def get_config(arg=None):
   c.reward.tool_penalty = 0.0
   c.loss.algorithm = "grpo"
   c.optim.learning_rate = 1e-3
+  c.critic.learning_rate = 1e-3  # a separate critic (critic.model='separate'): the policy's
   c.sft.steps = 150
   c.sft.batch_size = 32
   c.sft.num_examples = 4000  # golden episodes, agent = task index parity
@@ -86,8 +87,9 @@ def get_sweep(arg=None):
   partner's answer or not), policy (one shared policy vs one per agent), shape
   (tree vs chain at equal joint actions per root), trainer (CoMLRL's trainers:
   MAGRPO, the config's sibling baselines; IAC, an independent value-head critic
-  per agent with a REINFORCE loss and batch-normalised TD(0) advantages, at
-  G = 4 and G = 1), and 'all' (the config, then one change at a time). docs/ablations.md's coop table ran `cpu` and
+  per agent, and MAAC, one centralized critic model over the joint history,
+  each with a REINFORCE loss and batch-normalised TD(0) advantages, at G = 4
+  and G = 1), and 'all' (the config, then one change at a time). docs/ablations.md's coop table ran `cpu` and
   `feedback` with `configs/coop.py:share_policy=True`.
   """
   axes = {
@@ -97,9 +99,10 @@ def get_sweep(arg=None):
       "policy": [{"agents.share_policy": True}, {"agents.share_policy": False}],
       # Equal joint actions per root (rollout.config.generations_per_root): 4 + 16 = 10 x 2.
       "shape": [{"tree.shape": "tree"}, {"tree.shape": "chain", "tree.num_generations": 10}],
-      "trainer": [{}] + [{"critic.kind": "independent", "critic.estimator": "td0",
+      "trainer": [{}] + [{"critic.kind": kind, "critic.model": model, "critic.estimator": "td0",
                           "loss.algorithm": "reinforce", "tree.num_generations": g}
-                         for g in (4, 1)],
+                         for kind, model in (("independent", "head"),
+                                             ("centralized", "separate")) for g in (4, 1)],
   }
   axes["all"] = ([{}, axes["turns"][0], axes["turns"][2]] + axes["joint"][1:]
                  + axes["feedback"][1:])

@@ -50,7 +50,14 @@ SAMPLE_RULES: tuple[tuple[str, Optional[str]], ...] = tuple(
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Mesh shape; -1 in one axis takes the remaining devices."""
+  """Mesh shape; -1 in one axis takes the remaining devices.
+
+  Attributes:
+    data: devices the batch rows are split over (-1: the remaining devices).
+    fsdp: devices parameters and optimizer state are sharded over (the batch
+      rows are split over them too).
+    tensor: devices each weight matrix is split over.
+  """
 
   data: int = -1
   fsdp: int = 1

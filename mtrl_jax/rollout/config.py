@@ -76,6 +76,9 @@ class TreeConfig:
     team_weight: lambda in [0, 1] (config `agents.team_weight`): agent i's
       reward is lambda * team + (1 - lambda) * local_i, local_i its own grade
       (`Grade.agent_scores`), the team reward where it has none.
+    shape: 'tree' (every node branches into its joint actions) or 'chain'
+      (only the root branches: G independent trajectories per root, one
+      sample per agent at every later node; needs joint_mode='align').
   """
 
   num_turns: int

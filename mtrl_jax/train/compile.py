@@ -52,3 +52,14 @@ def _abstract_base(step):
   """The abstract frozen base of a step with adapters (else None)."""
   sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
   return jax.tree.map(sds, step.base, step.base_shardings) if step.lora else None
+
+
+def compile_values(step, batch: TrainBatch, rules) -> None:
+  """Lowers and compiles `step`'s value pass (`TrainStep.values`, or
+  `StackedTrainStep.values` on [A, ...] batches) for a batch with the value
+  fields (arrays or ShapeDtypeStructs): the rollout's value pass of a critic."""
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  fwd = jax.tree.map(sds, batch.forward_part().replace(value_pos_BxK=batch.value_pos_BxK))
+  with jax.set_mesh(step.mesh), nnx.logical_axis_rules(rules):
+    step._values_fn_for(fwd).lower(step.abstract_state().params, fwd).compile()
+

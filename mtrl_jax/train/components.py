@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 
@@ -38,6 +38,7 @@ from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
 from mtrl_jax.train.inputs import TasksConfig, TokenizerConfig
 from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.policies import Policies, SharedPolicy, StackedPolicies, agent_labels
+from mtrl_jax.train.separate_critic import SeparateCritic, make_critic_model
 from mtrl_jax.train.stacked import StackedTrainStep
 from mtrl_jax.train.step import TrainStep
 
@@ -66,6 +67,7 @@ class Components:
   evaluator: Evaluator
   census: metrics_lib.CompileCensus  # compile counts of the run's jitted programs
   key: jax.Array  # PRNGKey(seed): per-step keys are fold_in(key, step)
+  critic: Optional[SeparateCritic] = None  # a critic model of its own (critic.model)
 
 
 def make_tokenizer(cfg: TokenizerConfig, model_path: str = ""):
@@ -167,7 +169,7 @@ def make_policies(exp: Experiment, model, mesh) -> Policies:
   objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature,
                               recompute_old=exp.rl.updates_per_step > 1
                               or exp.rl.max_staleness > 0,
-                              value_coef=exp.critic.value_coef if exp.critic.enabled else None,
+                              value_coef=exp.critic.value_coef if exp.critic.head else None,
                               value_clip=exp.critic.value_clip)
   trained = model
   if exp.model.lora.enabled:
@@ -208,7 +210,7 @@ def build(exp: Experiment) -> Components:
       row_buckets=shapes.train_rows, row_multiple=rows, pad_id=tokenizer.pad_id,
       # With a critic every valid sample trains: its value target teaches the critic.
       zero_variance_filter=exp.rl.zero_variance_filter and not exp.critic.enabled,
-      keep_kl=exp.loss.kl_coef > 0, values=exp.critic.target if exp.critic.enabled else None)
+      keep_kl=exp.loss.kl_coef > 0, values=exp.critic.target if exp.critic.head else None)
   engine = DecodeEngine(exp.model.arch, shapes.engine, mesh=mesh,
                         num_agents=len(policies.models))
   rollout_policy = EnginePolicy(engine, None, exp.sampling, stop_ids=renderer.fmt.stop_ids,
@@ -220,6 +222,11 @@ def build(exp: Experiment) -> Components:
   census = metrics_lib.CompileCensus()
   census.register("engine", engine)
   census.register("train_step", policies.train_step)
+  critic = None
+  if exp.critic.separate:
+    critic = SeparateCritic(exp, make_critic_model(exp, mesh, tokenizer.vocab_size), mesh,
+                            batch_cfg)
+    census.register("critic_step", critic.step)
   return Components(
       exp=exp, mesh=mesh, tokenizer=tokenizer, renderer=renderer, model=model,
       policies=policies, factory=factory,
@@ -227,4 +234,4 @@ def build(exp: Experiment) -> Components:
       eval_tasks=make_task_source(exp.tasks, exp.tasks.eval_split), shapes=shapes,
       batch_cfg=batch_cfg, engine=engine, rollout_policy=rollout_policy,
       transition=transition, evaluator=evaluator, census=census,
-      key=jax.random.PRNGKey(exp.seed))
+      key=jax.random.PRNGKey(exp.seed), critic=critic)

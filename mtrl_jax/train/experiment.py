@@ -122,7 +122,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       checkpoint=_fields(c.checkpoint, CheckpointConfig), distributed=distributed_config(c))
   check_agents(exp)
   exp.critic.check(exp)
-  if exp.critic.enabled:  # the critic is a value head on each policy
+  if exp.critic.head:  # the critic is a value head on each policy
     exp = dataclasses.replace(exp, model=dataclasses.replace(
         exp.model, arch=exp.model.arch.replace(value_head=True)))
   components.check_lora(exp)  # what adapters cannot be combined with; init_from fits the base

@@ -145,13 +145,55 @@ class PolicyObjective:
 
   def finalize(self, sums):
     out = losses.finalize_metrics(sums)
-    if "value_count" in sums:  # value_loss, value_mean, value_target_mean, explained variance
-      n = sums["value_count"]
-      mean_y = losses.safe_divide(sums["value_target_sum"], n)
-      var_y = losses.safe_divide(sums["value_target_sq_sum"], n) - mean_y * mean_y
-      mse = losses.safe_divide(sums["value_sq_err_sum"], n)
-      out.update(value_loss=losses.safe_divide(sums["value_loss_sum"], n),
-                 value_mean=losses.safe_divide(sums["value_sum"], n), value_target_mean=mean_y,
-                 value_explained_var=jnp.where(var_y > 0, 1.0 - mse / jnp.where(
-                     var_y > 0, var_y, 1.0), 0.0))
+    if "value_count" in sums:
+      out.update(value_metrics(sums))
     return out
+
+
+def value_metrics(sums) -> dict:
+  """value_loss, value_mean, value_target_mean and the explained variance of the
+  value slots, from `PolicyObjective.value_terms`' (merged) sums."""
+  n = sums["value_count"]
+  mean_y = losses.safe_divide(sums["value_target_sum"], n)
+  var_y = losses.safe_divide(sums["value_target_sq_sum"], n) - mean_y * mean_y
+  mse = losses.safe_divide(sums["value_sq_err_sum"], n)
+  return dict(value_loss=losses.safe_divide(sums["value_loss_sum"], n),
+              value_mean=losses.safe_divide(sums["value_sum"], n), value_target_mean=mean_y,
+              value_explained_var=jnp.where(var_y > 0, 1.0 - mse / jnp.where(
+                  var_y > 0, var_y, 1.0), 0.0), value_slots=n)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueObjective:
+  """A separate critic model's objective (`critic.model='separate'`): the clipped value
+  loss alone, `value_coef * value_num / value_den` on the batch's value slots
+  (`PolicyObjective.value_terms`), CoMLRL's critic loss `value_loss_coef * MSE`.
+
+  The update runs the value head only (`values_only`: no LM head, no logprobs); an
+  update whose batch has no value slot changes nothing.
+  """
+
+  value_coef: float = 1.0
+  value_clip: float = 0.0
+  needs_ref = False
+  values_only = True
+
+  def check(self, batch) -> None:
+    if batch.value_mask_BxK is None:
+      raise ValueError("ValueObjective needs a batch with the value fields "
+                       "(rollout.train_batch.VALUE_FIELDS)")
+
+  def terms(self, logp_BxK, ref_logp_BxK, entropy_BxK, batch):
+    """No policy term: (0, value slots, {}); the value term is `value_terms`'."""
+    return jnp.zeros((), jnp.float32), value_mask(batch).astype(jnp.float32).sum(), {}
+
+  def den(self, batch):
+    return self.value_den(batch)
+
+  value_den = PolicyObjective.value_den
+  value_terms = PolicyObjective.value_terms
+  merge = PolicyObjective.merge
+
+  def finalize(self, sums):
+    return value_metrics(sums)
+

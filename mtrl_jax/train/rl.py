@@ -131,7 +131,7 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
   policies, train_step = parts.policies, parts.policies.train_step
   mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None
   stream = components_lib.make_train_stream(exp, parts.train_tasks)
-  run_state = RunState.of(exp, policies, stream, mix)
+  run_state = RunState.of(exp, policies, stream, mix, critic_model=parts.critic)
   # With several processes Orbax's background commit runs collectives of its own,
   # which must not interleave with the engine's lockstep calls: saves block there.
   ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep,
@@ -180,14 +180,14 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
   if exp.rl.precompile:
     info = shapes_lib.precompile(parts.shapes, parts.engine,
                                  policies.sampler_states(run_state.state.params), train_step,
-                                 len(parts.renderer.fmt.stop_ids))
+                                 len(parts.renderer.fmt.stop_ids), critic=parts.critic)
     print(f"precompiled {info['engine_programs']} engine programs in "
           f"{info['engine_seconds']} s and {info['train_programs']} train-step programs in "
           f"{info['train_seconds']} s", flush=True)
     if mix is not None:
       mix.precompile(exp.sft.batch_size)
     summary["precompile"] = info
-  producer = RolloutProducer(parts, stream)
+  producer = RolloutProducer(parts, stream, critic_state=lambda: run_state.critic)
   watch = LearningWatch(exp.rl, summary.get("learning"))  # a resumed run's counters go on
   summary["learning"] = watch.state()
   if not resumed:
@@ -233,6 +233,10 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
         for _ in range(exp.rl.updates_per_step):
           run_state.state, dm = train_step(run_state.state, run_state.ref, batch)
         train_m = policies.train_metrics(dm)
+        if rollout.critic_batch is not None:  # a separate critic's own updates
+          run_state.critic, critic_m = parts.critic.update(run_state.critic,
+                                                           rollout.critic_batch)
+          train_m.update(critic_m)
       if mix is not None and mix.due(step):
         run_state.state, mix_m = mix(run_state.state)
         train_m.update({f"sft_mix/{k}": mix_m[k] for k in ("nll", "grad_norm", "tokens")})

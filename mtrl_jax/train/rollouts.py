@@ -52,13 +52,16 @@ class Rollout:
   engine_metrics: dict  # `rollout.stats.engine_metrics` of this process's rollout
   staleness: int  # updates between the sampling parameters and the update they feed
   text_counts: dict  # the renderer's re-tokenisation counts during this rollout
+  critic_batch: Any = None  # a separate critic's train batch (`train.separate_critic`)
 
 
 class RolloutProducer:
   """Starts step rollouts (`submit`) and hands them back in order (`result`)."""
 
-  def __init__(self, parts, stream):
-    self.parts, self.stream = parts, stream
+  def __init__(self, parts, stream, critic_state=None):
+    # critic_state: a separate critic's current train state (a callable; rollouts with a
+    # critic run on time, after the previous step's updates).
+    self.parts, self.stream, self.critic_state = parts, stream, critic_state
     self.ahead = parts.exp.rl.max_staleness > 0
     self._pool = concurrent.futures.ThreadPoolExecutor(1) if self.ahead else None
     self._pending: Optional[concurrent.futures.Future] = None
@@ -84,16 +87,22 @@ class RolloutProducer:
       parts.rollout_policy.set_states(parts.policies.sampler_states(params))
       roots = parts.transition.root_states(parts.factory, tasks[distributed.share(len(tasks))])
       tree = expand_tree(exp.tree, parts.rollout_policy, parts.transition, roots, key)
-      critic = None
+      critic = critic_batch = None
       if exp.critic.enabled:  # the critic's advantages replace the sibling baselines
-        values = parts.policies.critic_values(params, tree, parts.batch_cfg)
+        if parts.critic is not None:  # a model of its own
+          values, rows = parts.critic.values(self.critic_state().params, tree)
+        else:  # a value head on the policies
+          values = parts.policies.critic_values(params, tree, parts.batch_cfg)
         adv, targets = critic_advantages(tree, values, exp.critic.advantage_config())
         for node, adv_NxG in zip(tree.nodes, adv):
           node.advantages_NxG = adv_NxG
-        critic = (values, targets)
+        if parts.critic is not None:
+          critic_batch = parts.critic.batch(tree, values, targets, rows)
+        else:
+          critic = (values, targets)
       batch, batch_m = parts.policies.make_batch(tree, parts.batch_cfg, critic)
       return Rollout(step, tree, batch, batch_m, engine_metrics(tree), staleness,
-                     text_counts(parts.renderer, before))
+                     text_counts(parts.renderer, before), critic_batch)
 
     future = concurrent.futures.Future()
     if self._pool is None:

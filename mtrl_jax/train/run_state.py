@@ -7,11 +7,13 @@ mix (`train.sft.SFTMix`: its own moments and batch position). A checkpoint
 holds exactly these, so a resumed run continues as if never stopped
 (docs/design.md invariant 6):
 
-  tree  {"train": state, "ref": params, "behaviour": params, "sft_mix": opt_state}
+  tree  {"train": state, "ref": params, "behaviour": params, "sft_mix": opt_state,
+         "critic": state}
   meta  {"stream": stream position, "sft_mix": batch position}
 
-("ref", "behaviour" and "sft_mix" only where kept), each state and parameter
-tree in its `Policies`' saved layout (one subtree per agent when stacked).
+("ref", "behaviour", "sft_mix" and "critic" only where kept), each state and
+parameter tree in its `Policies`' saved layout (one subtree per agent when
+stacked); "critic" is a separate critic's train state (`train.separate_critic`).
 
 With low-rank adapters (`model.lora`) the train state holds the adapters and
 their optimizer state; the frozen base is named in meta by its path and the
@@ -41,11 +43,14 @@ class RunState:
     keep_behaviour: keep the next rollout's parameters (`rl.max_staleness=1`).
     base_path: with adapters, where the base came from (`model.path`; '' a preset).
     keep_base: with adapters, save the base in the tree (the warm-up trained it).
+    critic_model: a `train.separate_critic.SeparateCritic`, or None.
   """
 
   def __init__(self, policies, stream, mix=None, *, keep_ref: bool, keep_behaviour: bool,
-               base_path: str = "", keep_base: bool = False):
+               base_path: str = "", keep_base: bool = False, critic_model=None):
     self.policies, self.stream, self.mix = policies, stream, mix
+    self.critic_model = critic_model
+    self.critic: Any = None  # the separate critic's train state
     self.keep_ref, self.keep_behaviour = keep_ref, keep_behaviour
     self.lora = policies.train_step.lora is not None
     self.base_path, self.keep_base = base_path, keep_base and self.lora
@@ -56,14 +61,14 @@ class RunState:
     self.stream_mark: Optional[dict] = None  # the stream before an in-flight rollout took tasks
 
   @classmethod
-  def of(cls, exp, policies, stream=None, mix=None) -> RunState:
+  def of(cls, exp, policies, stream=None, mix=None, critic_model=None) -> RunState:
     """The state `exp`'s run keeps: a reference when the loss has a KL term (none with
     adapters: the frozen base is the reference), behaviour parameters with
-    `rl.max_staleness=1` (no stream: a restore target only)."""
+    `rl.max_staleness=1`, a separate critic's state (no stream: a restore target only)."""
     return cls(policies, stream, mix,
                keep_ref=exp.loss.kl_coef > 0 and not exp.model.lora.enabled,
                keep_behaviour=exp.rl.max_staleness > 0, base_path=exp.model.path,
-               keep_base=exp.sft.steps > 0)
+               keep_base=exp.sft.steps > 0, critic_model=critic_model)
 
   @property
   def _param_trees(self) -> list[str]:
@@ -78,6 +83,8 @@ class RunState:
     self.behaviour = copy(state.params) if self.keep_behaviour else None
     if self.mix is not None:
       self.mix.init(state.params)
+    if self.critic_model is not None:
+      self.critic = self.critic_model.init_state()
     self.stream_mark = self.stream.state()
     if self.lora:
       self.base_sha = lora_lib.fingerprint(self.policies.train_step.base)
@@ -100,6 +107,8 @@ class RunState:
     target.update({name: params for name in self._param_trees})
     if self.mix is not None:
       target["sft_mix"] = self.mix.abstract_opt_state()
+    if self.critic_model is not None:
+      target["critic"] = self.critic_model.abstract_state()
     if self.keep_base:
       step = self.policies.train_step
       target["base"] = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -116,6 +125,8 @@ class RunState:
     meta = {"stream": self.stream_mark if in_flight else self.stream.state()}
     if self.mix is not None:
       tree["sft_mix"], meta["sft_mix"] = self.mix.opt_state, self.mix.stream_state()
+    if self.critic_model is not None:
+      tree["critic"] = self.critic
     if self.lora:
       meta["lora_base"] = {"path": self.base_path, "sha256": self.base_sha}
     if self.keep_base:
@@ -147,4 +158,6 @@ class RunState:
     self.stream.restore(meta["stream"])
     if self.mix is not None:
       self.mix.restore(restored["sft_mix"], meta["sft_mix"])
+    if self.critic_model is not None:
+      self.critic = restored["critic"]
     self.stream_mark = self.stream.state()

@@ -238,7 +238,7 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
                                 f"allowed: 'best', 'latest' or a saved step {steps}")
     parts = components.build(exp)
     policies = parts.policies
-    run_state = RunState.of(exp, policies)
+    run_state = RunState.of(exp, policies, critic_model=parts.critic)
     score = None
     restored = None
     if which == "best":

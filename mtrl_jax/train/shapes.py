@@ -37,6 +37,7 @@ from mtrl_jax.buckets import round_up
 from mtrl_jax.rollout import plan_tree
 from mtrl_jax.rollout.policy import StackedStates
 from mtrl_jax.rollout.train_batch import TrainBatch, batch_spec, logit_buckets
+from mtrl_jax.train.compile import compile_values
 from mtrl_jax.sampling import EngineConfig
 
 
@@ -94,7 +95,7 @@ def plan_shapes(exp, row_multiple: int, local_shards: int) -> ShapePlan:
   train_rows = tuple(sorted({round_up(max(total // d, 1), row_multiple) for d in fractions}))
   return ShapePlan(engine=engine, samplings=tuple(samplings), fanout=tree.num_generations,
                    train_rows=train_rows, train_lens=train_lens, packing=rl.packing,
-                   values=exp.critic.enabled)
+                   values=exp.critic.head)
 
 
 def per_process(exp, num_processes: int):
@@ -110,24 +111,50 @@ def per_process(exp, num_processes: int):
 
 
 def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids: int,
-               threads: int = 2) -> dict:
+               threads: int = 2, critic=None) -> dict:
   """Compiles every engine and train-step program of `shapes`; returns counts and seconds.
 
   The engine compiles `threads` programs at a time (XLA compiles off the Python
   lock); train-step programs compile one after another: XLA's CPU compiler keeps
   more than one core busy on them alone, and two at a time did not finish sooner
   on 2 cores (docs/performance.md, "Start-up time").
-  `policy_state`: the shared policy's params, or `StackedStates` (separate policies)."""
+  `policy_state`: the shared policy's params, or `StackedStates` (separate policies).
+  With a critic the value passes compile too: a head's on the policy's step, a
+  separate independent critic's value pass and update (`critic`, a
+  `train.separate_critic.SeparateCritic`) on the same buckets; a centralized
+  critic's joint rows have lengths of their own and compile on first use."""
   t0 = time.perf_counter()
   params = policy_state.params if isinstance(policy_state, StackedStates) else policy_state
   engine_programs = engine.precompile(params, shapes.samplings, num_stop_ids, shapes.fanout,
                                       threads=threads)
   t1 = time.perf_counter()
   agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
+  programs = 0
   for spec in shapes.train_specs():
     if agents is not None:
       spec = jax.tree.map(lambda v: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype), spec)
     train_step.precompile(spec)
+    programs += 1
+    if shapes.values:  # a value head: the rollout's value pass
+      compile_values(train_step, spec, train_step.rules if agents is None
+                     else train_step.inner.rules)
+      programs += 1
+  if critic is not None:
+    programs += precompile_critic(shapes, critic)
   t2 = time.perf_counter()
   return {"engine_programs": engine_programs, "engine_seconds": round(t1 - t0, 1),
-          "train_programs": len(shapes.train_shapes()), "train_seconds": round(t2 - t1, 1)}
+          "train_programs": programs, "train_seconds": round(t2 - t1, 1)}
+
+
+def precompile_critic(shapes: ShapePlan, critic) -> int:
+  """Compiles a separate independent critic's value pass and update for every train
+  bucket of `shapes` (its batches are the packed tree's, with the value fields); returns
+  the programs compiled (0 for a centralized critic: its joint rows compile on use)."""
+  if critic.kind != "independent":
+    return 0
+  specs = dataclasses.replace(shapes, values=True).train_specs()
+  for spec in specs:
+    critic.step.precompile(spec)
+    compile_values(critic.step, spec, critic.step.rules)
+  return 2 * len(specs)
+

@@ -172,15 +172,17 @@ class StackedTrainStep:
     """Every agent's critic values [A, B, K] of its rows at its `params` (no gradient;
     `TrainStep.values` mapped over the agent axis)."""
     fwd = batch_A.forward_part().replace(value_pos_BxK=batch_A.value_pos_BxK)
-    key = ("values",) + fwd.program_key(rows_axis=1)
-    fn = self._jitted.get(key)
-    if fn is None:
-      fn = jax.jit(jax.vmap(self.inner._values), in_shardings=(
-          self.param_shardings, self._batch_shardings(fwd)),
-                   out_shardings=self._logp_sharding(fwd.tokens_BxL.shape[1]))
-      self._jitted[key] = fn
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
-      return fn(params, fwd)
+      return self._values_fn_for(fwd)(params, fwd)
+
+  def _values_fn_for(self, fwd: TrainBatch):
+    key = ("values",) + fwd.program_key(rows_axis=1)
+    if key not in self._jitted:
+      self._jitted[key] = jax.jit(
+          jax.vmap(self.inner._values),
+          in_shardings=(self.param_shardings, self._batch_shardings(fwd)),
+          out_shardings=self._logp_sharding(fwd.tokens_BxL.shape[1]))
+    return self._jitted[key]
 
   def _logp_sharding(self, rows: int) -> NamedSharding:
     # Stacked per-token logprobs [A, B, K], B = `rows` split like the batch rows.

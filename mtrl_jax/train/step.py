@@ -307,15 +307,16 @@ class TrainStep:
     """A critic's values [B, K] of `batch` at `params` (no gradient): the value head
     at `value_pos_BxK`, from one forward of the packed batch (the rollout's value pass)."""
     fwd = batch.forward_part().replace(value_pos_BxK=batch.value_pos_BxK)
-    key = ("values",) + fwd.program_key()
-    fn = self._jitted.get(key)
-    if fn is None:
-      fn = jax.jit(self._values, in_shardings=(self.param_shardings,
-                                               self._batch_shardings(fwd)),
-                   out_shardings=sharding.batch_sharding(self.mesh, 2, fwd.tokens_BxL.shape[0]))
-      self._jitted[key] = fn
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      return fn(params, fwd)
+      return self._values_fn_for(fwd)(params, fwd)
+
+  def _values_fn_for(self, fwd: TrainBatch):
+    key = ("values",) + fwd.program_key()
+    if key not in self._jitted:
+      self._jitted[key] = jax.jit(
+          self._values, in_shardings=(self.param_shardings, self._batch_shardings(fwd)),
+          out_shardings=sharding.batch_sharding(self.mesh, 2, fwd.tokens_BxL.shape[0]))
+    return self._jitted[key]
 
   def _values(self, params, fwd):
     self._num_traces += 1

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import sharding
-from mtrl_jax.train.forward import forward_logprobs
+from mtrl_jax.train.forward import forward_logprobs, forward_values
 
 
 def split_microbatches(batch, num: int, mesh, batch_axes):
@@ -76,14 +76,19 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
   # micro-batch adds num / den of each term exactly (the critic-free path below
   # keeps its single division at the end, bit for bit).
   critic = getattr(obj, "value_coef", None) is not None
+  values_only = getattr(obj, "values_only", False)  # `objectives.ValueObjective`
   if critic:
     inv_dens = (1.0 / jnp.maximum(obj.den(batch), 1.0),
                 1.0 / jnp.maximum(obj.value_den(batch), 1.0))
 
   def num_fn(params, mb, ref_logp):
     full = params if frozen is None else nnx.merge_state(params, frozen)
-    logp, entropy, values = forward_logprobs(graphdef, full, mb, cfg.logprob_chunk_size,
-                                             want_entropy, temperature)
+    if values_only:  # a separate critic: the value head alone, no LM head
+      logp = entropy = None
+      values = forward_values(graphdef, full, mb)
+    else:
+      logp, entropy, values = forward_logprobs(graphdef, full, mb, cfg.logprob_chunk_size,
+                                               want_entropy, temperature)
     num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
     if critic:
       vnum, vsums = obj.value_terms(values, mb)
