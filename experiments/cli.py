@@ -28,6 +28,7 @@ from ml_collections import config_dict
 from ml_collections.config_flags import config_flags
 
 EXIT_REFUSED = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def one_line(text) -> str:
@@ -153,7 +154,9 @@ def parse_flags(argv: Sequence[str], flag_values=flags.FLAGS) -> list[str]:
 def call_main(main: Callable, argv: list[str]):
   """Calls `main(argv)`; a `UsageError` or `ConfigError` it raises is refused in one line.
   A `checkpoint.CheckpointError` (a save failed: the run ends, its last checkpoint
-  intact) is one line too, `error: <message>`, with exit status 1."""
+  intact) is one line too, `error: <message>`, with exit status 1. Ctrl-C (SIGINT) ends
+  with one line saying that the same command resumes from the last checkpoint (a
+  checkpoint is written whole or not at all), exit status `EXIT_INTERRUPTED` (130)."""
   exp = sys.modules.get("mtrl_jax.train.experiment")  # loaded if main can raise ConfigError
   refusals = (app.UsageError,) + ((exp.ConfigError,) if exp is not None else ())
   ckpt = sys.modules.get("mtrl_jax.checkpoint")
@@ -166,6 +169,11 @@ def call_main(main: Callable, argv: list[str]):
     sys.stdout.flush()
     sys.stderr.write(f"error: {one_line(e)}\n")
     sys.exit(1)
+  except KeyboardInterrupt:
+    sys.stdout.flush()
+    sys.stderr.write("\nstopped by Ctrl-C; the same command resumes from the last "
+                     "checkpoint under --workdir (a run without one starts afresh)\n")
+    sys.exit(EXIT_INTERRUPTED)
 
 
 def run(main: Callable, argv: Optional[Sequence[str]] = None) -> None:

@@ -103,6 +103,17 @@ def test_main_refusals_are_one_line_and_faults_keep_their_traceback(capsys):
     cli.call_main(refuses(RuntimeError("boom")), ["prog"])
 
 
+def test_ctrl_c_ends_in_one_line_that_says_how_to_resume(capsys):
+  def main(argv):
+    raise KeyboardInterrupt
+  with pytest.raises(SystemExit) as info:
+    cli.call_main(main, ["prog"])
+  assert info.value.code == 130
+  err = capsys.readouterr().err
+  assert "Traceback" not in err and err.strip().count("\n") == 0
+  assert "resumes from the last checkpoint" in err
+
+
 def test_check_workdir(tmp_path, monkeypatch):
   recipes.check_workdir(str(tmp_path / "new" / "run"))  # missing: created later
   recipes.check_workdir(str(tmp_path))
