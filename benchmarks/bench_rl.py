@@ -97,7 +97,8 @@ def _memory(train_step, state, ref, batch) -> dict:
   fn = train_step._fn_for(sel, False)
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   with jax.set_mesh(train_step.mesh):
-    ma = fn.lower(state, ref, {k: sds(v) for k, v in sel.items()}).compile().memory_analysis()
+    ma = fn.lower(state, ref, jax.tree.map(sds, sel),
+                  train_step.schedule_args).compile().memory_analysis()
   out = {"xla_bytes": None, "peak_bytes": None}
   if ma is not None:
     out["xla_bytes"] = ma.argument_size_in_bytes + ma.temp_size_in_bytes

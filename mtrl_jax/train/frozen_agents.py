@@ -134,13 +134,13 @@ class PartlyFrozenTrainStep(StackedTrainStep):
     return jax.tree.map(lambda f, p: f.at[self._trained_T].set(
         p, indices_are_sorted=True, unique_indices=True), full, part)
 
-  def _stacked_step(self, state, frozen, batch, scales, *, with_ref: bool):
+  def _stacked_step(self, state, frozen, batch, schedule_args, scales, *, with_ref: bool):
     sub = TrainState(step=self._take(state.step), params=self._take(state.params),
                      opt_state=state.opt_state, rng=self._take(state.rng),
                      num_skipped=self._take(state.num_skipped))
     ref = frozen if frozen is None or self.lora else self._take(frozen)  # the base is shared
-    new, metrics_T = super()._stacked_step(sub, ref, self._take(batch), self._take(scales),
-                                           with_ref=with_ref)
+    new, metrics_T = super()._stacked_step(sub, ref, self._take(batch), schedule_args,
+                                           self._take(scales), with_ref=with_ref)
     return TrainState(step=self._put(state.step, new.step),
                       params=self._put(state.params, new.params), opt_state=new.opt_state,
                       rng=self._put(state.rng, new.rng),

@@ -12,7 +12,9 @@ stacks one batch per agent, padded to a common shape), its own reference
 and its own optimizer state, so agent i's update never depends on agent j's
 tokens, advantages or parameters. Per-agent learning rates share the
 schedule's shape: AdamW's update is linear in the learning rate, so agent a's
-update is the base update times lr_a / lr_base (`update_scale`).
+update is the base update times lr_a / lr_base (`update_scale`). The
+schedule's numbers (`optim.ScheduleArgs`) and the scales are arguments of the
+program, shared by every agent and one per agent.
 
 The stacked axis is replicated over the mesh: every device holds every
 agent's shard of the usual parameter layout (fsdp / tensor splits apply
@@ -157,7 +159,7 @@ class StackedTrainStep:
     frozen = self.inner.frozen_arg(ref_params, self.objective.needs_ref)
     fn = self._fn_for(batch, not self.objective.needs_ref)
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.inner.rules):
-      return fn(state, frozen, batch, self.scales)
+      return fn(state, frozen, batch, self.inner.schedule_args, self.scales)
 
   def old_logprobs(self, params, batch_A: TrainBatch) -> TrainBatch:
     """`batch_A` with every agent's own logprobs of its rows at its `params` [A, ...]
@@ -210,16 +212,18 @@ class StackedTrainStep:
       rep = sharding.replicated(self.mesh)
       frozen = self.base_shardings if self.lora else None if no_ref else self.param_shardings
       fn = jax.jit(functools.partial(self._stacked_step, with_ref=not no_ref),
-                   in_shardings=(self.state_shardings, frozen, self._batch_shardings(batch), rep),
+                   in_shardings=(self.state_shardings, frozen, self._batch_shardings(batch), rep,
+                                 rep),
                    out_shardings=(self.state_shardings, rep), donate_argnums=(0,),
                    compiler_options=dict(self.step_cfg.compiler_options) or None)
       self._jitted[key] = fn
     return fn
 
-  def _stacked_step(self, state, frozen, batch, scales, *, with_ref: bool):
-    one = lambda s, r, b, c: self.inner._step(s, r, b, update_scale=c, with_ref=with_ref)
+  def _stacked_step(self, state, frozen, batch, schedule_args, scales, *, with_ref: bool):
+    one = lambda s, r, b, h, c: self.inner._step(s, r, b, h, update_scale=c, with_ref=with_ref)
     frozen_axis = None if frozen is None or self.lora else 0  # the base is shared
-    return jax.vmap(one, in_axes=(0, frozen_axis, 0, 0))(state, frozen, batch, scales)
+    return jax.vmap(one, in_axes=(0, frozen_axis, 0, None, 0))(state, frozen, batch,
+                                                               schedule_args, scales)
 
   def _mapped_old_logp(self, params, base, fwd):
     # Traced body of `old_logprobs`: the single-agent forward mapped over the agent axis.
@@ -230,7 +234,7 @@ class StackedTrainStep:
     with several updates per batch also the old-logprob forward (as `TrainStep`)."""
     compile_step(self, batch, with_ref, self.inner.rules,
                  lambda shape: self._logp_sharding(shape[1]),
-                 self.scales)
+                 self.inner.schedule_args, self.scales)
 
   def fetch_metrics(self, metrics: Mapping[str, Any]) -> list[dict[str, float]]:
     """Host floats per agent (raises NonFiniteError under 'halt' for any agent)."""

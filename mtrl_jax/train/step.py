@@ -12,6 +12,8 @@ What is optimised is an `Objective` (`mtrl_jax.train.objectives`): exact
 (num, den) terms plus summable metrics. The update itself (forward, exact
 micro-batch accumulation, AdamW, the non-finite skip) is
 `mtrl_jax.train.update.one_update`; here it is jitted with the state donated.
+The schedule's numbers (`optim.ScheduleArgs`) are an argument of the programs,
+not constants: a resume with another `rl.steps` recompiles nothing (`train.optim`).
 
 With adapters (`model.cfg.lora`, `mtrl_jax.models.lora`) `params` and AdamW's state are
 the adapters'; the frozen base (`TrainStep.base`), an argument of every program, is with
@@ -148,8 +150,8 @@ class TrainStep:
       self.base_shardings = models.state_shardings(base[0], lora_lib.plain(self.model_cfg),
                                                    self.mesh, rules)
       self.base, self._fresh_adapters = jax.device_put(base[0], self.base_shardings), params
-    self.tx = optim.make_optimizer(optim_cfg)
-    self.schedule = optim.make_schedule(optim_cfg)
+    self.tx = optim.make_optimizer(optim_cfg)  # the state's layout; the programs build their own
+    self.schedule_args = optim.schedule_args(optim_cfg)  # an argument of every update program
     self.param_shardings = models.state_shardings(params, self.model_cfg, self.mesh, rules)
     rep = sharding.replicated(self.mesh)
     abstract_opt = jax.eval_shape(self._init_opt, params)
@@ -292,7 +294,7 @@ class TrainStep:
     frozen = self.frozen_arg(ref_params, self.objective.needs_ref)
     fn = self._fn_for(batch, not self.objective.needs_ref)
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      return fn(state, frozen, batch)
+      return fn(state, frozen, batch, self.schedule_args)
 
   def old_logprobs(self, params, batch: TrainBatch) -> TrainBatch:
     """`batch` with `trainer_old_logp_BxK`: the trainer's own logprobs at `params`
@@ -349,7 +351,8 @@ class TrainStep:
     fn = self._jitted.get(key)
     if fn is None:
       frozen = self.base_shardings if self.lora else None if no_ref else self.param_shardings
-      in_sh = (self.state_shardings, frozen, self._batch_shardings(batch))
+      in_sh = (self.state_shardings, frozen, self._batch_shardings(batch),
+               sharding.replicated(self.mesh))
       fn = jax.jit(functools.partial(self._step, with_ref=not no_ref), in_shardings=in_sh,
                    out_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
                    donate_argnums=(0,),
@@ -367,18 +370,21 @@ class TrainStep:
     `with_ref` defaults to whether the objective needs reference logprobs.
     """
     compile_step(self, batch, with_ref, self.rules,
-                 lambda shape: sharding.batch_sharding(self.mesh, 2, shape[0]))
+                 lambda shape: sharding.batch_sharding(self.mesh, 2, shape[0]),
+                 self.schedule_args)
 
-  def _step(self, state: TrainState, frozen, batch, update_scale=None, *, with_ref: bool):
+  def _step(self, state: TrainState, frozen, batch, schedule_args, update_scale=None, *,
+            with_ref: bool):
     """One update, traced (`train.update.one_update`); `frozen` is `frozen_arg`'s
-    (the base with adapters, else the reference or None); `update_scale` (a
-    scalar, default 1) multiplies the optimizer's updates (`train.stacked`)."""
+    (the base with adapters, else the reference or None); `schedule_args` the
+    schedule's numbers (`optim.ScheduleArgs`); `update_scale` (a scalar, default 1)
+    multiplies the optimizer's updates (`train.stacked`)."""
     self._num_traces += 1  # runs once per trace, i.e. per compilation
     base = frozen if self.lora else None
     ref = frozen if with_ref else None
     return one_update(state, ref, batch, graphdef=self.graphdef,
-                      objective=self.objective, step_cfg=self.step_cfg, tx=self.tx,
-                      schedule=self.schedule, mesh=self.mesh,
+                      objective=self.objective, step_cfg=self.step_cfg,
+                      optim_cfg=self.optim_cfg, schedule_args=schedule_args, mesh=self.mesh,
                       param_shardings=self.param_shardings, update_scale=update_scale,
                       frozen=base, ref_graphdef=self.ref_graphdef)
 

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtrl_jax import sharding
+from mtrl_jax.train import optim
 from mtrl_jax.train.forward import forward_logprobs, forward_values
 
 
@@ -38,14 +39,9 @@ def split_microbatches(batch, num: int, mesh, batch_axes):
   return jax.tree.map(one, batch)
 
 
-def learning_rate(opt_state, schedule):
-  """The schedule at optax's own update counter (applied updates only)."""
-  counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
-  return schedule(counts[0][1]) if counts else jnp.nan
-
-
-def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, schedule, mesh,
-               param_shardings, update_scale=None, frozen=None, ref_graphdef=None):
+def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, optim_cfg,
+               schedule_args, mesh, param_shardings, update_scale=None, frozen=None,
+               ref_graphdef=None):
   """One update of `state` (a `train.step.TrainState`) on `batch`; traced, not jitted.
 
   Args:
@@ -56,7 +52,8 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
     graphdef: the model's graph (`nnx.split(model, nnx.Param)[0]`).
     objective: the `Objective` minimised.
     step_cfg: the `StepConfig` (micro-batches, logprob chunking, entropy).
-    tx, schedule: the optimizer and its learning-rate schedule.
+    optim_cfg, schedule_args: the optimizer (`train.optim.make_optimizer`) and its
+      schedule's numbers (`train.optim.ScheduleArgs`, arguments of the program).
     mesh, param_shardings: the training mesh and the parameters' shardings.
     update_scale: a scalar multiplying the optimizer's updates (default 1):
       AdamW's update is linear in the learning rate, so it sets another base
@@ -138,8 +135,9 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, tx, s
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   apply = finite & (den > 0)  # an empty batch (no trained token) changes nothing
 
+  tx = optim.make_optimizer(optim_cfg, schedule_args)
   updates, new_opt = tx.update(grads, state.opt_state, state.params)
-  lr = learning_rate(state.opt_state, schedule)
+  lr = optim.learning_rate(state.opt_state, optim_cfg, schedule_args)
   if update_scale is not None:
     updates = jax.tree.map(lambda u: (u * update_scale).astype(u.dtype), updates)
     lr = lr * update_scale
