@@ -1,7 +1,14 @@
-"""The multi-agent task configs run the real training entry point for two steps on CPU."""
+"""The multi-agent task configs run the real training loop for two steps on CPU.
+
+The runs share one process on one CPU device (`rl.run` for each config in turn): the
+suite's 8 fake devices would pad every engine call 8-fold (HumanEval's prompts fill
+1024-token admit calls), and the runs share the tiny model's programs.
+"""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -10,33 +17,61 @@ from configs import common
 from configs import coop as coop_config
 from configs import humaneval as humaneval_config
 from configs import refine as refine_config
+
+SMOKE_RUNS = [
+    ("configs.humaneval", "smoke=True,agents=2"),
+    # One shared policy here; coop's separate-policy default runs in test_separate_policies.
+    ("configs.coop", "smoke=True,share_policy=True"),
+    ("configs.refine", "smoke=True"),
+]
+
+# Runs each (config module, argument, workdir) of argv[1] (JSON) for two RL steps.
+_RUN_CONFIGS = """
+import importlib, json, sys
 from mtrl_jax.train import rl
+for module, arg, workdir in json.loads(sys.argv[1]):
+  config = importlib.import_module(module).get_config(arg)
+  config.rl.steps = 2
+  # One row per engine call: fixed-shape calls would otherwise pad each to 8 rows.
+  config.engine.admit_rows = config.engine.decode_rows = 1
+  rl.run(config, workdir, progress=False)
+"""
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+  """{(module, arg): workdir} of the smoke runs, run by one process on one CPU device."""
+  root = tmp_path_factory.mktemp("smoke")
+  jobs = [(module, arg, str(root / f"run_{i}")) for i, (module, arg) in enumerate(SMOKE_RUNS)]
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
+  done = subprocess.run([sys.executable, "-c", _RUN_CONFIGS, json.dumps(jobs)], env=env,
+                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                        capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-5000:]
+  return {(module, arg): workdir for module, arg, workdir in jobs}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module,arg", [
-    (humaneval_config, "smoke=True,agents=2"),
-    # One shared policy here; coop's separate-policy default runs in test_separate_policies.
-    (coop_config, "smoke=True,share_policy=True"),
-    (refine_config, "smoke=True"),
-])
-def test_smoke_config_trains_two_steps(tmp_path, module, arg):
-  config = module.get_config(arg)
-  config.rl.steps = 2
-  # One row per engine call and device: the 8 test devices would otherwise pad every
-  # fixed-shape call to 8 rows each (HumanEval's prompts fill 1024-token admit calls).
-  config.engine.admit_rows = config.engine.decode_rows = 1
-  workdir = str(tmp_path / "run")
-  summary = rl.run(config, workdir, progress=False)
+@pytest.mark.parametrize("module,arg", SMOKE_RUNS)
+def test_smoke_config_trains_two_steps(smoke_runs, module, arg):
+  workdir = smoke_runs[(module, arg)]
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = json.load(f)
   assert [r["step"] for r in rows] == [0, 1, 2]
   assert rows[1]["tree/nodes"] >= 1 and "turn_0/mean_reward" in rows[1]
   assert summary["best"] is not None
+  assert config["model"]["preset"] == "tiny" and config["rl"]["steps"] == 2
   # HumanEval defaults to one policy per agent (aux and main), as CoMLRL trains them.
-  assert config.agents.share_policy == ("share_policy=True" in arg)
-  assert all((f"agent_{a}/batch/actions" in rows[1]) != config.agents.share_policy
-             for a in (0, 1))
+  share_policy = config["agents"]["share_policy"]
+  assert share_policy == ("share_policy=True" in arg)
+  assert all((f"agent_{a}/batch/actions" in rows[1]) != share_policy for a in (0, 1))
 
 
 @pytest.mark.parametrize("module", [calculator_config, coop_config, humaneval_config,
