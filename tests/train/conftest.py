@@ -9,6 +9,9 @@ of a config variation train their own runs.
 Under pytest-xdist every worker that asks for it gets the same run: the first
 trains it into the directory the workers share while the others wait on a
 file lock, so a test that reads it can run on any worker.
+
+`no_curves` (module scope) turns off the curves.png a finished `rl.run` draws:
+matplotlib takes seconds of CPU per run, and only `smoke_run`'s is looked at.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import pytest
 
 from configs import calculator as calc_config
+from mtrl_jax import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Every checkpoint kept (steps 0-3), so a test can load the step the best one was kept at.
@@ -84,3 +88,11 @@ def smoke_run(tmp_path_factory) -> SmokeRun:
   if failure:
     pytest.fail(f"the shared smoke run failed: {failure}")
   return SmokeRun(str(workdir))
+
+
+@pytest.fixture(scope="module")
+def no_curves():
+  """In-process `rl.run`s of the module draw no curves.png (everything else is written)."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(metrics_lib, "plot_metrics", lambda *args, **kwargs: None)
+    yield
