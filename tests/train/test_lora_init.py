@@ -1,8 +1,10 @@
 """`model.lora.init_from`: a PEFT adapter directory starts the adapters. A run's exported
 adapters start a new run with that run's logits (shared and per agent); a directory that
 does not fit the base, or that the config contradicts, is refused in one line before
-anything is built, and nothing on disk changes."""
+anything is built, and nothing on disk changes. That run's checkpoint is refused over
+other weights in its base directory."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from mtrl_jax.models.config import LoraConfig
 from mtrl_jax.train import components, experiment, export_lora, rl, saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.usefixtures("no_curves")
 TINY = models.get_preset("tiny")
 
 
@@ -37,11 +40,18 @@ def _calc(base_dir="", steps=1, init_from=""):
   return c
 
 
+@functools.cache
+def _forward(model_cfg):
+  """The jitted plain forward of `model_cfg`'s base, (merged weights, tokens) -> logits."""
+  graphdef = lora.base_graphdef(model_cfg)
+  return jax.jit(lambda merged, tokens: nnx.merge(graphdef, merged)(tokens))
+
+
 def _logits(policies, params, tokens):
   """Every policy's logits of `tokens` with `params` merged onto the base, [P, B, L, V]."""
-  graphdef = lora.base_graphdef(policies.train_step.model_cfg)
-  forward = jax.jit(lambda merged: nnx.merge(graphdef, merged)(jnp.asarray(tokens)))
-  return np.stack([np.asarray(forward(merged)) for merged in policies.per_policy(params)])
+  forward = _forward(policies.train_step.model_cfg)
+  return np.stack([np.asarray(forward(merged, jnp.asarray(tokens)))
+                   for merged in policies.per_policy(params)])
 
 
 def _policies(config):
@@ -60,11 +70,29 @@ def _snapshot(path):
   return out
 
 
-def test_init_from_a_runs_exported_adapters_gives_that_runs_logits(tmp_path):
-  base_dir = str(tmp_path / "base")
+def _write(path, snapshot):
+  """Puts `path` back to `snapshot` (a `_snapshot` of it)."""
+  for name in set(_snapshot(path)) - set(snapshot):
+    os.remove(os.path.join(path, name))
+  for name, data in snapshot.items():
+    with open(os.path.join(path, name), "wb") as f:
+      f.write(data)
+
+
+@pytest.fixture(scope="module")
+def adapted_run(tmp_path_factory, no_curves):
+  """(base_dir, workdir): one RL step trained adapters over the seed-0 tiny base saved in
+  base_dir (tests that change base_dir's files put them back)."""
+  root = tmp_path_factory.mktemp("adapted_run")
+  base_dir = str(root / "base")
   loading.save_pretrained(models.create_model(TINY, seed=0), base_dir)
-  workdir = str(tmp_path / "run")
+  workdir = str(root / "run")
   rl.run(_calc(base_dir), workdir, progress=False)  # one RL step trains the adapters
+  return base_dir, workdir
+
+
+def test_init_from_a_runs_exported_adapters_gives_that_runs_logits(tmp_path, adapted_run):
+  base_dir, workdir = adapted_run
   trained = saved.load_policy(workdir, "latest")
   assert any(np.abs(np.asarray(x)).max() > 0
              for x in jax.tree.leaves(trained.saved_params))  # B moved off zero
@@ -80,6 +108,23 @@ def test_init_from_a_runs_exported_adapters_gives_that_runs_logits(tmp_path):
                                              tokens))
   fresh = _policies(_calc(base_dir))
   assert not np.array_equal(_logits(fresh, fresh.init_state().params, tokens), got)
+
+
+def test_a_checkpoint_over_another_base_is_refused_in_one_line(adapted_run):
+  base_dir, workdir = adapted_run
+  ckpt = os.path.join(workdir, "ckpt")
+  before, base = _snapshot(ckpt), _snapshot(base_dir)
+  # The same directory, other weights: the adapters no longer fit what they adapted.
+  loading.save_pretrained(models.create_model(TINY, seed=1), base_dir)
+  try:
+    assert _snapshot(base_dir) != base
+    with pytest.raises(experiment.ConfigError) as e:
+      rl.run(_calc(base_dir), workdir, progress=False)
+  finally:
+    _write(base_dir, base)
+  msg = str(e.value)
+  assert "base" in msg and "sha256" in msg and "allowed" in msg and "\n" not in msg
+  assert _snapshot(ckpt) == before  # nothing lost
 
 
 def test_per_agent_adapters_start_each_agent_from_its_own_directory(tmp_path):
