@@ -17,7 +17,7 @@ import pytest
 from configs import charclass
 from mtrl_jax.train import rl
 
-pytestmark = pytest.mark.slow  # 50 RL steps
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_curves")]  # 50 RL steps
 
 
 def test_rl_raises_held_out_success_from_chance_to_80_percent(tmp_path):

@@ -16,6 +16,8 @@ import pytest
 from configs import calculator as calc_config
 from mtrl_jax.train import rl, saved
 
+pytestmark = pytest.mark.usefixtures("no_curves")
+
 
 def _run(tmp_path, packing):
   c = calc_config.get_config("smoke=True")
