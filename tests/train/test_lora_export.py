@@ -25,12 +25,14 @@ transformers = pytest.importorskip("transformers")
 LORA = LoraConfig(rank=3, alpha=6.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
 
 
-def _policy(tmp_path):
-  """A shared LoRA policy over the tiny base (saved as HF in tmp_path/base), adapters
-  non-zero; returns (policies, adapters, base_dir)."""
+@pytest.fixture(scope="module")
+def lora_policy(tmp_path_factory):
+  """A shared LoRA policy over the tiny base (saved as HF in a directory of its own),
+  adapters non-zero; (policies, adapters, base_dir), shared by the module's tests (they
+  only read it)."""
   cfg = models.get_preset("tiny")
   base = models.create_model(cfg, seed=0)
-  base_dir = str(tmp_path / "base")
+  base_dir = str(tmp_path_factory.mktemp("lora_export") / "base")
   loading.save_pretrained(base, base_dir)
   step = TrainStep(lora.attach(base, LORA, seed=0), SFTObjective(), OptimConfig())
   policies = SharedPolicy([base], step, seed=0)
@@ -56,8 +58,8 @@ def _tokens():
   return np.random.RandomState(0).randint(0, models.get_preset("tiny").vocab_size, (2, 9))
 
 
-def test_merged_export_loads_in_transformers_with_the_unmerged_logits(tmp_path):
-  policies, adapters, _ = _policy(tmp_path)
+def test_merged_export_loads_in_transformers_with_the_unmerged_logits(tmp_path, lora_policy):
+  policies, adapters, _ = lora_policy
   tokens = _tokens()
   ours = _ours(policies, adapters, tokens)
   [out] = export_lora.save_merged(policies, adapters, str(tmp_path / "merged"))
@@ -65,9 +67,9 @@ def test_merged_export_loads_in_transformers_with_the_unmerged_logits(tmp_path):
   np.testing.assert_allclose(_theirs(hf.eval(), tokens), ours, atol=1e-4, rtol=0)
 
 
-def test_peft_export_loads_onto_the_transformers_base_with_equal_logits(tmp_path):
+def test_peft_export_loads_onto_the_transformers_base_with_equal_logits(tmp_path, lora_policy):
   peft = pytest.importorskip("peft")
-  policies, adapters, base_dir = _policy(tmp_path)
+  policies, adapters, base_dir = lora_policy
   tokens = _tokens()
   ours = _ours(policies, adapters, tokens)
   [out] = export_lora.save_adapters(policies, adapters, str(tmp_path / "peft"), base_dir)
@@ -82,8 +84,9 @@ def test_peft_export_loads_onto_the_transformers_base_with_equal_logits(tmp_path
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_an_adapter_that_does_not_fit_the_base_is_refused_naming_the_tensor(tmp_path):
-  policies, adapters, _ = _policy(tmp_path)
+def test_an_adapter_that_does_not_fit_the_base_is_refused_naming_the_tensor(tmp_path,
+                                                                           lora_policy):
+  policies, adapters, _ = lora_policy
   [out] = export_lora.save_adapters(policies, adapters, str(tmp_path / "peft"))
   cfg = models.get_preset("tiny").replace(lora=LORA, mlp_dim=48)  # another base's MLP width
   with pytest.raises(ValueError) as e:
