@@ -120,7 +120,8 @@ def test_single_device_step_matches_independent_reference():
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 4, 2)])
+# Pure data parallelism (every run's default mesh), and all three axes at once.
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2)])
 def test_sharded_step_matches_single_device(shape):
   single, single_params = _run((1, 1, 1), 1)
   metrics, params = _run(shape, 1)
