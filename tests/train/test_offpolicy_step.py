@@ -7,6 +7,8 @@ importance weights; with one update and a correction, pi_old is the current
 policy. Each update's loss equals `policy_loss` evaluated on the same arrays.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,10 @@ FAST = (("xla_backend_optimization_level", 0),)
 OPT = OptimConfig(learning_rate=3e-2, grad_clip_norm=1.0)
 
 
+@functools.cache
 def _batch():
+  """Rows of the seed-0 model's own tokens with a sampler's logprobs, and the model's
+  logprobs of them (numpy; the tests only read them)."""
   model = testing.tiny_model()
   rng = np.random.RandomState(0)
   tokens = rng.randint(0, model.cfg.vocab_size, (B, L)).astype(np.int32)
