@@ -6,22 +6,25 @@ thread pool's size and order change nothing, and the RL loop resumes exactly.
 """
 
 import concurrent.futures
+import hashlib
 import json
 import os
-import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
-from configs import calculator as calc_config
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.seeds import call_seed
 from mtrl_jax.tasks.user_chat import UserChatFactory, user_chat_tasks
 from mtrl_jax.testing import FakePolicy, byte_renderer
-from mtrl_jax.train import rl
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +47,33 @@ def _rollout(factory, workers, key=7):
             for a in n.actions]) for n in tree.nodes]
 
 
+def _blake2b_seed(*encoded: bytes) -> int:
+  """call_seed's documented construction from scratch: blake2b (8-byte digest) over each
+  part as a 4-byte little-endian length and a type-tagged encoding, the low 63 bits."""
+  h = hashlib.blake2b(digest_size=8)
+  for data in encoded:
+    h.update(len(data).to_bytes(4, "little") + data)
+  return int.from_bytes(h.digest(), "little") & (2 ** 63 - 1)
+
+
 def test_call_seed_is_a_stable_hash_of_its_parts():
-  assert call_seed(1, "user_sim") == call_seed(1, "user_sim")
-  assert len({call_seed(1, 2), call_seed(2, 1), call_seed(12), call_seed("1", 2)}) == 4
-  assert call_seed(jax.random.key(3), 0) == call_seed(jax.random.key(3), 0)
+  # Pinned values: the same parts give these seeds in every process and release.
+  assert call_seed(1, "user_sim") == 3733418965774598957
+  assert call_seed(jax.random.key(3), 0) == 6457610698881384090
+  assert call_seed(1, "user_sim") == _blake2b_seed(b"i1", b"suser_sim")
+  key_data = np.array([0, 3], np.uint32).tobytes()  # jax.random.key(3)'s threefry data
+  assert call_seed(jax.random.key(3), 0) == _blake2b_seed(b"k" + key_data, b"i0")
+  assert call_seed(jax.random.PRNGKey(3), 0) == call_seed(jax.random.key(3), 0)  # raw key
+  # Order, grouping and the type of a part all count.
+  seeds = {call_seed(1, 2), call_seed(2, 1), call_seed(12), call_seed("1", 2),
+           call_seed(b"1", 2), call_seed(1, 2, 0), call_seed(jax.random.key(4), 0)}
+  assert len(seeds) == 7
   assert call_seed(jax.random.key(3), 0) != call_seed(jax.random.key(4), 0)
-  assert 0 <= call_seed(5) < 2 ** 63
+  assert all(0 <= s < 2 ** 63 for s in seeds)
   with pytest.raises(TypeError, match="call_seed"):
     call_seed(1.5)
+  with pytest.raises(TypeError, match="bool"):
+    call_seed(True)
 
 
 @pytest.mark.slow
@@ -66,47 +88,53 @@ def test_same_step_same_threads_and_grades_with_1_and_8_env_threads(factory):
   assert _rollout(factory, 8, key=8) != one  # another step key: other replies
 
 
-def _config(steps):
-  c = calc_config.get_config("smoke=True")
-  c.tokenizer.extra_specials = ""
+# Two RL steps on user_chat with the judge's grades as rewards (no step or tool
+# penalty: a reward is exactly the judge's P(PASS)). A short SFT teaches a thinking
+# model's <think> format, which strip_thinking hides once the next user turn arrives
+# (the second user turn rewrites the history); each step makes two updates with
+# truncated IS (the loop computes the trainer's own old logprobs). The run goes to its
+# end in workdir argv[1]; argv[2] gets a copy in the state a SIGKILL between step 2's
+# metrics row and its checkpoint leaves, and resumes it.
+_RUNS = """
+import os, shutil, sys
+from configs import calculator
+from mtrl_jax.train import rl
+
+def config():
+  c = calculator.get_config("smoke=True")
+  c.tokenizer.extra_specials = "mtrl_jax.tasks.user_chat:THINK_SPECIALS"
+  c.tokenizer.strip_thinking = True
   c.env.factory = "user_chat"
   c.env.kwargs = {"user_turns": 2, "max_new_tokens": 6, "temperature": 3.0}
   c.env.max_tokens = 200
   c.tasks.source = "user_chat"
-  c.sft.steps = 0
-  c.reward.step_penalty = 0.0  # rewards are then exactly the judge's P(PASS)
+  c.sft.steps = 20
+  c.sft.conversations = "mtrl_jax.tasks.user_chat:thinking_conversation"
+  c.sft.until_success = 0.0
+  c.reward.step_penalty = 0.0
   c.reward.tool_penalty = 0.0
-  c.rl.steps = steps
+  c.rl.steps = 2
+  c.rl.updates_per_step = 2
+  c.loss.is_correction = "tis"
   c.rl.length_buckets = (256,)
   c.sampling.max_new_tokens = 8
   c.eval.greedy = False  # no held-out evaluation: it would only add compiles
   return c
 
+full, killed = sys.argv[1:]
+rl.run(config(), full, progress=False)
+shutil.copytree(full, killed)
+shutil.rmtree(os.path.join(killed, "ckpt", "2"))
+os.remove(os.path.join(killed, "rollouts", "step_000002.jsonl"))
+rl.run(config(), killed, progress=False)
+"""
 
-def _rows(workdir):
+
+def _rows(workdir, run_bound=False):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [{k: v for k, v in json.loads(line).items()
-             if not k.startswith(RUN_BOUND_PREFIXES)}
+             if run_bound or not k.startswith(RUN_BOUND_PREFIXES)}
             for line in f]
-
-
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-  """A persistent compilation cache for this module's runs, as a resumed job on a
-  machine with one has: later runs load the programs earlier ones compiled (seconds,
-  not a minute). Programs and results are the same; the settings are restored."""
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  old = {n: getattr(jax.config, n) for n in names}
-  cc.reset_cache()
-  jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
-  jax.config.update(names[1], 0.0)
-  jax.config.update(names[2], 0)
-  yield
-  cc.reset_cache()
-  for n, v in old.items():
-    jax.config.update(n, v)
 
 
 def _dump(workdir, step):
@@ -114,13 +142,25 @@ def _dump(workdir, step):
     return [json.loads(line) for line in f]
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """(full, resumed) workdirs of `_RUNS`, run in one process on one CPU device (the
+  suite's 8 fake devices would split every tiny call 8 ways)."""
+  root = tmp_path_factory.mktemp("user_chat")
+  full, killed = str(root / "full"), str(root / "killed")
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
+  done = subprocess.run([sys.executable, "-c", _RUNS, full, killed], env=env, cwd=REPO,
+                        capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-5000:]
+  return full, killed
+
+
 @pytest.mark.slow
-def test_rl_steps_with_llm_user_and_judge_resume_exactly(tmp_path, compile_cache):
-  """Two RL steps in the real loop with the judge's grades as rewards; killed after
-  step 2's metrics but before its checkpoint and resumed, the run's metrics and the
-  simulated users' messages equal the uninterrupted run's."""
-  full = str(tmp_path / "full")
-  rl.run(_config(2), full, progress=False)
+def test_rl_steps_take_the_llm_judges_grades_as_rewards(runs):
+  full, _ = runs
   judged = 0
   for node in _dump(full, 1):
     for reward, action in zip(node["rewards"], node["actions"]):
@@ -135,42 +175,24 @@ def test_rl_steps_with_llm_user_and_judge_resume_exactly(tmp_path, compile_cache
   assert [r["step"] for r in rows] == [0, 1, 2] and "train/loss" in rows[1]
   assert rows[1]["reward/outcome"] > 0  # the judge's P(PASS) reached the rewards
 
-  # The state a SIGKILL between step 2's metrics row and its checkpoint leaves.
-  killed = str(tmp_path / "killed")
-  shutil.copytree(full, killed)
-  shutil.rmtree(os.path.join(killed, "ckpt", "2"))
-  os.remove(os.path.join(killed, "rollouts", "step_000002.jsonl"))
-  rl.run(_config(2), killed, progress=False)
-  assert _rows(killed) == rows
-  assert _dump(killed, 2) == _dump(full, 2)  # the user simulator said the same
-
 
 @pytest.mark.slow
-def test_rl_steps_with_qwen3_style_thinking_rewrites(tmp_path, compile_cache):
-  """A short SFT teaches the <think> format; with strip_thinking the second user turn
-  rewrites the history, and two RL steps train on the rewritten contexts. The steps
-  make two updates per batch with truncated IS: the loop computes the trainer's own
-  old logprobs, and the correction's metrics reach the log."""
-  c = _config(2)
-  c.rl.updates_per_step = 2
-  c.loss.is_correction = "tis"
-  c.tokenizer.extra_specials = "mtrl_jax.tasks.user_chat:THINK_SPECIALS"
-  c.tokenizer.strip_thinking = True
-  c.sft.steps = 20
-  c.sft.conversations = "mtrl_jax.tasks.user_chat:thinking_conversation"
-  c.sft.until_success = 0.0
-  workdir = str(tmp_path / "run")
-  rl.run(c, workdir, progress=False)
-  rows = _rows(workdir)
-  assert [r["step"] for r in rows] == [0, 1, 2]
+def test_rl_steps_train_on_qwen3_style_thinking_rewrites(runs):
+  full, _ = runs
+  rows = _rows(full)
   assert sum(r["text/history_rewrites"] for r in rows[1:]) > 0
-  rewritten = [step for node in _dump(workdir, 1) + _dump(workdir, 2)
+  rewritten = [step for node in _dump(full, 1) + _dump(full, 2)
                for action in node["actions"] for step in action["steps"]
                if step.get("history_rewrites")]
   assert rewritten and all(step["valid"] for step in rewritten)
   for r in rows[1:]:
     assert np.isfinite(r["train/loss"]) and r["batch/actions"] > 0
     assert 0 < r["train/is_weight_mean"] <= 2.0 and r["train/sampler_gap"] < 1e-3
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    raw = [json.loads(line) for line in f]
-  assert raw[2]["compiles/train_step"] == 2  # the update and the old-logprob forward
+  assert _rows(full, run_bound=True)[2]["compiles/train_step"] == 2  # update + old logprobs
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_exactly_with_the_same_simulated_users(runs):
+  full, killed = runs
+  assert _rows(killed) == _rows(full)
+  assert _dump(killed, 2) == _dump(full, 2)  # the user simulator said the same
