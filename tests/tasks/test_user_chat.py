@@ -9,22 +9,20 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import subprocess
-import sys
+import shutil
 
 import jax
 import numpy as np
 import pytest
 
+from configs import calculator as calc_config
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.seeds import call_seed
 from mtrl_jax.tasks.user_chat import UserChatFactory, user_chat_tasks
 from mtrl_jax.testing import FakePolicy, byte_renderer
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mtrl_jax.train import rl
 
 
 @pytest.fixture(scope="module")
@@ -88,20 +86,13 @@ def test_same_step_same_threads_and_grades_with_1_and_8_env_threads(factory):
   assert _rollout(factory, 8, key=8) != one  # another step key: other replies
 
 
-# Two RL steps on user_chat with the judge's grades as rewards (no step or tool
-# penalty: a reward is exactly the judge's P(PASS)). A short SFT teaches a thinking
-# model's <think> format, which strip_thinking hides once the next user turn arrives
-# (the second user turn rewrites the history); each step makes two updates with
-# truncated IS (the loop computes the trainer's own old logprobs). The run goes to its
-# end in workdir argv[1]; argv[2] gets a copy in the state a SIGKILL between step 2's
-# metrics row and its checkpoint leaves, and resumes it.
-_RUNS = """
-import os, shutil, sys
-from configs import calculator
-from mtrl_jax.train import rl
-
-def config():
-  c = calculator.get_config("smoke=True")
+def _config():
+  """Two RL steps on user_chat with the judge's grades as rewards (no step or tool
+  penalty: a reward is exactly the judge's P(PASS)). A short SFT teaches a thinking
+  model's <think> format, which strip_thinking hides once the next user turn arrives
+  (the second user turn rewrites the history); each step makes two updates with
+  truncated IS (the loop computes the trainer's own old logprobs)."""
+  c = calc_config.get_config("smoke=True")
   c.tokenizer.extra_specials = "mtrl_jax.tasks.user_chat:THINK_SPECIALS"
   c.tokenizer.strip_thinking = True
   c.env.factory = "user_chat"
@@ -121,14 +112,6 @@ def config():
   c.eval.greedy = False  # no held-out evaluation: it would only add compiles
   return c
 
-full, killed = sys.argv[1:]
-rl.run(config(), full, progress=False)
-shutil.copytree(full, killed)
-shutil.rmtree(os.path.join(killed, "ckpt", "2"))
-os.remove(os.path.join(killed, "rollouts", "step_000002.jsonl"))
-rl.run(config(), killed, progress=False)
-"""
-
 
 def _rows(workdir, run_bound=False):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -144,17 +127,15 @@ def _dump(workdir, step):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """(full, resumed) workdirs of `_RUNS`, run in one process on one CPU device (the
-  suite's 8 fake devices would split every tiny call 8 ways)."""
+  """(full, resumed): the run of `_config` to its end, and a copy in the state a SIGKILL
+  between step 2's metrics row and its checkpoint leaves, resumed."""
   root = tmp_path_factory.mktemp("user_chat")
   full, killed = str(root / "full"), str(root / "killed")
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
-  done = subprocess.run([sys.executable, "-c", _RUNS, full, killed], env=env, cwd=REPO,
-                        capture_output=True, text=True)
-  assert done.returncode == 0, done.stderr[-5000:]
+  rl.run(_config(), full, progress=False)
+  shutil.copytree(full, killed)
+  shutil.rmtree(os.path.join(killed, "ckpt", "2"))
+  os.remove(os.path.join(killed, "rollouts", "step_000002.jsonl"))
+  rl.run(_config(), killed, progress=False)
   return full, killed
 
 
