@@ -27,10 +27,13 @@ SMOKE_RUNS = [
     ("configs.refine", "smoke=True"),
 ]
 
-# Runs each (config module, argument, workdir) of argv[1] (JSON) for one RL step.
+# Runs each (config module, argument, workdir) of argv[1] (JSON) for one RL step. No
+# curves.png (matplotlib takes over a second of CPU per run; nothing here reads it).
 _RUN_CONFIGS = """
 import importlib, json, sys
+from mtrl_jax import metrics
 from mtrl_jax.train import rl
+metrics.plot_metrics = lambda *args, **kwargs: None
 for module, arg, workdir in json.loads(sys.argv[1]):
   config = importlib.import_module(module).get_config(arg)
   config.rl.steps = 1

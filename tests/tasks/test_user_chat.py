@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from configs import calculator as calc_config
+from mtrl_jax import metrics as metrics_lib
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
@@ -128,14 +129,17 @@ def _dump(workdir, step):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """(full, resumed): the run of `_config` to its end, and a copy in the state a SIGKILL
-  between step 2's metrics row and its checkpoint leaves, resumed."""
+  between step 2's metrics row and its checkpoint leaves, resumed. Neither draws
+  curves.png (matplotlib takes over a second of CPU per run; nothing here reads it)."""
   root = tmp_path_factory.mktemp("user_chat")
   full, killed = str(root / "full"), str(root / "killed")
-  rl.run(_config(), full, progress=False)
-  shutil.copytree(full, killed)
-  shutil.rmtree(os.path.join(killed, "ckpt", "2"))
-  os.remove(os.path.join(killed, "rollouts", "step_000002.jsonl"))
-  rl.run(_config(), killed, progress=False)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(metrics_lib, "plot_metrics", lambda *args, **kwargs: None)
+    rl.run(_config(), full, progress=False)
+    shutil.copytree(full, killed)
+    shutil.rmtree(os.path.join(killed, "ckpt", "2"))
+    os.remove(os.path.join(killed, "rollouts", "step_000002.jsonl"))
+    rl.run(_config(), killed, progress=False)
   return full, killed
 
 
