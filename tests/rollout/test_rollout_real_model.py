@@ -11,6 +11,7 @@
 * A forced tiny KV budget (evictions every level) gives the same tree.
 """
 
+import functools
 import json
 import os
 import random
@@ -46,7 +47,7 @@ LOGP_TOL = 1e-5
 @pytest.fixture(scope="module")
 def states():
   model = tiny_model()
-  return model.cfg, nnx.split(model)[1], nnx.split(create_model(model.cfg, seed=1))[1]
+  return model.cfg, nnx.split(model)[1], _states(model.cfg, 1)
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +56,27 @@ def fixtures():
     return json.load(f)
 
 
-def _policy(cfg, states, sampling=SAMPLING, stop=STOP, pad=0, slots=32, **engine_kw):
+def _new_engine(cfg, agents, slots):
+  return DecodeEngine(cfg, EngineConfig(slots=slots, capacity=128, chunk=4), num_agents=agents)
+
+
+# The module's one engine of a configuration: each rollout starts a fresh run on it
+# (slots, queue, stats), and its compiled programs carry over from test to test.
+_engine = functools.cache(_new_engine)
+
+
+def _policy(cfg, states, sampling=SAMPLING, stop=STOP, pad=0, slots=32, fresh=False):
+  """Runs take fanout 2 (every tree's G, or more): admit programs of one shape.
+  `fresh`: on an engine of its own (its compile count is this rollout's)."""
   agents = states.num_agents if isinstance(states, StackedStates) else 1
-  engine = DecodeEngine(cfg, EngineConfig(slots=slots, capacity=128, chunk=4, **engine_kw),
-                        num_agents=agents)
-  return EnginePolicy(engine, states, sampling, stop_ids=stop, pad_id=pad)
+  engine = (_new_engine if fresh else _engine)(cfg, agents, slots)
+  return EnginePolicy(engine, states, sampling, stop_ids=stop, pad_id=pad, fanout=2)
+
+
+@functools.cache
+def _states(cfg, seed):
+  """The parameters of the model of `cfg` and `seed`, built once."""
+  return nnx.split(create_model(cfg, seed=seed))[1]
 
 
 def _assert_same_nodes(want, tree, exact_logprobs=False, cut_at=None):
@@ -205,7 +222,7 @@ def test_continuous_and_barrier_schedules_give_identical_trees(case):
   renderer = byte_renderer(calculator.EXTRA_SPECIALS)
   # The tokenizer's vocabulary exactly: every sampled id decodes, episodes go on.
   model_cfg = tiny_model().cfg.replace(vocab_size=renderer.tokenizer.vocab_size)
-  s0, s1 = (nnx.split(create_model(model_cfg, seed=s))[1] for s in (0, 1))
+  s0, s1 = (_states(model_cfg, s) for s in (0, 1))
   params = StackedStates(stack_trees([s0, s1]), 2) if separate else s0
   barrier, _ = _env_tree(cfg.replace(schedule="barrier"), params, model_cfg, env_cls,
                          renderer, 0)
@@ -241,7 +258,7 @@ def test_tool_substeps_continue_from_the_sample_cache(tiny_model):
   # tokenizer end the episode as a model format fault instead of crashing.
   renderer = byte_renderer(calculator.EXTRA_SPECIALS)
   policy = _policy(tiny_model.cfg, nnx.split(tiny_model)[1], SAMPLING, renderer.fmt.stop_ids,
-                   renderer.tokenizer.pad_id)
+                   renderer.tokenizer.pad_id, fresh=True)
   transition = EnvTransition(renderer, reward_cfg=RewardConfig(shaping_weight=1.0))
   roots = [transition.root_state(ToolThenUserEnv({"prompt": p})) for p in ("12+3=", "7*8=")]
   tree = expand_tree(TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
