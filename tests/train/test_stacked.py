@@ -1,6 +1,7 @@
 """Separate policies stacked on an agent axis: one program equals N single-agent updates."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -40,10 +41,17 @@ def _stacked(batches):
   return stack([pad_batch(b, rows, L, L) for b in batches])
 
 
+@functools.cache
+def _stacked_step():
+  """One StackedTrainStep of LOSS, shared by the tests that run it: the same batch shapes
+  reuse its compiled program (the frozen-agent tests compare against it too)."""
+  return StackedTrainStep(_models()[0], LOSS, OPT, RATES,
+                          step_cfg=StepConfig(compiler_options=FAST))
+
+
 def _run_stacked(batches, steps=2):
-  ms = _models()
-  st = StackedTrainStep(ms[0], LOSS, OPT, RATES, step_cfg=StepConfig(compiler_options=FAST))
-  state = st.init_state(ms, seed=0)
+  st = _stacked_step()
+  state = st.init_state(_models(), seed=0)
   ref = st.copy_params(state.params)
   stacked = _stacked(batches)
   for _ in range(steps):
@@ -54,8 +62,9 @@ def _run_stacked(batches, steps=2):
 def test_stacked_update_equals_independent_single_agent_updates():
   # Agent 1 has fewer rows: its batch is padded to agent 0's, which must not matter.
   batches = [_batch(0, 8), _batch(1, 6)]
+  before = _stacked_step().num_compiles  # shared: count this test's own compiles
   state, metrics, st = _run_stacked(batches)
-  assert st.num_compiles == 1
+  assert st.num_compiles - before <= 1  # one program for both agents and both updates
   for a, model in enumerate(_models()):
     single = TrainStep(model, LOSS, dataclasses.replace(OPT, learning_rate=RATES[a]),
                        step_cfg=StepConfig(compiler_options=FAST))
