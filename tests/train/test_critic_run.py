@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from configs import coop as coop_config
-from mtrl_jax.train import experiment, rl
+from mtrl_jax.train import experiment
+from tests.train.test_separate_policies import run_on_one_device  # one CPU device
 
 
 @pytest.mark.parametrize("key,value,field", [
@@ -35,22 +36,26 @@ def test_bad_critic_configs_are_refused_in_one_line(key, value, field):
   assert "\n" not in msg and field in msg, msg
 
 
-def test_iac_chain_run_trains_the_value_heads(tmp_path):
-  # CoMLRL's IAC: G = 1 (no sibling baseline), REINFORCE, batch-normalised TD advantages;
-  # here with a Q critic and GAE, one head per agent.
+def _iac_config():
+  """CoMLRL's IAC: G = 1 (no sibling baseline), REINFORCE, batch-normalised TD advantages;
+  here with a Q critic and GAE, one head per agent."""
   c = coop_config.get_config("smoke=True")
   c.critic.kind, c.critic.target, c.critic.estimator = "independent", "q", "gae"
   c.loss.algorithm, c.tree.num_generations = "reinforce", 1
-  c.rl.steps = 2
-  c.engine.admit_rows = c.engine.decode_rows = 1
+  c.rl.steps, c.sft.steps = 1, 0  # one update from the start weights; no warm-up
+  return c
+
+
+def test_iac_chain_run_trains_the_value_heads(tmp_path):
   workdir = str(tmp_path / "run")
-  rl.run(c, workdir, progress=False)
+  run_on_one_device([{"config": ["tests.train.test_critic_run", "_iac_config", []],
+                      "workdir": workdir}])
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   for a in (0, 1):
     for key in ("value_loss", "value_mean", "value_target_mean", "value_explained_var"):
       assert np.isfinite(rows[-1][f"agent_{a}/train/{key}"]), (a, key)
   assert rows[-1]["batch/actions"] > 0
-  with open(os.path.join(workdir, "rollouts", "step_000002.jsonl")) as f:
+  with open(os.path.join(workdir, "rollouts", "step_000001.jsonl")) as f:
     root = json.loads(f.readline())
   assert len(root["advantages"]) == 2 and len(root["advantages"][0]) == 1  # N x G

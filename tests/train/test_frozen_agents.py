@@ -1,6 +1,6 @@
 """Frozen agents (`agents.trainable`): a frozen agent acts but never moves by one bit, has
-no optimizer state, metrics or batch rows, and exports its starting weights; all True is
-the run without the field."""
+no optimizer state, metrics or batch rows, and exports its starting weights. (All True is
+the run without the field: tests/train/test_separate_policies.py, on its runs.)"""
 
 import json
 import os
@@ -16,12 +16,14 @@ from mtrl_jax import models
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.models import loading, lora
 from mtrl_jax.models.config import LoraConfig
-from mtrl_jax.train import StepConfig, experiment, export_lora, rl, saved
+from mtrl_jax.train import StepConfig, experiment, export_lora, saved
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
 from mtrl_jax.train.policies import StackedPolicies
-from mtrl_jax.train.stacked import StackedTrainStep, agent_slice
+from mtrl_jax.train.stacked import agent_slice
 # The stacked step's own tests build the models and the stacked batches these compare.
-from tests.train.test_stacked import CFG, FAST, LOSS, OPT, RATES, _batch, _models, _stacked
+from tests.train.test_separate_policies import run_on_one_device
+from tests.train.test_stacked import (CFG, FAST, LOSS, OPT, RATES, _batch, _models, _stacked,
+                                     _stacked_step)
 
 STEP = StepConfig(compiler_options=FAST)
 
@@ -94,7 +96,7 @@ def test_frozen_agent_never_moves_and_the_trained_one_updates_as_in_the_full_sta
   metrics = st.fetch_metrics(m)
   assert len(metrics) == 1  # the trained agent's only
 
-  full = StackedTrainStep(ms[0], LOSS, OPT, RATES, step_cfg=STEP)
+  full = _stacked_step()  # every agent trained: the StackedTrainStep of the same losses
   fstate = full.init_state(_models(), seed=0)
   fref = full.copy_params(fstate.params)
   for _ in range(3):
@@ -137,23 +139,28 @@ def _rows(workdir):
             for line in f]
 
 
+def _teammate_config(steps, base, teammate):
+  """Agent 0 is a frozen teammate loaded from its own checkpoint `teammate`; agent 1 warms
+  up (SFT) from `base` and trains."""
+  c = _config(steps, (False, True))
+  c.rl.updates_per_step = 2  # the old-logprob forward gathers the trained agent too
+  c.model.path = base  # agents.paths must match a checkpoint's architecture
+  c.agents.paths = (teammate, "")
+  return c
+
+
 @pytest.mark.slow
 def test_a_frozen_teammate_from_agents_paths_stays_bit_identical_in_checkpoints_and_exports(
     tmp_path):
-  # Agent 0 is a frozen teammate loaded from its own checkpoint; agent 1 warms up (SFT)
-  # and trains. The run stops after step 1 and resumes to step 2.
-  c = _config(1, (False, True))
-  c.rl.updates_per_step = 2  # the old-logprob forward gathers the trained agent too
-  arch = experiment.validate(c).model.arch  # the smoke model, vocabulary fitted
+  arch = experiment.validate(_config(1, (False, True))).model.arch  # vocabulary fitted
   teammate = models.create_model(arch, seed=7)
   loading.save_pretrained(teammate, str(tmp_path / "teammate"))
   loading.save_pretrained(models.create_model(arch, seed=0), str(tmp_path / "base"))
-  c.model.path = str(tmp_path / "base")  # agents.paths must match a checkpoint's architecture
-  c.agents.paths = (str(tmp_path / "teammate"), "")
+  # The run stops after step 1 and resumes to step 2 (one CPU device: test_separate_policies).
   workdir = str(tmp_path / "run")
-  rl.run(c, workdir, progress=False)
-  c.rl.steps = 2
-  rl.run(c, workdir, progress=False)
+  args = [str(tmp_path / "base"), str(tmp_path / "teammate")]
+  run_on_one_device([{"config": ["tests.train.test_frozen_agents", "_teammate_config",
+                                 [steps] + args], "workdir": workdir} for steps in (1, 2)])
   rows = _rows(workdir)
   assert [r["step"] for r in rows] == [0, 1, 2]
   for row in rows[1:]:
@@ -168,20 +175,7 @@ def test_a_frozen_teammate_from_agents_paths_stays_bit_identical_in_checkpoints_
   assert _bits(agent_slice(first.saved_params, 0)) == start
   assert _bits(agent_slice(latest.saved_params, 1)) != _bits(agent_slice(first.saved_params, 1))
   start_file = load_file(str(tmp_path / "teammate" / "model.safetensors"))
-  for name, policy in (("latest", latest), ("first", first)):
-    saved.export_policy(policy, str(tmp_path / name))
-  for a, name in ((0, "latest"), (0, "first"), (1, "first")):
-    got = load_file(str(tmp_path / name / f"agent_{a}" / "model.safetensors"))
+  saved.export_policy(latest, str(tmp_path / "latest"))  # the step-0 bits are checked above
+  for a in (0, 1):
+    got = load_file(str(tmp_path / "latest" / f"agent_{a}" / "model.safetensors"))
     assert all(got[k].tobytes() == start_file[k].tobytes() for k in start_file) == (a == 0)
-
-
-@pytest.mark.slow
-def test_all_agents_trainable_is_the_run_without_the_field(tmp_path):
-  runs = {}
-  for name, trainable in (("default", None), ("all_true", (True, True))):
-    c = _config(1, trainable)
-    c.sft.steps = 0
-    rl.run(c, str(tmp_path / name), progress=False)
-    runs[name] = _rows(str(tmp_path / name))
-  assert runs["all_true"] == runs["default"]
-  assert "agent_0/train/loss" in runs["default"][1]

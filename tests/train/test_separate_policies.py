@@ -1,7 +1,15 @@
-"""One policy per agent in the real loop: per-agent metrics, exact resume, per-agent export."""
+"""One policy per agent in the real loop: per-agent metrics, exact resume, per-agent export;
+every agent trainable (`agents.trainable`) is the run without the field.
+
+The runs train in one process on one CPU device (`run_on_one_device`, which the other
+modules of real coop runs use too): the suite's 8 fake devices would split every engine
+call and update 8 ways, and the runs of one process share the tiny model's programs.
+"""
 
 import json
 import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,10 +17,47 @@ import pytest
 
 from configs import coop as coop_config
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import experiment, rl, saved
+from mtrl_jax.train import experiment, saved
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Trains each job of argv[1] (JSON) in turn: the config `module.function(*args)` builds,
+# into `workdir`; the folder `rows_to` gets a copy of its metrics.jsonl once it ends. No
+# curves.png is drawn (matplotlib takes seconds per run; no test here reads it).
+_RUN_JOBS = """
+import importlib, json, os, shutil, sys
+from mtrl_jax import metrics
+from mtrl_jax.train import rl
+metrics.plot_metrics = lambda *args, **kwargs: None
+for job in json.loads(sys.argv[1]):
+  module, function, args = job["config"]
+  config = getattr(importlib.import_module(module), function)(*args)
+  rl.run(config, job["workdir"], progress=False)
+  if job.get("rows_to"):
+    os.makedirs(job["rows_to"])
+    shutil.copy(os.path.join(job["workdir"], "metrics.jsonl"), job["rows_to"])
+"""
 
 
-def _config(steps):
+def one_device_env(**extra) -> dict:
+  """This process's environment (the suite's compilation cache included) with one CPU
+  device instead of the suite's 8, plus `extra`."""
+  env = dict(os.environ, **extra)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
+  return env
+
+
+def run_on_one_device(jobs: list) -> None:
+  """Trains `jobs` in turn in one process on one CPU device (see `_RUN_JOBS`): each a dict
+  with "config": [module, function, args], "workdir" and optionally "rows_to"."""
+  done = subprocess.run([sys.executable, "-c", _RUN_JOBS, json.dumps(jobs)], cwd=ROOT,
+                        env=one_device_env(), capture_output=True, text=True, timeout=1800)
+  assert done.returncode == 0, done.stderr[-5000:]
+
+
+def _config(steps, trainable=None):
   c = coop_config.get_config("smoke=True")
   c.agents.share_policy = False
   c.agents.learning_rates = (1e-3, 3e-3)
@@ -24,6 +69,9 @@ def _config(steps):
   c.loss.kl_coef = 0.01  # the references are per agent too
   c.rl.updates_per_step = 2  # each agent's clipped ratio reads its own old logprobs
   c.rl.dump_every = 0
+  c.eval.every = 1  # a run stopped after step 1 evaluates there too (its last step)
+  if trainable is not None:
+    c.agents.trainable = tuple(trainable)
   return c
 
 
@@ -35,15 +83,29 @@ def _rows(workdir):
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp("full"))
-  rl.run(_config(3), workdir, progress=False)
-  return workdir
+def runs(tmp_path_factory):
+  """The runs the tests below read (their rows are compared, never written):
+
+    full       the uninterrupted 2-step run (SFT warm-up, then RL steps 1-2)
+    stopped    the rows of the same config stopped after step 1
+    resumed    that run continued to step 2
+    all_true   the 1-step run with agents.trainable=(True, True)
+  """
+  base = tmp_path_factory.mktemp("separate")
+  full, resumed, all_true = (str(base / name) for name in ("full", "resumed", "all_true"))
+  me = "tests.train.test_separate_policies"
+  run_on_one_device([
+      {"config": [me, "_config", [2]], "workdir": full},
+      {"config": [me, "_config", [1]], "workdir": resumed, "rows_to": str(base / "stopped")},
+      {"config": [me, "_config", [2]], "workdir": resumed},
+      {"config": [me, "_config", [1, [True, True]]], "workdir": all_true}])
+  return {"full": full, "stopped": _rows(str(base / "stopped")), "resumed": _rows(resumed),
+          "all_true": _rows(all_true)}
 
 
 @pytest.mark.slow
-def test_separate_policies_log_per_agent_and_resume_exactly(full_run, tmp_path):
-  rows = _rows(full_run)
+def test_separate_policies_log_per_agent_and_resume_exactly(runs):
+  rows = _rows(runs["full"])
   for a in (0, 1):
     for key in ("train/loss", "train/kl", "train/learning_rate", "batch/actions"):
       assert f"agent_{a}/{key}" in rows[1], (a, key)
@@ -53,15 +115,20 @@ def test_separate_policies_log_per_agent_and_resume_exactly(full_run, tmp_path):
                                       + rows[1]["agent_1/batch/actions"])
   for a in (0, 1):  # the second update's ratio sees the first: pi_old is the trainer's
     assert abs(rows[1][f"agent_{a}/train/ratio_mean"] - 1.0) > 1e-6, a
-  # Stop after step 2, continue to step 3: the same rows as the uninterrupted run.
-  resumed = str(tmp_path / "resumed")
-  rl.run(_config(2), resumed, progress=False)
-  rl.run(_config(3), resumed, progress=False)
-  assert _rows(resumed) == rows
+  # Stopped after step 1, continued to step 2: the same rows as the uninterrupted run.
+  assert [r["step"] for r in runs["stopped"]] == [0, 1]
+  assert runs["resumed"] == rows
 
 
 @pytest.mark.slow
-def test_export_writes_one_hf_directory_per_agent(full_run, tmp_path):
+def test_all_agents_trainable_is_the_run_without_the_field(runs):
+  assert runs["all_true"] == runs["stopped"]
+  assert "agent_0/train/loss" in runs["all_true"][1]
+
+
+@pytest.mark.slow
+def test_export_writes_one_hf_directory_per_agent(runs, tmp_path):
+  full_run = runs["full"]
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   policy = saved.load_policy(full_run, "latest")

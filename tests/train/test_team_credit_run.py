@@ -5,18 +5,23 @@ import json
 import os
 
 from configs import coop as coop_config
-from mtrl_jax.train import rl
+from tests.train.test_separate_policies import run_on_one_device  # one CPU device
 
 
-def test_coop_smoke_run_with_local_rewards_and_marginal_credit(tmp_path):
+def _config():
   c = coop_config.get_config("smoke=True,share_policy=True")
   c.agents.team_weight = 0.5
   c.tree.joint_mode = "marginal"
-  c.rl.steps = 1
+  c.rl.steps, c.sft.steps = 1, 0  # credit is read from the rollout: no warm-up needed
   c.rl.dump_every = 1
-  c.engine.admit_rows = c.engine.decode_rows = 1
+  return c
+
+
+def test_coop_smoke_run_with_local_rewards_and_marginal_credit(tmp_path):
+  c = _config()
   workdir = str(tmp_path / "run")
-  rl.run(c, workdir, progress=False)
+  run_on_one_device([{"config": ["tests.train.test_team_credit_run", "_config", []],
+                      "workdir": workdir}])
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   step = rows[-1]
