@@ -27,6 +27,7 @@ from mtrl_jax.rollout.records import ActionRecord, StepRecord
 from mtrl_jax.train import experiment
 from mtrl_jax.train.config import RLConfig
 from mtrl_jax.train.watch import LearningWatch
+from tests.train.test_separate_policies import one_device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -310,7 +311,7 @@ def test_a_run_whose_every_sample_is_masked_halts_with_status_3_and_keeps_its_fi
          "--config.env.factory=masking_env:MaskingFactory", "--config.env.max_retries=0",
          "--config.rl.steps=4", "--config.rl.halt_if_idle_steps=2",
          "--config.eval.num_tasks=2", "--config.eval.every=10"]
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+  env = one_device_env(PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))  # one CPU device
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 3, out.stderr[-3000:]
   lines = [l for l in out.stderr.splitlines() if l.startswith(("warning: ", "halted at "))]

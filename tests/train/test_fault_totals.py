@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from mtrl_jax.envs import FaultKind
+from tests.train.test_separate_policies import one_device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,8 +43,9 @@ def test_a_factory_that_raises_for_some_tasks_masks_their_roots_and_the_run_fini
   workdir = tmp_path / "run"
   cmd = [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
          f"--workdir={workdir}", "--progress=false", "--config.sft.steps=0",
-         "--config.env.factory=broken_env:BrokenFactory", "--config.eval.every=10"]
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+         "--config.env.factory=broken_env:BrokenFactory", "--config.eval.every=10",
+         "--config.rl.steps=2"]  # seed 0's step 1 draws a broken task; step 2 goes on
+  env = one_device_env(PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))  # one CPU device
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   shown = [line for line in out.stderr.splitlines() if line.startswith("fault contract")]
@@ -55,7 +57,7 @@ def test_a_factory_that_raises_for_some_tasks_masks_their_roots_and_the_run_fini
   assert totals["contract"] > 0 and totals["infrastructure"] == 0
   with open(workdir / "metrics.jsonl") as f:  # every step trained and was logged
     steps = [json.loads(line)["step"] for line in f]
-  assert steps[-1] == 3 and sorted(os.listdir(workdir / "ckpt"))
+  assert steps == [0, 1, 2] and sorted(os.listdir(workdir / "ckpt"))
 
 
 def test_held_out_tasks_that_are_not_mappings_are_passed_on_to_be_masked():

@@ -17,7 +17,8 @@ def _metrics(workdir):
             for line in f]
 
 
-def test_the_smoke_run_through_the_recipe_equals_the_command_line(smoke_run, tmp_path):
+def test_the_smoke_run_through_the_recipe_equals_the_command_line(smoke_run, tmp_path,
+                                                                  no_curves):
   """The recipe's run of the shared smoke run's config (tests/train/conftest.py, trained
   by `python -m experiments.train`) logs the same metrics."""
   base = calc_config.get_config("smoke=True")
