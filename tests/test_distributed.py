@@ -1,10 +1,11 @@
 """Multi-host runs (`mtrl_jax.distributed`, `experiments/launch_local.py`) on CPU processes.
 
 One shared sequence of runs (they dominate the time, about 2 minutes on 2 cores):
-  1. the 3-step calculator smoke run in this process on 8 fake devices;
-  2. the same run as 2 processes x 4 devices, process 1 SIGKILLed after step 1:
-     the survivor stops on its own (the coordinator's heartbeat) in < 60 s;
-  3. both processes restarted: the run resumes from the last checkpoint.
+  1. the 2-step calculator smoke run (no SFT) as 2 processes x 2 devices, process 1
+     SIGKILLed after step 1: the survivor stops on its own (the coordinator's
+     heartbeat) in < 60 s;
+  2. both processes restarted: the run resumes from the last checkpoint;
+  3. the same run in one process on 4 devices.
 The resumed 2-process run's metrics equal the 1-process run's (floats within
 1e-5; the keys that depend on how rows are packed per process are listed in
 LAYOUT_KEYS) and so do the final parameters; process 0 alone wrote files.
@@ -25,10 +26,11 @@ import pytest
 from configs import calculator as calc_config
 from mtrl_jax import distributed
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import experiment, rl
+from mtrl_jax.train import experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 3
+STEPS = 2
+DEVICES = 2  # per process of the 2-process run; the 1-process run has all 4
 FLAGS = ["--config=" + os.path.join(ROOT, "configs", "calculator.py") + ":smoke=True",
          f"--config.rl.steps={STEPS}", "--config.sft.steps=0",
          # Raw returns as advantages: every step's update is non-zero, so the
@@ -75,13 +77,20 @@ def _params(workdir):
   return step, {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
 
 
-def _launch(workdir, grace_s=50):
-  cmd = [sys.executable, "-u", "-m", "experiments.launch_local", "--num_processes=2",
-         "--devices_per_process=4", f"--grace_s={grace_s}", "--heartbeat_timeout_s=10", "--",
-         *FLAGS, f"--workdir={workdir}"]
+def _env(devices=None):
+  """This process's environment with `devices` CPU devices (None: launch_local sets them)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
-  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+  if devices:
+    env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
+  return env
+
+
+def _launch(workdir, grace_s=50):
+  cmd = [sys.executable, "-u", "-m", "experiments.launch_local", "--num_processes=2",
+         f"--devices_per_process={DEVICES}", f"--grace_s={grace_s}",
+         "--heartbeat_timeout_s=10", "--", *FLAGS, f"--workdir={workdir}"]
+  return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
 
 
@@ -110,7 +119,7 @@ def test_shares_are_contiguous_blocks_in_process_order():
 @pytest.mark.slow
 def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
-  # 2 processes x 4 devices; process 1 is killed once step 1 is logged and a
+  # 2 processes x 2 devices; process 1 is killed once step 1 is logged and a
   # checkpoint is committed (Orbax saves in the background: a row can land first).
   proc = _launch(multi)
   lines = []
@@ -145,8 +154,11 @@ def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   assert proc.returncode == 0, out[-3000:]
   assert "resumed from" in out, out[-3000:]
 
-  # The same run in one process on 8 devices.
-  rl.run(_config(), single, progress=False)
+  # The same run in one process on the same 4 devices.
+  done = subprocess.run([sys.executable, "-m", "experiments.train", *FLAGS,
+                         f"--workdir={single}"], cwd=ROOT, env=_env(2 * DEVICES),
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
 
   one, two = _rows(single), _rows(multi)
   assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(STEPS + 1))
