@@ -48,9 +48,34 @@ def test_one_reregistration_rule():
     reg.register("f")(len)
 
 
-def test_the_three_registries_are_registries():
+def test_the_three_registries_resolve_names_and_import_paths_to_what_runs():
+  import mtrl_jax.tasks  # noqa: F401  (the built-in tasks register when imported)
+  from mtrl_jax.envs import resolve_factory
+  from mtrl_jax.graders.base import FunctionGrader, resolve_grader
+  from mtrl_jax.tasks.calculator import CalculatorEnv, CalculatorFactory, calculator_tasks
   assert all(isinstance(r, registry.Registry)
              for r in (data.TASK_SOURCES, ENV_FACTORIES, GRADERS))
+  # Task sources: the name and the import path reach the registered function.
+  assert data.TASK_SOURCES.get("calculator") is calculator_tasks
+  assert (data.TASK_SOURCES.resolve("mtrl_jax.tasks.calculator:calculator_tasks")
+          is calculator_tasks)
+  tasks = data.resolve_task_source("calculator", "eval", size=3)
+  assert len(tasks) == 3 and tasks[2] == calculator_tasks("eval", size=3)[2]
+  # Environment factories: the registered class, built with the config's keyword arguments.
+  assert ENV_FACTORIES.get("calculator") is CalculatorFactory
+  factory = resolve_factory("calculator", max_tool_calls=1)
+  assert type(factory) is CalculatorFactory and factory.max_tool_calls == 1
+  assert type(factory.create_environment(tasks[0])) is CalculatorEnv
+  # Graders: 'function' builds a FunctionGrader that grades with the given function.
+  assert GRADERS.get("function") is FunctionGrader
+  grader = resolve_grader("function", fn=lambda thread: 0.25, name="quarter")
+  assert type(grader) is FunctionGrader and grader.name == "quarter"
+  assert grader.grade(None).score == 0.25
+  # Each registry names what it holds in its unknown-name error.
+  for reg, what in ((data.TASK_SOURCES, "task source"), (ENV_FACTORIES, "environment factory"),
+                    (GRADERS, "grader")):
+    with pytest.raises(ValueError, match=rf"^unknown {what} 'nope'; registered: \[.*'"):
+      reg.get("nope")
 
 
 def test_importing_the_env_api_imports_no_task():
