@@ -18,15 +18,12 @@ episode ended.
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 import random
-import re
 
 from absl import flags
 
 from experiments import cli
+from mtrl_jax.rollout.dump import dump_files, no_dumps_message, read_dump
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (with rollouts/)")
 _STEP = flags.DEFINE_integer("step", None, "the dumped step to read (default: the latest)")
@@ -35,38 +32,6 @@ _SEED = flags.DEFINE_integer("seed", 0, "which episodes are picked")
 flags.mark_flag_as_required("workdir")
 
 INDENT = "      "
-
-
-def dump_files(workdir: str) -> dict[int, str]:
-  """step -> path of each rollout dump under `workdir/rollouts`."""
-  out = {}
-  for path in glob.glob(os.path.join(workdir, "rollouts", "step_*.jsonl")):
-    m = re.search(r"step_(\d+)\.jsonl$", path)
-    if m:
-      out[int(m.group(1))] = path
-  return dict(sorted(out.items()))
-
-
-def no_dumps_message(workdir: str) -> str:
-  """Why `workdir` has nothing to show, in one line."""
-  if not os.path.isdir(workdir):
-    return f"--workdir={workdir} is not a directory; allowed: a run directory"
-  every = None
-  try:
-    with open(os.path.join(workdir, "config.json")) as f:
-      every = json.load(f)["rl"]["dump_every"]
-  except (OSError, ValueError, KeyError, TypeError):
-    pass
-  run = "" if every is None else f" (this run: rl.dump_every={every})"
-  return (f"{workdir} has no rollout dumps (rollouts/step_*.jsonl): a run writes one every "
-          f"rl.dump_every steps, none with rl.dump_every=0{run}")
-
-
-def read_dump(path: str) -> list[dict]:
-  """The node records of one dump, in `node_id` order."""
-  with open(path) as f:
-    nodes = [json.loads(line) for line in f if line.strip()]
-  return sorted(nodes, key=lambda n: n["node_id"])
 
 
 def episodes(nodes: list[dict]) -> list[list[tuple[dict, int]]]:

@@ -13,7 +13,7 @@ import pytest
 from experiments import show
 from mtrl_jax.envs.reward import RewardConfig
 from mtrl_jax.rollout import TreeConfig, expand_tree, write_rollout_dump
-from mtrl_jax.rollout.dump import dump_path
+from mtrl_jax.rollout.dump import dump_files, dump_path, read_dump
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.testing import FakePolicy, ToolThenUserEnv, byte_renderer
 
@@ -55,7 +55,7 @@ def run_dir(tmp_path_factory):
 
 
 def test_every_episode_is_printed_whole_with_its_rewards(run_dir):
-  nodes = show.read_dump(show.dump_files(run_dir)[7])
+  nodes = read_dump(dump_files(run_dir)[7])
   paths = show.episodes(nodes)
   assert len(paths) == 8 and all(len(p) == 2 for p in paths)  # 2 roots x 2 x 2
   text = show.show(run_dir, episodes_wanted=8)

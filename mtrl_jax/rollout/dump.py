@@ -19,9 +19,11 @@ headers); each joint action's record lists every step.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import re
 import sys
 from typing import Callable, Optional
 
@@ -140,3 +142,35 @@ def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None
           f"(errno {e.errno}); the run goes on", file=sys.stderr, flush=True)
     return None
   return path
+
+
+def dump_files(workdir: str) -> dict[int, str]:
+  """step -> path of each rollout dump under `workdir/rollouts`."""
+  out = {}
+  for path in glob.glob(os.path.join(workdir, "rollouts", "step_*.jsonl")):
+    m = re.search(r"step_(\d+)\.jsonl$", path)
+    if m:
+      out[int(m.group(1))] = path
+  return dict(sorted(out.items()))
+
+
+def no_dumps_message(workdir: str) -> str:
+  """Why `workdir` has nothing to show, in one line."""
+  if not os.path.isdir(workdir):
+    return f"workdir {workdir} is not a directory; allowed: a run directory"
+  every = None
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      every = json.load(f)["rl"]["dump_every"]
+  except (OSError, ValueError, KeyError, TypeError):
+    pass
+  run = "" if every is None else f" (this run: rl.dump_every={every})"
+  return (f"{workdir} has no rollout dumps (rollouts/step_*.jsonl): a run writes one every "
+          f"rl.dump_every steps, none with rl.dump_every=0{run}")
+
+
+def read_dump(path: str) -> list[dict]:
+  """The node records of one dump, in `node_id` order."""
+  with open(path) as f:
+    nodes = [json.loads(line) for line in f if line.strip()]
+  return sorted(nodes, key=lambda n: n["node_id"])

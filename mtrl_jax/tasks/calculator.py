@@ -28,7 +28,9 @@ it the task keeps its keyword arguments (the default equals level 2).
 from __future__ import annotations
 
 import ast
+import collections
 import operator
+import re
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -251,3 +253,37 @@ def calculator_tasks(split: str, size: Optional[int] = None, **task_kwargs) -> d
   return data.GeneratedTasks(make_task, split, size or (100_000 if split == "train" else 200),
                              **task_kwargs)
 
+
+# The failure classes of a completion (`python -m experiments.calc_errors`).
+FAILURE_CLASSES = ("right", "no tool call", "wrong expression", "answer != tool result")
+_TOOL_REPLY = re.compile(r"<\|tool\|>(.*?)<\|end\|>")
+_ANSWER = re.compile(r"<answer>(.*?)</answer>")
+
+
+def failure_class(completion: str, action: Mapping[str, Any]) -> str:
+  """The class of one completion, from its text and its joint action's dump record.
+
+  `right`: the answer was accepted (the episode went on to the follow-up, or
+  ended graded +1); `no tool call`: graded -1 without a tool reply; `answer !=
+  tool result`: the tool returned a value the answer copied wrongly; `wrong
+  expression`: the tool ran on an expression whose value is not the expected
+  answer (operands miscopied).
+  """
+  grade = action["steps"][-1].get("grades", {}).get("grade")
+  if grade is None or grade["score"] > 0:  # no final grade: the episode went on
+    return "right"
+  reply, answer = _TOOL_REPLY.search(completion), _ANSWER.search(completion)
+  if reply is None:
+    return "no tool call"
+  if answer is not None and answer.group(1) != reply.group(1):
+    return "answer != tool result"
+  return "wrong expression"
+
+
+def failure_classes(nodes) -> dict[int, collections.Counter]:
+  """turn -> Counter of `failure_class` over every completion of a dump's node records."""
+  out = collections.defaultdict(collections.Counter)
+  for node in nodes:
+    for completion, action in zip(node["completions"][0], node["actions"]):
+      out[node["turn"]][failure_class(completion, action)] += 1
+  return dict(out)
