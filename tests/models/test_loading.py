@@ -130,7 +130,10 @@ def test_from_pretrained_matches_transformers(case, tmp_path):
 
   tokens = _tokens(hf.config.vocab_size)
   want = _hf_logits(hf, tokens)
-  got = _logits(model, tokens)
+  # Through the masked forward (every token valid) that the padded batch below
+  # takes: one program per case. The unmasked forward is checked by the tests below.
+  full = np.ones(tokens.shape, bool)
+  got = _logits(model, tokens, full, np.broadcast_to(np.arange(10, dtype=np.int32), tokens.shape))
   assert got.dtype == np.float32
   assert np.abs(want).max() > 1.0  # logits are not near-uniform: a real comparison
   np.testing.assert_allclose(got, want, atol=TOL, rtol=0)

@@ -2,6 +2,8 @@
 adapted forward and its gradients equal float64 numpy references; the cached decode path
 and merged weights agree with the unmerged forward."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,10 @@ from mtrl_jax.models import init_cache, lora
 from mtrl_jax.models.config import LORA_TARGETS, LoraConfig
 
 B, T = 2, 7
+# One adapter configuration for every test: its programs (and the eager
+# initialisers of its shapes) are compiled once.
+LORA = LoraConfig(rank=2, alpha=4.0)
+CFG = models.get_preset("tiny").replace(lora=LORA)
 
 
 def _tokens(cfg, seed=0):
@@ -21,38 +27,47 @@ def _tokens(cfg, seed=0):
 
 def _random_adapters(adapters, seed=1, std=0.3):
   """Adapters with non-zero B (trained-looking), deterministic."""
-  leaves, treedef = jax.tree.flatten(adapters)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype) * std
-                                      for k, x in zip(keys, leaves)])
+  r = np.random.RandomState(seed)
+  return jax.tree.map(lambda x: jnp.asarray(r.randn(*x.shape) * std, x.dtype), adapters)
 
 
-def _prefill_logits(model, tokens):
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, states, tokens):
+  """The full forward of the model `nnx.merge(graphdef, *states)`."""
+  return nnx.merge(graphdef, *states)(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(graphdef, states, tokens):
   """Every token's logits through forward_cached: one causal prefill into slots 0..T-1."""
+  model = nnx.merge(graphdef, *states)
   cache = init_cache(model.cfg, B, T)
-  attn = np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))
-  write = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-  positions = write
-  logits, _ = model.forward_cached(jnp.asarray(tokens), positions, attn, cache, write)
-  return np.asarray(logits)
+  attn = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+  write = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  logits, _ = model.forward_cached(tokens, write, attn, cache, write)
+  return logits
+
+
+def _run(fn, model, tokens):
+  graphdef, *states = nnx.split(model)
+  return np.asarray(fn(graphdef, tuple(states), jnp.asarray(tokens)))
 
 
 def test_zero_initialised_adapters_give_the_base_logits_bit_for_bit():
   cfg = models.get_preset("tiny")
   base = models.create_model(cfg, seed=4)
-  cfg_lora = LoraConfig(rank=4, alpha=8.0)
-  adapted = lora.attach(base, cfg_lora, seed=4)
-  scratch = models.create_model(cfg.replace(lora=cfg_lora), seed=4)
+  adapted = lora.attach(base, LORA, seed=4)
+  scratch = models.create_model(CFG, seed=4)
   _, a, _ = lora.split(adapted)
   _, a_scratch, _ = lora.split(scratch)
   assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(a_scratch)))
   assert all(not np.any(b) for (_, b) in lora.pairs(a).values())
   assert len(lora.pairs(a)) == cfg.num_layers * len(LORA_TARGETS)
   tokens = _tokens(cfg)
-  want = np.asarray(base(tokens))
-  np.testing.assert_array_equal(np.asarray(adapted(tokens)), want)
-  np.testing.assert_array_equal(np.asarray(scratch(tokens)), want)
-  np.testing.assert_array_equal(_prefill_logits(adapted, tokens), _prefill_logits(base, tokens))
+  want = _run(_logits, base, tokens)
+  np.testing.assert_array_equal(_run(_logits, adapted, tokens), want)
+  np.testing.assert_array_equal(_run(_logits, scratch, tokens), want)
+  np.testing.assert_array_equal(_run(_prefill, adapted, tokens), _run(_prefill, base, tokens))
 
 
 def _np_silu(x):
@@ -60,8 +75,7 @@ def _np_silu(x):
 
 
 def test_mlp_adapters_forward_and_gradients_equal_a_float64_numpy_reference():
-  cfg = models.get_preset("tiny").replace(lora=LoraConfig(rank=3, alpha=6.0,
-                                                          targets=("gate", "up", "down")))
+  cfg = CFG
   model = models.create_model(cfg, seed=0)
   graphdef, adapters, base = lora.split(model.blocks[0].mlp)
   adapters = _random_adapters(adapters)
@@ -71,7 +85,7 @@ def test_mlp_adapters_forward_and_gradients_equal_a_float64_numpy_reference():
   def loss(adapters):
     return jnp.sum(nnx.merge(graphdef, adapters, base)(x) * r)
 
-  got_loss, got = jax.value_and_grad(loss)(adapters)
+  got_loss, got = jax.jit(jax.value_and_grad(loss))(adapters)
 
   s = cfg.lora.scale
   f64 = lambda v: np.asarray(v, np.float64)
@@ -100,7 +114,7 @@ def test_mlp_adapters_forward_and_gradients_equal_a_float64_numpy_reference():
 def test_model_adapters_equal_merged_weights_and_their_gradients_the_chain_rule():
   """The adapted model's logits are the plain model's at W + s A B (merged in float64 numpy),
   and dL/dA = s dL/dW B^T, dL/dB = s A^T dL/dW for every adapted weight."""
-  cfg = models.get_preset("tiny").replace(lora=LoraConfig(rank=2, alpha=5.0))
+  cfg = CFG
   graphdef, adapters, base = lora.split(models.create_model(cfg, seed=2))
   adapters = _random_adapters(adapters, std=0.2)
   tokens = _tokens(cfg, seed=3)
@@ -115,18 +129,22 @@ def test_model_adapters_equal_merged_weights_and_their_gradients_the_chain_rule(
     var.set_value(jnp.asarray(w + delta.reshape(w.shape), jnp.float32))
   plain_graph = lora.base_graphdef(cfg)
 
-  loss_lora = jax.jit(lambda a: jnp.sum(nnx.merge(graphdef, a, base)(tokens) * r))
-  loss_plain = jax.jit(lambda p: jnp.sum(nnx.merge(plain_graph, p)(tokens) * r))
-  logits_lora = nnx.merge(graphdef, adapters, base)(tokens)
-  logits_plain = nnx.merge(plain_graph, merged)(tokens)
+  def lora_loss(a):
+    logits = nnx.merge(graphdef, a, base)(tokens)
+    return jnp.sum(logits * r), logits
+
+  def plain_loss(p):
+    logits = nnx.merge(plain_graph, p)(tokens)
+    return jnp.sum(logits * r), logits
+
+  (_, logits_lora), got = jax.jit(jax.value_and_grad(lora_loss, has_aux=True))(adapters)
+  (_, logits_plain), g_w = jax.jit(jax.value_and_grad(plain_loss, has_aux=True))(merged)
   np.testing.assert_allclose(logits_lora, logits_plain, atol=2e-4, rtol=0)
   # The library's merge agrees with the numpy one.
   ours = lora.merge(base, adapters, cfg.lora)
   for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(merged)):
     np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
 
-  got = jax.grad(loss_lora)(adapters)
-  g_w = jax.grad(loss_plain)(merged)
   for (i, t), (a, b) in lora.pairs(adapters).items():
     gw = np.asarray(g_w["blocks"][i][lora.MODULE_OF[t]][t][...], np.float64)
     gw = gw.reshape(a.shape[0], b.shape[1])
@@ -138,17 +156,18 @@ def test_model_adapters_equal_merged_weights_and_their_gradients_the_chain_rule(
 
 
 def test_cached_decode_with_adapters_equals_the_full_forward():
-  cfg = models.get_preset("tiny").replace(lora=LoraConfig(rank=2, alpha=4.0))
+  cfg = CFG
   graphdef, adapters, base = lora.split(models.create_model(cfg, seed=5))
   model = nnx.merge(graphdef, _random_adapters(adapters, seed=6), base)
   tokens = _tokens(cfg, seed=7)
-  full = np.asarray(model(tokens))
-  np.testing.assert_allclose(_prefill_logits(model, tokens), full, atol=5e-5, rtol=0)
-  assert np.abs(full - np.asarray(nnx.merge(lora.base_graphdef(cfg), base)(tokens))).max() > 1e-2
+  full = _run(_logits, model, tokens)
+  np.testing.assert_allclose(_run(_prefill, model, tokens), full, atol=5e-5, rtol=0)
+  plain = _logits(lora.base_graphdef(cfg), (base,), jnp.asarray(tokens))
+  assert np.abs(full - np.asarray(plain)).max() > 1e-2
 
 
 def test_unmerge_restores_the_base():
-  cfg = models.get_preset("tiny").replace(lora=LoraConfig(rank=2, alpha=4.0, targets=("q", "o")))
+  cfg = CFG
   _, adapters, base = lora.split(models.create_model(cfg, seed=8))
   adapters = _random_adapters(adapters, seed=9)
   back = lora.unmerge(lora.merge(base, adapters, cfg.lora), adapters, cfg.lora)
