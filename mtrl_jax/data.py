@@ -129,6 +129,10 @@ class TaskStream:
   def state(self) -> dict:
     return {"epoch": self.epoch, "position": self.position}
 
+  def rewound(self, mark: Mapping[str, Any]) -> dict:
+    """The state with the draws since `mark` (a `state()` taken earlier) undone."""
+    return dict(mark)
+
   def restore(self, state: Mapping[str, int]) -> None:
     self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
 
@@ -180,9 +184,17 @@ class CurriculumStream:
   the step's rollout success; once the last `window` observations at the
   current level average above `raise_above` the level goes up one (below
   `lower_below`: down one, never past the ends), and the window empties, so
-  every decision rests on `window` steps at one level. The whole state
-  (level, window, each level's position) is plain JSON for the checkpoint
-  meta, so a resumed run draws the same tasks (docs/design.md invariant 6).
+  every decision rests on `window` steps at one level.
+
+  A step's tasks may be drawn before the previous step's success is observed
+  (`rl.max_staleness=1` draws step k + 1 during step k's update), so a move
+  decided by `observe` reaches the draws after the ones already taken: the
+  stream keeps the levels of its draws not yet observed (`pending`), and
+  `observe` labels each step with the level its tasks came from. The whole
+  state (level, window, pending levels, each level's position) is plain JSON
+  for the checkpoint meta, so a resumed run draws the same tasks at the same
+  levels (docs/design.md invariant 6); `rewound` gives the state of a
+  checkpoint taken while a draw is in flight.
   """
 
   def __init__(self, make_source: Callable[[int], TaskSource], cfg: CurriculumConfig,
@@ -192,20 +204,28 @@ class CurriculumStream:
                     for level in range(cfg.num_levels)]
     self.level = cfg.start_level
     self.window: list[float] = []
+    self.pending: list[int] = []  # levels of the draws not yet observed, oldest first
+    self.redraw: list[int] = []  # levels of draws a checkpoint undid, taken again first
+    self.draws = 0  # next() calls so far
 
   def next(self, count: int) -> list[dict]:
-    """The next `count` tasks of the current level (each tagged with its `curriculum_level`)."""
-    return [dict(t, curriculum_level=self.level) if isinstance(t, Mapping) else t
-            for t in self.streams[self.level].next(count)]
+    """The next `count` tasks, each tagged with its `curriculum_level`: the current
+    level's, or the level of a draw the restored checkpoint undid."""
+    level = self.redraw.pop(0) if self.redraw else self.level
+    self.pending.append(level)
+    self.draws += 1
+    return [dict(t, curriculum_level=level) if isinstance(t, Mapping) else t
+            for t in self.streams[level].next(count)]
 
   def observe(self, success: float) -> dict[str, float]:
-    """Records one RL step's rollout success; may move the level for the next step.
+    """Records one RL step's rollout success (steps in draw order); may move the level
+    for the draws to come.
 
     Returns:
       `curriculum/level` (the level the step's tasks came from) and
       `curriculum/rolling_success` (mean over the window so far, this step included).
     """
-    used = self.level
+    used = self.pending.pop(0) if self.pending else self.level
     self.window = (self.window + [float(success)])[-self.cfg.window:]
     rolling = sum(self.window) / len(self.window)
     if len(self.window) == self.cfg.window:
@@ -216,8 +236,28 @@ class CurriculumStream:
     return {"curriculum/level": float(used), "curriculum/rolling_success": rolling}
 
   def state(self) -> dict:
-    return {"level": self.level, "window": list(self.window),
+    return {"level": self.level, "window": list(self.window), "draws": self.draws,
+            "pending": list(self.pending), "redraw": list(self.redraw),
             "streams": [s.state() for s in self.streams]}
+
+  def rewound(self, mark: Mapping[str, Any]) -> dict:
+    """The state with the draws since `mark` (a `state()` taken earlier) undone: each
+    level's position of `mark`, the level and window of now (every step observed
+    since counts), and the undone draws' levels, which a restored stream takes
+    again before the current level.
+
+    Raises:
+      ValueError when a draw since `mark` was observed already (its success
+        counts, so its tasks cannot be drawn again).
+    """
+    undone = self.draws - int(mark["draws"])
+    if undone > len(self.pending):
+      raise ValueError(f"{undone} draws since the mark, {len(self.pending)} not yet observed: "
+                       "an observed draw cannot be undone")
+    kept = len(self.pending) - undone
+    return {**self.state(), "streams": [dict(x) for x in mark["streams"]],
+            "draws": int(mark["draws"]), "pending": self.pending[:kept],
+            "redraw": self.pending[kept:] + self.redraw}
 
   def restore(self, state: Mapping[str, Any]) -> None:
     if len(state["streams"]) != len(self.streams):
@@ -225,5 +265,8 @@ class CurriculumStream:
                        f"{len(self.streams)} (curriculum.num_levels changed?)")
     self.level = int(state["level"])
     self.window = [float(x) for x in state["window"]]
+    self.draws = int(state["draws"])
+    self.pending = [int(x) for x in state["pending"]]
+    self.redraw = [int(x) for x in state["redraw"]]
     for stream, s in zip(self.streams, state["streams"]):
       stream.restore(s)

@@ -86,3 +86,43 @@ def test_bad_curriculum_configs_fail_in_one_line(kw, field):
   with pytest.raises(ValueError) as err:
     CurriculumConfig(**kw)
   assert field in str(err.value) and "allowed" in str(err.value) and "\n" not in str(err.value)
+
+
+def _stale_loop(stream, successes, start=0, checkpoints=None):
+  """The RL loop's use of a stream under rl.max_staleness=1: step k + 1 is drawn (after a
+  mark) before step k is observed; the checkpoint after step k undoes that draw.
+  Returns (tasks, observe metrics) per step; `checkpoints` collects step -> state."""
+  drawn = {start + 1: stream.next(2)}
+  out = []
+  for step in range(start + 1, len(successes) + 1):
+    mark = stream.state()
+    if step < len(successes):
+      drawn[step + 1] = stream.next(2)
+    m = stream.observe(successes[step - 1])
+    out.append((drawn[step], m))
+    if checkpoints is not None:
+      in_flight = step < len(successes)
+      checkpoints[step] = json.loads(json.dumps(stream.rewound(mark) if in_flight
+                                                else stream.state()))
+  return out
+
+
+def test_stale_draws_are_labelled_by_their_level_and_resume_from_any_checkpoint():
+  successes = [1.0, 1.0, 0.9, 0.2, 0.1, 0.0, 1.0, 0.9, 0.0, 0.0, 0.6, 0.9]
+  checkpoints = {}
+  full = _stale_loop(_stream(window=2), successes, checkpoints=checkpoints)
+  for tasks, m in full:  # each step's label is the level its tasks came from
+    assert m["curriculum/level"] == tasks[0]["curriculum_level"] == tasks[0]["level"]
+  levels = [m["curriculum/level"] for _, m in full]
+  # Levels move one step after the decision (the next step was drawn already).
+  assert levels == [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0]
+  for k in range(1, len(successes)):
+    resumed = _stream(window=2)
+    resumed.restore(checkpoints[k])
+    assert _stale_loop(resumed, successes, start=k) == full[k:], k
+  s = _stream()
+  mark = s.state()
+  s.next(1)
+  s.observe(0.5)  # the draw since the mark was observed: it cannot be undone
+  with pytest.raises(ValueError, match="1 draws since the mark, 0 not yet observed"):
+    s.rewound(mark)

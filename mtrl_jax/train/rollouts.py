@@ -11,8 +11,8 @@ clipped ratio takes the trainer's own old logprobs and `loss.is_correction`
 (TIS / MIS) corrects for the one step between them. Which parameters sample
 which step is fixed by the step alone, so the run is deterministic and a
 resumed run (the checkpoint keeps the behaviour parameters and the task
-stream as it was before the in-flight rollout took its tasks) continues as if
-never stopped. Evaluation waits for an in-flight rollout (they share the
+stream with the in-flight rollout's draw undone, `data.CurriculumStream.rewound`)
+continues as if never stopped. Evaluation waits for an in-flight rollout (they share the
 engine).
 """
 

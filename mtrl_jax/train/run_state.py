@@ -118,11 +118,12 @@ class RunState:
 
   def checkpoint_tree(self, in_flight: bool) -> tuple[dict, dict]:
     """(tree, meta) of a checkpoint now; `in_flight`: a rollout submitted ahead has
-    taken its tasks, so the stream is saved as it was before (`stream_mark`)."""
+    taken its tasks, so the stream is saved with that draw undone (`stream_mark`)."""
     tree = {"train": self.policies.to_saved(self.state)}
     for name in self._param_trees:
       tree[name] = self.policies.to_saved(getattr(self, name))
-    meta = {"stream": self.stream_mark if in_flight else self.stream.state()}
+    meta = {"stream": (self.stream.rewound(self.stream_mark) if in_flight
+                       else self.stream.state())}
     if self.mix is not None:
       tree["sft_mix"], meta["sft_mix"] = self.mix.opt_state, self.mix.stream_state()
     if self.critic_model is not None:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,27 +209,41 @@ def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policie
 @pytest.mark.slow
 def test_rollouts_one_step_ahead_are_one_update_stale_and_resume_exactly(tmp_path):
   """rl.max_staleness=1: step t+1's rollout runs during update t with the parameters
-  update t started from; stopped after step 1 and continued to 2, the run equals an
-  uninterrupted one (the checkpoint keeps those parameters and the task stream)."""
+  update t started from. A run killed after its step-1 checkpoint (saved while step 2's
+  rollout was in flight) and resumed equals the uninterrupted one, curriculum included:
+  the checkpoint keeps those parameters, the stream with the in-flight draw undone, and
+  the level moves that step 1's success decided; `curriculum/level` labels the level
+  each step's tasks came from."""
   def config(steps):
     c = smoke_config(steps)
     c.rl.max_staleness = 1
     c.loss.is_correction = "tis"
     c.rl.dump_every = 0
-    c.eval.every = 1  # the run stopped at step 1 evaluates there: so does this one
-    c.checkpoint.every = 2  # the stopped run saves its last step
+    c.eval.every = 10  # evaluations at 0 and the end only
+    c.checkpoint.every, c.checkpoint.keep = 1, 4
+    c.sft.steps = 0  # an untrained policy fails every task: the level drops one per step
+    c.curriculum.enabled = True
+    c.curriculum.start_level, c.curriculum.window, c.curriculum.lower_below = 2, 1, 0.5
     return c
 
   full = str(tmp_path / "full")
-  rl.run(config(2), full, progress=False)
+  rl.run(config(3), full, progress=False)
   rows = _rows(full)
-  assert [r.get("rollout/staleness") for r in rows] == [None, 0.0, 1.0]
+  assert [r.get("rollout/staleness") for r in rows] == [None, 0.0, 1.0, 1.0]
   assert all(r["time/rollout_wait"] >= 0 for r in rows[1:]) and "train/loss" in rows[2]
-  resumed = str(tmp_path / "resumed")
-  rl.run(config(1), resumed, progress=False)
-  rl.run(config(2), resumed, progress=False)
-  assert _run_comparable(_rows(resumed)) == _run_comparable(rows)
-  c = config(2)
+  assert [r["rollout/success"] for r in rows[1:]] == [0.0, 0.0, 0.0]
+  # Steps 1 and 2 were drawn at the start level (2 was drawn before 1's success was
+  # seen); the drop step 1 decided reaches step 3; step 2's drop, the draws after it.
+  assert [r["curriculum/level"] for r in rows[1:]] == [2.0, 2.0, 1.0]
+  killed = str(tmp_path / "killed")  # the full run as a kill after step 1 leaves it
+  shutil.copytree(full, killed)
+  for folder in ("ckpt", "best"):
+    for name in os.listdir(os.path.join(killed, folder)):
+      if name.isdigit() and int(name) > 1:
+        shutil.rmtree(os.path.join(killed, folder, name))
+  rl.run(config(3), killed, progress=False)
+  assert _run_comparable(_rows(killed)) == _run_comparable(rows)
+  c = config(3)
   c.rl.max_staleness = 2
   with pytest.raises(ValueError, match="rl.max_staleness=2; allowed: 0"):
     experiment.build(c)
