@@ -22,7 +22,7 @@ import re
 import sys
 import typing
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_dict
 
 from experiments import cli

@@ -144,7 +144,6 @@ class Programs:
     """Prefills `tokens` (the first `count` of each row) on top of `src`'s columns
     [0, start) and writes the rows to their `dst` slots."""
     self.num_traces += 1
-    d = src_DxAxE.shape[0]
     width = pool.k[0].shape[4]
     x = tokens_DxAxExX.shape[-1]
     cache = self._rows_cache(pool, src_DxAxE, width)

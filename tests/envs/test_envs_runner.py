@@ -15,7 +15,6 @@ import pytest
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.testing import FakePolicy
-from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 from mtrl_jax.envs import (Environment, FaultCounter, FaultKind, FaultPolicy, Grade,
                            InfrastructureError, ModelFormatError, RewardConfig, StepLimits, Thread,
                            ToolError, ToolSet, Turn, fault_source, resolve_factory,

@@ -256,10 +256,11 @@ def test_cache_hits_and_misses_on_canonical_arguments():
   r1 = tools.execute(_calls(("lookup", {"key": "a"})))
   # Same call spelled differently: default made explicit, int for float.
   r2 = tools.execute(_calls(("lookup", {"scale": 1, "key": "a"})))
-  r3 = tools.execute(_calls(("lookup", {"key": "b"})))
+  r3 = tools.execute(_calls(("lookup", {"key": "b"})))  # another key: a miss
   tools.execute(_calls(("fresh", {"key": "a"}), ("fresh", {"key": "a"})))
   assert r1.turns[0].content == r2.turns[0].content == "a:1.0"
-  assert r2.calls[0].cached and not r1.calls[0].cached
+  assert r2.calls[0].cached and not r1.calls[0].cached and not r3.calls[0].cached
+  assert r3.turns[0].content == "b:1.0"
   assert calls == ["a", "b", "fresh", "fresh"]
   assert (cache.hits, cache.misses, len(cache)) == (1, 2, 2)
   assert cache.metrics() == {"tool_cache/hits": 1, "tool_cache/misses": 2, "tool_cache/size": 2}

@@ -115,7 +115,7 @@ def test_batching_generator_merges_concurrent_calls():
     if i % 2:
       results[i] = batcher.generate([f"p{i}", f"q{i}"])
     else:
-      results[i] = batcher.score_choices([f"x" * i], ["A", "B"])
+      results[i] = batcher.score_choices(["x" * i], ["A", "B"])
 
   threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
   for t in threads:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.envs import RewardConfig, StepLimits, Thread, Turn, resolve_factory, rollout_scripted
+from mtrl_jax.envs import RewardConfig, StepLimits, Turn, resolve_factory, rollout_scripted
 from mtrl_jax.tasks.code import env as code_env
 from mtrl_jax.tasks.code import feedback, prompts
 from mtrl_jax.tasks.code.data import load_humaneval
