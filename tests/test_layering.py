@@ -30,13 +30,15 @@ Every module stays at most `MAX_LINES` long (docs/design.md, Conventions).
 from __future__ import annotations
 
 import ast
+import io
 import os
+import tokenize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.join(REPO, "mtrl_jax")
 # The repository's Python that imports mtrl_jax (checked for imports through re-exports).
 IMPORTERS = ("mtrl_jax", "tests", "benchmarks", "experiments", "configs")
-MAX_LINES = 400
+MAX_LINES = 400  # code lines (`code_lines`): a guide to where a module is two ideas
 
 LAYERS = (
     ("sharding", "distributed", "checkpoint", "storage", "metrics", "registry", "data",
@@ -250,27 +252,51 @@ def test_no_module_is_an_alias_of_another(tmp_path):
   assert any("mtrl_jax.old:4 assigns into sys.modules" in p for p in found), found
 
 
+def code_lines(source: str) -> int:
+  """Lines of `source` that hold code: not blank, not only a comment, not in a docstring
+  (a module's, class's or function's first statement when it is a string)."""
+  doc = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      first = node.body[0] if node.body else None
+      if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+          and isinstance(first.value.value, str)):
+        doc.update(range(first.lineno, first.end_lineno + 1))
+  skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+          tokenize.ENDMARKER)
+  lines = set()
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type not in skip:
+      lines.update(range(tok.start[0], tok.end[0] + 1))
+  return len(lines - doc)
+
+
 def long_modules(root: str = ROOT, limit: int = MAX_LINES) -> list[str]:
-  """Every module under `root` longer than `limit` lines."""
+  """Every module under `root` with more than `limit` code lines (`code_lines`)."""
   problems = []
   for module, path in sorted(module_files(root).items()):
     with open(path) as f:
-      n = sum(1 for _ in f)
+      n = code_lines(f.read())
     if n > limit:
-      problems.append(f"{module}: {n} lines")
+      problems.append(f"{module}: {n} code lines")
   return problems
 
 
-def test_every_module_is_at_most_400_lines(tmp_path):
+def test_every_module_holds_at_most_400_code_lines(tmp_path):
+  """A guide to where a module is two ideas: docstrings and comments do not count, so
+  documenting a module never pushes it over."""
   problems = long_modules()
-  assert not problems, (f"modules over {MAX_LINES} lines (split them along a seam):\n"
-                        + "\n".join(problems))
+  assert not problems, (f"modules over {MAX_LINES} code lines (split them along a seam, "
+                        "never compress):\n" + "\n".join(problems))
+  doc = '"""A module docstring\n\nof three lines."""\n\n# a comment\n'
+  func = 'def f(x):\n  """f\'s docstring."""\n  return (x +  # a comment after code\n    1)\n'
+  assert code_lines(doc + func) == 3  # def, return and its continuation
   pkg = tmp_path / "mtrl_jax"
   pkg.mkdir()
   (pkg / "__init__.py").write_text("")
-  (pkg / "big.py").write_text("x = 1\n" * 401)
-  (pkg / "fits.py").write_text("x = 1\n" * 400)
-  assert long_modules(str(pkg)) == ["mtrl_jax.big: 401 lines"]
+  (pkg / "big.py").write_text(doc + "x = 1\n" * 401)
+  (pkg / "fits.py").write_text(doc + "# note\n" * 50 + "x = 1\n" * 400)
+  assert long_modules(str(pkg)) == ["mtrl_jax.big: 401 code lines"]
 
 
 def _top_level_names(tree: ast.Module) -> tuple[set[str], set[str]]:
