@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # Pinned: every install takes the exact versions of constraints.txt (setup.py keeps ranges).
 PIN := -c constraints.txt
 
-.PHONY: demo test test-fast install install-test constraints clean
+.PHONY: demo test test-fast lint format install install-test constraints clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,10 @@ $(VENV)/.installed: $(BIN)/python setup.py constraints.txt
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[test]" $(PIN)
+	touch $@
+
+$(VENV)/.installed-lint: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[lint]" $(PIN)
 	touch $@
 
 install: $(VENV)/.installed
@@ -35,6 +39,17 @@ test: $(VENV)/.installed-test
 # Everything but the tests marked slow (pytest.ini).
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n auto --dist=worksteal -q -m "not slow" tests
+
+# pyink (2-space indentation, 100 columns) and ruff (ruff.toml) over the repository's Python.
+LINTED := mtrl_jax experiments configs benchmarks tests setup.py
+PYINK := $(BIN)/pyink --pyink-indentation=2 --line-length=100
+lint: $(VENV)/.installed-lint
+	$(PYINK) --check -q $(LINTED)
+	$(BIN)/ruff check -q $(LINTED)
+
+format: $(VENV)/.installed-lint
+	$(PYINK) -q $(LINTED)
+	$(BIN)/ruff check -q --fix $(LINTED)
 
 # Re-pins to the venv's versions (after `pip install -U -e ".[test]"` and a passing make test).
 constraints:

@@ -34,5 +34,6 @@ setup(
         ],
         "dev": ["pytest>=8", "pytest-xdist>=3.5"],
         "tensorboard": ["tensorboard>=2.16"],  # the viewer: tensorboard --logdir=WORKDIR/tb
+        "lint": ["pyink>=26.5", "ruff>=0.17"],  # make lint / make format
     },
 )
