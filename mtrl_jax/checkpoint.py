@@ -131,6 +131,7 @@ class Checkpointer:
     self._writing = {}  # id(manager) -> the step it writes in the background
     self._failed: Optional[CheckpointError] = None  # a failed save ends the Checkpointer
     self._unreadable_best = None  # the best step already reported unreadable
+    self._closed = False
 
   # ------------------------------------------------------------ faults
   def _wait(self, manager: ocp.CheckpointManager) -> None:
@@ -327,7 +328,10 @@ class Checkpointer:
 
   def close(self):
     """Waits for the saves and closes both managers (both, even if one failed); raises
-    `CheckpointError` for a failed save not raised before."""
+    `CheckpointError` for a failed save not raised before. A second call does nothing."""
+    if self._closed:
+      return
+    self._closed = True
     raised, error = self._failed, None
     for manager in (self._latest, self._best):
       try:

@@ -33,6 +33,7 @@ Checkpoints are saved and restored by every process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -110,17 +111,29 @@ def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: s
   """
   launched = time.perf_counter()  # time/first_step counts from here
   if not distributed.is_writer():  # process 0 alone writes files, and locks
-    return _train(exp, config, workdir, launched, progress)
+    with contextlib.ExitStack() as closing:
+      return _train(exp, config, workdir, launched, progress, closing)
   try:
     lock = storage.WorkdirLock(workdir)
   except storage.WorkdirBusy as e:
     raise exp_lib.ConfigError(str(e)) from None
-  with lock:
-    return _train(exp, config, workdir, launched, progress)
+  with lock, contextlib.ExitStack() as closing:
+    return _train(exp, config, workdir, launched, progress, closing)
+
+
+def _close_on_the_way_out(ckpt: checkpoint.Checkpointer) -> None:
+  """Closes `ckpt` when the run leaves through an exception (Ctrl-C, a fault): a save in
+  flight finishes and Orbax's threads end, so the process exits at once with every
+  checkpoint it wrote complete. A failed save was reported, or the exception leaving
+  is the one to show."""
+  try:
+    ckpt.close()
+  except checkpoint.CheckpointError:
+    pass
 
 
 def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: str,
-           launched: float, progress: bool) -> dict:
+           launched: float, progress: bool, closing: contextlib.ExitStack) -> dict:
   writes = distributed.is_writer()  # process 0 alone writes files
   saved.check_resume(config, workdir)  # another run's workdir: refused before any compute
   if writes:
@@ -136,6 +149,7 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
   # which must not interleave with the engine's lockstep calls: saves block there.
   ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep,
                                  async_save=distributed.process_count() == 1)
+  closing.callback(_close_on_the_way_out, ckpt)  # every way out; then a no-op
   summary: dict[str, Any] = {"workdir": os.path.abspath(workdir)}
 
   # ---- start: resume the latest checkpoint, or initialise (with SFT warm-up)
@@ -188,6 +202,7 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
       mix.precompile(exp.sft.batch_size)
     summary["precompile"] = info
   producer = RolloutProducer(parts, stream, critic_state=lambda: run_state.critic)
+  closing.callback(producer.close)  # an in-flight rollout ends before the checkpointer
   watch = LearningWatch(exp.rl, summary.get("learning"))  # a resumed run's counters go on
   summary["learning"] = watch.state()
   if not resumed:

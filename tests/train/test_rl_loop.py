@@ -6,11 +6,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from configs import calculator as calc_config
+from mtrl_jax import checkpoint
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.train import experiment, report, rl
 
@@ -246,3 +248,37 @@ def test_rollouts_one_step_ahead_are_one_update_stale_and_resume_exactly(tmp_pat
   c.rl.max_staleness = 2
   with pytest.raises(ValueError, match="rl.max_staleness=2; allowed: 0"):
     experiment.build(c)
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_finishes_its_checkpoint_in_flight_and_leaves_no_thread(
+    tmp_path, monkeypatch):
+  """Ctrl-C (KeyboardInterrupt) right after the step-1 save started in the background:
+  the run closes its checkpointer on the way out, so checkpoint 1 is complete, no
+  partial directory is left and no writer thread outlives the run."""
+  c = smoke_config(steps=3)
+  c.sft.steps, c.eval.every, c.rl.dump_every = 0, 10, 0
+  c.checkpoint.every = 1
+  save = checkpoint.Checkpointer.save
+
+  def save_then_interrupt(self, step, *args, **kwargs):
+    saved = save(self, step, *args, **kwargs)
+    if step == 1:
+      raise KeyboardInterrupt
+    return saved
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "save", save_then_interrupt)
+  before = {t.ident for t in threading.enumerate()}
+  workdir = str(tmp_path / "run")
+  with pytest.raises(KeyboardInterrupt):
+    rl.run(c, workdir, progress=False)
+  left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()
+          and not t.daemon]
+  assert not left, left
+  ckpt_dir = os.path.join(workdir, "ckpt")
+  assert checkpoint.step_dirs(ckpt_dir) == [0, 1]
+  assert sorted(os.listdir(ckpt_dir)) == ["0", "1"]  # no partial (tmp) directory
+  monkeypatch.undo()
+  c.rl.steps = 2  # and it resumes from there
+  rl.run(c, workdir, progress=False)
+  assert [r["step"] for r in _rows(workdir)] == [0, 1, 2]
