@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 import types
 from typing import Optional
 
@@ -32,7 +33,18 @@ LOCK_FILE = ".lock"
 
 
 def _not_orbax(record: logging.LogRecord) -> bool:  # a logging filter
-  return f"{os.sep}orbax{os.sep}" not in record.pathname
+  """False for Orbax's own records, and for asyncio's "exception was never retrieved"
+  about an Orbax task (a write a full disk failed: the Checkpointer reports it)."""
+  orbax = f"{os.sep}orbax{os.sep}"
+  if orbax in record.pathname:
+    return False
+  if record.name == "asyncio" and "never retrieved" in str(record.msg):
+    exc, tb = record.exc_info[1:] if record.exc_info else (None, None)
+    files = [frame.filename for frame in traceback.extract_tb(tb)]
+    # Orbax writes under `<step>.orbax-checkpoint-tmp`: a tensorstore error names it.
+    text = f"{record.msg} {exc}"
+    return not (orbax in text or "orbax-checkpoint-tmp" in text or any(orbax in f for f in files))
+  return True
 
 
 def _from_orbax(unraisable) -> bool:
@@ -55,7 +67,7 @@ def _quiet_hook(previous):
 def quiet_orbax() -> None:
   """Keeps Orbax's log records (it logs through absl) and the exceptions its dropped
   coroutines leave behind off the console; idempotent."""
-  for name in ("absl", "orbax"):
+  for name in ("absl", "orbax", "asyncio"):
     if _not_orbax not in logging.getLogger(name).filters:
       logging.getLogger(name).addFilter(_not_orbax)
   if not getattr(sys.unraisablehook, "quiet_orbax", False):

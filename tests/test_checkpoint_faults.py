@@ -1,10 +1,12 @@
 """Checkpoint storage faults: a failed write ends in one line with the last checkpoint
 intact; an unreadable checkpoint is skipped (named in one warning line) for the previous one."""
 
+import asyncio
 import errno
 import glob
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ import pytest
 
 from mtrl_jax import checkpoint
 from mtrl_jax.checkpoint import Checkpointer, CheckpointError
+from mtrl_jax.storage import quiet_orbax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,6 +103,7 @@ def test_a_failed_best_save_raises_and_keeps_the_previous_best(tmp_path, monkeyp
 _FSIZE_SCRIPT = """
 import resource, signal, sys
 from mtrl_jax.checkpoint import Checkpointer, CheckpointError
+from mtrl_jax.storage import quiet_orbax
 from tests.test_checkpoint_faults import _state
 ckpt = Checkpointer(sys.argv[1], keep=3)
 ckpt.save(1, _state(1.0), {"step": 1})
@@ -239,6 +243,7 @@ def test_reason_is_one_short_line():
 _BLOCKED_SCRIPT = """
 import os, sys
 from mtrl_jax.checkpoint import Checkpointer, CheckpointError
+from mtrl_jax.storage import quiet_orbax
 from tests.test_checkpoint_faults import _state
 ckpt = Checkpointer(sys.argv[1], keep=3)
 try:
@@ -290,3 +295,68 @@ def test_a_run_that_cannot_save_exits_in_one_line_at_once(tmp_path):
                     "(errno 20); the last complete checkpoint there: none is complete"], out.stderr
   assert "never awaited" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
   assert (workdir / "best").read_text() == "keep" and (workdir / "config.json").is_file()
+
+
+def test_asyncio_reports_of_failed_orbax_tasks_stay_off_the_console(caplog):
+  """A full disk fails Orbax's tensorstore writes inside asyncio tasks nobody awaits
+  any more; asyncio logs each ("Task exception was never retrieved") with a traceback.
+  The Checkpointer reports the failure in one line, so those records are dropped, and
+  only those."""
+  quiet_orbax()
+  scope = {}
+  exec(compile("def write():\n  raise ValueError('RESOURCE_EXHAUSTED: No space left')\n",
+               os.path.join(os.sep, "x", "orbax", "checkpoint", "serialization.py"), "exec"),
+       scope)
+  try:
+    scope["write"]()
+  except ValueError as e:
+    from_orbax = e
+  loop = asyncio.new_event_loop()
+  try:
+    with caplog.at_level(logging.ERROR):
+      loop.call_exception_handler({"message": "Task exception was never retrieved",
+                                   "exception": from_orbax})
+      loop.call_exception_handler({"message": "Task exception was never retrieved",
+                                   "exception": ValueError("a task of the run's own")})
+  finally:
+    loop.close()
+  logged = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+  assert len(logged) == 1 and "never retrieved" in logged[0], logged
+  assert "own" in str(caplog.records[-1].exc_info[1])
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_the_run_in_one_line_with_the_last_checkpoint_intact(tmp_path):
+  """The workdir on a 1000 KB tmpfs: checkpoints and the best (about 270 KB each) fill it,
+  and a later one fails inside tensorstore (RESOURCE_EXHAUSTED, errno 28). Needs permission
+  to mount a tmpfs."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1000k", "tmpfs", str(disk)],
+                    capture_output=True).returncode:
+    pytest.skip("cannot mount a tmpfs here")
+  try:
+    workdir = disk / "run"
+    # One CPU device (the tests' 8 would write each array in 8 shards: other sizes).
+    one_device = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    one_device["PYTHONPATH"] = ROOT
+    t0 = time.time()
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
+         f"--workdir={workdir}", "--config.checkpoint.every=1", "--config.rl.steps=2",
+         "--config.sft.steps=0", "--progress=false"],
+        cwd=ROOT, env=one_device, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert time.time() - t0 < 150
+    errors = [l for l in out.stderr.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    m = re.fullmatch(rf"error: checkpoint {workdir}/(ckpt|best)/(\d+) was not written: No space "
+                     r"left on device \(errno 28\); the last complete checkpoint there: "
+                     rf"{workdir}/(ckpt|best)/(\d+) is intact", errors[0])
+    assert m and m[1] == m[3] and int(m[4]) < int(m[2]), errors[0]
+    assert "Traceback" not in out.stderr and "never" not in out.stderr, out.stderr[-3000:]
+    assert checkpoint.step_dirs(str(workdir / m[1]))[-1] == int(m[4])
+    with Checkpointer(str(workdir), read_only=True) as ckpt:  # the intact one reads back
+      assert ckpt.all_steps() and ckpt.all_steps()[-1] < 2
+  finally:
+    subprocess.run(["umount", str(disk)], capture_output=True)
