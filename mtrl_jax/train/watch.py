@@ -149,7 +149,7 @@ class LearningWatch:
       if self.toolless_steps == k:
         out.append(
             f"no valid tool call in {k} consecutive steps ({step - k + 1}-{step}) of an "
-            f"environment that offers tools: the policy answers without its tools "
+            f"environment that offers tools: the policy makes no call, or only calls that fail "
             f"(tools/turns_with_call {metrics.get('tools/turns_with_call', 0.0):.2f}, "
             f"tools/parse_failures_per_call "
             f"{metrics.get('tools/parse_failures_per_call', 0.0):.2f}); check that the "

@@ -310,7 +310,8 @@ def test_no_valid_tool_call_warns_after_the_threshold_and_survives_a_resume():
   assert resumed.observe(4, tree, TRAINED, metrics=NO_CALL) == ("", "")  # 2: not yet
   warning, halt = resumed.observe(5, tree, TRAINED, metrics=NO_CALL)
   assert warning.startswith("no valid tool call in 3 consecutive steps (3-5) of an environment "
-                            "that offers tools: the policy answers without its tools "
+                            "that offers tools: the policy makes no call, or only calls "
+                            "that fail "
                             "(tools/turns_with_call 0.25, tools/parse_failures_per_call "
                             "1.00)") and not halt and "\n" not in warning
   assert resumed.observe(6, tree, TRAINED, metrics=NO_CALL) == ("", "")  # once per streak
