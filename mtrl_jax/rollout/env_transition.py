@@ -8,6 +8,11 @@ fork of its ledger exactly as sampled, and runs `step_environment`, which
 calls `react_to` / `react_to_joint`, classifies faults, composes the reward
 and renders the environment's new turns into the child's ledgers once.
 
+A step of an environment that offers tools (a non-empty `tools` ToolSet) records
+per agent its tool calls in `details['tool_calls']`: the tool turns the
+environment answered with, one per call (0 on a step that ended the episode);
+`rollout.stats.tool_metrics` reads them. Environments without tools record none.
+
 A step whose new turns end with a `tool` turn (for every agent) reports
 `continues_turn=True`: the environment waits for the policy, not the user.
 A step whose next thread does not extend the previous tokens (a history
@@ -212,14 +217,19 @@ class EnvTransition:
                            renderer=self.renderer, step_index=state.steps)
     details = {"grades": {k: g.to_dict() for k, g in out.grades.items()},
                "invalid_calls": out.invalid_calls, "history_rewrites": out.history_rewrites}
+    offers_tools = bool(getattr(state.env, "tools", None))  # a ToolSet is falsy when empty
     if out.done:
       env.close()
+      if offers_tools:  # an ended episode's calls, if any, got no tool turn
+        details["tool_calls"] = [0] * len(actions)
       return ActionOutcome(None, _record(out, details))
     if not out.masked:  # a continuing step's grades are all per-turn grades
       note_unweighted_shaping(self.reward_cfg or RewardConfig(), out.grades)
     new_turns = [nxt.turns[len(old.turns):] for old, nxt in zip(acted, out.next_threads)]
     details["env_turns"] = [[t.content for t in turns] for turns in new_turns]
     details["env_roles"] = [[t.role for t in turns] for turns in new_turns]
+    if offers_tools:  # one tool turn per call (`ToolSet.execute`), per agent
+      details["tool_calls"] = [sum(t.role == "tool" for t in turns) for turns in new_turns]
     waits = (not out.history_rewrites
              and all(turns and turns[-1].role == "tool" for turns in new_turns))
     return ActionOutcome(EnvState(env, tuple(out.next_threads), state.steps + 1),

@@ -8,6 +8,7 @@ an outcome above the success threshold.
 from __future__ import annotations
 
 import collections
+from typing import Optional
 
 import numpy as np
 
@@ -114,11 +115,91 @@ def cut_metrics(tree) -> dict[str, float]:
           "tree/cut_fraction": cut / episodes if episodes else 0.0}
 
 
+def _tool_calls(step) -> Optional[list]:
+  """Per agent the tool calls of one step (`EnvTransition` records them as `tool_calls`
+  when the environment offers tools), or None when it offers none."""
+  calls = step.details.get("tool_calls")
+  if calls is None:
+    return None
+  return list(calls) if isinstance(calls, (list, tuple)) else [int(calls)]
+
+
+def _step_calls(action) -> int:
+  """Tool calls of every step of one action (0 where the environment offers none)."""
+  return sum(sum(_tool_calls(s) or ()) for s in action.steps)
+
+
+def episodes(tree) -> list[tuple[int, int]]:
+  """(policy turns, tool calls) of each episode of the tree: per valid joint action that
+  ends a branch (no child), what its path from the root holds, sub-steps included (one
+  policy turn each). A marginal node's unaligned combinations that went on are left out
+  (the tree never followed them; see `path_success`)."""
+  before = {}  # node id -> (turns, calls) of the path down to it
+  out = []
+  for node in tree.nodes:  # parents always have smaller ids
+    turns, calls = before.get(node.node_id, (0, 0))
+    for b, action in _valid_actions(node):
+      path = (turns + len(action.steps), calls + _step_calls(action))
+      child = int(node.children_B[b])
+      if child >= 0:
+        before[child] = path
+      elif action.ended or tree.child_slot(node, b) >= 0:
+        out.append(path)
+  return out
+
+
+def tool_metrics(tree) -> dict[str, float]:
+  """`tools/*`: how the policy uses the tools, over the steps of environments that offer
+  some (a `ToolSet` with tools; their records carry `tool_calls`). {} when no step of
+  the tree offered tools, so an environment without tools logs none of these keys.
+
+  tools/turns_with_call         share of the policy's turns (per agent per step, sub-steps
+                                and masked actions included) answered with >= 1 tool turn
+  tools/calls                   tool calls: one tool turn each (a malformed message's
+                                error turn counts as one call)
+  tools/valid_calls             calls without a fault from the tool set (a `tool:<name>`
+                                source: parse failure, rejected call, failed or timed-out tool)
+  tools/parse_failures_per_call malformed tool-call messages (model_format faults of the
+                                tool set) / calls; 0 without calls
+  tools/calls_per_episode       tool calls along an episode's path, mean over `episodes`
+  """
+  turns = with_call = calls = failed = parse = 0
+  for node in tree.nodes:
+    for action in node.actions or []:
+      for step in action.steps if action is not None else ():
+        per_agent = _tool_calls(step)
+        if per_agent is None:
+          continue
+        turns += len(per_agent)
+        with_call += sum(c > 0 for c in per_agent)
+        calls += sum(per_agent)
+        tool_faults = [f for f in step.faults if f.source.startswith("tool:")]
+        failed += len(tool_faults)
+        parse += sum(f.kind == FaultKind.MODEL_FORMAT for f in tool_faults)
+  if not turns:
+    return {}
+  paths = episodes(tree)
+  return {"tools/turns_with_call": with_call / turns, "tools/calls": float(calls),
+          "tools/valid_calls": float(max(calls - failed, 0)),
+          "tools/parse_failures_per_call": parse / calls if calls else 0.0,
+          "tools/calls_per_episode": float(np.mean([c for _, c in paths])) if paths else 0.0}
+
+
+def turn_metrics(tree) -> dict[str, float]:
+  """`rollout/past_first_turn`: share of the episodes (`episodes`) whose path holds more
+  than one policy turn (a later tree turn, or a tool sub-step); {} without episodes."""
+  paths = episodes(tree)
+  if not paths:
+    return {}
+  return {"rollout/past_first_turn": sum(t > 1 for t, _ in paths) / len(paths)}
+
+
 def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
   """Training-rollout statistics: success of ended actions and of sampled paths
   (`path_success`), returns, reward components, faults, cut episodes
-  (`cut_metrics`), and with several agents their per-agent rewards and influence
-  (`rollout.credit.credit_metrics`)."""
+  (`cut_metrics`), episodes past their first turn (`turn_metrics`), tool use
+  (`tool_metrics`, environments with tools only), and with several agents their
+  per-agent rewards and influence (`rollout.credit.credit_metrics`)."""
   ended = [a for node in tree.nodes for a in node.actions or [] if a is not None and a.ended]
   roots = [n for n in tree.nodes if n.parent_id < 0]
   return {"rollout/success": sum(a.outcome > success_threshold for a in ended)
@@ -126,6 +207,7 @@ def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
           "rollout/path_success": path_success(tree, success_threshold),
           "rollout/return": float(np.mean([n.returns_B[n.valid_B].mean() for n in roots
                                            if n.valid_B.any()] or [np.nan])),
+          **turn_metrics(tree), **tool_metrics(tree),
           **reward_metrics(tree), **fault_counts(tree), **cut_metrics(tree),
           **credit_metrics(tree)}
 

@@ -31,6 +31,10 @@ SECTIONS = (
          "fraction"),
         ("rollout/return", "mean return of a root's valid joint actions, mean over roots",
          "reward"),
+        ("rollout/past_first_turn", "share of the episodes (valid joint actions that end a "
+         "branch) whose path holds more than one policy turn (a later tree turn or a tool "
+         "sub-step); near 0 in a multi-turn tree: the episodes end at the first message",
+         "fraction"),
         ("rollout/staleness", "updates between the parameters that sampled the rollout and "
          "the update it feeds (0 on-policy; 1 with `rl.max_staleness=1`)", "updates"),
         ("reward/outcome", "outcome part of the mean joint-action reward: "
@@ -96,6 +100,20 @@ SECTIONS = (
          "to the policy with `env.tool_timeout='tell'`)", "count"),
         ("faults/truncation", "the framework stopped a trajectory at its turn cap or token "
          "budget", "count"),
+    )),
+    ("Tools", "the policy's tool use, over the steps of environments that offer tools (a "
+     "non-empty `ToolSet`; `rollout.stats.tool_metrics`); a run whose environment offers none "
+     "logs no `tools/*` key", (
+        ("tools/turns_with_call", "share of the policy's turns (sub-steps and masked actions "
+         "included) the environment answered with at least one tool turn", "fraction"),
+        ("tools/calls", "tool calls: one tool turn each (a malformed message's error turn "
+         "counts as one)", "count"),
+        ("tools/valid_calls", "calls without a fault from the tool set (parse failure, "
+         "rejected call, failed or timed-out tool); 0 for several steps warns", "count"),
+        ("tools/parse_failures_per_call", "malformed tool-call messages (`model_format` "
+         "faults of the tool set) per call; 0 without calls", "fraction"),
+        ("tools/calls_per_episode", "tool calls along an episode's path from its root, mean "
+         "over the episodes", "calls"),
     )),
     ("Batch", "the train batch built from the tree (`rollout.batching`)", (
         ("batch/actions", "sampled actions in the train batch", "count"),

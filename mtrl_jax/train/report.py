@@ -150,6 +150,22 @@ def steps_to_reach(workdir: str, level: float, key: str = SUCCESS_KEY):
   return int(steps[hit[0]]) if hit.size else None
 
 
+def default_level(workdirs: Sequence[str], key: str = SUCCESS_KEY) -> tuple[float, float]:
+  """(level, best): half of the best held-out success any of the runs reached (the highest
+  value of any evaluation curve, or of a summary's best score), and that best. A level
+  every run can be compared at: a fixed one may lie above every run (never reached) or
+  below their first evaluation (reached at step 0). 0.5 when no run has a success value
+  above 0 (best: NaN)."""
+  best = []
+  for w in workdirs:
+    r = run_summary(w, key)
+    best += [v for v in eval_curve(w, key)[1]] + ([r["best"]] if r["best"] is not None else [])
+  top = max((float(v) for v in best if np.isfinite(v)), default=float("nan"))
+  if not top > 0:
+    return 0.5, float("nan")
+  return round(top / 2, 3), top
+
+
 def ablation_table(workdirs: Sequence[str], level: float, key: str = SUCCESS_KEY) -> str:
   """Markdown: per group (overrides minus seed) mean +- std over seeds."""
   groups = _groups(workdirs)

@@ -283,10 +283,10 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
     m.update(across_processes(text, times, engine_m))
     writer.write(step, m)
     warning, halt = watch.observe(step, tree, batch_m, success=m.get("rollout/success"),
-                                  last=step == exp.rl.steps)
+                                  metrics=m, last=step == exp.rl.steps)
     summary["learning"] = watch.state()
-    if warning:
-      say(f"warning: {warning}")
+    for line in warning.splitlines():  # one line per warning
+      say(f"warning: {line}")
     ckpt.check()  # a background save that failed (a full disk) ends the run at the next step
     if step % exp.checkpoint.every == 0 or step == exp.rl.steps or halt:
       save(step)  # a halted run's last step is saved too

@@ -128,6 +128,8 @@ def test_invalid_tool_call_penalty_accumulates_over_substeps():
   np.testing.assert_array_equal(root0.substeps_B, [2, 2])
   steps = root0.actions[0].steps
   assert [s.details["invalid_calls"] for s in steps] == [1, 0, 0]
+  # One tool turn per call, the rejected one's error turn included; the answer has none.
+  assert [s.details["tool_calls"] for s in steps] == [[1], [1], [0]]
   assert steps[0].faults[0].kind.value == "tool_error"
   assert root0.completions[0][0].num_segments == 3 and (root0.weight_NxG == 1).all()
   np.testing.assert_allclose(root1.rewards_B, [-0.1, -0.1], atol=1e-12)

@@ -102,6 +102,9 @@ def test_single_agent_and_limits():
   # The turn cap (2 policy turns) truncates every branch at turn 1.
   assert [n.turn for n in tree.nodes] == [0, 1, 1]
   assert all(action.steps[-1].truncated for action in tree.nodes[1].actions)
+  # No ToolSet, no tool-call counts (no `tools/*` metrics).
+  assert not [s for n in tree.nodes for a in n.actions for s in a.steps
+              if "tool_calls" in s.details]
   with pytest.raises(ValueError, match="num_agents=1 but the tree has num_agents=2"):
     EnvTransition(renderer, num_agents=2).root_state(SoloEnv({"prompt": "go"}))
 

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from mtrl_jax.envs import Thread
+from mtrl_jax.envs.faults import Fault, FaultKind
 from mtrl_jax.envs.runner import StepOutcome
 from mtrl_jax.envs.reward import RewardConfig, compose_reward
 from mtrl_jax.rollout import ActionRecord, TreeConfig
 from mtrl_jax.rollout import stats
+from mtrl_jax.rollout.records import StepRecord
 from mtrl_jax.rollout import RolloutTimes
 from mtrl_jax.rollout.env_transition import _record
 from mtrl_jax.rollout.completion import Completion
@@ -103,3 +105,68 @@ def test_engine_counters_become_metrics():
   assert m["engine/slot_occupancy"] == pytest.approx(0.75)
   assert m["engine/evictions"] == 2 and m["engine/prefill_tokens"] == 30
   assert m["time/overlap"] == 0.5 and m["time/device_idle"] == 0.25
+
+
+def _tool_step(calls, done=True, faults=(), valid=True):
+  """A step of an environment that offers tools: `calls` tool turns answered it."""
+  return StepRecord(0.0, valid=valid, faults=tuple(faults), done=done,
+                    details={"tool_calls": [calls]})
+
+
+def test_tool_use_and_episodes_past_the_first_turn_on_a_hand_built_tree():
+  """Hand-counted, T = 2, G = 2.
+
+  Root A: action 0 makes 2 calls (one rejected: tool_error from tool:lookup) and goes on
+  to a child whose 2 actions answer; action 1 answers at once.
+  Root B: action 0 sends 1 malformed call (model_format from tool:<parse>) and goes on to
+  a child whose action 0 answers without a call or an answer tag (model_format from the
+  environment: not a tool call's) and action 1 is masked; action 1 makes 1 call in a
+  sub-step, then answers.
+
+  Turns (one per step, the masked one included): 9, 3 with a call. Calls 2 + 1 + 1 = 4,
+  2 with a tool-set fault -> 2 valid; 1 parse failure -> 1/4 per call. Episodes (valid
+  actions without a child): A.1 (1 turn, 0 calls), A1.0 and A1.1 (2 turns, 2 calls), B.1
+  (2 turns: a sub-step; 1 call), B1.0 (2 turns, 1 call): 6 / 5 calls per episode, 4 of 5
+  past their first turn."""
+  rejected = Fault(FaultKind.TOOL_ERROR, "tool:lookup", "unknown city")
+  malformed = Fault(FaultKind.MODEL_FORMAT, "tool:<parse>", "malformed tool call")
+  no_answer = Fault(FaultKind.MODEL_FORMAT, "calculator", "neither a tool call nor an answer")
+  infra = Fault(FaultKind.INFRASTRUCTURE, "environment", "down")
+  tree = Tree(TreeConfig(num_turns=2, num_generations=2))
+  comp = Completion(np.array([3], np.int32), np.array([-0.5], np.float32))
+  answer = _action(_tool_step(0))
+  a = tree.add_root([[1]])
+  tree.set_completions(a, [[comp] * 2])
+  tree.record(a, [0.0, 0.0], actions=[_action(_tool_step(2, False, [rejected])), answer])
+  a1 = tree.add_child(a, 0, [[1, 3, 2]])
+  tree.set_completions(a1, [[comp] * 2])
+  tree.record(a1, [0.0, 0.0], actions=[answer, answer])
+  b = tree.add_root([[2]])
+  tree.set_completions(b, [[comp] * 2])
+  substep = _action(dataclasses.replace(_tool_step(1, False), continues_turn=True),
+                    _tool_step(0))
+  tree.record(b, [0.0, 0.0], actions=[_action(_tool_step(1, False, [malformed])), substep])
+  b1 = tree.add_child(b, 0, [[2, 3, 2]])
+  tree.set_completions(b1, [[comp] * 2])
+  tree.record(b1, [0.0, 0.0], valid_B=[True, False],
+              actions=[_action(_tool_step(0, faults=[no_answer])),
+                       _action(_tool_step(0, faults=[infra], valid=False))])
+  tree.finalize()
+  assert sorted(stats.episodes(tree)) == [(1, 0), (2, 1), (2, 1), (2, 2), (2, 2)]
+  m = stats.rollout_metrics(tree, success_threshold=0.0)
+  assert {k: v for k, v in m.items() if k.startswith("tools/")} == pytest.approx(
+      {"tools/turns_with_call": 3 / 9, "tools/calls": 4.0, "tools/valid_calls": 2.0,
+       "tools/parse_failures_per_call": 1 / 4, "tools/calls_per_episode": 6 / 5}, abs=1e-12)
+  assert m["rollout/past_first_turn"] == pytest.approx(4 / 5, abs=1e-12)
+
+
+def test_an_environment_without_tools_logs_no_tool_keys():
+  tree = Tree(TreeConfig(num_turns=2, num_generations=2))
+  comp = Completion(np.array([3], np.int32), np.array([-0.5], np.float32))
+  root = tree.add_root([[1]])
+  tree.set_completions(root, [[comp] * 2])
+  tree.record(root, [1.0, 1.0], actions=[_action(_step(True, outcome=1.0, steps=1))] * 2)
+  tree.finalize()
+  m = stats.rollout_metrics(tree, success_threshold=0.0)
+  assert not [k for k in m if k.startswith("tools/")] and stats.tool_metrics(tree) == {}
+  assert m["rollout/past_first_turn"] == 0.0  # both episodes ended at the first message

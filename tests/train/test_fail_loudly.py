@@ -11,6 +11,7 @@ with the reason in summary.json and every file of the run kept.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from mtrl_jax.envs.faults import Fault, FaultKind
 from mtrl_jax.rollout.records import ActionRecord, StepRecord
 from mtrl_jax.train import experiment
 from mtrl_jax.train.config import RLConfig
+from mtrl_jax.train import watch as watch_lib
 from mtrl_jax.train.watch import LearningWatch
 from tests.train.test_separate_policies import one_device_env
 
@@ -282,6 +284,90 @@ def test_a_masked_window_above_the_limit_halts_with_the_first_fault():
       "rl.max_masked_fraction=0.5: 2 of 3")
   off = LearningWatch(RLConfig(max_masked_fraction=1.0, masked_window=1))
   assert off.observe(1, _tree([_action(valid=False, fault=INFRA)]), TRAINED)[1] == ""
+
+
+def _multi_turn_tree(actions, num_turns=2):
+  """`_tree` with the tree config the stall warnings read (room for a second turn)."""
+  tree = _tree(actions)
+  tree.cfg = types.SimpleNamespace(num_turns=num_turns, branch_on="every_turn")
+  return tree
+
+
+NO_CALL = {"tools/valid_calls": 0.0, "tools/turns_with_call": 0.25,
+           "tools/parse_failures_per_call": 1.0, "rollout/past_first_turn": 0.5}
+CALLED = {**NO_CALL, "tools/valid_calls": 2.0}
+
+
+def test_no_valid_tool_call_warns_after_the_threshold_and_survives_a_resume():
+  k = watch_lib.STALL_STEPS
+  assert k == 3
+  watch = LearningWatch(RLConfig())
+  tree = _multi_turn_tree([_action()] * 2)
+  assert watch.observe(1, tree, TRAINED, metrics=NO_CALL) == ("", "")
+  assert watch.observe(2, tree, TRAINED, metrics=CALLED) == ("", "")  # resets the count
+  assert watch.observe(3, tree, TRAINED, metrics=NO_CALL) == ("", "")
+  resumed = LearningWatch(watch.rl, json.loads(json.dumps(watch.state())))
+  assert resumed.observe(4, tree, TRAINED, metrics=NO_CALL) == ("", "")  # 2: not yet
+  warning, halt = resumed.observe(5, tree, TRAINED, metrics=NO_CALL)
+  assert warning.startswith("no valid tool call in 3 consecutive steps (3-5) of an environment "
+                            "that offers tools: the policy makes no call, or only calls "
+                            "that fail "
+                            "(tools/turns_with_call 0.25, tools/parse_failures_per_call "
+                            "1.00)") and not halt and "\n" not in warning
+  assert resumed.observe(6, tree, TRAINED, metrics=NO_CALL) == ("", "")  # once per streak
+  # An environment without tools logs no tools/* keys: never counted.
+  quiet = LearningWatch(RLConfig())
+  for step in range(1, 10):
+    assert quiet.observe(step, tree, TRAINED, metrics={"rollout/past_first_turn": 1.0}) == (
+        "", "")
+
+
+def test_no_episode_past_its_first_turn_warns_in_a_multi_turn_tree_only():
+  watch = LearningWatch(RLConfig())
+  tree = _multi_turn_tree([_action()] * 2)
+  first = {"rollout/past_first_turn": 0.0}
+  assert watch.observe(1, tree, TRAINED, metrics=first) == ("", "")
+  resumed = LearningWatch(watch.rl, json.loads(json.dumps(watch.state())))
+  assert resumed.observe(2, tree, TRAINED, metrics=first) == ("", "")
+  warning, _ = resumed.observe(3, tree, TRAINED, metrics=first)
+  assert warning.startswith("no episode went past its first turn in 3 consecutive steps (1-3")
+  assert "tree.num_turns=1" in warning
+  assert resumed.observe(4, tree, TRAINED, metrics={"rollout/past_first_turn": 0.1})[0] == ""
+  single = LearningWatch(RLConfig())  # a one-turn tree: every episode is one turn by design
+  for step in range(1, 10):
+    assert single.observe(step, _multi_turn_tree([_action()], num_turns=1), TRAINED,
+                          metrics=first) == ("", "")
+  # Both at once, and an idle step: one line each.
+  both = LearningWatch(RLConfig())
+  for step in (1, 2):
+    both.observe(step, tree, TRAINED, metrics={**NO_CALL, **first})
+  lines = both.observe(3, tree, DROPPED, metrics={**NO_CALL, **first})[0].split("\n")
+  assert [line.split(":")[0] for line in lines] == [
+      "step 3 trained no sample", "no valid tool call in 3 consecutive steps (1-3) of an "
+      "environment that offers tools", "no episode went past its first turn in 3 consecutive "
+      "steps (1-3; rollout/past_first_turn 0)"]
+
+
+def test_idle_hints_name_config_fields_that_exist():
+  from configs import base
+  config = base.get_config()
+  warning, _ = LearningWatch(RLConfig()).observe(1, _tree([_action()] * 2), DROPPED)
+  named = set(re.findall(r"\b([a-z]+\.[a-z_]+)\b", warning))
+  assert {"sampling.temperature", "tree.num_generations", "optim.learning_rate",
+          "loss.kl_coef", "rl.zero_variance_filter"} <= named, warning
+  for text in (watch_lib.IDLE_HINT, warning, "raise env.max_tokens or env.max_turns",
+               LearningWatch(RLConfig()).stalls(3, _multi_turn_tree([]), {})):
+    for field in re.findall(r"\b([a-z]+\.[a-z_]+)\b", str(text)):
+      group, name = field.split(".")
+      assert name in config[group], f"{field} named in a hint is no config field"
+  stalled = LearningWatch(RLConfig())
+  for step in (1, 2, 3):
+    lines = stalled.observe(step, _multi_turn_tree([_action()]), TRAINED,
+                            metrics={**NO_CALL, "rollout/past_first_turn": 0.0})[0]
+  for field in re.findall(r"\b([a-z]+\.[a-z_]+)\b", lines):
+    group, name = field.split(".")
+    if group not in ("tools", "rollout"):  # metric keys
+      assert name in config[group], f"{field} named in a warning is no config field"
 
 
 # ------------------------------------------------------------------ the entry point

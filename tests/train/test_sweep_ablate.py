@@ -54,6 +54,28 @@ def test_ablation_table_groups_seeds(tmp_path):
   assert os.path.getsize(png) > 1000
 
 
+def test_the_default_level_is_half_the_best_success_any_run_reached(tmp_path):
+  import subprocess
+  import sys
+  p = str(tmp_path)
+  runs = [_fake_run(p, "seed=0", [(0, 0.1), (10, 0.3), (20, 0.2)], {"step": 10, "score": 0.3}),
+          _fake_run(p, "tree.num_turns=1,seed=0", [(0, 0.1), (10, 0.6), (20, 0.5)],
+                    {"step": 10, "score": 0.6})]
+  assert report.default_level(runs) == (0.3, 0.6)
+  table = report.ablation_table(runs, level=0.3).splitlines()
+  assert table[0].endswith("| steps to 0.3 |")
+  assert table[2] == ("| (base) | 1 | 0.100 +- 0.000 | 0.200 +- 0.000 | 0.300 +- 0.000 | "
+                      "10 (1/1 reached) |")
+  none = _fake_run(p, "never", [(0, 0.0)], {})
+  assert report.default_level([none]) == (0.5, pytest.approx(float("nan"), nan_ok=True))
+  # An explicit level is used as given, and stated.
+  res = subprocess.run([sys.executable, "-m", "experiments.ablate", f"--runs={p}/*seed=0",
+                        "--level=0.55"], cwd=ROOT, capture_output=True, text=True)
+  assert res.returncode == 0, res.stderr
+  assert "--level=0.55`" in res.stdout and "| steps to 0.55 |" in res.stdout
+  assert "half of" not in res.stdout
+
+
 def test_ablate_takes_several_globs_and_names_them_in_its_table(tmp_path):
   """One axis of a grid: the base runs and that axis's arms, leaving the other axes out."""
   import subprocess
@@ -68,8 +90,11 @@ def test_ablate_takes_several_globs_and_names_them_in_its_table(tmp_path):
                        capture_output=True, text=True)
   assert res.returncode == 0, res.stderr
   text = open(out).read()
+  # No --level: half of the best held-out success any run reached (0.8 -> 0.4), stated.
   assert text.startswith(f"`python -m experiments.ablate --runs='{p}/seed=*' "
-                         f"--runs='{p}/tree.num_turns=*' --level=0.5`")
+                         f"--runs='{p}/tree.num_turns=*' --level=0.4`\n\nsteps to 0.4: half "
+                         "of 0.800, the best held-out success any of these runs reached")
+  assert "| steps to 0.4 |" in text and "--level=0.4" in res.stdout
   assert "| (base) | 1 |" in text and "| tree.num_turns=1 | 1 |" in text
   assert "num_generations" not in text
   res = subprocess.run([sys.executable, "-m", "experiments.ablate", f"--runs={p}/seed=*",
