@@ -94,6 +94,21 @@ def held_out(parts: components_lib.Components, params, step: int) -> dict:
   return out
 
 
+def _first_state(parts: components_lib.Components, console: Console, summary: dict):
+  """A fresh run's first train state: the SFT warm-up's (its lines on the console, its
+  history in `summary`) or, without one, the initial state."""
+  sft = parts.exp.sft
+  if not sft.steps:
+    return parts.policies.init_state()
+  t0 = time.time()
+  console.sft_start(sft)
+  state, history = sft_lib.warm_up(parts, lambda row: console.sft_row(row, sft.steps))
+  console.sft_end(history, sft)
+  summary.update(sft_history=history, sft_steps_run=history[-1]["sft_step"] if history else 0,
+                 sft_seconds=round(time.time() - t0, 1))
+  return state
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
   """Runs (or resumes) a training job in `workdir`; returns a summary dict."""
   return train(exp_lib.start(config), config, workdir, progress=progress)
@@ -155,17 +170,7 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
     say(f"resumed from {workdir}/ckpt at step {start}")
   else:
     start = 0
-    if exp.sft.steps:
-      t0 = time.time()
-      console.sft_start(exp.sft)
-      state, history = sft_lib.warm_up(parts, lambda row: console.sft_row(row, exp.sft.steps))
-      console.sft_end(history, exp.sft)
-      summary.update(sft_history=history,
-                     sft_steps_run=history[-1]["sft_step"] if history else 0,
-                     sft_seconds=round(time.time() - t0, 1))
-    else:
-      state = policies.init_state()
-    run_state.start(state)
+    run_state.start(_first_state(parts, console, summary))
 
   def save(step):
     tree, meta = run_state.checkpoint_tree(in_flight=producer.pending)
