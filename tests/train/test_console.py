@@ -84,6 +84,22 @@ def test_postfix_names_what_the_bar_shows():
   assert console_lib.format_postfix({}) == {"root_return": "n/a", "train_success": "n/a"}
 
 
+def test_the_bar_shows_its_labels_and_lines_go_above_it(capsys):
+  c = Console(True)
+  c.open_bar(2, 0, progress=True)
+  c.step_done({"rollout/return": 0.5, "rollout/path_success": 0.25})
+  c.say("eval at step 1: ...")
+  c.close_bar()
+  err = capsys.readouterr().err
+  assert "root_return=0.50" in err and "train_success=0.25" in err, err
+  assert "eval at step 1: ...\n" in err and c.bar is None
+  quiet = Console(True)
+  quiet.open_bar(2, 0, progress=False)  # --progress=false: no bar, the lines stay
+  quiet.step_done({})
+  quiet.say("done: ...")
+  assert quiet.bar is None and capsys.readouterr().err == "done: ...\n"
+
+
 def test_start_and_end_lines():
   assert console_lib.format_rl_start(1, 130, 10, True) == (
       "rl: steps 1-130, held-out evaluation every 10 steps")
