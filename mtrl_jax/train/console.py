@@ -1,8 +1,8 @@
 """What a training run says on the console: one line per phase, on process 0 only.
 
 `rl.train` prints through a `Console`; the lines go to stderr (above the
-progress bar when there is one), one per phase, so a run is never silent for
-long:
+progress bar when there is one), a few per phase, as each starts, goes on and ends
+(a resumed run first says `resumed from <workdir>/ckpt at step N`):
 
   sft: up to 200 steps of 8 rows from 64 golden conversations; stops early once greedy
     success on 100 held-back train tasks reaches 0.3 (checked every 25 steps)
