@@ -10,6 +10,10 @@ starts the processes (docs/multihost.md). A flag, config or workdir that
 cannot run is refused before any model is built or file written, with one line
 naming the field, its value and what is allowed (exit status 2, no traceback;
 `experiments/cli.py`).
+
+The run says what it is doing in one line per phase on stderr (the SFT warm-up,
+programs compiling, each held-out evaluation with the best so far, the end:
+`mtrl_jax/train/console.py`); --progress=false turns off the progress bar only.
 """
 
 import json
@@ -24,7 +28,8 @@ from mtrl_jax.train import experiment, recipes, rl
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (created; resumed if present)")
-_PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
+_PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar (false: no bar; the "
+                              "one-line phase messages on stderr stay)")
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -358,9 +358,9 @@ class DecodeEngine:
     return out
 
   def precompile(self, params, samplings: Sequence[SamplingConfig], num_stop_ids: int,
-                 fanout: int, threads: int = 2) -> int:
-    """Compiles `programs_for(samplings)` without running them (`threads` at once:
-    XLA compiles off the Python lock). Returns how many."""
+                 fanout: int, threads: int = 2, progress=lambda done, total: None) -> int:
+    """Compiles `programs_for(samplings)` without running them (`threads` at once: XLA
+    compiles off the Python lock); `progress(done, total)` sees 0, then each. Returns how many."""
     stacked = self.num_agents > 1
     # Concrete params are placed as a run places them (moving them onto the
     # sampling layout compiles reshard programs of its own), then made abstract.
@@ -390,10 +390,11 @@ class DecodeEngine:
           spec((d, a, r), np.uint32), rows, rows, spec((d, a, r), bool), *scalars,
           stacked=stacked, window=w, steps=self.cfg.chunk, greedy=greedy, top_k=top_k,
           use_top_p=use_top_p).compile()
-
     programs = self.programs_for(samplings)
+    progress(0, len(programs))
     with concurrent.futures.ThreadPoolExecutor(threads) as ex:
-      list(ex.map(compile_one, programs))
+      for done, _ in enumerate(ex.map(compile_one, programs), 1):  # in order, as they finish
+        progress(done, len(programs))
     if self._pool is None:  # allocating it compiles a program of its own
       self._pool = self.layout.new_pool(self.cfg.slots, self.cfg.capacity)
     return len(programs)

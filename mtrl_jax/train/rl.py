@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -48,6 +47,7 @@ from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout.gather import gather_tree
 from mtrl_jax.rollout.stats import add_fault_totals, rollout_metrics
 from mtrl_jax.train import components as components_lib
+from mtrl_jax.train.console import Console, eval_score
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train import shapes as shapes_lib
@@ -93,6 +93,21 @@ def held_out(parts: components_lib.Components, params, step: int) -> dict:
     res = parts.evaluator(params, tasks, greedy=greedy, key=key)
     out.update({f"eval/{mode}/{k}": v for k, v in res.items()})
   return out
+
+
+def _first_state(parts: components_lib.Components, console: Console, summary: dict):
+  """A fresh run's first train state: the SFT warm-up's (its lines on the console, its
+  history in `summary`) or, without one, the initial state."""
+  sft = parts.exp.sft
+  if not sft.steps:
+    return parts.policies.init_state()
+  t0 = time.time()
+  console.sft_start(sft)
+  state, history = sft_lib.warm_up(parts, lambda row: console.sft_row(row, sft.steps))
+  console.sft_end(history, sft)
+  summary.update(sft_history=history, sft_steps_run=history[-1]["sft_step"] if history else 0,
+                 sft_seconds=round(time.time() - t0, 1))
+  return state
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
@@ -163,18 +178,13 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
     start, restored, meta = latest
     run_state.restore(restored, meta)
     summary.update(meta.get("summary", {}))
-    print(f"resumed from {workdir}/ckpt at step {start}", flush=True)
+  console = Console(writes, summary.get("eval_history"))
+  say = console.say  # one line on the console (above the progress bar), process 0 only
+  if resumed:
+    say(f"resumed from {workdir}/ckpt at step {start}")
   else:
     start = 0
-    if exp.sft.steps:
-      t0 = time.time()
-      state, history = sft_lib.warm_up(parts)
-      summary.update(sft_history=history,
-                     sft_steps_run=history[-1]["sft_step"] if history else 0,
-                     sft_seconds=round(time.time() - t0, 1))
-    else:
-      state = policies.init_state()
-    run_state.start(state)
+    run_state.start(_first_state(parts, console, summary))
 
   def save(step):
     tree, meta = run_state.checkpoint_tree(in_flight=producer.pending)
@@ -183,10 +193,11 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
   def evaluate(step) -> dict:
     producer.wait()  # an in-flight rollout shares the engine
     m = held_out(parts, policies.sampler_states(run_state.state.params), step)
-    score = m.get("eval/greedy/success", m.get("eval/sampled/success"))
+    score = eval_score(m)
     if score is not None:
       ckpt.maybe_save_best(step, score, policies.to_saved(run_state.state), meta={"eval": m})
       summary.setdefault("eval_history", []).append({"step": step, **m})
+    console.evaluated(step, m)
     return m
 
   writer = (metrics_lib.MetricsWriter(workdir, resume_step=start if resumed else None)
@@ -194,10 +205,8 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
   if exp.rl.precompile:
     info = shapes_lib.precompile(parts.shapes, parts.engine,
                                  policies.sampler_states(run_state.state.params), train_step,
-                                 len(parts.renderer.fmt.stop_ids), critic=parts.critic)
-    print(f"precompiled {info['engine_programs']} engine programs in "
-          f"{info['engine_seconds']} s and {info['train_programs']} train-step programs in "
-          f"{info['train_seconds']} s", flush=True)
+                                 len(parts.renderer.fmt.stop_ids), critic=parts.critic,
+                                 progress=console.compiled)
     if mix is not None:
       mix.precompile(exp.sft.batch_size)
     summary["precompile"] = info
@@ -215,14 +224,9 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
   # Warm-up ends here: the step-0 evaluation and checkpoint compile their
   # one-time helpers (Orbax slices each array it saves once per shape).
   parts.census.mark_warm()
-  bar = None
-  if progress and writes:
-    from tqdm import tqdm
-    bar = tqdm(total=exp.rl.steps, initial=start, desc="RL", dynamic_ncols=True)
-
-  def say(line: str):  # one line on the console (above the progress bar), process 0 only
-    if writes:
-      (bar.write if bar is not None else print)(line, file=sys.stderr)
+  console.rl_start(start + 1, exp.rl.steps, exp.eval.every, exp.rl.precompile)
+  console.open_bar(exp.rl.steps, start, progress)
+  step = start
 
   # ---- the RL loop: rollout -> batch -> update -> metrics, eval, checkpoint
   for step in range(start + 1, exp.rl.steps + 1):
@@ -294,10 +298,7 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
       ckpt.wait()
       summary["halted"] = f"step {step}: {halt}"
       say(f"halted at {summary['halted']}")
-    if bar is not None:
-      bar.set_postfix(reward=f"{m.get('rollout/return', float('nan')):.2f}",
-                      success=f"{m.get('rollout/path_success', float('nan')):.2f}", refresh=False)
-      bar.update(1)
+    console.step_done(m)
     if halt:
       break
   if watch.final():  # every RL step of the run (resumes included) trained nothing
@@ -307,8 +308,7 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
 
   # ---- end: flush, summary, curves
   producer.close()
-  if bar is not None:
-    bar.close()
+  console.close_bar()
   writer.close()
   ckpt.wait()
   summary.update(best=ckpt.best(), compiles=parts.census.counts())
@@ -317,4 +317,6 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
       json.dump(summary, f, indent=1, default=float)
     metrics_lib.plot_metrics(workdir, out_png=os.path.join(workdir, "curves.png"))
   ckpt.close()
+  console.end(start + 1, step, time.perf_counter() - launched, summary["workdir"],
+              halted="halted" in summary)
   return summary

@@ -267,7 +267,7 @@ class SFTMix:
       self.step_fn.precompile(batch_spec(num_rows, length, length))
 
 
-def warm_up(parts) -> tuple[Any, list[dict]]:
+def warm_up(parts, report: Optional[Callable[[dict], None]] = None) -> tuple[Any, list[dict]]:
   """The SFT warm-up of a run: returns (RL TrainState of the warmed-up params, history).
 
   `parts` is the run's `train.components.Components`. Rows are the golden
@@ -275,7 +275,8 @@ def warm_up(parts) -> tuple[Any, list[dict]]:
   `sft.check_every` steps (and at the last) a history row is logged; with
   `sft.until_success` > 0 it holds the greedy success on the next
   `sft.check_tasks` train tasks (not in the SFT data), and SFT stops once that
-  reaches the threshold.
+  reaches the threshold. `report(row)`, if given, sees each history row as it is
+  logged (the console's progress lines).
   """
   exp, cfg = parts.exp, parts.exp.sft
   batcher = golden_batcher(parts, seed=exp.seed)
@@ -296,6 +297,8 @@ def warm_up(parts) -> tuple[Any, list[dict]]:
       row["check_success"] = parts.evaluator(parts.policies.one_for_all(state.params), check,
                                              greedy=True, key=parts.key)["success"]
     history.append(row)
+    if report is not None:
+      report(row)
     if row.get("check_success", 0.0) >= cfg.until_success > 0:
       break
   return parts.policies.init_state(state.params), history

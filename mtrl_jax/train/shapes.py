@@ -111,7 +111,7 @@ def per_process(exp, num_processes: int):
 
 
 def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids: int,
-               threads: int = 2, critic=None) -> dict:
+               threads: int = 2, critic=None, progress=None) -> dict:
   """Compiles every engine and train-step program of `shapes`; returns counts and seconds.
 
   The engine compiles `threads` programs at a time (XLA compiles off the Python
@@ -122,39 +122,55 @@ def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids
   With a critic the value passes compile too: a head's on the policy's step, a
   separate independent critic's value pass and update (`critic`, a
   `train.separate_critic.SeparateCritic`) on the same buckets; a centralized
-  critic's joint rows have lengths of their own and compile on first use."""
+  critic's joint rows have lengths of their own and compile on first use.
+
+  `progress(kind, done, total)`, if given, is called with kind 'engine' and then
+  'train-step', with done 0 before a kind's first program and after each one."""
   t0 = time.perf_counter()
   params = policy_state.params if isinstance(policy_state, StackedStates) else policy_state
+  kw = {} if progress is None else {"progress": lambda d, n: progress("engine", d, n)}
   engine_programs = engine.precompile(params, shapes.samplings, num_stop_ids, shapes.fanout,
-                                      threads=threads)
+                                      threads=threads, **kw)
   t1 = time.perf_counter()
   agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
+  specs = shapes.train_specs()
+  critic_specs = specs if critic is not None and critic.kind == "independent" else []
+  total = len(specs) * (2 if shapes.values else 1) + 2 * len(critic_specs)
   programs = 0
-  for spec in shapes.train_specs():
+  def done(n: int = 1):
+    nonlocal programs
+    programs += n
+    if progress is not None:
+      progress("train-step", programs, total)
+  done(0)
+  for spec in specs:
     if agents is not None:
       spec = jax.tree.map(lambda v: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype), spec)
     train_step.precompile(spec)
-    programs += 1
+    done()
     if shapes.values:  # a value head: the rollout's value pass
       compile_values(train_step, spec, train_step.rules if agents is None
                      else train_step.inner.rules)
-      programs += 1
+      done()
   if critic is not None:
-    programs += precompile_critic(shapes, critic)
+    precompile_critic(shapes, critic, done)
   t2 = time.perf_counter()
   return {"engine_programs": engine_programs, "engine_seconds": round(t1 - t0, 1),
           "train_programs": programs, "train_seconds": round(t2 - t1, 1)}
 
 
-def precompile_critic(shapes: ShapePlan, critic) -> int:
+def precompile_critic(shapes: ShapePlan, critic, done=lambda n=1: None) -> int:
   """Compiles a separate independent critic's value pass and update for every train
   bucket of `shapes` (its batches are the packed tree's, with the value fields); returns
-  the programs compiled (0 for a centralized critic: its joint rows compile on use)."""
+  the programs compiled (0 for a centralized critic: its joint rows compile on use).
+  `done()` is called after each program."""
   if critic.kind != "independent":
     return 0
   specs = dataclasses.replace(shapes, values=True).train_specs()
   for spec in specs:
     critic.step.precompile(spec)
+    done()
     compile_values(critic.step, spec, critic.step.rules)
+    done()
   return 2 * len(specs)
 

@@ -345,8 +345,11 @@ def test_precompiled_programs_run_without_compiling(mesh_shape, state):
   mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape)
   engine = _new_engine(slots=16 if mesh is None else 4, capacity=16, mesh=mesh)
   cfg = SamplingConfig(greedy=True, max_new_tokens=NEW)
-  n = engine.precompile(state, [cfg], num_stop_ids=1, fanout=4)
+  seen = []  # progress: 0, then each program as it finishes
+  n = engine.precompile(state, [cfg], num_stop_ids=1, fanout=4,
+                        progress=lambda done, total: seen.append((done, total)))
   assert n == engine.num_compiles == len(engine.programs_for([cfg]))
+  assert seen == [(done, n) for done in range(n + 1)]
   census = CompileCensus()
   census.register("engine", engine)
   _run(engine, state, _requests(SHORT, 2), cfg, stop=[7])

@@ -56,15 +56,23 @@ class SmokeRun:
     with open(os.path.join(self.workdir, "summary.json")) as f:
       return json.load(f)
 
+  def console(self) -> str:
+    """What the run printed on stderr (its console lines; kept beside the workdir)."""
+    with open(self.workdir + ".stderr") as f:
+      return f.read()
+
 
 def _train(workdir: str) -> str:
-  """Trains the run into `workdir`; returns '' or why it failed."""
+  """Trains the run into `workdir`, its stderr kept in `workdir`.stderr; returns '' or why
+  it failed."""
   cmd = [sys.executable, "-m", "experiments.train", *SMOKE_FLAGS, f"--workdir={workdir}",
          "--progress=false"]
   try:
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
   except subprocess.TimeoutExpired as e:
     return f"{' '.join(cmd)} timed out after {e.timeout} s"
+  with open(workdir + ".stderr", "w") as f:
+    f.write(out.stderr)
   if out.returncode:
     return f"{' '.join(cmd)} exited {out.returncode}:\n{out.stderr[-4000:]}"
   return ""

@@ -138,7 +138,7 @@ def test_an_unreadable_latest_checkpoint_resumes_from_the_one_before(smoke_run, 
       f"warning: checkpoint {workdir}/ckpt/3 does not read back ({meta} is not valid JSON: "
       "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); skipped "
       f"it, moved to {workdir}/ckpt.unreadable/3; trying step 2"], out.stderr[-3000:]
-  assert f"resumed from {workdir}/ckpt at step 2" in out.stdout
+  assert f"resumed from {workdir}/ckpt at step 2" in out.stderr
   assert os.path.isfile(os.path.join(workdir, "ckpt.unreadable", "3", "meta", "metadata"))
   assert [r["step"] for r in metrics.read_metrics(workdir)] == [0, 1, 2]
 

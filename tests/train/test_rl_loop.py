@@ -115,8 +115,9 @@ def test_killed_run_resumes_exactly(smoke_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_precompiled_run_never_compiles_after_warmup(tmp_path):
-  """docs/design.md invariant 5: every shape bucket compiles before step 1, none after."""
+def test_precompiled_run_never_compiles_after_warmup(tmp_path, capsys):
+  """docs/design.md invariant 5: every shape bucket compiles before step 1, none after;
+  the console counts them as they compile."""
   c = smoke_config(steps=2)
   c.rl.precompile = True
   # One length bucket and one root per step keep the program count small (3 train-step
@@ -136,6 +137,17 @@ def test_precompiled_run_never_compiles_after_warmup(tmp_path):
     assert r["compiles/train_step"] == pre["train_programs"]
     assert r["compiles/sft_mix_step"] == 1
   assert summary["compiles"]["compiles/after_warmup"] == 0
+  err = capsys.readouterr().err.splitlines()
+  n = pre["engine_programs"]
+  said = [l.split(" (")[0] for l in err if l.startswith(("compil", "rl:"))]
+  # First and last of each kind (a kind that takes 15 s or more says how far it got).
+  ends = lambda kind: [[l for l in said if kind in l][i] for i in (0, -1)]
+  assert ends(" engine ") == [f"compiling {n} engine programs",
+                              f"compiled {n}/{n} engine programs"], err
+  assert ends(" train-step ") == ["compiling 3 train-step programs",
+                                  "compiled 3/3 train-step programs"], err
+  assert said[-1] == "rl: steps 1-2, held-out evaluation every 2 steps", err
+  assert said.index("compiling 3 train-step programs") > said.index(ends(" engine ")[1])
 
 
 def test_shape_plan_sizes_the_engine_from_the_config():
