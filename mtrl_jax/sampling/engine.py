@@ -390,6 +390,7 @@ class DecodeEngine:
           spec((d, a, r), np.uint32), rows, rows, spec((d, a, r), bool), *scalars,
           stacked=stacked, window=w, steps=self.cfg.chunk, greedy=greedy, top_k=top_k,
           use_top_p=use_top_p).compile()
+
     programs = self.programs_for(samplings)
     progress(0, len(programs))
     with concurrent.futures.ThreadPoolExecutor(threads) as ex:
