@@ -40,6 +40,7 @@ def get_config(arg=None):
   if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
     apply_smoke(c, rl_steps=1, sft_steps=1, roots_per_step=1, eval_tasks=1)
     c.sft.steps = 1 if a.sft_file else 0
+    c.eval.greedy = False  # no held-out evaluation: one step checks rollout, grades and SFT
     c.tree.num_turns = 2
     c.env.max_turns = 4
   return c

@@ -21,6 +21,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import coop, guess
+from mtrl_jax import metrics as metrics_lib
 from mtrl_jax.train import budget, experiment, recipes, rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +75,13 @@ def test_the_doc_commands_parse_and_cite_existing_files():
 
 
 def run_all(root: str, commands: list[str]):
-  """Trains each command in `root`/run<i>; prints one JSON line per finished run."""
+  """Trains each command in `root`/run<i>; prints one JSON line per finished run.
+
+  The runs write no curves.png and no TensorBoard events (as `no_curves` in
+  tests/train/conftest.py): matplotlib and tensorboardX's import of torch would be
+  a quarter of the time, and neither is what a recipe teaches."""
+  metrics_lib.plot_metrics = lambda *args, **kwargs: None
+  metrics_lib.MetricsWriter.__init__.__defaults__ = (None, False)  # tensorboard=False
   for i, command in enumerate(commands):
     summary = run_command(command, os.path.join(root, f"run{i}"))
     print(json.dumps({"command": command, "halted": bool(summary.get("halted"))}), flush=True)
