@@ -24,6 +24,7 @@ def get_config(arg=None):
   c.env.kwargs = dict(max_guesses=5)  # ceil(log2(20 + 1)): a binary search always finds it
   c.tasks.source = "guess"
   c.tree.num_turns = 5  # T: one guess per tree turn, as many as the episode has
+  c.tree.num_generations = 2  # 31 nodes per root at T = 5 (docs/recipes.md, cost per root)
   c.tree.branch_on = "user_turn"
   c.tree.max_substeps = 1  # one tool call per turn, then the guess
   c.env.max_turns = 10  # policy messages: a tool call and a guess per turn
