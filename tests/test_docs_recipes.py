@@ -9,12 +9,14 @@ and trained as that entry point trains it (`experiment.start`, then
 device (not the test session's eight) keeps each smoke run's programs small.
 """
 
+import inspect
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import textwrap
 
 import pytest
 from absl import flags
@@ -22,6 +24,7 @@ from ml_collections import config_flags
 
 from configs import coop, guess
 from mtrl_jax import metrics as metrics_lib
+from mtrl_jax.tasks import guess as guess_task
 from mtrl_jax.train import budget, experiment, recipes, rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,6 +106,24 @@ def test_every_doc_command_trains(tmp_path):
   assert not any(d["halted"] for d in done), done
   for i in range(len(commands)):
     assert os.path.exists(tmp_path / f"run{i}" / "metrics.jsonl"), commands[i]
+
+
+def python_blocks(text: str) -> list[str]:
+  return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def uncommented(code: str) -> str:
+  return "\n".join(line.split("  #")[0].rstrip() for line in code.strip().splitlines())
+
+
+def test_the_code_excerpt_is_the_module_s_and_the_python_recipe_validates():
+  excerpt, recipe = python_blocks(doc_text())
+  source = textwrap.dedent(inspect.getsource(guess_task.GuessEnv.react_to))
+  assert uncommented(excerpt) in uncommented(source), excerpt
+  call, run = recipe.rsplit(".run(", 1)
+  assert run.startswith('"runs/'), recipe
+  scope = {}
+  exec(call, scope)  # builds the recipe (validated, its tree estimated) without training
 
 
 def cost_rows(text: str) -> list[dict]:
