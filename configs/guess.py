@@ -42,6 +42,7 @@ def get_config(arg=None):
     apply_smoke(c, rl_steps=1, sft_steps=1, roots_per_step=1, eval_tasks=1)
     c.sft.steps = 1 if a.sft_file else 0
     c.eval.greedy = False  # no held-out evaluation: one step checks rollout, grades and SFT
+    c.rl.zero_variance_filter = False  # a random policy's groups are all equal: train them
     c.tree.num_turns = 2
     c.env.max_turns = 4
   return c

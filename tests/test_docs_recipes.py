@@ -104,8 +104,11 @@ def test_every_doc_command_trains(tmp_path):
   done = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"command"')]
   assert [d["command"] for d in done] == commands, out.stdout[-2000:]
   assert not any(d["halted"] for d in done), done
-  for i in range(len(commands)):
-    assert os.path.exists(tmp_path / f"run{i}" / "metrics.jsonl"), commands[i]
+  for i, command in enumerate(commands):
+    with open(tmp_path / f"run{i}" / "metrics.jsonl") as f:
+      last = json.loads(f.read().splitlines()[-1])
+    if "configs/guess.py" in command:  # its smoke trains on the step's samples
+      assert last["batch/actions"] > 0, command
 
 
 def python_blocks(text: str) -> list[str]:
