@@ -202,6 +202,7 @@ def conversation_maker(cfg) -> Callable:
 
 @functools.lru_cache(maxsize=8)
 def _read_conversations(path: str) -> tuple:
+  """The (role, content) pairs of each line of the JSONL file `path`, read once."""
   with open(path) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   if not rows:
@@ -211,7 +212,8 @@ def _read_conversations(path: str) -> tuple:
 
 def file_conversation(task: Mapping[str, Any], path: str) -> list[tuple[str, str]]:
   """Conversation `task['index'] % n` of the n in the JSONL file `path` (one
-  {"messages": [{"role", "content"}, ...]} per line): your own SFT data, with
+  {"messages": [{"role", "content"}, ...]} per line; the `mtrl_jax.tasks` sources
+  put the index in each task, a task without one gets the first): your own SFT data, with
   `sft.conversations='mtrl_jax.train.sft:file_conversation'` and
   `sft.conversation_kwargs={'path': path}`. A system turn is trained on as context
   only; the environment's own system prompt is not added to SFT rows."""
