@@ -87,5 +87,6 @@ def test_importing_the_env_api_imports_no_task():
           "from mtrl_jax.data import registered_task_sources\n"
           "print(registered_env_factories(), registered_task_sources())\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-  names = "['calculator', 'charclass', 'coop', 'humaneval', 'refine', 'user_chat', 'weather']"
+  names = ("['calculator', 'charclass', 'coop', 'guess', 'humaneval', 'refine', 'user_chat', "
+           "'weather']")
   assert out.stdout.strip() == f"{names} {names}"

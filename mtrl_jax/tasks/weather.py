@@ -18,8 +18,8 @@ and the flags
 
 (with the byte tokenizer the first prompt, the system prompt with its tool
 schema, is ~510 tokens: more than the default env.max_tokens, 256, and the
-default largest length bucket, 512). README.md, "Running your own
-environment", uses this module as the template.
+default largest length bucket, 512). docs/recipes.md teaches the API with
+`mtrl_jax/tasks/guess.py`, which adds user turns to this pattern.
 """
 
 from typing import Literal, Optional

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
@@ -197,6 +198,27 @@ def conversation_maker(cfg) -> Callable:
   """task -> [(role, content), ...]: `sft.conversations` with `sft.conversation_kwargs`."""
   return functools.partial(import_object(cfg.conversations, "sft.conversations"),
                            **dict(cfg.conversation_kwargs))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_conversations(path: str) -> tuple:
+  """The (role, content) pairs of each line of the JSONL file `path`, read once."""
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  if not rows:
+    raise ValueError(f"sft.conversation_kwargs path={path!r} holds no conversations")
+  return tuple(tuple((m["role"], m["content"]) for m in r["messages"]) for r in rows)
+
+
+def file_conversation(task: Mapping[str, Any], path: str) -> list[tuple[str, str]]:
+  """Conversation `task['index'] % n` of the n in the JSONL file `path` (one
+  {"messages": [{"role", "content"}, ...]} per line; the `mtrl_jax.tasks` sources
+  put the index in each task, a task without one gets the first): your own SFT data, with
+  `sft.conversations='mtrl_jax.train.sft:file_conversation'` and
+  `sft.conversation_kwargs={'path': path}`. A system turn is trained on as context
+  only; the environment's own system prompt is not added to SFT rows."""
+  rows = _read_conversations(path)
+  return list(rows[int(task.get("index", 0)) % len(rows)])
 
 
 def golden_batcher(parts, seed: int) -> SFTBatcher:

@@ -17,6 +17,7 @@ import pytest
 from configs import calculator as calculator_config
 from configs import common
 from configs import coop as coop_config
+from configs import guess as guess_config
 from configs import humaneval as humaneval_config
 from configs import refine as refine_config
 
@@ -83,8 +84,8 @@ def test_smoke_config_runs_an_rl_step(smoke_runs, module, arg):
   assert all((f"agent_{a}/batch/actions" in rows[1]) != share_policy for a in (0, 1))
 
 
-@pytest.mark.parametrize("module", [calculator_config, coop_config, humaneval_config,
-                                    refine_config])
+@pytest.mark.parametrize("module", [calculator_config, coop_config, guess_config,
+                                    humaneval_config, refine_config])
 def test_every_smoke_config_applies_the_common_overlay(module):
   """`smoke=True` is `configs.common.apply_smoke` plus what the task changes after it."""
   config = module.get_config("smoke=True")
