@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import time
 from typing import Any, Optional
 
@@ -56,7 +57,20 @@ class Rollout:
 
 
 class RolloutProducer:
-  """Starts step rollouts (`submit`) and hands them back in order (`result`)."""
+  """Starts step rollouts (`submit`) and hands them back in order (`result`).
+
+  With rollouts ahead (`rl.max_staleness=1`) Python's cyclic garbage collector
+  runs on the main thread alone, between steps: it is off from the start to
+  `close`, and `result` collects (the young generations every step, all of them
+  every `FULL_COLLECT_EVERY` steps) while no rollout runs. An automatic
+  collection would run on whichever thread allocated last, finalising the main
+  thread's garbage (train states, batches) on the producer's thread mid-rollout;
+  one stale run in nine once died of a segmentation fault in the collector on
+  that thread (docs/results.md; `benchmarks/crash_loop.py` is the loop that
+  looks for it).
+  """
+
+  FULL_COLLECT_EVERY = 10
 
   def __init__(self, parts, stream, critic_state=None):
     # critic_state: a separate critic's current train state (a callable; rollouts with a
@@ -65,6 +79,10 @@ class RolloutProducer:
     self.ahead = parts.exp.rl.max_staleness > 0
     self._pool = concurrent.futures.ThreadPoolExecutor(1) if self.ahead else None
     self._pending: Optional[concurrent.futures.Future] = None
+    self._collector_was_on = self.ahead and gc.isenabled()
+    if self.ahead:
+      gc.disable()
+    self._results = 0
 
   @property
   def pending(self) -> bool:
@@ -116,6 +134,9 @@ class RolloutProducer:
     t0 = time.perf_counter()
     out = self._pending.result()
     self._pending = None
+    if self.ahead:  # on the main thread, no rollout running (see the class docstring)
+      self._results += 1
+      gc.collect(2 if self._results % self.FULL_COLLECT_EVERY == 0 else 1)
     return out, time.perf_counter() - t0
 
   def wait(self) -> None:
@@ -124,6 +145,11 @@ class RolloutProducer:
       concurrent.futures.wait([self._pending])
 
   def close(self) -> None:
+    """Waits for an in-flight rollout and gives the collector back; a second call does
+    nothing more."""
     self.wait()
     if self._pool is not None:
       self._pool.shutdown()
+    if self._collector_was_on:
+      self._collector_was_on = False
+      gc.enable()

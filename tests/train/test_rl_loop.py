@@ -1,5 +1,6 @@
 """The ENVGRPO loop end to end on a tiny config: runs, writes its files, resumes exactly."""
 
+import gc
 import json
 import os
 import shutil
@@ -240,7 +241,19 @@ def test_rollouts_one_step_ahead_are_one_update_stale_and_resume_exactly(tmp_pat
     return c
 
   full = str(tmp_path / "full")
-  rl.run(config(3), full, progress=False)
+  collections = []  # (thread, collector on?) of each garbage collection
+  callback = lambda phase, _: phase == "start" and collections.append(
+      (threading.current_thread().name, gc.isenabled()))
+  gc.callbacks.append(callback)
+  try:
+    rl.run(config(3), full, progress=False)
+  finally:
+    gc.callbacks.remove(callback)
+  assert gc.isenabled()  # given back at the end of the run
+  # While rollouts ran ahead the collector was off and ran on the main thread alone,
+  # between steps (never on the producer's thread).
+  off = [name for name, enabled in collections if not enabled]
+  assert len(off) >= 3 and set(off) == {threading.main_thread().name}, collections
   rows = _rows(full)
   assert [r.get("rollout/staleness") for r in rows] == [None, 0.0, 1.0, 1.0]
   assert all(r["time/rollout_wait"] >= 0 for r in rows[1:]) and "train/loss" in rows[2]
