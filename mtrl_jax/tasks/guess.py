@@ -108,8 +108,8 @@ class GuessEnv(Environment):
     if next_thread is not None:  # a tool call: its result continues the turn
       return next_thread, None
     guess, number = extract_answer(thread.last_assistant), self.metadata["number"]
-    if (guess is None or not guess.isdigit() or int(guess) == number
-        or thread.count("user") >= self.max_guesses):  # found, no guess, or out of guesses
+    ended = guess is None or not guess.isdigit() or int(guess) == number  # no guess, or found
+    if ended or thread.count("user") >= self.max_guesses:  # or out of guesses
       return None, {"found": self.final_grader.grade(thread)}
     hint = "higher" if int(guess) < number else "lower"
     return thread.append(Turn("user", hint)), {"consistent": self.turn_grader.grade(thread)}

@@ -21,6 +21,8 @@ PLACEHOLDERS = {"a": (r"\d+", "an agent index"), "t": (r"\d+", "a tree turn"),
                 "mode": ("greedy|sampled", "an evaluation pass"), "name": (r"[^/]+", "any name")}
 
 # (section title, what the section's keys describe, ((pattern, meaning, unit), ...)).
+# A table, one row per key as docs/metrics.md shows it: the formatter leaves it alone.
+# fmt: off
 SECTIONS = (
     ("Rollout", "the step's training rollout: the trees of its `rl.roots_per_step` roots", (
         ("rollout/success", "share of the ended joint actions whose outcome is above "
@@ -251,6 +253,7 @@ SECTIONS = (
         ("step", "the row's RL step (0: the evaluation before the first update)", "step"),
     )),
 )
+# fmt: on
 
 METRICS = {p: (meaning, unit) for _, _, rows in SECTIONS for p, meaning, unit in rows}
 

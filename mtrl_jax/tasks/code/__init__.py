@@ -4,7 +4,8 @@ Modules: `prompts` (turn-1 prompts), `analysis` (code clean-up and static
 checks), `rewards` (the gated level reward, run in the sandbox), `data`
 (HumanEval splits: a TFDS builder and a plain loader; imports
 tensorflow_datasets, so it is not imported here). `feedback` (the feedback
-transitions of turns >= 2) is not imported here either.
+transitions of turns >= 2) and `expert` (its expert-edit requests) are not imported
+here either.
 """
 
 from mtrl_jax.tasks.code.prompts import (EXTRACTION_ERROR, agent_prompts, aux_prompt,
