@@ -1,4 +1,5 @@
 """mtrl_jax: multi-turn reinforcement learning of LLM agents in JAX/Flax NNX."""
+
 from setuptools import find_packages, setup
 
 setup(

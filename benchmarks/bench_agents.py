@@ -97,14 +97,19 @@ class Stacked:
   """Both agents in one engine (a pool per agent, one program per call) and one train program."""
 
   def __init__(self, cfg, models, sampling, agent_map):
-    self.train = StackedTrainStep(models[0], LossConfig(kl_coef=BETA),
-                                  OptimConfig(learning_rate=LR), (LR,) * AGENTS)
+    self.train = StackedTrainStep(
+        models[0], LossConfig(kl_coef=BETA), OptimConfig(learning_rate=LR), (LR,) * AGENTS
+    )
     self.state = self.train.init_state(models)
     self.ref = self.train.copy_params(self.state.params)
-    engine = DecodeEngine(cfg, EngineConfig(**{**vars(_engine_cfg(sampling.max_new_tokens)),
-                                               "agent_map": agent_map}), num_agents=AGENTS)
-    self.policy = EnginePolicy(engine, StackedStates(self.state.params, AGENTS), sampling,
-                               stop_ids=(), pad_id=0, fanout=G)
+    engine = DecodeEngine(
+        cfg,
+        EngineConfig(**{**vars(_engine_cfg(sampling.max_new_tokens)), "agent_map": agent_map}),
+        num_agents=AGENTS,
+    )
+    self.policy = EnginePolicy(
+        engine, StackedStates(self.state.params, AGENTS), sampling, stop_ids=(), pad_id=0, fanout=G
+    )
 
   def set_policy(self):
     self.policy.set_states(StackedStates(self.state.params, AGENTS))
@@ -118,13 +123,22 @@ class PerAgent:
   """One engine and one train program per agent."""
 
   def __init__(self, cfg, models, sampling):
-    self.train = [TrainStep(m, LossConfig(kl_coef=BETA), OptimConfig(learning_rate=LR))
-                  for m in models]
+    self.train = [
+        TrainStep(m, LossConfig(kl_coef=BETA), OptimConfig(learning_rate=LR)) for m in models
+    ]
     self.states = [t.init_state(m) for t, m in zip(self.train, models)]
     self.refs = [t.copy_params(s.params) for t, s in zip(self.train, self.states)]
-    self.engines = [EnginePolicy(DecodeEngine(cfg, _engine_cfg(sampling.max_new_tokens)),
-                                 s.params, sampling, stop_ids=(), pad_id=0, fanout=G)
-                    for s in self.states]
+    self.engines = [
+        EnginePolicy(
+            DecodeEngine(cfg, _engine_cfg(sampling.max_new_tokens)),
+            s.params,
+            sampling,
+            stop_ids=(),
+            pad_id=0,
+            fanout=G,
+        )
+        for s in self.states
+    ]
     self.policy = PerAgentPolicy(self.engines)
 
   def set_policy(self):
@@ -148,8 +162,12 @@ def step(arm, tree_cfg, transition, batch_cfg, seed: int) -> dict:
   t1 = time.perf_counter()
   jax.block_until_ready(arm.update(batch))
   t2 = time.perf_counter()
-  return {"rollout": t1 - t0, "train": t2 - t1, "step": t2 - t0,
-          "shape": "x".join(map(str, batch.tokens_BxL.shape))}
+  return {
+      "rollout": t1 - t0,
+      "train": t2 - t1,
+      "step": t2 - t0,
+      "shape": "x".join(map(str, batch.tokens_BxL.shape)),
+  }
 
 
 def main(argv):
@@ -160,35 +178,52 @@ def main(argv):
   tree_cfg = TreeConfig(num_turns=2, num_generations=G, num_agents=AGENTS)
   transition = TokenTransition(cfg.vocab_size, obs_len=8)
   length = 2 * (PROMPT_LEN + 2 * _NEW.value + 8)
-  batch_cfg = BatchConfig(packing="tree", length_buckets=(1 << (length - 1).bit_length(),),
-                          zero_variance_filter=False, keep_kl=True)
-  arms = {"stacked (map)": Stacked(cfg, models, sampling, "map"),
-          "stacked (vmap)": Stacked(cfg, models, sampling, "vmap"),
-          "per agent": PerAgent(cfg, models, sampling)}
+  batch_cfg = BatchConfig(
+      packing="tree",
+      length_buckets=(1 << (length - 1).bit_length(),),
+      zero_variance_filter=False,
+      keep_kl=True,
+  )
+  arms = {
+      "stacked (map)": Stacked(cfg, models, sampling, "map"),
+      "stacked (vmap)": Stacked(cfg, models, sampling, "vmap"),
+      "per agent": PerAgent(cfg, models, sampling),
+  }
   rows = {name: [] for name in arms}
   for s in range(_WARMUP.value + _STEPS.value):
     for name, arm in arms.items():
       r = step(arm, tree_cfg, transition, batch_cfg, seed=s)
       if s >= _WARMUP.value:
         rows[name].append(r)
-    print(f"step {s}: " + ", ".join(f"{n} {rows[n][-1]['step']:.2f} s" if rows[n] else n
-                                     for n in arms), flush=True)
-  med = {n: {k: statistics.median(r[k] for r in rs) for k in ("rollout", "train", "step")}
-         for n, rs in rows.items()}
+    print(
+        f"step {s}: "
+        + ", ".join(f"{n} {rows[n][-1]['step']:.2f} s" if rows[n] else n for n in arms),
+        flush=True,
+    )
+  med = {
+      n: {k: statistics.median(r[k] for r in rs) for k in ("rollout", "train", "step")}
+      for n, rs in rows.items()
+  }
   base = med["per agent"]
   print(f"command: {' '.join([sys.executable] + sys.argv)}")
-  print(f"device: {jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
-        f"{jax.device_count()} device(s); preset {_PRESET.value} ({cfg.dtype}); N = {AGENTS}, "
-        f"{ROOTS} roots, T = 2, G = {G}, {_NEW.value} new tokens; medians of {_STEPS.value} "
-        f"steps after {_WARMUP.value} warm-up, arms interleaved")
-  print("| arm | programs per shape (engine + train) | rollout s | train s | "
-        "rollout + train s | ratio to per agent |")
+  print(
+      f"device: {jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
+      f"{jax.device_count()} device(s); preset {_PRESET.value} ({cfg.dtype}); N = {AGENTS}, "
+      f"{ROOTS} roots, T = 2, G = {G}, {_NEW.value} new tokens; medians of {_STEPS.value} "
+      f"steps after {_WARMUP.value} warm-up, arms interleaved"
+  )
+  print(
+      "| arm | programs per shape (engine + train) | rollout s | train s | "
+      "rollout + train s | ratio to per agent |"
+  )
   print("|---|---|---|---|---|---|")
   for n, m in med.items():
     programs = "1 + 1" if n.startswith("stacked") else f"{AGENTS} engines + {AGENTS}"
-    print(f"| {n} | {programs} | {m['rollout']:.3f} | {m['train']:.3f} | "
-          f"{m['step']:.3f} | {m['step'] / base['step']:.2f} (rollout "
-          f"{m['rollout'] / base['rollout']:.2f}, train {m['train'] / base['train']:.2f}) |")
+    print(
+        f"| {n} | {programs} | {m['rollout']:.3f} | {m['train']:.3f} | "
+        f"{m['step']:.3f} | {m['step'] / base['step']:.2f} (rollout "
+        f"{m['rollout'] / base['rollout']:.2f}, train {m['train'] / base['train']:.2f}) |"
+    )
   print(f"train batch [A, B, L]: {rows['per agent'][-1]['shape']}")
 
 

@@ -59,18 +59,29 @@ def make_tree(vocab: int) -> Tree:
   g = _GENS.value
   tree = Tree(TreeConfig(num_turns=TURNS, num_generations=g, num_agents=AGENTS))
   system = tok(_SYSTEM.value)
-  frontier = [tree.add_root([system + tok(PROMPT) for _ in range(AGENTS)])
-              for _ in range(_ROOTS.value)]
+  frontier = [
+      tree.add_root([system + tok(PROMPT) for _ in range(AGENTS)]) for _ in range(_ROOTS.value)
+  ]
   while frontier:
     nxt = []
     for node in frontier:
-      comps = [[Completion(np.asarray(tok(NEW), np.int32), np.full(NEW, -5.0, np.float32))
-                for _ in range(g)] for _ in range(AGENTS)]
+      comps = [
+          [
+              Completion(np.asarray(tok(NEW), np.int32), np.full(NEW, -5.0, np.float32))
+              for _ in range(g)
+          ]
+          for _ in range(AGENTS)
+      ]
       tree.set_completions(node, comps)
       if tree.record(node, rng.standard_normal(g)):
         for j in range(g):
-          nxt.append(tree.add_child(node, j, [node.prompts[i] + list(comps[i][j].ids)
-                                              + tok(OBS) for i in range(AGENTS)]))
+          nxt.append(
+              tree.add_child(
+                  node,
+                  j,
+                  [node.prompts[i] + list(comps[i][j].ids) + tok(OBS) for i in range(AGENTS)],
+              )
+          )
     frontier = nxt
   return tree.finalize()
 
@@ -82,8 +93,9 @@ def _bytes(tree) -> int:
 def run_case(case: str, cfg, tree: Tree) -> dict:
   """Median ms per RL step of the case's train-side work, and its memory."""
   policy_model = create_model(cfg.replace(value_head=case == "head"))
-  objective = PolicyObjective(LossConfig(algorithm="reinforce"),
-                              value_coef=0.5 if case == "head" else None, value_clip=0.2)
+  objective = PolicyObjective(
+      LossConfig(algorithm="reinforce"), value_coef=0.5 if case == "head" else None, value_clip=0.2
+  )
   policy = TrainStep(policy_model, objective, OPT)
   p_state = policy.init_state(policy_model)
   critic = c_state = None
@@ -92,8 +104,7 @@ def run_case(case: str, cfg, tree: Tree) -> dict:
     critic = TrainStep(critic_model, ValueObjective(value_coef=0.5, value_clip=0.2), OPT)
     c_state = critic.init_state(critic_model)
   bcfg = BatchConfig(length_buckets=(_LENGTH.value,), zero_variance_filter=False)
-  values_cfg = BatchConfig(length_buckets=(_LENGTH.value,), zero_variance_filter=False,
-                           values="v")
+  values_cfg = BatchConfig(length_buckets=(_LENGTH.value,), zero_variance_filter=False, values="v")
   ccfg = CriticConfig(target="v")
 
   def one_step():
@@ -103,8 +114,9 @@ def run_case(case: str, cfg, tree: Tree) -> dict:
       p_state, m = policy(p_state, None, batch)
       return m
     if case == "head":
-      values = critic_values(tree, values_cfg,
-                             lambda b: jax.device_get(policy.values(p_state.params, b)), False)
+      values = critic_values(
+          tree, values_cfg, lambda b: jax.device_get(policy.values(p_state.params, b)), False
+      )
       _, targets = critic_advantages(tree, values, ccfg)
       batch, _ = make_train_batch(tree, values_cfg, (values, targets))
       p_state, m = policy(p_state, None, batch)
@@ -117,8 +129,11 @@ def run_case(case: str, cfg, tree: Tree) -> dict:
     else:
       values, rows = joint_rows.joint_values(tree, "v", fn)
       _, targets = critic_advantages(tree, values, ccfg)
-      c_batch = joint_rows.rows_batch(rows, targets_R=joint_rows.row_targets(tree, rows, targets),
-                                      old_values_R=joint_rows.row_targets(tree, rows, values))
+      c_batch = joint_rows.rows_batch(
+          rows,
+          targets_R=joint_rows.row_targets(tree, rows, targets),
+          old_values_R=joint_rows.row_targets(tree, rows, values),
+      )
     batch, _ = make_train_batch(tree, bcfg)
     p_state, m = policy(p_state, None, batch)
     c_state, cm = critic(c_state, None, c_batch)
@@ -131,8 +146,11 @@ def run_case(case: str, cfg, tree: Tree) -> dict:
     jax.block_until_ready(one_step())
     times.append(time.perf_counter() - t0)
   state_bytes = _bytes(p_state) + (_bytes(c_state) if c_state is not None else 0)
-  return {"ms": statistics.median(times) * 1e3, "state_mib": state_bytes / 2**20,
-          "compiles": policy.num_compiles + (critic.num_compiles if critic else 0)}
+  return {
+      "ms": statistics.median(times) * 1e3,
+      "state_mib": state_bytes / 2**20,
+      "compiles": policy.num_compiles + (critic.num_compiles if critic else 0),
+  }
 
 
 def main(argv):
@@ -140,17 +158,22 @@ def main(argv):
   cfg = get_preset(_PRESET.value)
   tree = make_tree(cfg.vocab_size)
   print(f"command: {' '.join([sys.executable] + sys.argv)}")
-  print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; preset {_PRESET.value}; "
-        f"tree: {_ROOTS.value} roots, N={AGENTS} align, T={TURNS}, G={_GENS.value}, "
-        f"{len(tree.nodes)} nodes")
+  print(
+      f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; preset {_PRESET.value}; "
+      f"tree: {_ROOTS.value} roots, N={AGENTS} align, T={TURNS}, G={_GENS.value}, "
+      f"{len(tree.nodes)} nodes"
+  )
   print("| critic | ms per RL step (train side) | vs none | train states MiB | programs |")
   print("|---|---|---|---|---|")
   base = None
   for case in ("none", "head", "separate", "centralized"):
     r = run_case(case, cfg, tree)
     base = base or r["ms"]
-    print(f"| {case} | {r['ms']:.1f} | {r['ms'] / base:.2f}x | {r['state_mib']:.1f} | "
-          f"{r['compiles']} |", flush=True)
+    print(
+        f"| {case} | {r['ms']:.1f} | {r['ms'] / base:.2f}x | {r['state_mib']:.1f} | "
+        f"{r['compiles']} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

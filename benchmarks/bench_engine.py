@@ -53,10 +53,14 @@ from mtrl_jax.rollout.records import ActionOutcome, StepRecord
 from mtrl_jax.sampling import DecodeEngine, EngineConfig, Request, SamplingConfig
 from mtrl_jax.testing import TokenState, TokenTransition
 
-_WORKLOADS = flags.DEFINE_list("workloads", ["longctx", "latency", "skew"],
-                               "longctx, latency and/or skew")
-_PRESET = flags.DEFINE_string("preset", None, "model preset for every workload (default: "
-                              "bench for longctx and skew, tiny for latency)")
+_WORKLOADS = flags.DEFINE_list(
+    "workloads", ["longctx", "latency", "skew"], "longctx, latency and/or skew"
+)
+_PRESET = flags.DEFINE_string(
+    "preset",
+    None,
+    "model preset for every workload (default: bench for longctx and skew, tiny for latency)",
+)
 _DTYPE = flags.DEFINE_string("dtype", None, "override param and compute dtype (e.g. bfloat16)")
 _STEPS = flags.DEFINE_integer("steps", 3, "timed steps per arm")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "untimed first steps per arm (compilation)")
@@ -73,8 +77,14 @@ def _model(preset, dtype):
 
 def _policy(cfg, state, cfg_engine, new_tokens):
   engine = DecodeEngine(cfg, cfg_engine)
-  return EnginePolicy(engine, state, SamplingConfig(temperature=1.0, max_new_tokens=new_tokens),
-                      stop_ids=(), pad_id=0, fanout=4)
+  return EnginePolicy(
+      engine,
+      state,
+      SamplingConfig(temperature=1.0, max_new_tokens=new_tokens),
+      stop_ids=(),
+      pad_id=0,
+      fanout=4,
+  )
 
 
 def _timed(arms: dict, run, warmup: int, steps: int) -> dict:
@@ -90,10 +100,14 @@ def _timed(arms: dict, run, warmup: int, steps: int) -> dict:
         out[name].append(res)
   for name, policy in arms.items():
     if policy.engine.num_compiles != compiles[name]:
-      raise RuntimeError(f"{name}: the engine compiled during the timed steps "
-                         f"({compiles[name]} -> {policy.engine.num_compiles})")
-  return {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-          for name, rows in out.items()}
+      raise RuntimeError(
+          f"{name}: the engine compiled during the timed steps "
+          f"({compiles[name]} -> {policy.engine.num_compiles})"
+      )
+  return {
+      name: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+      for name, rows in out.items()
+  }
 
 
 # ------------------------------------------------------------------ longctx
@@ -104,33 +118,53 @@ def bench_longctx(preset, dtype, warmup, steps):
   capacity = system + prompt + 3 * new + 2 * obs + 16
   slots = 2 * 16 * 4
   transition = TokenTransition(cfg.vocab_size, obs_len=obs)
-  arms = {"level-sync": _policy(cfg, state, EngineConfig(slots=slots, capacity=capacity,
-                                                         reuse=False), new),
-          "engine": _policy(cfg, state, EngineConfig(slots=slots, capacity=capacity), new)}
+  arms = {
+      "level-sync": _policy(
+          cfg, state, EngineConfig(slots=slots, capacity=capacity, reuse=False), new
+      ),
+      "engine": _policy(cfg, state, EngineConfig(slots=slots, capacity=capacity), new),
+  }
   schedule = {"level-sync": "barrier", "engine": "continuous"}
   names = {id(p): n for n, p in arms.items()}
 
   def run(policy, step):
     t0 = time.perf_counter()
-    tree = expand_tree(tree_cfg.replace(schedule=schedule[names[id(policy)]]), policy,
-                       transition, transition.roots(2, 1, prompt, seed=step, system_len=system),
-                       jax.random.key(step))
-    return {"seconds": time.perf_counter() - t0, "generation": tree.times.generation,
-            "prefill": tree.engine["prefill_tokens"], "reused": tree.engine["reused_tokens"],
-            "decoded": tree.engine["decode_tokens"], "nodes": len(tree.nodes)}
+    tree = expand_tree(
+        tree_cfg.replace(schedule=schedule[names[id(policy)]]),
+        policy,
+        transition,
+        transition.roots(2, 1, prompt, seed=step, system_len=system),
+        jax.random.key(step),
+    )
+    return {
+        "seconds": time.perf_counter() - t0,
+        "generation": tree.times.generation,
+        "prefill": tree.engine["prefill_tokens"],
+        "reused": tree.engine["reused_tokens"],
+        "decoded": tree.engine["decode_tokens"],
+        "nodes": len(tree.nodes),
+    }
 
   res = _timed(arms, run, warmup, steps)
-  print(f"\nlongctx ({preset or 'bench'}): 2 roots, 512-token system prompt, T=3, G=4, "
-        f"{new} new tokens, median of {steps}")
-  print("| arm | prefilled tokens / step | cached context tokens | generation s / step | "
-        "rollout s / step | sampled tokens |")
+  print(
+      f"\nlongctx ({preset or 'bench'}): 2 roots, 512-token system prompt, T=3, G=4, "
+      f"{new} new tokens, median of {steps}"
+  )
+  print(
+      "| arm | prefilled tokens / step | cached context tokens | generation s / step | "
+      "rollout s / step | sampled tokens |"
+  )
   print("|---|---|---|---|---|---|")
   for name, r in res.items():
-    print(f"| {name} | {r['prefill']:,.0f} | {r['reused']:,.0f} | {r['generation']:.3f} | "
-          f"{r['seconds']:.3f} | {r['decoded']:,.0f} |")
+    print(
+        f"| {name} | {r['prefill']:,.0f} | {r['reused']:,.0f} | {r['generation']:.3f} | "
+        f"{r['seconds']:.3f} | {r['decoded']:,.0f} |"
+    )
   a, b = res["level-sync"], res["engine"]
-  print(f"prefill tokens: {a['prefill'] / b['prefill']:.1f}x fewer; generation "
-        f"{a['generation'] / b['generation']:.2f}x faster")
+  print(
+      f"prefill tokens: {a['prefill'] / b['prefill']:.1f}x fewer; generation "
+      f"{a['generation'] / b['generation']:.2f}x faster"
+  )
 
 
 # ------------------------------------------------------------------ latency
@@ -160,7 +194,7 @@ class _Sleepy:
       h.update(np.asarray(hist, np.int64).tobytes())
     for c in actions:
       h.update(np.asarray(c.ids, np.int64).tobytes())
-    u = (int.from_bytes(h.digest(), "little") + 0.5) / 2 ** 64
+    u = (int.from_bytes(h.digest(), "little") + 0.5) / 2**64
     z = float(np.sqrt(2.0) * _erfinv(2 * u - 1))
     return MEDIAN_S * float(np.exp(SIGMA * z))
 
@@ -171,16 +205,21 @@ class _Sleepy:
     with self._lock:
       self.slowest_chain = max(self.slowest_chain, state.waited + s)
     out = self.inner.step(TokenState(state.histories), actions)
-    return ActionOutcome(_Waited(out.next_state.histories, state.waited + s),
-                         StepRecord(out.step.reward))
+    return ActionOutcome(
+        _Waited(out.next_state.histories, state.waited + s), StepRecord(out.step.reward)
+    )
 
 
 def _erfinv(y: float) -> float:
   """Inverse error function (Winitzki's approximation refined by two Newton steps)."""
   a = 0.147
   ln = math.log(1 - y * y)
-  x = math.copysign(math.sqrt(math.sqrt((2 / (math.pi * a) + ln / 2) ** 2 - ln / a)
-                              - (2 / (math.pi * a) + ln / 2)), y)
+  x = math.copysign(
+      math.sqrt(
+          math.sqrt((2 / (math.pi * a) + ln / 2) ** 2 - ln / a) - (2 / (math.pi * a) + ln / 2)
+      ),
+      y,
+  )
   for _ in range(2):
     x -= (math.erf(x) - y) / (2 / math.sqrt(math.pi) * math.exp(-x * x))
   return x
@@ -192,8 +231,10 @@ def bench_latency(preset, dtype, warmup, steps, roots):
   tree_cfg = TreeConfig(num_turns=3, num_generations=4)
   slots = roots * 16 * 4
   capacity = prompt + 3 * new + 2 * 8 + 16
-  arms = {name: _policy(cfg, state, EngineConfig(slots=slots, capacity=capacity), new)
-          for name in ("barrier", "continuous", "decode only")}
+  arms = {
+      name: _policy(cfg, state, EngineConfig(slots=slots, capacity=capacity), new)
+      for name in ("barrier", "continuous", "decode only")
+  }
   names = {id(p): n for n, p in arms.items()}
   pool = concurrent.futures.ThreadPoolExecutor(512)
 
@@ -202,28 +243,46 @@ def bench_latency(preset, dtype, warmup, steps, roots):
     transition = _Sleepy(TokenTransition(cfg.vocab_size), sleep=name != "decode only")
     schedule = "barrier" if name == "barrier" else "continuous"
     t0 = time.perf_counter()
-    tree = expand_tree(tree_cfg.replace(schedule=schedule), policy, transition,
-                       transition.roots(roots, 1, prompt, seed=step), jax.random.key(step),
-                       executor=pool)
+    tree = expand_tree(
+        tree_cfg.replace(schedule=schedule),
+        policy,
+        transition,
+        transition.roots(roots, 1, prompt, seed=step),
+        jax.random.key(step),
+        executor=pool,
+    )
     t = tree.times
-    return {"seconds": time.perf_counter() - t0, "generation": t.generation,
-            "device_idle": t.device_idle, "env_waiting": t.env_waiting,
-            "chain": transition.slowest_chain, "nodes": len(tree.nodes)}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "generation": t.generation,
+        "device_idle": t.device_idle,
+        "env_waiting": t.env_waiting,
+        "chain": transition.slowest_chain,
+        "nodes": len(tree.nodes),
+    }
 
   res = _timed(arms, run, warmup, steps)
   pool.shutdown()
   floor = max(res["decode only"]["seconds"], res["continuous"]["chain"])
-  print(f"\nlatency ({preset or 'tiny'}): {roots} roots, T=3, G=4, {new} new tokens, steps "
-        f"sleep lognormal (median {MEDIAN_S * 1000:.0f} ms, p99 {P99_S:.0f} s), median of {steps}")
-  print("| arm | rollout s / step | generation s | device idle s | engine busy, no env "
-        "step in flight s | slowest chain of sleeps s |")
+  print(
+      f"\nlatency ({preset or 'tiny'}): {roots} roots, T=3, G=4, {new} new tokens, steps "
+      f"sleep lognormal (median {MEDIAN_S * 1000:.0f} ms, p99 {P99_S:.0f} s), median of {steps}"
+  )
+  print(
+      "| arm | rollout s / step | generation s | device idle s | engine busy, no env "
+      "step in flight s | slowest chain of sleeps s |"
+  )
   print("|---|---|---|---|---|---|")
   for name, r in res.items():
-    print(f"| {name} | {r['seconds']:.3f} | {r['generation']:.3f} | {r['device_idle']:.3f} | "
-          f"{r['env_waiting']:.3f} | {r['chain']:.3f} |")
+    print(
+        f"| {name} | {r['seconds']:.3f} | {r['generation']:.3f} | {r['device_idle']:.3f} | "
+        f"{r['env_waiting']:.3f} | {r['chain']:.3f} |"
+    )
   b, c = res["barrier"]["seconds"], res["continuous"]["seconds"]
-  print(f"continuous vs barrier: {b / c:.2f}x faster; continuous / floor ({floor:.3f} s) = "
-        f"{c / floor:.2f}")
+  print(
+      f"continuous vs barrier: {b / c:.2f}x faster; continuous / floor ({floor:.3f} s) = "
+      f"{c / floor:.2f}"
+  )
 
 
 # ------------------------------------------------------------------ skew
@@ -231,15 +290,17 @@ def bench_skew(preset, dtype, warmup, steps):
   cfg, state = _model(preset or "bench", dtype)
   num, prompt, short, long = 64, 32, 8, 128
   capacity = prompt + long + 16
-  arms = {"level-sync": DecodeEngine(cfg, EngineConfig(slots=num, capacity=capacity,
-                                                        chunk=long)),
-          "engine": DecodeEngine(cfg, EngineConfig(slots=16, capacity=capacity, chunk=8))}
+  arms = {
+      "level-sync": DecodeEngine(cfg, EngineConfig(slots=num, capacity=capacity, chunk=long)),
+      "engine": DecodeEngine(cfg, EngineConfig(slots=16, capacity=capacity, chunk=8)),
+  }
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=long)
   rng = np.random.default_rng(0)
   prompts = rng.integers(12, cfg.vocab_size, (num, prompt))
   key = np.asarray(jax.random.key_data(jax.random.key(0)), np.uint32)
 
   class _Arm:  # the `_timed` interface: .engine
+
     def __init__(self, engine):
       self.engine = engine
 
@@ -247,25 +308,32 @@ def bench_skew(preset, dtype, warmup, steps):
     engine = arm.engine
     engine.start(state, sampling, (), 0, fanout=1)
     for i in range(num):
-      engine.submit(Request(i, prompts[i], key, [step * num + i],
-                            max_new=short if i % 2 else long))
+      engine.submit(Request(i, prompts[i], key, [step * num + i], max_new=short if i % 2 else long))
     t0, busy = time.perf_counter(), True
     while busy:
       samples, busy = engine.step()
       for s in samples:
         engine.release(s.handle)
     st = engine.stats
-    return {"seconds": time.perf_counter() - t0, "useful": st["decode_tokens"],
-            "slot_steps": st["slot_steps"], "ratio": st["decode_tokens"] / st["slot_steps"]}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "useful": st["decode_tokens"],
+        "slot_steps": st["slot_steps"],
+        "ratio": st["decode_tokens"] / st["slot_steps"],
+    }
 
   res = _timed({k: _Arm(v) for k, v in arms.items()}, run, warmup, steps)
-  print(f"\nskew ({preset or 'bench'}): {num} requests, half of {short} and half of {long} "
-        f"tokens, median of {steps}")
+  print(
+      f"\nskew ({preset or 'bench'}): {num} requests, half of {short} and half of {long} "
+      f"tokens, median of {steps}"
+  )
   print("| arm | sampled tokens | decoded slot-steps | sampled / slot-steps | seconds |")
   print("|---|---|---|---|---|")
   for name, r in res.items():
-    print(f"| {name} | {r['useful']:,.0f} | {r['slot_steps']:,.0f} | {r['ratio']:.2f} | "
-          f"{r['seconds']:.3f} |")
+    print(
+        f"| {name} | {r['useful']:,.0f} | {r['slot_steps']:,.0f} | {r['ratio']:.2f} | "
+        f"{r['seconds']:.3f} |"
+    )
 
 
 def main(argv):

@@ -47,8 +47,9 @@ def _pass(factory, episodes, limits, reward, renderer) -> tuple[float, int]:
   steps = 0
   start = time.perf_counter()
   for task, texts in episodes:
-    outs, _ = rollout_scripted(factory.create_environment(task), texts, limits,
-                               reward_cfg=reward, renderer=renderer)
+    outs, _ = rollout_scripted(
+        factory.create_environment(task), texts, limits, reward_cfg=reward, renderer=renderer
+    )
     steps += len(outs)
     assert outs[-1].done and outs[-1].reward.outcome > 0, "golden episode failed"
   return time.perf_counter() - start, steps
@@ -58,20 +59,22 @@ def main(argv):
   del argv
   exp = exp_lib.build(calculator_config.get_config())
   renderer = components.make_renderer(
-      exp.tokenizer, components.make_tokenizer(exp.tokenizer, exp.model.path))
+      exp.tokenizer, components.make_tokenizer(exp.tokenizer, exp.model.path)
+  )
   factory = components.make_factory(exp)
   tasks = [calculator.make_task("train", i) for i in range(_TASKS.value)]
-  episodes = [(t, [c for r, c in calculator.golden_conversation(t) if r == "assistant"])
-              for t in tasks]
+  episodes = [
+      (t, [c for r, c in calculator.golden_conversation(t) if r == "assistant"]) for t in tasks
+  ]
   rows = []
   for name, timeout in (("guarded", exp.env.react_timeout_s), ("inline", None)):
     limits = dataclasses.replace(exp.env.limits, react_timeout_s=timeout)
     _pass(factory, episodes, limits, exp.reward, renderer)  # warm-up
-    times, steps = zip(*(_pass(factory, episodes, limits, exp.reward, renderer)
-                         for _ in range(_REPEATS.value)))
+    times, steps = zip(
+        *(_pass(factory, episodes, limits, exp.reward, renderer) for _ in range(_REPEATS.value))
+    )
     per_step = statistics.median(times) / steps[0]
-    rows.append((f"step_environment, {name} (react_timeout_s={timeout})", steps[0],
-                 per_step * 1e3))
+    rows.append((f"step_environment, {name} (react_timeout_s={timeout})", steps[0], per_step * 1e3))
   env = factory.create_environment(tasks[0])
   thread = env.initial_thread()
   for name, fn in (("Environment.fork (deepcopy)", env.fork), ("Thread.fork", thread.fork)):
@@ -79,8 +82,10 @@ def main(argv):
     per = statistics.median(timeit.repeat(fn, number=n, repeat=_REPEATS.value)) / n
     rows.append((name, n, per * 1e3))
   print(f"command: {' '.join([sys.executable] + sys.argv)}")
-  print(f"{os.cpu_count()} cores; calculator task, {_TASKS.value} golden episodes per pass, "
-        f"median of {_REPEATS.value} passes")
+  print(
+      f"{os.cpu_count()} cores; calculator task, {_TASKS.value} golden episodes per pass, "
+      f"median of {_REPEATS.value} passes"
+  )
   print("| path | calls per pass | ms per call | calls/s |")
   print("|---|---|---|---|")
   for name, n, ms in rows:

@@ -67,18 +67,34 @@ from mtrl_jax.train.step import TrainStep
 
 _RANK = flags.DEFINE_integer("rank", 16, "adapter rank")
 _AGENTS = flags.DEFINE_list("agents", ["1", "2", "4"], "agent counts N")
-_TIMING = flags.DEFINE_bool("timing", False, "time train, RL and decode steps on this machine "
-                            "(bench preset), full vs LoRA, instead of the memory table")
+_TIMING = flags.DEFINE_bool(
+    "timing",
+    False,
+    "time train, RL and decode steps on this machine "
+    "(bench preset), full vs LoRA, instead of the memory table",
+)
 _ROWS = flags.DEFINE_integer("rows", 16, "--timing: rows of the train batch and decode step")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "--timing: timed calls per case (median)")
-_RL_STEPS = flags.DEFINE_integer("rl_steps", 4, "--timing: RL steps per run (the first "
-                                 "compiles and is not counted)")
+_RL_STEPS = flags.DEFINE_integer(
+    "rl_steps", 4, "--timing: RL steps per run (the first compiles and is not counted)"
+)
 _KL = flags.DEFINE_float("kl_coef", 0.05, "--timing: the loss's KL coefficient")
 
-LLAMA_7B = ModelConfig(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
-                       num_kv_heads=32, head_dim=128, mlp_dim=11008, family="llama",
-                       rms_eps=1e-5, tie_embeddings=False, max_seq_len=4096,
-                       param_dtype="bfloat16", dtype="bfloat16")
+LLAMA_7B = ModelConfig(
+    vocab_size=32000,
+    d_model=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    mlp_dim=11008,
+    family="llama",
+    rms_eps=1e-5,
+    tie_embeddings=False,
+    max_seq_len=4096,
+    param_dtype="bfloat16",
+    dtype="bfloat16",
+)
 
 
 def _bytes(tree) -> int:
@@ -87,8 +103,9 @@ def _bytes(tree) -> int:
 
 def _abstract(cfg: ModelConfig):
   mesh = sharding.single_device_mesh()
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules_for(cfg, mesh,
-                                                                     sharding.TRAIN_RULES)):
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(
+      sharding.rules_for(cfg, mesh, sharding.TRAIN_RULES)
+  ):
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
@@ -101,10 +118,15 @@ def _optim_bytes(params) -> int:
 def sizes(cfg: ModelConfig, rank: int) -> dict:
   """Bytes of one policy's weights, AdamW state, adapters and adapters' AdamW state."""
   _, base = nnx.split(_abstract(cfg), nnx.Param)
-  _, adapters, _ = lora.split(_abstract(cfg.replace(
-      lora=LoraConfig(rank=rank, alpha=2.0 * rank, targets=LORA_TARGETS))))
-  return {"base": _bytes(base), "base_optim": _optim_bytes(base),
-          "adapters": _bytes(adapters), "adapters_optim": _optim_bytes(adapters)}
+  _, adapters, _ = lora.split(
+      _abstract(cfg.replace(lora=LoraConfig(rank=rank, alpha=2.0 * rank, targets=LORA_TARGETS)))
+  )
+  return {
+      "base": _bytes(base),
+      "base_optim": _optim_bytes(base),
+      "adapters": _bytes(adapters),
+      "adapters_optim": _optim_bytes(adapters),
+  }
 
 
 def rows(s: dict, n: int) -> list[tuple]:
@@ -128,8 +150,7 @@ def _lora(rank: int) -> LoraConfig:
   return LoraConfig(rank=rank, alpha=2.0 * rank, targets=LORA_TARGETS)
 
 
-def time_train_step(cfg: ModelConfig, rank: int, rows: int, kl_coef: float,
-                    repeats: int) -> float:
+def time_train_step(cfg: ModelConfig, rank: int, rows: int, kl_coef: float, repeats: int) -> float:
   """Median seconds of one train step, full (rank 0) or LoRA over the same base."""
   model = create_model(cfg)
   trained = lora.attach(model, _lora(rank)) if rank else model
@@ -139,9 +160,12 @@ def time_train_step(cfg: ModelConfig, rank: int, rows: int, kl_coef: float,
   r = np.random.default_rng(0)
   mask = np.zeros((rows, 96), bool)
   mask[:, 32:] = True
-  batch = from_rows(r.integers(0, cfg.vocab_size, (rows, 96)).astype(np.int32), mask,
-                    old_logp_BxL=np.full((rows, 96), -5.0, np.float32),
-                    adv=r.standard_normal(rows).astype(np.float32))
+  batch = from_rows(
+      r.integers(0, cfg.vocab_size, (rows, 96)).astype(np.int32),
+      mask,
+      old_logp_BxL=np.full((rows, 96), -5.0, np.float32),
+      adv=r.standard_normal(rows).astype(np.float32),
+  )
 
   def one():
     box[0], m = step(box[0], ref, batch)
@@ -155,6 +179,7 @@ def time_rl_steps(rank: int, steps: int, kl_coef: float) -> dict:
   (steps after the first)."""
   from configs import calculator
   from mtrl_jax.train import rl
+
   c = calculator.get_config("smoke=True")
   c.model.preset, c.sft.steps, c.loss.kl_coef = "bench", 0, kl_coef
   c.model.lora.rank, c.model.lora.alpha = rank, 2.0 * max(rank, 1)
@@ -184,26 +209,36 @@ def time_decode(cfg: ModelConfig, rank: int, rows: int, repeats: int) -> dict:
   plain = jax.jit(lambda p: decode(graphdef, p))
   unmerged = jax.jit(lambda a, b: decode(adapted_graphdef, a, b))
   merge = jax.jit(lambda b, a: lora.merge(b, a, _lora(rank)))
-  return {"merged": _median(lambda: plain(params).block_until_ready(), repeats),
-          "unmerged": _median(lambda: unmerged(adapters, base).block_until_ready(), repeats),
-          "merge": _median(lambda: jax.block_until_ready(merge(base, adapters)), repeats)}
+  return {
+      "merged": _median(lambda: plain(params).block_until_ready(), repeats),
+      "unmerged": _median(lambda: unmerged(adapters, base).block_until_ready(), repeats),
+      "merge": _median(lambda: jax.block_until_ready(merge(base, adapters)), repeats),
+  }
 
 
 def allocator_bytes() -> str:
   stats = jax.devices()[0].memory_stats()
   if not stats:
-    return (f"jax.devices()[0].memory_stats() is {stats!r} on {jax.devices()[0].platform}: "
-            "no allocator figures here (the byte table, without --timing, is jax.eval_shape's)")
-  return (f"{stats.get('bytes_in_use', 0) / 2**20:.1f} MiB in use, "
-          f"{stats.get('peak_bytes_in_use', 0) / 2**20:.1f} MiB peak (the whole process)")
+    return (
+        f"jax.devices()[0].memory_stats() is {stats!r} on {jax.devices()[0].platform}: "
+        "no allocator figures here (the byte table, without --timing, is jax.eval_shape's)"
+    )
+  return (
+      f"{stats.get('bytes_in_use', 0) / 2**20:.1f} MiB in use, "
+      f"{stats.get('peak_bytes_in_use', 0) / 2**20:.1f} MiB peak (the whole process)"
+  )
 
 
 def timing():
   cfg, rank, rows, reps = get_preset("bench"), _RANK.value, _ROWS.value, _REPEATS.value
-  print(f"python -m benchmarks.bench_lora --timing --rank={rank} --rows={rows} "
-        f"--repeats={reps} --rl_steps={_RL_STEPS.value} --kl_coef={_KL.value}")
-  print(f"bench preset on {jax.devices()[0].platform} ({os.cpu_count()} cores as loaded), "
-        f"full vs LoRA rank {rank}; seconds")
+  print(
+      f"python -m benchmarks.bench_lora --timing --rank={rank} --rows={rows} "
+      f"--repeats={reps} --rl_steps={_RL_STEPS.value} --kl_coef={_KL.value}"
+  )
+  print(
+      f"bench preset on {jax.devices()[0].platform} ({os.cpu_count()} cores as loaded), "
+      f"full vs LoRA rank {rank}; seconds"
+  )
   out = [("train step", *(time_train_step(cfg, r, rows, _KL.value, reps) for r in (0, rank)))]
   full, low = (time_rl_steps(r, _RL_STEPS.value, _KL.value) for r in (0, rank))
   out += [(f"RL step: {k[5:]}", full[k], low[k]) for k in full]
@@ -212,9 +247,11 @@ def timing():
   for name, a, b in out:
     print(f"{name:22} {a:9.4f} {b:9.4f} {b / a:9.3f}")
   d = time_decode(cfg, rank, rows, reps)
-  print(f"decode step ({rows} rows, 256 slots): merged {d['merged'] * 1e3:.2f} ms, unmerged "
-        f"{d['unmerged'] * 1e3:.2f} ms ({d['unmerged'] / d['merged']:.2f}x); one merge "
-        f"{d['merge'] * 1e3:.2f} ms = {d['merge'] / d['merged']:.1f} merged decode steps")
+  print(
+      f"decode step ({rows} rows, 256 slots): merged {d['merged'] * 1e3:.2f} ms, unmerged "
+      f"{d['unmerged'] * 1e3:.2f} ms ({d['unmerged'] / d['merged']:.2f}x); one merge "
+      f"{d['merge'] * 1e3:.2f} ms = {d['merge'] / d['merged']:.1f} merged decode steps"
+  )
   print("allocator:", allocator_bytes())
 
 
@@ -227,19 +264,27 @@ def main(argv):
   gib = lambda b: f"{b / 2**30:9.2f}"
   for name, cfg in (("qwen2-0.5b", get_preset("qwen2-0.5b")), ("llama-7b shape", LLAMA_7B)):
     s = sizes(cfg, _RANK.value)
-    print(f"\n{name}: base {gib(s['base'])} GiB, rank-{_RANK.value} adapters "
-          f"{s['adapters'] / 2**20:.1f} MiB")
-    print(f"{'arm':>5} {'N':>2} {'params GiB':>10} {'optim GiB':>10} {'ref GiB':>10} "
-          f"{'total GiB':>10} {'vs full':>8}")
+    print(
+        f"\n{name}: base {gib(s['base'])} GiB, rank-{_RANK.value} adapters "
+        f"{s['adapters'] / 2**20:.1f} MiB"
+    )
+    print(
+        f"{'arm':>5} {'N':>2} {'params GiB':>10} {'optim GiB':>10} {'ref GiB':>10} "
+        f"{'total GiB':>10} {'vs full':>8}"
+    )
     for n in map(int, _AGENTS.value):
       (_, _, *full), (_, _, *low) = rows(s, n)
       for arm, vals in (("full", full), ("lora", low)):
-        print(f"{arm:>5} {n:>2} {gib(vals[0]):>10} {gib(vals[1]):>10} {gib(vals[2]):>10} "
-              f"{gib(vals[3]):>10} {vals[3] / full[3]:8.3f}")
+        print(
+            f"{arm:>5} {n:>2} {gib(vals[0]):>10} {gib(vals[1]):>10} {gib(vals[2]):>10} "
+            f"{gib(vals[3]):>10} {vals[3] / full[3]:8.3f}"
+        )
     one = rows(s, 1)[1][-1]
     four, four_full = rows(s, 4)[1][-1], rows(s, 4)[0][-1]
-    print(f"targets: 4 LoRA / 4 full = {four / four_full:.3f} (<= 0.1); "
-          f"1 LoRA / base = {one / s['base']:.3f} (<= 1.2)")
+    print(
+        f"targets: 4 LoRA / 4 full = {four / four_full:.3f} (<= 0.1); "
+        f"1 LoRA / base = {one / s['base']:.3f} (<= 1.2)"
+    )
 
 
 if __name__ == "__main__":

@@ -26,19 +26,27 @@ import time
 
 from absl import app, flags
 
-_TUNIX = flags.DEFINE_string("tunix_python", None,
-                             "python of a venv with google-tunix==0.1.7; adds the Tunix column")
+_TUNIX = flags.DEFINE_string(
+    "tunix_python", None, "python of a venv with google-tunix==0.1.7; adds the Tunix column"
+)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per case (median reported)")
 _PRESET = flags.DEFINE_string("preset", "bench", "model preset")
 _DTYPE = flags.DEFINE_string("dtype", None, "override param and compute dtype (e.g. bfloat16)")
-_CHUNKS = flags.DEFINE_list("decode_chunks", ["8"],
-                            "EngineConfig.chunk values to compare (decode steps per engine "
-                            "step); adds a decode-step vs memory-floor table")
+_CHUNKS = flags.DEFINE_list(
+    "decode_chunks",
+    ["8"],
+    "EngineConfig.chunk values to compare (decode steps per engine "
+    "step); adds a decode-step vs memory-floor table",
+)
 
 PROMPT_LEN, NEW_TOKENS = 32, 64
 # (label, number of distinct prompts, generations per prompt)
-CASES = [("batch 8", 8, 1), ("batch 16", 16, 1),
-         ("4 prompts x G=4 (fork)", 4, 4), ("16 separate prompts", 16, 1)]
+CASES = [
+    ("batch 8", 8, 1),
+    ("batch 16", 16, 1),
+    ("4 prompts x G=4 (fork)", 4, 4),
+    ("16 separate prompts", 16, 1),
+]
 
 # Runs in the Tunix interpreter: same shapes, Tunix's own model and Sampler.
 _TUNIX_SCRIPT = r"""
@@ -90,6 +98,7 @@ def measure_bandwidth(n_bytes: int = 1 << 30) -> float:
   """Device memory bandwidth (bytes read + written per second) of a large copy."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
   x = jnp.ones((n_bytes // 4,), jnp.float32)
   f = jax.jit(lambda a: a * 1.0001)
   f(x).block_until_ready()
@@ -106,13 +115,19 @@ def bench_mtrl(preset: str, repeats: int, chunk: int) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from mtrl_jax import models  # pylint: disable=g-import-not-at-top
-  from mtrl_jax.sampling import (DecodeEngine, EngineConfig, Request,  # pylint: disable=g-import-not-at-top
-                                 SamplingConfig)
+  from mtrl_jax.sampling import (
+      DecodeEngine,
+      EngineConfig,
+      Request,  # pylint: disable=g-import-not-at-top
+      SamplingConfig,
+  )
 
   cfg = models.get_preset(preset, dtype=_DTYPE.value)
   _, state = nnx.split(models.create_model(cfg, seed=0))
-  engine = DecodeEngine(cfg, EngineConfig(slots=16, capacity=PROMPT_LEN + NEW_TOKENS + 16,
-                                          chunk=chunk, decode_rows=16))
+  engine = DecodeEngine(
+      cfg,
+      EngineConfig(slots=16, capacity=PROMPT_LEN + NEW_TOKENS + 16, chunk=chunk, decode_rows=16),
+  )
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=NEW_TOKENS)
   rng = np.random.default_rng(0)
   calls = {}
@@ -141,8 +156,10 @@ def bench_mtrl(preset: str, repeats: int, chunk: int) -> dict:
       t0 = time.perf_counter()
       call(i + 1)
       times[label].append(time.perf_counter() - t0)
-  out = {label: rows * NEW_TOKENS / statistics.median(times[label])
-         for label, (_, rows) in calls.items()}
+  out = {
+      label: rows * NEW_TOKENS / statistics.median(times[label])
+      for label, (_, rows) in calls.items()
+  }
   out["_compiles"] = engine.num_compiles
   out["_chunk"] = chunk
   # Per decode step of the 16-row batch (the prefill is a small part of the call).
@@ -152,17 +169,34 @@ def bench_mtrl(preset: str, repeats: int, chunk: int) -> dict:
 
 def bench_tunix(python: str, preset: str, repeats: int) -> dict:
   from mtrl_jax import models  # pylint: disable=g-import-not-at-top
+
   cfg = models.get_preset(preset)
-  arg = dict(layers=cfg.num_layers, vocab=cfg.vocab_size, d_model=cfg.d_model, mlp=cfg.mlp_dim,
-             heads=cfg.num_heads, head_dim=cfg.head_dim, kv_heads=cfg.num_kv_heads,
-             rope_theta=cfg.rope_theta, eps=cfg.rms_eps, prompt_len=PROMPT_LEN,
-             new=NEW_TOKENS, repeats=repeats, cases=CASES)
+  arg = dict(
+      layers=cfg.num_layers,
+      vocab=cfg.vocab_size,
+      d_model=cfg.d_model,
+      mlp=cfg.mlp_dim,
+      heads=cfg.num_heads,
+      head_dim=cfg.head_dim,
+      kv_heads=cfg.num_kv_heads,
+      rope_theta=cfg.rope_theta,
+      eps=cfg.rms_eps,
+      prompt_len=PROMPT_LEN,
+      new=NEW_TOKENS,
+      repeats=repeats,
+      cases=CASES,
+  )
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([python, "-c", _TUNIX_SCRIPT, json.dumps(arg)], capture_output=True,
-                        text=True, env=env, check=False)
+  proc = subprocess.run(
+      [python, "-c", _TUNIX_SCRIPT, json.dumps(arg)],
+      capture_output=True,
+      text=True,
+      env=env,
+      check=False,
+  )
   for line in proc.stdout.splitlines():
     if line.startswith("RESULT "):
-      return json.loads(line[len("RESULT "):])
+      return json.loads(line[len("RESULT ") :])
   raise RuntimeError(f"Tunix benchmark failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
@@ -173,35 +207,54 @@ def main(argv):
   ours = runs[0]
   theirs = bench_tunix(_TUNIX.value, _PRESET.value, _REPEATS.value) if _TUNIX.value else {}
   import jax  # pylint: disable=g-import-not-at-top
+
   print(f"command: {' '.join([sys.executable] + sys.argv)}")
-  print(f"preset {_PRESET.value}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens, EOS disabled, "
-        f"temperature 1; median of {_REPEATS.value} after warm-up; "
-        f"{jax.devices()[0].platform} x{jax.device_count()}, {os.cpu_count()} cores; "
-        f"mtrl_jax compiles: {ours['_compiles']}")
-  print(f"| {'case':<24} | {'rows':>4} | {'mtrl_jax tok/s':>14} | {'Tunix 0.1.7 tok/s':>17} "
-        f"| {'ratio':>5} |")
+  print(
+      f"preset {_PRESET.value}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens, EOS disabled, "
+      f"temperature 1; median of {_REPEATS.value} after warm-up; "
+      f"{jax.devices()[0].platform} x{jax.device_count()}, {os.cpu_count()} cores; "
+      f"mtrl_jax compiles: {ours['_compiles']}"
+  )
+  print(
+      f"| {'case':<24} | {'rows':>4} | {'mtrl_jax tok/s':>14} | {'Tunix 0.1.7 tok/s':>17} "
+      f"| {'ratio':>5} |"
+  )
   print(f"|{'-' * 26}|{'-' * 6}|{'-' * 16}|{'-' * 19}|{'-' * 7}|")
   for label, n_prompts, g in CASES:
     t = theirs.get(label)
-    print(f"| {label:<24} | {n_prompts * g:>4} | {ours[label]:>14.0f} | "
-          f"{(f'{t:.0f}' if t else 'n/a'):>17} | {(f'{ours[label] / t:.2f}' if t else 'n/a'):>5} |")
+    print(
+        f"| {label:<24} | {n_prompts * g:>4} | {ours[label]:>14.0f} | "
+        f"{(f'{t:.0f}' if t else 'n/a'):>17} | {(f'{ours[label] / t:.2f}' if t else 'n/a'):>5} |"
+    )
   if theirs:
     print("Tunix has no prefix fork: its '4 prompts x G=4' row decodes 16 repeated prompts.")
   from mtrl_jax import models  # pylint: disable=g-import-not-at-top
+
   cfg = models.get_preset(_PRESET.value, dtype=_DTYPE.value)
   bw = measure_bandwidth()
   itemsize = 2 if cfg.dtype == "bfloat16" else 4
   weights = cfg.num_params() * itemsize
-  cache = 2 * cfg.num_layers * 16 * (PROMPT_LEN + NEW_TOKENS) * cfg.num_kv_heads * cfg.head_dim \
+  cache = (
+      2
+      * cfg.num_layers
+      * 16
+      * (PROMPT_LEN + NEW_TOKENS)
+      * cfg.num_kv_heads
+      * cfg.head_dim
       * itemsize
+  )
   floor_ms = 1e3 * (weights + cache) / bw
-  print(f"\ndecode step, batch 16: memory floor = (weights {weights / 2**20:.0f} MiB + KV cache "
-        f"{cache / 2**20:.1f} MiB) / measured bandwidth {bw / 1e9:.0f} GB/s = {floor_ms:.3f} ms")
+  print(
+      f"\ndecode step, batch 16: memory floor = (weights {weights / 2**20:.0f} MiB + KV cache "
+      f"{cache / 2**20:.1f} MiB) / measured bandwidth {bw / 1e9:.0f} GB/s = {floor_ms:.3f} ms"
+  )
   print("| chunk | step ms (call / new tokens) | x floor | batch 16 tok/s |")
   print("|---|---|---|---|")
   for r in runs:
-    print(f"| {r['_chunk']} | {r['_step_ms']:.3f} | {r['_step_ms'] / floor_ms:.2f} | "
-          f"{r['batch 16']:.0f} |")
+    print(
+        f"| {r['_chunk']} | {r['_step_ms']:.3f} | {r['_step_ms'] / floor_ms:.2f} | "
+        f"{r['batch 16']:.0f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COOP = "--config=configs/coop.py:smoke=True"
 
 _RUNS = flags.DEFINE_list("runs", ["coop", "coop_pre", "demo"], "coop, coop_pre and/or demo")
-_THREADS = flags.DEFINE_list("threads", ["2"], "demo: engine programs compiled at a time "
-                             "(each a cold and a warm row)")
+_THREADS = flags.DEFINE_list(
+    "threads", ["2"], "demo: engine programs compiled at a time (each a cold and a warm row)"
+)
 _WORKER = flags.DEFINE_string("worker", None, "internal: 'demo' runs one precompilation")
 _CACHE = flags.DEFINE_string("cache", "", "internal: the worker's compile_cache")
 
@@ -49,15 +50,21 @@ def _demo_worker(cache: str, threads: int) -> dict:
   """Builds the demo's parts and precompiles them as `rl.train` does (this process)."""
   from configs import calculator
   from mtrl_jax.train import components, experiment, shapes
+
   c = calculator.get_config()
   c.compile_cache = cache
   exp = experiment.start(c)
   parts = components.build(exp)
   policies = parts.policies
   state = policies.init_state()
-  info = shapes.precompile(parts.shapes, parts.engine, policies.sampler_states(state.params),
-                           policies.train_step, len(parts.renderer.fmt.stop_ids),
-                           threads=threads)
+  info = shapes.precompile(
+      parts.shapes,
+      parts.engine,
+      policies.sampler_states(state.params),
+      policies.train_step,
+      len(parts.renderer.fmt.stop_ids),
+      threads=threads,
+  )
   return {**info, "backend_compiles": parts.census.counts()["compiles/backend_total"]}
 
 
@@ -75,12 +82,20 @@ def _first_step_row(path: str):
 
 def _train(cache: str, workdir: str, precompile: bool) -> dict:
   """One coop smoke run: launch -> step 1's metrics row (polled), and the run's figures."""
-  cmd = [sys.executable, "-m", "experiments.train", COOP, f"--workdir={workdir}",
-         f"--config.compile_cache={cache}", f"--config.rl.precompile={precompile}",
-         "--progress=false"]
+  cmd = [
+      sys.executable,
+      "-m",
+      "experiments.train",
+      COOP,
+      f"--workdir={workdir}",
+      f"--config.compile_cache={cache}",
+      f"--config.rl.precompile={precompile}",
+      "--progress=false",
+  ]
   t0 = time.perf_counter()
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+  proc = subprocess.Popen(
+      cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
   metrics, row, to_first = os.path.join(workdir, "metrics.jsonl"), None, None
   while proc.poll() is None:
     if row is None:
@@ -95,20 +110,36 @@ def _train(cache: str, workdir: str, precompile: bool) -> dict:
   row = row or _first_step_row(metrics)
   with open(os.path.join(workdir, "summary.json")) as f:
     pre = json.load(f).get("precompile")
-  return {"to_first": to_first, "first_step": row["time/first_step"], "wall": wall,
-          "precompile": pre, "backend_compiles": row["compiles/backend_total"]}
+  return {
+      "to_first": to_first,
+      "first_step": row["time/first_step"],
+      "wall": wall,
+      "precompile": pre,
+      "backend_compiles": row["compiles/backend_total"],
+  }
 
 
 def _demo(cache: str, threads: int) -> dict:
-  cmd = [sys.executable, "-m", "benchmarks.bench_startup", "--worker=demo",
-         f"--cache={cache}", f"--threads={threads}"]
+  cmd = [
+      sys.executable,
+      "-m",
+      "benchmarks.bench_startup",
+      "--worker=demo",
+      f"--cache={cache}",
+      f"--threads={threads}",
+  ]
   t0 = time.perf_counter()
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
   if out.returncode:
     raise SystemExit(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stderr[-3000:]}")
   info = json.loads(out.stdout.strip().splitlines()[-1])
-  return {"to_first": None, "first_step": None, "wall": time.perf_counter() - t0,
-          "precompile": info, "backend_compiles": info["backend_compiles"]}
+  return {
+      "to_first": None,
+      "first_step": None,
+      "wall": time.perf_counter() - t0,
+      "precompile": info,
+      "backend_compiles": info["backend_compiles"],
+  }
 
 
 def _fmt(x, spec=".1f"):
@@ -117,11 +148,18 @@ def _fmt(x, spec=".1f"):
 
 def _row(name: str, kind: str, r: dict, entries: int) -> str:
   pre = r["precompile"]
-  pre_s = "lazy" if pre is None else (
-      f"{pre['engine_seconds'] + pre['train_seconds']:.1f} = {pre['engine_seconds']} "
-      f"({pre['engine_programs']}) + {pre['train_seconds']} ({pre['train_programs']})")
-  return (f"| {name} | {kind} | {_fmt(r['to_first'])} | {_fmt(r['first_step'])} | {pre_s} | "
-          f"{int(r['backend_compiles'])} | {entries} | {r['wall']:.1f} |")
+  pre_s = (
+      "lazy"
+      if pre is None
+      else (
+          f"{pre['engine_seconds'] + pre['train_seconds']:.1f} = {pre['engine_seconds']} "
+          f"({pre['engine_programs']}) + {pre['train_seconds']} ({pre['train_programs']})"
+      )
+  )
+  return (
+      f"| {name} | {kind} | {_fmt(r['to_first'])} | {_fmt(r['first_step'])} | {pre_s} | "
+      f"{int(r['backend_compiles'])} | {entries} | {r['wall']:.1f} |"
+  )
 
 
 def main(argv):
@@ -134,16 +172,17 @@ def main(argv):
     raise app.UsageError(f"--runs={','.join(_RUNS.value)}; allowed: coop, coop_pre, demo")
   print("command: python -m benchmarks.bench_startup " + " ".join(sys.argv[1:]))
   print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
-  print("| run | cache | launch -> step 1 row s | time/first_step s | precompile s "
-        "= engine (programs) + train (programs) | backend compiles | cache entries after | process s |")
+  print(
+      "| run | cache | launch -> step 1 row s | time/first_step s | precompile s "
+      "= engine (programs) + train (programs) | backend compiles | cache entries after | process s |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   tmp = tempfile.mkdtemp(prefix="bench_startup_")
   try:
     jobs = []
     for run in _RUNS.value:
       if run == "demo":
-        jobs += [(f"demo, {t} threads", lambda c, w, t=int(t): _demo(c, t))
-                 for t in _THREADS.value]
+        jobs += [(f"demo, {t} threads", lambda c, w, t=int(t): _demo(c, t)) for t in _THREADS.value]
       else:
         jobs.append((run, lambda c, w, p=run == "coop_pre": _train(c, w, p)))
     for i, (name, fn) in enumerate(jobs):

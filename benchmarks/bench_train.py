@@ -40,11 +40,18 @@ _ROWS = flags.DEFINE_integer("rows", 16, "rows per train batch")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed steps per case (median reported)")
 _PEAK_N = flags.DEFINE_integer("peak_n", 2048, "matmul size for the peak measurement")
 _PRESETS = flags.DEFINE_list("presets", ["bench", "small"], "model presets to measure")
-_DTYPE = flags.DEFINE_string("dtype", None, "override the presets' param and compute dtype, "
-                             "and measure the peak in it (e.g. bfloat16 on a GPU)")
+_DTYPE = flags.DEFINE_string(
+    "dtype",
+    None,
+    "override the presets' param and compute dtype, "
+    "and measure the peak in it (e.g. bfloat16 on a GPU)",
+)
 
-_PACKING = flags.DEFINE_list("packing", [], "also time the long-context tree workload with "
-                              "these train-batch layouts (tree, rows)")
+_PACKING = flags.DEFINE_list(
+    "packing",
+    [],
+    "also time the long-context tree workload with these train-batch layouts (tree, rows)",
+)
 _SYSTEM = flags.DEFINE_integer("system", 512, "tree workload: shared system-prompt tokens")
 _ROOTS = flags.DEFINE_integer("roots", 2, "tree workload: roots (tasks) per batch")
 _ATTENTION = flags.DEFINE_string("attention", "xla", "ModelConfig.attention: xla | cudnn")
@@ -66,7 +73,7 @@ def measure_peak(n: int, repeats: int, dtype: str = "float32") -> float:
     t0 = time.perf_counter()
     f(a, a).block_until_ready()
     times.append(time.perf_counter() - t0)
-  return 2 * n ** 3 / statistics.median(times)
+  return 2 * n**3 / statistics.median(times)
 
 
 def batch(cfg, rows: int) -> TrainBatch:
@@ -75,8 +82,12 @@ def batch(cfg, rows: int) -> TrainBatch:
   tokens = rng.integers(0, cfg.vocab_size, (rows, length)).astype(np.int32)
   mask = np.zeros((rows, length), bool)
   mask[:, PROMPT:] = True
-  return from_rows(tokens, mask, old_logp_BxL=np.full((rows, length), -5.0, np.float32),
-                   adv=rng.standard_normal(rows).astype(np.float32))
+  return from_rows(
+      tokens,
+      mask,
+      old_logp_BxL=np.full((rows, length), -5.0, np.float32),
+      adv=rng.standard_normal(rows).astype(np.float32),
+  )
 
 
 def _median_step(cfg, kl_coef: float, b: dict, repeats: int):
@@ -116,8 +127,10 @@ def tree_batches(cfg, roots: int, system: int, length: int) -> dict:
   while frontier:
     nxt = []
     for node in frontier:
-      comps = [Completion(np.asarray(tok(NEW), np.int32),
-                          np.full(NEW, -5.0, np.float32)) for _ in range(GENS)]
+      comps = [
+          Completion(np.asarray(tok(NEW), np.int32), np.full(NEW, -5.0, np.float32))
+          for _ in range(GENS)
+      ]
       tree.set_completions(node, [comps])
       if tree.record(node, rng.standard_normal(GENS)):
         for g in range(GENS):
@@ -127,8 +140,9 @@ def tree_batches(cfg, roots: int, system: int, length: int) -> dict:
   out = {}
   longest = max(len(n.prompts[0]) + NEW for n in tree.nodes)
   for packing, lengths in (("tree", (length,)), ("rows", (longest,))):
-    out[packing], m = make_train_batch(tree, BatchConfig(
-        packing=packing, length_buckets=lengths, zero_variance_filter=False))
+    out[packing], m = make_train_batch(
+        tree, BatchConfig(packing=packing, length_buckets=lengths, zero_variance_filter=False)
+    )
     out[packing + "_tokens"] = m["batch/tokens_trained"]
   # Useful forward FLOPs: each unique token's matmuls once, attention over its own
   # path (depth + 1 keys), the LM head at trained tokens only.
@@ -138,8 +152,9 @@ def tree_batches(cfg, roots: int, system: int, length: int) -> dict:
   real = b.tokens_BxL != 0
   keys = float((b.positions_BxL[real] + 1).sum())
   unique, trained = float(real.sum()), float(b.loss_mask_BxK.sum())
-  out["useful_fwd_flops"] = (cfg.num_layers * (matmul * unique + 4 * h * dh * keys)
-                             + 2 * d * cfg.vocab_size * trained)
+  out["useful_fwd_flops"] = (
+      cfg.num_layers * (matmul * unique + 4 * h * dh * keys) + 2 * d * cfg.vocab_size * trained
+  )
   out["trained"] = trained
   return out
 
@@ -156,33 +171,44 @@ def main(argv):
   dtype = _DTYPE.value or "float32"
   peak = measure_peak(_PEAK_N.value, _REPEATS.value, dtype)
   print(f"command: {' '.join([sys.executable] + sys.argv)}")
-  print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; "
-        f"measured {dtype} matmul peak ({_PEAK_N.value}^3): {peak / 1e9:.1f} GFLOP/s")
+  print(
+      f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; "
+      f"measured {dtype} matmul peak ({_PEAK_N.value}^3): {peak / 1e9:.1f} GFLOP/s"
+  )
   print("| model | reference | rows x len | step ms | tokens/s | model GFLOP/s | MFU | compiles |")
   print("|---|---|---|---|---|---|---|---|")
   for preset in _PRESETS.value:
     for kl in (0.0, 0.05):
       s, tps, fps, compiles = time_case(preset, kl, _ROWS.value, _REPEATS.value)
-      print(f"| {preset} | {'on' if kl else 'off'} | {_ROWS.value} x {PROMPT + NEW} | "
-            f"{s * 1e3:.1f} | {tps:.0f} | {fps / 1e9:.2f} | {fps / peak:.1%} | {compiles} |")
+      print(
+          f"| {preset} | {'on' if kl else 'off'} | {_ROWS.value} x {PROMPT + NEW} | "
+          f"{s * 1e3:.1f} | {tps:.0f} | {fps / 1e9:.2f} | {fps / peak:.1%} | {compiles} |"
+      )
   if not _PACKING.value:
     return
-  print(f"\ntree workload: {_ROOTS.value} roots x (system {_SYSTEM.value} + task {PROMPT}), "
-        f"T={TURNS} G={GENS}, {NEW} new tokens per turn; FLOPs counted on useful work "
-        "(unique tokens, path attention, LM head at trained tokens)")
-  print("| model | packing | reference | batch B x L | tokens in batch | trained tokens | "
-        "step ms | useful GFLOP/s | MFU | compiles |")
+  print(
+      f"\ntree workload: {_ROOTS.value} roots x (system {_SYSTEM.value} + task {PROMPT}), "
+      f"T={TURNS} G={GENS}, {NEW} new tokens per turn; FLOPs counted on useful work "
+      "(unique tokens, path attention, LM head at trained tokens)"
+  )
+  print(
+      "| model | packing | reference | batch B x L | tokens in batch | trained tokens | "
+      "step ms | useful GFLOP/s | MFU | compiles |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|")
   for preset in _PRESETS.value:
-    work = tree_batches(get_preset(preset, dtype=_DTYPE.value), _ROOTS.value, _SYSTEM.value,
-                        _TREE_LEN.value)
+    work = tree_batches(
+        get_preset(preset, dtype=_DTYPE.value), _ROOTS.value, _SYSTEM.value, _TREE_LEN.value
+    )
     for packing in _PACKING.value:
       for kl in map(float, _KLS.value):
         s, fps, compiles = time_tree_case(preset, packing, kl, work, _REPEATS.value)
         shape = "x".join(map(str, work[packing].tokens_BxL.shape))
-        print(f"| {preset} | {packing} | {'on' if kl else 'off'} | {shape} | "
-              f"{work[packing + '_tokens']:.0f} | {work['trained']:.0f} | {s * 1e3:.1f} | "
-              f"{fps / 1e9:.2f} | {fps / peak:.1%} | {compiles} |")
+        print(
+            f"| {preset} | {packing} | {'on' if kl else 'off'} | {shape} | "
+            f"{work[packing + '_tokens']:.0f} | {work['trained']:.0f} | {s * 1e3:.1f} | "
+            f"{fps / 1e9:.2f} | {fps / peak:.1%} | {compiles} |"
+        )
 
 
 if __name__ == "__main__":

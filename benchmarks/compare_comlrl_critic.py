@@ -59,11 +59,17 @@ def _trainer(args: IACConfig, rewards, values):
   def generate(agent_model, prompt, agent_idx, num_ret):
     t = calls["gen"][agent_idx]
     calls["gen"][agent_idx] += 1
-    return {"prompt": prompt, "prompt_len": 1, "sequences": torch.ones((num_ret, 3), dtype=torch.long),
-            "attention_mask": torch.ones((num_ret, 3), dtype=torch.long),
-            "response_lens": [2] * num_ret, "logprobs": [torch.zeros(1)] * num_ret,
-            "reference_kls": [], "completions": ["c"] * num_ret,
-            "values": torch.tensor(values[t][agent_idx], dtype=torch.float32)}
+    return {
+        "prompt": prompt,
+        "prompt_len": 1,
+        "sequences": torch.ones((num_ret, 3), dtype=torch.long),
+        "attention_mask": torch.ones((num_ret, 3), dtype=torch.long),
+        "response_lens": [2] * num_ret,
+        "logprobs": [torch.zeros(1)] * num_ret,
+        "reference_kls": [],
+        "completions": ["c"] * num_ret,
+        "values": torch.tensor(values[t][agent_idx], dtype=torch.float32),
+    }
 
   def reward_func(*completions, batch_items=None):
     t = calls["reward"]
@@ -93,17 +99,25 @@ def _comlrl(args: IACConfig, chains):
     trainer._process_buffer(a, buffers[a])  # groups by turn, _update -> _prepare_advantages
     for s in samples:
       key = (s.metadata["chain"], s.metadata["turn_idx"], a, s.metadata["generation_idx"])
-      out[key] = (float(s.metadata["value_target"].view(-1)[0]), float(s.advantage.view(-1)[0]),
-                  float(s.normalized_advantage.view(-1)[0]))
+      out[key] = (
+          float(s.metadata["value_target"].view(-1)[0]),
+          float(s.advantage.view(-1)[0]),
+          float(s.normalized_advantage.view(-1)[0]),
+      )
   return out
 
 
 def _ours(args: IACConfig, chains, target: str):
   """The same chains as one mtrl_jax tree (one root each), through critic_advantages."""
   n, g = args.num_agents, args.num_generations
-  cfg = TreeConfig(num_turns=args.num_turns, num_generations=g, num_agents=n,
-                   discount=args.discount, team_weight=0.0,
-                   termination_threshold=args.early_termination_threshold)
+  cfg = TreeConfig(
+      num_turns=args.num_turns,
+      num_generations=g,
+      num_agents=n,
+      discount=args.discount,
+      team_weight=0.0,
+      termination_threshold=args.early_termination_threshold,
+  )
   tree, where = Tree(cfg), {}
   for k, (rewards, values) in enumerate(chains):
     node, t = tree.add_root([[1]] * n), 0
@@ -111,14 +125,17 @@ def _ours(args: IACConfig, chains, target: str):
       where[id(node)] = (k, t)
       r_N = [float(x) for x in rewards[t]]
       # Team reward = the mean of the agents' (CoMLRL's termination test); agents get their own.
-      acts = [ActionRecord((StepRecord(float(np.mean(r_N)), local_rewards=tuple(r_N)),))
-              for _ in range(g)]
+      acts = [
+          ActionRecord((StepRecord(float(np.mean(r_N)), local_rewards=tuple(r_N)),))
+          for _ in range(g)
+      ]
       if not tree.record(node, [a.reward for a in acts], None, acts):
         break
       node, t = tree.add_child(node, 0, [[2]] * n), t + 1
   tree.finalize()
-  vals = [np.asarray(chains[where[id(nd)][0]][1][where[id(nd)][1]], np.float64)
-          for nd in tree.nodes]
+  vals = [
+      np.asarray(chains[where[id(nd)][0]][1][where[id(nd)][1]], np.float64) for nd in tree.nodes
+  ]
   out = {}
   for normalize in (False, True):
     adv, tgt = critic_advantages(tree, vals, CriticConfig(target=target, normalize=normalize))
@@ -127,18 +144,24 @@ def _ours(args: IACConfig, chains, target: str):
       for a in range(n):
         for j in range(g):
           prev = out.get((k, t, a, j), (0.0, 0.0, 0.0))
-          out[(k, t, a, j)] = ((tgt[node.node_id][a, j], adv[node.node_id][a, j], prev[2])
-                               if not normalize else (prev[0], prev[1], adv[node.node_id][a, j]))
+          out[(k, t, a, j)] = (
+              (tgt[node.node_id][a, j], adv[node.node_id][a, j], prev[2])
+              if not normalize
+              else (prev[0], prev[1], adv[node.node_id][a, j])
+          )
   return out
 
 
 def _case(name, args, chains, target):
   theirs, ours = _comlrl(args, chains), _ours(args, chains, target)
   assert sorted(theirs) == sorted(ours), (name, sorted(theirs), sorted(ours))
-  diff = np.abs(np.asarray([theirs[k] for k in sorted(theirs)])
-                - np.asarray([ours[k] for k in sorted(ours)]))
-  print(f"{name:44s} samples={len(theirs):3d}  max|diff| target={diff[:, 0].max():.2e} "
-        f"adv={diff[:, 1].max():.2e} adv_norm={diff[:, 2].max():.2e}")
+  diff = np.abs(
+      np.asarray([theirs[k] for k in sorted(theirs)]) - np.asarray([ours[k] for k in sorted(ours)])
+  )
+  print(
+      f"{name:44s} samples={len(theirs):3d}  max|diff| target={diff[:, 0].max():.2e} "
+      f"adv={diff[:, 1].max():.2e} adv_norm={diff[:, 2].max():.2e}"
+  )
   return float(diff.max())
 
 
@@ -150,18 +173,40 @@ def main():
   for target in ("v", "q"):
     # Multi-turn chains (G = 1), no termination; then with early termination.
     for turns, tau, label in ((3, None, "T=3 chains"), (4, 0.5, "T=4 chains, early stop 0.5")):
-      args = IACConfig(num_agents=n, num_turns=turns, discount=0.9, num_generations=1,
-                       critic_type=target, early_termination_threshold=tau,
-                       rollout_buffer_size=1000)
-      chains = [(np.round(rng.uniform(-1, 1, size=(turns, n)), 3).tolist(),
-                 np.round(rng.normal(size=(turns, n, 1)), 3).tolist()) for _ in range(5)]
+      args = IACConfig(
+          num_agents=n,
+          num_turns=turns,
+          discount=0.9,
+          num_generations=1,
+          critic_type=target,
+          early_termination_threshold=tau,
+          rollout_buffer_size=1000,
+      )
+      chains = [
+          (
+              np.round(rng.uniform(-1, 1, size=(turns, n)), 3).tolist(),
+              np.round(rng.normal(size=(turns, n, 1)), 3).tolist(),
+          )
+          for _ in range(5)
+      ]
       worst = max(worst, _case(f"critic={target} {label} x5", args, chains, target))
     # One turn, G = 3 samples per agent (CoMLRL's single-turn path: target r).
-    args = IACConfig(num_agents=n, num_turns=1, discount=0.9, num_generations=3,
-                     critic_type=target, early_termination_threshold=None,
-                     rollout_buffer_size=1000)
-    chains = [(np.round(rng.uniform(-1, 1, size=(1, n)), 3).tolist(),
-               np.round(rng.normal(size=(1, n, 3)), 3).tolist()) for _ in range(4)]
+    args = IACConfig(
+        num_agents=n,
+        num_turns=1,
+        discount=0.9,
+        num_generations=3,
+        critic_type=target,
+        early_termination_threshold=None,
+        rollout_buffer_size=1000,
+    )
+    chains = [
+        (
+            np.round(rng.uniform(-1, 1, size=(1, n)), 3).tolist(),
+            np.round(rng.normal(size=(1, n, 3)), 3).tolist(),
+        )
+        for _ in range(4)
+    ]
     if target == "v":  # one history's value for all G samples
       chains = [(r, [[[v[0][i][0]] * 3 for i in range(n)]]) for r, v in chains]
     worst = max(worst, _case(f"critic={target} T=1 G=3 x4", args, chains, target))

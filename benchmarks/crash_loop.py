@@ -38,8 +38,9 @@ CONFIGS = {"smoke": "configs/calculator.py:smoke=True", "demo": "configs/calcula
 _RUNS = flags.DEFINE_integer("runs", 30, "fresh stale runs")
 _CONFIG = flags.DEFINE_enum("config", "smoke", list(CONFIGS), "which calculator config")
 _STEPS = flags.DEFINE_integer("steps", 12, "RL steps per run")
-_GC = flags.DEFINE_enum("gc", "aggressive", ["default", "aggressive"],
-                        "collector thresholds: Python's, or (50, 5, 5)")
+_GC = flags.DEFINE_enum(
+    "gc", "aggressive", ["default", "aggressive"], "collector thresholds: Python's, or (50, 5, 5)"
+)
 _MALLOC_DEBUG = flags.DEFINE_bool("malloc_debug", False, "run with PYTHONMALLOC=debug")
 _LOGS = flags.DEFINE_string("logs", "runs/crash_loop", "where crashed runs' logs are kept")
 
@@ -73,24 +74,42 @@ def upper_bound(crashes: int, runs: int, confidence: float = 0.95) -> float:
 
 
 def one_run(index: int, workdir: str) -> dict:
-  argv = ["experiments/train.py", f"--config={CONFIGS[_CONFIG.value]}", f"--workdir={workdir}",
-          f"--config.rl.steps={_STEPS.value}", "--config.rl.max_staleness=1",
-          "--config.loss.is_correction=tis", "--config.curriculum.enabled=True",
-          f"--config.seed={index}", "--config.rl.dump_every=0", "--progress=false"]
+  argv = [
+      "experiments/train.py",
+      f"--config={CONFIGS[_CONFIG.value]}",
+      f"--workdir={workdir}",
+      f"--config.rl.steps={_STEPS.value}",
+      "--config.rl.max_staleness=1",
+      "--config.loss.is_correction=tis",
+      "--config.curriculum.enabled=True",
+      f"--config.seed={index}",
+      "--config.rl.dump_every=0",
+      "--progress=false",
+  ]
   env = dict(os.environ, PYTHONPATH=ROOT)
   if _MALLOC_DEBUG.value:
     env["PYTHONMALLOC"] = "debug"
   code = _LAUNCH.format(aggressive=_GC.value == "aggressive", argv=argv)
   t0 = time.time()
-  proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], cwd=ROOT, env=env,
-                        capture_output=True, text=True)
+  proc = subprocess.run(
+      [sys.executable, "-X", "faulthandler", "-c", code],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+  )
   steps = 0
   path = os.path.join(workdir, "metrics.jsonl")
   if os.path.exists(path):
     with open(path) as f:
       steps = max((json.loads(line)["step"] for line in f if line.strip()), default=0)
-  return {"run": index, "status": proc.returncode, "steps": steps,
-          "seconds": round(time.time() - t0, 1), "log": proc.stdout + proc.stderr}
+  return {
+      "run": index,
+      "status": proc.returncode,
+      "steps": steps,
+      "seconds": round(time.time() - t0, 1),
+      "log": proc.stdout + proc.stderr,
+  }
 
 
 def status_name(code: int) -> str:
@@ -99,8 +118,10 @@ def status_name(code: int) -> str:
 
 def main(argv):
   del argv
-  print(f"| run | exit | RL steps | seconds |   ({_CONFIG.value}, {_STEPS.value} steps, "
-        f"gc={_GC.value}, malloc_debug={_MALLOC_DEBUG.value})")
+  print(
+      f"| run | exit | RL steps | seconds |   ({_CONFIG.value}, {_STEPS.value} steps, "
+      f"gc={_GC.value}, malloc_debug={_MALLOC_DEBUG.value})"
+  )
   print("|---|---|---|---|")
   crashes = steps = 0
   for i in range(_RUNS.value):
@@ -115,9 +136,11 @@ def main(argv):
         f.write(r["log"])
     print(f"| {i} | {status_name(r['status'])} | {r['steps']} | {r['seconds']} |", flush=True)
   runs = _RUNS.value
-  print(f"\n{crashes} of {runs} runs failed ({steps} RL steps); the failure rate is at most "
-        f"{upper_bound(crashes, runs):.3f} (95% upper bound)"
-        + (f"; logs under {_LOGS.value}" if crashes else ""))
+  print(
+      f"\n{crashes} of {runs} runs failed ({steps} RL steps); the failure rate is at most "
+      f"{upper_bound(crashes, runs):.3f} (95% upper bound)"
+      + (f"; logs under {_LOGS.value}" if crashes else "")
+  )
   if not crashes:
     shutil.rmtree(_LOGS.value, ignore_errors=True)
 

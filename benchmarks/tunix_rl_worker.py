@@ -75,10 +75,28 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax import nnx  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-DEFAULTS = dict(layers=2, vocab=8192, d_model=256, mlp=768, heads=4, head_dim=64, kv_heads=2,
-                rope_theta=10000.0, eps=1e-6, prompt_len=32, new_tokens=64, num_prompts=4,
-                generations=4, beta=0.05, lr=1e-5, steps=3, warmup=1, obs_len=8,
-                max_concurrency=None, workloads=["grpo", "agentic"])
+DEFAULTS = dict(
+    layers=2,
+    vocab=8192,
+    d_model=256,
+    mlp=768,
+    heads=4,
+    head_dim=64,
+    kv_heads=2,
+    rope_theta=10000.0,
+    eps=1e-6,
+    prompt_len=32,
+    new_tokens=64,
+    num_prompts=4,
+    generations=4,
+    beta=0.05,
+    lr=1e-5,
+    steps=3,
+    warmup=1,
+    obs_len=8,
+    max_concurrency=None,
+    workloads=["grpo", "agentic"],
+)
 FIRST_ID = 12  # prompt / observation ids are drawn from [FIRST_ID, vocab)
 
 
@@ -116,10 +134,19 @@ def parse_args(argv):
 
 def build_model(a):
   from tunix.models.qwen3 import model as qmodel  # pylint: disable=g-import-not-at-top
-  cfg = qmodel.ModelConfig(num_layers=a["layers"], vocab_size=a["vocab"], embed_dim=a["d_model"],
-                           hidden_dim=a["mlp"], num_heads=a["heads"], head_dim=a["head_dim"],
-                           num_kv_heads=a["kv_heads"], rope_theta=int(a["rope_theta"]),
-                           norm_eps=a["eps"], use_tied_embedding=True)
+
+  cfg = qmodel.ModelConfig(
+      num_layers=a["layers"],
+      vocab_size=a["vocab"],
+      embed_dim=a["d_model"],
+      hidden_dim=a["mlp"],
+      num_heads=a["heads"],
+      head_dim=a["head_dim"],
+      num_kv_heads=a["kv_heads"],
+      rope_theta=int(a["rope_theta"]),
+      norm_eps=a["eps"],
+      use_tied_embedding=True,
+  )
   policy = qmodel.Qwen3(cfg, rngs=nnx.Rngs(0))
   graph, params = nnx.split(policy)
   reference = nnx.merge(graph, jax.tree.map(jnp.copy, params))  # as tunix/cli/grpo_main.py
@@ -170,19 +197,36 @@ def _rollout_extra(args, kwargs, out):
   prompts = kwargs.get("prompts", args[0] if args else [])
   if isinstance(prompts, str):  # the agentic learner passes one rendered string
     prompts = [prompts]
-  return {"rows": len(out.tokens), "generated_tokens": int(sum(len(t) for t in out.tokens)),
-          "prompt_tokens": int(sum(len(str(p).split()) for p in prompts))}
+  return {
+      "rows": len(out.tokens),
+      "generated_tokens": int(sum(len(t) for t in out.tokens)),
+      "prompt_tokens": int(sum(len(str(p).split()) for p in prompts)),
+  }
 
 
 def instrument(clock, rl_cluster, learner):
   clock.wrap(rl_cluster, "generate", "rollout", extra=_rollout_extra)
-  clock.wrap(rl_cluster, "get_ref_per_token_logps", "ref_logps", block=jax.block_until_ready,
-             extra=lambda a, k, o: {"rows": int(o.shape[0])})
-  clock.wrap(rl_cluster, "get_actor_per_token_logps", "actor_logps", block=jax.block_until_ready,
-             extra=lambda a, k, o: {"rows": int(o.shape[0])})
+  clock.wrap(
+      rl_cluster,
+      "get_ref_per_token_logps",
+      "ref_logps",
+      block=jax.block_until_ready,
+      extra=lambda a, k, o: {"rows": int(o.shape[0])},
+  )
+  clock.wrap(
+      rl_cluster,
+      "get_actor_per_token_logps",
+      "actor_logps",
+      block=jax.block_until_ready,
+      extra=lambda a, k, o: {"rows": int(o.shape[0])},
+  )
   model = rl_cluster.actor_trainer.model
-  clock.wrap(rl_cluster, "update_actor", "policy_update",
-             block=lambda _: jax.block_until_ready(nnx.state(model, nnx.Param)))
+  clock.wrap(
+      rl_cluster,
+      "update_actor",
+      "policy_update",
+      block=lambda _: jax.block_until_ready(nnx.state(model, nnx.Param)),
+  )
   clock.wrap(learner, "_compute_rewards", "reward")
 
 
@@ -194,10 +238,15 @@ def record_train_examples(rl_cluster):
   def recording_update(train_ds, *args, **kwargs):
     for ex in train_ds:
       ids = np.asarray(ex.completion_ids)
-      consumed.append({"rows": int(ids.shape[0]), "prompt_cols": int(ex.prompt_ids.shape[1]),
-                       "completion_cols": int(ids.shape[1]),
-                       "loss_mask_tokens": int(np.asarray(ex.completion_mask).sum()),
-                       "distinct_rows": len({r.tobytes() for r in ids})})
+      consumed.append(
+          {
+              "rows": int(ids.shape[0]),
+              "prompt_cols": int(ex.prompt_ids.shape[1]),
+              "completion_cols": int(ids.shape[1]),
+              "loss_mask_tokens": int(np.asarray(ex.completion_mask).sum()),
+              "distinct_rows": len({r.tobytes() for r in ids}),
+          }
+      )
     return inner_update(train_ds, *args, **kwargs)
 
   rl_cluster.update_actor = recording_update
@@ -206,6 +255,7 @@ def record_train_examples(rl_cluster):
 
 def make_cluster(a, policy, reference, rollout_config, mesh):
   from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=g-import-not-at-top
+
   role = rl_cluster_lib.Role
   cluster_config = rl_cluster_lib.ClusterConfig(
       role_to_mesh={role.ACTOR: mesh, role.REFERENCE: mesh, role.ROLLOUT: mesh},
@@ -218,8 +268,9 @@ def make_cluster(a, policy, reference, rollout_config, mesh):
       ),
       rollout_config=rollout_config,
   )
-  return rl_cluster_lib.RLCluster(actor=policy, reference=reference, tokenizer=IdTokenizer(),
-                                  cluster_config=cluster_config)
+  return rl_cluster_lib.RLCluster(
+      actor=policy, reference=reference, tokenizer=IdTokenizer(), cluster_config=cluster_config
+  )
 
 
 def random_batches(a, seed, stamps=None):
@@ -228,9 +279,14 @@ def random_batches(a, seed, stamps=None):
   while True:
     if stamps is not None:
       stamps.append(time.perf_counter())
-    yield {"prompts": np.array([" ".join(map(str, rng.integers(FIRST_ID, a["vocab"],
-                                                                a["prompt_len"])))
-                                for _ in range(a["num_prompts"])])}
+    yield {
+        "prompts": np.array(
+            [
+                " ".join(map(str, rng.integers(FIRST_ID, a["vocab"], a["prompt_len"])))
+                for _ in range(a["num_prompts"])
+            ]
+        )
+    }
 
 
 def first_token_parity(text):
@@ -241,9 +297,9 @@ def first_token_parity(text):
 def _step_report(a, clock, windows, consumed):
   """Timings of the (start, end) step windows after warm-up, with the phase split."""
   durations = [t1 - t0 for t0, t1 in windows]
-  timed = durations[a["warmup"]:]
+  timed = durations[a["warmup"] :]
   med = statistics.median(timed)
-  per_step = [clock.summarize(t0, t1) for t0, t1 in windows[a["warmup"]:]]
+  per_step = [clock.summarize(t0, t1) for t0, t1 in windows[a["warmup"] :]]
   gen = [p.get("rollout", {}).get("generated_tokens", 0) for p in per_step]
   phases = {}
   for name in sorted({k for p in per_step for k in p}):
@@ -277,9 +333,14 @@ def run_grpo(a, mesh):
 
   policy, reference = build_model(a)
   rollout_config = base_rollout.RolloutConfig(
-      max_tokens_to_generate=a["new_tokens"], max_prompt_length=a["prompt_len"],
-      kv_cache_size=a["prompt_len"] + a["new_tokens"], temperature=1.0, top_p=1.0,
-      top_k=None, eos_tokens=[-1])
+      max_tokens_to_generate=a["new_tokens"],
+      max_prompt_length=a["prompt_len"],
+      kv_cache_size=a["prompt_len"] + a["new_tokens"],
+      temperature=1.0,
+      top_p=1.0,
+      top_k=None,
+      eos_tokens=[-1],
+  )
   cluster = make_cluster(a, policy, reference, rollout_config, mesh)
 
   def parity_reward(prompts, completions, **kwargs):
@@ -288,9 +349,11 @@ def run_grpo(a, mesh):
 
   learner = grpo_learner.GRPOLearner(
       rl_cluster=cluster,
-      algo_config=grpo_learner.GRPOConfig(num_generations=a["generations"], num_iterations=1,
-                                          beta=a["beta"]),
-      reward_fns=[parity_reward])
+      algo_config=grpo_learner.GRPOConfig(
+          num_generations=a["generations"], num_iterations=1, beta=a["beta"]
+      ),
+      reward_fns=[parity_reward],
+  )
   clock = PhaseClock()
   instrument(clock, cluster, learner)
   consumed = record_train_examples(cluster)
@@ -312,11 +375,14 @@ def run_grpo(a, mesh):
       "prompt G times; no shared-prefix prefill); reference logprobs every step (beta>0) in "
       "one forward over all rows; num_iterations=1 so no old-policy logprob pass; one "
       "optimizer update on one micro-batch of all rows (mini_batch = train_micro_batch = "
-      "full batch); the policy loss recomputes policy logprobs in its forward+backward")
-  rep["config"] = {"rollout_micro_batch_rows": a["num_prompts"] * a["generations"],
-                   "kv_cache_size": rollout_config.kv_cache_size,
-                   "eos_tokens": rollout_config.eos_tokens,
-                   "reward_mode": "first completion token parity"}
+      "full batch); the policy loss recomputes policy logprobs in its forward+backward"
+  )
+  rep["config"] = {
+      "rollout_micro_batch_rows": a["num_prompts"] * a["generations"],
+      "kv_cache_size": rollout_config.kv_cache_size,
+      "eos_tokens": rollout_config.eos_tokens,
+      "reward_mode": "first completion token parity",
+  }
   return rep
 
 
@@ -353,10 +419,10 @@ def run_agentic(a, mesh):
     def _step_impl(self, action):
       text = getattr(action, "action", action)
       if self.step_count == 1:
-        return base_environment.EnvStepResult(observation=obs_text, reward=0.0, done=False,
-                                              info={})
-      return base_environment.EnvStepResult(observation={}, reward=first_token_parity(text),
-                                            done=True, info={})
+        return base_environment.EnvStepResult(observation=obs_text, reward=0.0, done=False, info={})
+      return base_environment.EnvStepResult(
+          observation={}, reward=first_token_parity(text), done=True, info={}
+      )
 
   class PerTurnCapLearner(agentic_grpo_learner.GRPOLearner):
     """Tunix's agentic GRPO learner; only caps each turn's generation at new_tokens."""
@@ -371,19 +437,33 @@ def run_agentic(a, mesh):
   turn2_prompt = 1 << (plen + new + obs_len - 1).bit_length()
   policy, reference = build_model(a)
   rollout_config = base_rollout.RolloutConfig(
-      max_tokens_to_generate=max_response, max_prompt_length=plen,
-      kv_cache_size=max(plen, turn2_prompt) + new, temperature=1.0, top_p=1.0, top_k=None,
-      eos_tokens=[-1], return_logprobs=True)
+      max_tokens_to_generate=max_response,
+      max_prompt_length=plen,
+      kv_cache_size=max(plen, turn2_prompt) + new,
+      temperature=1.0,
+      top_p=1.0,
+      top_k=None,
+      eos_tokens=[-1],
+      return_logprobs=True,
+  )
   cluster = make_cluster(a, policy, reference, rollout_config, mesh)
-  algo_kwargs = dict(num_generations=a["generations"], num_iterations=1, beta=a["beta"],
-                     max_response_length=max_response)
+  algo_kwargs = dict(
+      num_generations=a["generations"],
+      num_iterations=1,
+      beta=a["beta"],
+      max_response_length=max_response,
+  )
   if a.get("max_concurrency"):
     algo_kwargs["max_concurrency"] = int(a["max_concurrency"])
   algo = agentic_grpo_learner.GRPOConfig(**algo_kwargs)
   learner = PerTurnCapLearner(
-      rl_cluster=cluster, algo_config=algo, reward_fns=None,
-      chat_parser=IdChatParser(IdTokenizer()), agent_class=model_agent.ModelAgent,
-      env_class=TwoTurnEnv)
+      rl_cluster=cluster,
+      algo_config=algo,
+      reward_fns=None,
+      chat_parser=IdChatParser(IdTokenizer()),
+      agent_class=model_agent.ModelAgent,
+      env_class=TwoTurnEnv,
+  )
   clock = PhaseClock()
   instrument(clock, cluster, learner)
   consumed = record_train_examples(cluster)
@@ -392,7 +472,7 @@ def run_agentic(a, mesh):
   n = a["warmup"] + a["steps"]
   if len(stamps) < n + 1:
     raise RuntimeError(f"expected {n + 1} batch pulls, got {len(stamps)}")
-  windows = list(zip(stamps[:n], stamps[1:n + 1]))
+  windows = list(zip(stamps[:n], stamps[1 : n + 1]))
   rep = _step_report(a, clock, windows, consumed)
   rep["notes"] = (
       "every agent turn is its own RLCluster.generate call with ONE prompt row (the "
@@ -404,13 +484,18 @@ def run_agentic(a, mesh):
       "and one trainer-logprob forward of the actor (a 'sampler vs trainer' diagnostic, "
       "use_rollout_logps=True so the PPO ratio uses the sampler's logprobs); then one "
       "optimizer update on all num_prompts*G rows (prompt + [turn1, obs, turn2] with the obs "
-      "masked out of the loss)")
-  rep["config"] = {"max_response_length": max_response, "per_turn_cap": new,
-                   "obs_len": obs_len, "kv_cache_size": rollout_config.kv_cache_size,
-                   "turn2_padded_prompt_len": turn2_prompt,
-                   "max_concurrency": algo.max_concurrency,
-                   "rollout_seed": "None -> Sampler uses PRNGKey(0) on every call",
-                   "reward_mode": "env reward at episode end: parity of turn-2 first token"}
+      "masked out of the loss)"
+  )
+  rep["config"] = {
+      "max_response_length": max_response,
+      "per_turn_cap": new,
+      "obs_len": obs_len,
+      "kv_cache_size": rollout_config.kv_cache_size,
+      "turn2_padded_prompt_len": turn2_prompt,
+      "max_concurrency": algo.max_concurrency,
+      "rollout_seed": "None -> Sampler uses PRNGKey(0) on every call",
+      "reward_mode": "env reward at episode end: parity of turn-2 first token",
+  }
   return rep
 
 
@@ -419,6 +504,7 @@ def main(argv):
   result = {"tunix_version": None, "device": None, "args": a, "workloads": {}}
   try:
     from importlib import metadata  # pylint: disable=g-import-not-at-top
+
     result["tunix_version"] = metadata.version("google-tunix")
   except Exception:  # pylint: disable=broad-except
     pass

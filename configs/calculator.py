@@ -99,13 +99,16 @@ def get_sweep(arg=None):
   axes = {
       "turns": [{"tree.num_turns": t} for t in (1, 2, 3)],
       "generations": [{"tree.num_generations": g} for g in (2, 4, 8)],
-      "algorithm": [{"loss.algorithm": "grpo"},
-                    {"loss.algorithm": "gspo", "loss.clip_eps_low": 3e-4,
-                     "loss.clip_eps_high": 4e-4},
-                    {"loss.algorithm": "reinforce", "loss.aggregation": "seq-mean-token-sum"}],
+      "algorithm": [
+          {"loss.algorithm": "grpo"},
+          {"loss.algorithm": "gspo", "loss.clip_eps_low": 3e-4, "loss.clip_eps_high": 4e-4},
+          {"loss.algorithm": "reinforce", "loss.aggregation": "seq-mean-token-sum"},
+      ],
       "sft": [{"sft.steps": 400}, {"sft.steps": 0}],
-      "reward": [{"reward.step_penalty": -0.05, "reward.tool_penalty": -0.2},
-                 {"reward.step_penalty": 0.0, "reward.tool_penalty": 0.0}],
+      "reward": [
+          {"reward.step_penalty": -0.05, "reward.tool_penalty": -0.2},
+          {"reward.step_penalty": 0.0, "reward.tool_penalty": 0.0},
+      ],
       "curriculum": [{"curriculum.enabled": False}, {"curriculum.enabled": True}],
       # Equal segments per root (rollout.config.generations_per_root): 4 + 16 = 10 x 2.
       "shape": [{"tree.shape": "tree"}, {"tree.shape": "chain", "tree.num_generations": 10}],
@@ -113,8 +116,13 @@ def get_sweep(arg=None):
   }
   # 'all': the demo config once plus every other setting of the axes above
   # (one change each), so the base is not run once per axis.
-  axes["all"] = ([{}] + axes["generations"][0::2] + axes["algorithm"][1:] + axes["sft"][1:]
-                 + axes["reward"][1:])
+  axes["all"] = (
+      [{}]
+      + axes["generations"][0::2]
+      + axes["algorithm"][1:]
+      + axes["sft"][1:]
+      + axes["reward"][1:]
+  )
   # 'cpu': the subset docs/ablations.md ran on 2 CPU cores (with short=True).
   axes["cpu"] = [{}, axes["generations"][2], axes["sft"][1]]
   if arg not in axes:

@@ -21,8 +21,9 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   out = ml_collections.ConfigDict(defaults)
   for item in filter(None, (arg or "").split(",")):
     if "=" not in item:
-      raise ValueError(f"config argument {item!r}: expected key=value; allowed keys: "
-                       f"{sorted(defaults)}")
+      raise ValueError(
+          f"config argument {item!r}: expected key=value; allowed keys: {sorted(defaults)}"
+      )
     key, value = item.split("=", 1)
     if key not in defaults:
       raise ValueError(f"config argument key {key!r}; allowed keys: {sorted(defaults)}")
@@ -40,8 +41,14 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   return out
 
 
-def apply_smoke(c: ml_collections.ConfigDict, *, rl_steps: int = 2, sft_steps: int = 3,
-                roots_per_step: int = 2, eval_tasks: int = 4) -> ml_collections.ConfigDict:
+def apply_smoke(
+    c: ml_collections.ConfigDict,
+    *,
+    rl_steps: int = 2,
+    sft_steps: int = 3,
+    roots_per_step: int = 2,
+    eval_tasks: int = 4,
+) -> ml_collections.ConfigDict:
   """The `smoke=True` overlay: the whole pipeline in seconds on a tiny model (tests, CI).
 
   Compiles lazily, uses the `tiny` preset (its own depth), G = 2, evaluates every 2 steps,

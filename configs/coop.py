@@ -99,13 +99,20 @@ def get_sweep(arg=None):
       "policy": [{"agents.share_policy": True}, {"agents.share_policy": False}],
       # Equal joint actions per root (rollout.config.generations_per_root): 4 + 16 = 10 x 2.
       "shape": [{"tree.shape": "tree"}, {"tree.shape": "chain", "tree.num_generations": 10}],
-      "trainer": [{}] + [{"critic.kind": kind, "critic.model": model, "critic.estimator": "td0",
-                          "loss.algorithm": "reinforce", "tree.num_generations": g}
-                         for kind, model in (("independent", "head"),
-                                             ("centralized", "separate")) for g in (4, 1)],
+      "trainer": [{}]
+      + [
+          {
+              "critic.kind": kind,
+              "critic.model": model,
+              "critic.estimator": "td0",
+              "loss.algorithm": "reinforce",
+              "tree.num_generations": g,
+          }
+          for kind, model in (("independent", "head"), ("centralized", "separate"))
+          for g in (4, 1)
+      ],
   }
-  axes["all"] = ([{}, axes["turns"][0], axes["turns"][2]] + axes["joint"][1:]
-                 + axes["feedback"][1:])
+  axes["all"] = [{}, axes["turns"][0], axes["turns"][2]] + axes["joint"][1:] + axes["feedback"][1:]
   # 'cpu': the subset docs/ablations.md ran on 2 CPU cores.
   axes["cpu"] = [{}, axes["turns"][0], axes["joint"][1]]
   if arg not in axes:

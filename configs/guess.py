@@ -39,8 +39,7 @@ def get_config(arg=None):
     c.sft.conversations = "mtrl_jax.train.sft:file_conversation"
     c.sft.conversation_kwargs = dict(path=a.sft_file)
   if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
-    apply_smoke(c, rl_steps=1, sft_steps=1 if a.sft_file else 0, roots_per_step=1,
-                eval_tasks=1)
+    apply_smoke(c, rl_steps=1, sft_steps=1 if a.sft_file else 0, roots_per_step=1, eval_tasks=1)
     if not a.sft_file:
       c.sft.steps = 0  # RL alone; with sft_file one warm-up step on the file's conversations
     c.eval.greedy = False  # no held-out evaluation: one step checks rollout, grades and SFT

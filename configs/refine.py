@@ -69,8 +69,9 @@ def get_config(arg=None):
   c.sft.batch_size = 32
   c.sft.num_examples = 19200  # warm-up episodes, agent = task index parity; one epoch
   c.sft.conversations = "mtrl_jax.tasks.refine:warmup_conversation"
-  c.sft.conversation_kwargs = dict(num_turns=num_turns, feedback=feedback, agents=num_agents,
-                                   follow=0.5)  # half the warm-up episodes refine, half guess
+  c.sft.conversation_kwargs = dict(
+      num_turns=num_turns, feedback=feedback, agents=num_agents, follow=0.5
+  )  # half the warm-up episodes refine, half guess
   c.sft.learning_rate = 3e-3
   c.rl.steps = 100
   c.rl.roots_per_step = 16
@@ -98,8 +99,10 @@ def get_sweep(arg=None):
   axes = {  # in the order `all` runs them: the axes the task was built to separate first
       "turns": [{"tree.num_turns": t} for t in (2, 1, 3)],
       "feedback": [{"env.kwargs.feedback": f} for f in ("level_feedback", "plain", "bandit")],
-      "agents": [{"tree.num_agents": 2},
-                 {"tree.num_agents": 1, "agents.share_policy": True}],  # one agent, one policy
+      "agents": [
+          {"tree.num_agents": 2},
+          {"tree.num_agents": 1, "agents.share_policy": True},
+      ],  # one agent, one policy
       "discount": [{"tree.discount": d} for d in (0.9, 1.0)],
       "policy": [{"agents.share_policy": False}, {"agents.share_policy": True}],
       "generations": [{"tree.num_generations": g} for g in (4, 2, 8)],

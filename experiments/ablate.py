@@ -25,13 +25,25 @@ from experiments import cli, outputs
 from mtrl_jax.train import report
 
 _RUNS = flags.DEFINE_multi_string("runs", None, "glob of run directories (repeat for several)")
-_LEVEL = flags.DEFINE_float("level", None, "success level for the steps-to-reach column "
-                            "(default: half of the best held-out success any run reached)")
+_LEVEL = flags.DEFINE_float(
+    "level",
+    None,
+    "success level for the steps-to-reach column "
+    "(default: half of the best held-out success any run reached)",
+)
 _OUT = flags.DEFINE_string("out", "", "markdown output (also printed); a PNG is written beside it")
-_BUDGET = flags.DEFINE_bool("budget", False, "also a table and a plot (<out>_budget.png) of "
-                            "success against sampled tokens and RL seconds")
-_TOKENS = flags.DEFINE_float("tokens", None, "the --budget table's last column: held-out success "
-                             "at this many sampled tokens (default: the smallest run's total)")
+_BUDGET = flags.DEFINE_bool(
+    "budget",
+    False,
+    "also a table and a plot (<out>_budget.png) of "
+    "success against sampled tokens and RL seconds",
+)
+_TOKENS = flags.DEFINE_float(
+    "tokens",
+    None,
+    "the --budget table's last column: held-out success "
+    "at this many sampled tokens (default: the smallest run's total)",
+)
 flags.mark_flags_as_required(["runs"])
 
 
@@ -43,23 +55,34 @@ def main(argv):
     raise app.UsageError(f"--level={_LEVEL.value}; allowed: a success level in [0, 1]")
   if _OUT.value:  # written after the tables: a path that cannot be is refused now
     outputs.check_output_file("--out", _OUT.value)
-  started = sorted({d for pattern in _RUNS.value for d in glob.glob(pattern)
-                    if os.path.exists(os.path.join(d, "metrics.jsonl"))})
+  started = sorted(
+      {
+          d
+          for pattern in _RUNS.value
+          for d in glob.glob(pattern)
+          if os.path.exists(os.path.join(d, "metrics.jsonl"))
+      }
+  )
   # A run writes summary.json when it ends; one still running (or killed) is left out.
   workdirs = [d for d in started if os.path.exists(os.path.join(d, "summary.json"))]
   for d in sorted(set(started) - set(workdirs)):
     print(f"skipped (unfinished, no summary.json): {d}")
   runs = " ".join(f"--runs='{pattern}'" for pattern in _RUNS.value)
   if not workdirs:
-    raise app.UsageError(f"{runs} matches no finished run directory; allowed: "
-                         "a glob of run directories with metrics.jsonl and summary.json")
+    raise app.UsageError(
+        f"{runs} matches no finished run directory; allowed: "
+        "a glob of run directories with metrics.jsonl and summary.json"
+    )
   level = _LEVEL.value
   note = ""
   if level is None:
     level, best = report.default_level(workdirs)
-    note = (f"steps to {level:g}: half of {best:.3f}, the best held-out success any of these "
-            "runs reached (--level sets another)" if best == best else
-            f"steps to {level:g}: no run has a held-out success above 0 (--level sets another)")
+    note = (
+        f"steps to {level:g}: half of {best:.3f}, the best held-out success any of these "
+        "runs reached (--level sets another)"
+        if best == best
+        else f"steps to {level:g}: no run has a held-out success above 0 (--level sets another)"
+    )
   table = report.ablation_table(workdirs, level=level)
   if _BUDGET.value:
     table += "\n\n" + report.budget_table(workdirs, tokens=_TOKENS.value)
@@ -75,8 +98,7 @@ def main(argv):
       f.write(table + "\n")
     png = report.plot_groups(workdirs, os.path.splitext(_OUT.value)[0] + ".png")
     if _BUDGET.value:
-      png += " and " + report.plot_budget(workdirs, os.path.splitext(_OUT.value)[0]
-                                          + "_budget.png")
+      png += " and " + report.plot_budget(workdirs, os.path.splitext(_OUT.value)[0] + "_budget.png")
     print(f"written {_OUT.value} and {png}")
 
 

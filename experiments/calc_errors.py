@@ -39,16 +39,21 @@ def main(argv):
   try:
     want = sorted({int(s) for s in _STEPS.value}) if _STEPS.value else list(files)
   except ValueError:
-    raise app.UsageError(f"--steps={','.join(_STEPS.value)}; allowed: dumped step numbers, "
-                         f"of {list(files)}") from None
+    raise app.UsageError(
+        f"--steps={','.join(_STEPS.value)}; allowed: dumped step numbers, of {list(files)}"
+    ) from None
   missing = [s for s in want if s not in files]
   if missing:
-    raise app.UsageError(f"--steps: {_WORKDIR.value} has no dump of steps {missing}; allowed: "
-                         f"{list(files)}")
+    raise app.UsageError(
+        f"--steps: {_WORKDIR.value} has no dump of steps {missing}; allowed: {list(files)}"
+    )
   rows = [(step, failure_classes(read_dump(files[step]))) for step in want]
   turns = sorted({t for _, b in rows for t in b})
-  print("| RL step | " + " | ".join(f"turn {t + 1}: {c}" for t in turns
-                                     for c in FAILURE_CLASSES) + " |")
+  print(
+      "| RL step | "
+      + " | ".join(f"turn {t + 1}: {c}" for t in turns for c in FAILURE_CLASSES)
+      + " |"
+  )
   print("|---|" + "---|" * (len(turns) * len(FAILURE_CLASSES)))
   for step, b in rows:
     cells = []

@@ -66,14 +66,15 @@ def _field_error(name: str, config, path: str) -> Optional[str]:
   for part in path.split("."):
     where = ".".join([name] + walked)
     if not isinstance(node, config_dict.ConfigDict):
-      return (f"--{name}.{path}: {where} is a {type(node).__name__} value, not a group; "
-              f"allowed: --{where}=<value>")
+      return (
+          f"--{name}.{path}: {where} is a {type(node).__name__} value, not a group; "
+          f"allowed: --{where}=<value>"
+      )
     if part not in node:
       keys = sorted(node.keys())
       close = difflib.get_close_matches(part, keys, n=1)
       hint = f" (did you mean {close[0]!r}?)" if close else ""
-      whole = (f", or the whole dict: --{where}='{{\"{part}\": ...}}'" if len(walked) >= 2
-               else "")
+      whole = f", or the whole dict: --{where}='{{\"{part}\": ...}}'" if len(walked) >= 2 else ""
       return f"--{name}.{path}: {where} has no field {part!r}{hint}; allowed: {keys}{whole}"
     node = node[part]
     walked.append(part)
@@ -85,8 +86,10 @@ def _load_error(name: str, spec, err) -> str:
   (the exception itself, after ml_collections' traceback or list of attempts)."""
   lines = [line.strip() for line in str(err).splitlines() if line.strip()]
   last = lines[-1] if lines else type(err).__name__
-  return (f"--{name}={spec}: {last}; allowed: a config file path[:arg] whose "
-          "get_config(arg) returns a ConfigDict")
+  return (
+      f"--{name}={spec}: {last}; allowed: a config file path[:arg] whose "
+      "get_config(arg) returns a ConfigDict"
+  )
 
 
 def _unloaded(value) -> Optional[Exception]:
@@ -97,8 +100,11 @@ def _unloaded(value) -> Optional[Exception]:
 
 
 def _config_flags(flag_values) -> list:
-  return [flag_values[n] for n in list(flag_values)
-          if config_flags.is_config_flag(flag_values[n]) and flag_values[n].name == n]
+  return [
+      flag_values[n]
+      for n in list(flag_values)
+      if config_flags.is_config_flag(flag_values[n]) and flag_values[n].name == n
+  ]
 
 
 def _parse_error(err: Exception, argv: Sequence[str], flag_values) -> str:
@@ -171,8 +177,10 @@ def call_main(main: Callable, argv: list[str]):
     sys.exit(1)
   except KeyboardInterrupt:
     sys.stdout.flush()
-    sys.stderr.write("\nstopped by Ctrl-C; the same command resumes from the last "
-                     "checkpoint under --workdir (a run without one starts afresh)\n")
+    sys.stderr.write(
+        "\nstopped by Ctrl-C; the same command resumes from the last "
+        "checkpoint under --workdir (a run without one starts afresh)\n"
+    )
     sys.exit(EXIT_INTERRUPTED)
 
 

@@ -21,8 +21,9 @@ from mtrl_jax.train import recipes, report
 DEFAULT_CONFIG = "configs/calculator.py"
 # No default here: config_flags would load it and apply --config.<key> overrides at import,
 # where a mistyped key is a traceback; the default goes into argv below instead.
-_CONFIG = config_flags.DEFINE_config_file("config", None, f"config file (default: "
-                                          f"{DEFAULT_CONFIG})", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, f"config file (default: {DEFAULT_CONFIG})", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "parent of the per-seed run directories")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "seeds to run, one run directory each")
 

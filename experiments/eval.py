@@ -46,20 +46,28 @@ def main(argv):
     if _NUM_TASKS.value < 0 or _SAMPLES.value < 1:
       raise experiment.ConfigError(
           f"--num_tasks={_NUM_TASKS.value}, --samples={_SAMPLES.value}; allowed: "
-          "num_tasks >= 0 (0: the run's eval.num_tasks), samples >= 1")
+          "num_tasks >= 0 (0: the run's eval.num_tasks), samples >= 1"
+      )
     if _JSON.value:  # written after the evaluation: a path that cannot be is refused now
       outputs.check_output_file("--json", _JSON.value)
     if not _GREEDY.value and _SAMPLES.value == 1:
-      raise experiment.ConfigError("--nogreedy with --samples=1 evaluates one sampled attempt; "
-                                   "allowed: --greedy, or --samples > 1")
+      raise experiment.ConfigError(
+          "--nogreedy with --samples=1 evaluates one sampled attempt; "
+          "allowed: --greedy, or --samples > 1"
+      )
     policy = saved.load_policy(_WORKDIR.value, _CHECKPOINT.value)
   except experiment.ConfigError as e:
     raise app.UsageError(str(e)) from None
   print(policy.using, file=sys.stderr, flush=True)
   if policy.warning:
     print(f"warning: {policy.warning}", file=sys.stderr, flush=True)
-  rows = saved.evaluate_policy(policy, num_tasks=_NUM_TASKS.value, samples=_SAMPLES.value,
-                               greedy=_GREEDY.value, seed=_SEED.value)
+  rows = saved.evaluate_policy(
+      policy,
+      num_tasks=_NUM_TASKS.value,
+      samples=_SAMPLES.value,
+      greedy=_GREEDY.value,
+      seed=_SEED.value,
+  )
   print(saved.markdown_table(rows), flush=True)
   if _JSON.value:
     with open(_JSON.value, "w") as f:

@@ -36,12 +36,19 @@ from mtrl_jax.train import experiment, export_lora, saved
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training run's directory")
 _OUT = flags.DEFINE_string("out", None, "output directory (created)")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "best", "'best' | 'latest' | a step number")
-_FORMAT = flags.DEFINE_enum("format", "hf", ["hf", "peft"],
-                            "hf: a merged Hugging Face model directory (one per agent); peft: "
-                            "a LoRA run's adapters as PEFT directories, loaded onto the base "
-                            "with peft.PeftModel.from_pretrained")
-_FORCE = flags.DEFINE_bool("force", False, "export into a non-empty --out, replacing the files "
-                           "of an earlier export there")
+_FORMAT = flags.DEFINE_enum(
+    "format",
+    "hf",
+    ["hf", "peft"],
+    "hf: a merged Hugging Face model directory (one per agent); peft: "
+    "a LoRA run's adapters as PEFT directories, loaded onto the base "
+    "with peft.PeftModel.from_pretrained",
+)
+_FORCE = flags.DEFINE_bool(
+    "force",
+    False,
+    "export into a non-empty --out, replacing the files of an earlier export there",
+)
 flags.mark_flags_as_required(["workdir", "out"])
 
 # A run's own folders: an export inside one would mix with what the run reads back.
@@ -53,7 +60,8 @@ def is_run_dir(path: str) -> bool:
   """A training run's directory: config.json with metrics.jsonl or ckpt/."""
   return os.path.isfile(os.path.join(path, "config.json")) and (
       os.path.isfile(os.path.join(path, "metrics.jsonl"))
-      or os.path.isdir(os.path.join(path, "ckpt")))
+      or os.path.isdir(os.path.join(path, "ckpt"))
+  )
 
 
 def run_dir_conflict(out: str) -> Optional[str]:
@@ -73,8 +81,12 @@ def run_dir_conflict(out: str) -> Optional[str]:
     child, parent = parent, os.path.dirname(parent)
   level = [out] if os.path.isdir(out) else []
   for _ in range(CONTAINS_DEPTH):
-    level = [os.path.join(d, n) for d in level for n in sorted(os.listdir(d))
-             if os.path.isdir(os.path.join(d, n)) and not os.path.islink(os.path.join(d, n))]
+    level = [
+        os.path.join(d, n)
+        for d in level
+        for n in sorted(os.listdir(d))
+        if os.path.isdir(os.path.join(d, n)) and not os.path.islink(os.path.join(d, n))
+    ]
     for d in level:
       if is_run_dir(d):
         return f"contains the run directory {d}"
@@ -90,23 +102,29 @@ def main(argv):
     if os.path.exists(out) and not os.path.isdir(out):
       raise experiment.ConfigError(f"--out={_OUT.value!r} is a file; allowed: a directory")
     if os.path.abspath(_WORKDIR.value) == out:
-      raise experiment.ConfigError(f"--out={_OUT.value!r} is the workdir; allowed: another "
-                                   "directory (a subdirectory is fine)")
+      raise experiment.ConfigError(
+          f"--out={_OUT.value!r} is the workdir; allowed: another "
+          "directory (a subdirectory is fine)"
+      )
     conflict = run_dir_conflict(out)
     if conflict:  # --force too: clearing it would delete a run's config.json
-      raise experiment.ConfigError(f"--out={_OUT.value!r} {conflict}; allowed: a directory "
-                                   "outside any run's files, even with --force (a new "
-                                   "subfolder of the run, e.g. <workdir>/hf, is fine)")
+      raise experiment.ConfigError(
+          f"--out={_OUT.value!r} {conflict}; allowed: a directory "
+          "outside any run's files, even with --force (a new "
+          "subfolder of the run, e.g. <workdir>/hf, is fine)"
+      )
     held = sorted(os.listdir(out)) if os.path.isdir(out) else []
     if held and not _FORCE.value:
       raise experiment.ConfigError(
           f"--out={_OUT.value!r} is not empty (holds {', '.join(held[:4])}"
           f"{', ...' if len(held) > 4 else ''}); allowed: a new or empty directory, or "
-          "--force to replace an earlier export there")
+          "--force to replace an earlier export there"
+      )
     if _FORMAT.value == "peft" and not saved.load_config(_WORKDIR.value).model.lora.rank:
       raise experiment.ConfigError(
           f"--format=peft: the run of {_WORKDIR.value} trained no adapters (model.lora.rank=0); "
-          "allowed: --format=hf, or a run with model.lora.rank > 0")
+          "allowed: --format=hf, or a run with model.lora.rank > 0"
+      )
     policy = saved.load_policy(_WORKDIR.value, _CHECKPOINT.value)
   except experiment.ConfigError as e:
     raise app.UsageError(str(e)) from None
@@ -116,17 +134,22 @@ def main(argv):
   if held:
     saved.clear_export(out)
   if _FORMAT.value == "peft":
-    dirs = export_lora.save_adapters(policy.parts.policies, policy.saved_params, out,
-                                     base_path=policy.exp.model.path)
+    dirs = export_lora.save_adapters(
+        policy.parts.policies, policy.saved_params, out, base_path=policy.exp.model.path
+    )
     for d in dirs:
-      print(f"exported the adapters of {policy.label} of {policy.workdir} to {d}: "
-            f"{export_lora.ADAPTER_CONFIG}, {export_lora.ADAPTER_WEIGHTS}")
+      print(
+          f"exported the adapters of {policy.label} of {policy.workdir} to {d}: "
+          f"{export_lora.ADAPTER_CONFIG}, {export_lora.ADAPTER_WEIGHTS}"
+      )
     print(json.dumps({"out": out, "step": policy.step, "adapters": dirs}))
     return
   info = saved.export_policy(policy, out)
   for one in info.get("agents", [info]):
-    print(f"exported {policy.label} of {policy.workdir} to {one['out']}: "
-          f"{', '.join(['config.json'] + one['weights'] + one['tokenizer'])}")
+    print(
+        f"exported {policy.label} of {policy.workdir} to {one['out']}: "
+        f"{', '.join(['config.json'] + one['weights'] + one['tokenizer'])}"
+    )
   print(info.get("agents", [info])[0]["note"])
   print(json.dumps({"out": info["out"], "step": policy.step}))
 

@@ -29,8 +29,9 @@ from experiments import cli
 _NUM = flags.DEFINE_integer("num_processes", 2, "processes to start")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 4, "fake CPU devices per process")
 _GRACE = flags.DEFINE_float("grace_s", 60.0, "seconds the others get to stop after a failure")
-_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout_s", 10,
-                                  "a silent process is declared dead after this")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_s", 10, "a silent process is declared dead after this"
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,24 +48,42 @@ def _pump(prefix: str, stream, out):
     out.flush()
 
 
-def launch(num: int, devices: int, train_flags: list, grace_s: float = 60.0,
-           heartbeat_s: int = 10, out=sys.stdout) -> int:
+def launch(
+    num: int,
+    devices: int,
+    train_flags: list,
+    grace_s: float = 60.0,
+    heartbeat_s: int = 10,
+    out=sys.stdout,
+) -> int:
   """Runs the processes to the end; returns 0, or the first failure's exit code."""
   port = free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-  flags_xla = [f for f in env.get("XLA_FLAGS", "").split()
-               if not f.startswith("--xla_force_host_platform_device_count")]
+  env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      PYTHONUNBUFFERED="1",
+      PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+  )
+  flags_xla = [
+      f
+      for f in env.get("XLA_FLAGS", "").split()
+      if not f.startswith("--xla_force_host_platform_device_count")
+  ]
   env["XLA_FLAGS"] = " ".join(flags_xla + [f"--xla_force_host_platform_device_count={devices}"])
   procs, pumps = [], []
   for i in range(num):
-    cmd = [sys.executable, "-m", "experiments.train", *train_flags,
-           "--config.distributed.mode=explicit",
-           f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-           f"--config.distributed.num_processes={num}", f"--config.distributed.process_id={i}",
-           f"--config.distributed.heartbeat_timeout_s={heartbeat_s}"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        *train_flags,
+        "--config.distributed.mode=explicit",
+        f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+        f"--config.distributed.num_processes={num}",
+        f"--config.distributed.process_id={i}",
+        f"--config.distributed.heartbeat_timeout_s={heartbeat_s}",
+    ]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out.write(f"[launch] process {i} pid {p.pid}\n")
     out.flush()
     t = threading.Thread(target=_pump, args=(f"[p{i}] ", p.stdout, out), daemon=True)
@@ -79,8 +98,10 @@ def launch(num: int, devices: int, train_flags: list, grace_s: float = 60.0,
       if failed:
         first = failed[0]
         deadline = time.time() + grace_s
-        out.write(f"[launch] process {first} failed first (exit {codes[first]}); the others "
-                  f"get {grace_s:.0f} s to stop\n")
+        out.write(
+            f"[launch] process {first} failed first (exit {codes[first]}); the others "
+            f"get {grace_s:.0f} s to stop\n"
+        )
         out.flush()
     if all(c is not None for c in codes):
       break
@@ -103,8 +124,10 @@ def launch(num: int, devices: int, train_flags: list, grace_s: float = 60.0,
 
 def main(argv):
   if _NUM.value < 1 or _DEVICES.value < 1:
-    raise app.UsageError(f"--num_processes={_NUM.value} --devices_per_process={_DEVICES.value}; "
-                         "allowed: integers >= 1")
+    raise app.UsageError(
+        f"--num_processes={_NUM.value} --devices_per_process={_DEVICES.value}; "
+        "allowed: integers >= 1"
+    )
   sys.exit(launch(_NUM.value, _DEVICES.value, argv[1:], _GRACE.value, _HEARTBEAT.value))
 
 

@@ -29,8 +29,11 @@ def check_output_file(flag: str, path: str) -> None:
     raise app.UsageError(f"{flag}={path!r} is a directory; allowed: a file path")
   if not os.path.isdir(folder):
     what = "is a file" if os.path.exists(folder) else "does not exist"
-    raise app.UsageError(f"{flag}={path!r}: its folder {folder} {what}; allowed: a file in an "
-                         "existing folder (create it first)")
+    raise app.UsageError(
+        f"{flag}={path!r}: its folder {folder} {what}; allowed: a file in an "
+        "existing folder (create it first)"
+    )
   if not os.access(folder, os.W_OK | os.X_OK) or (
-      os.path.exists(target) and not os.access(target, os.W_OK)):
+      os.path.exists(target) and not os.access(target, os.W_OK)
+  ):
     raise app.UsageError(f"{flag}={path!r} is not writable; allowed: a writable file path")

@@ -88,7 +88,7 @@ def _context(node: dict, agent: int, before: str) -> tuple[str, str]:
   if node["parent_id"] < 0 or before is None:
     return f"prompt (agent {agent})", prompt
   if prompt.startswith(before):
-    return f"context (agent {agent})", prompt[len(before):]
+    return f"context (agent {agent})", prompt[len(before) :]
   return f"context (agent {agent}, history rewritten: the whole prompt)", prompt
 
 
@@ -102,8 +102,7 @@ def _completion_lines(node: dict, agent: int, g: int) -> list[str]:
     for seg in segments[agent][g]:
       text = seg.get("text", f"(ids) {seg.get('ids')}")
       kind = "policy" if seg["sampled"] else "tool / context"
-      out += [f"      [{kind}]"] + [INDENT + "  " + line
-                                     for line in _printable(text).split("\n")]
+      out += [f"      [{kind}]"] + [INDENT + "  " + line for line in _printable(text).split("\n")]
     return out
   return _block(label, _texts(node, "completions")[agent][g])
 
@@ -131,8 +130,10 @@ def _outcome_lines(node: dict, b: int) -> list[str]:
         tag = "cut grade" if key == "cut_grades" else "grade"
         out.append(f"    {tag} \"{name}\": {_num(grade.get('score'))}{why}")
   for fault in action.get("faults", []):
-    out.append(f"    fault {fault.get('kind')} ({fault.get('source')}): "
-               f"{_printable(str(fault.get('message')))}")
+    out.append(
+        f"    fault {fault.get('kind')} ({fault.get('source')}): "
+        f"{_printable(str(fault.get('message')))}"
+    )
   return out
 
 
@@ -157,8 +158,10 @@ def format_episode(path: list[tuple[dict, int]], step: int, index: int, count: i
   root, _ = path[0]
   total = sum(node["rewards"][b] or 0.0 for node, b in path)
   last, b_last = path[-1]
-  head = (f"=== episode {index} of {count} | step {step} | root {root['root']} | "
-          f"{len(path)} turn(s) | rewards summed {_num(total)} ===")
+  head = (
+      f"=== episode {index} of {count} | step {step} | root {root['root']} | "
+      f"{len(path)} turn(s) | rewards summed {_num(total)} ==="
+  )
   lines = [head]
   seen = None  # per agent: the text the agent had read and written before this turn
   for node, b in path:
@@ -195,18 +198,22 @@ def show(workdir: str, episodes_wanted: int, step=None, seed: int = 0) -> str:
   paths = episodes(read_dump(files[step]))
   if not paths:
     return f"step {step}: the dump holds no episode"
-  picked = sorted(random.Random(seed).sample(range(len(paths)), min(episodes_wanted,
-                                                                    len(paths))))
-  head = (f"{workdir}: step {step} ({len(paths)} episodes in its dump; dumped steps: "
-          f"{_steps(files)})")
+  picked = sorted(random.Random(seed).sample(range(len(paths)), min(episodes_wanted, len(paths))))
+  head = (
+      f"{workdir}: step {step} ({len(paths)} episodes in its dump; dumped steps: "
+      f"{_steps(files)})"
+  )
   body = [format_episode(paths[i], step, k + 1, len(picked)) for k, i in enumerate(picked)]
   return "\n\n".join([head] + body)
 
 
 def _steps(files: dict) -> str:
   steps = list(files)
-  return ", ".join(map(str, steps)) if len(steps) <= 8 else (
-      f"{steps[0]}, {steps[1]}, ..., {steps[-1]}")
+  return (
+      ", ".join(map(str, steps))
+      if len(steps) <= 8
+      else (f"{steps[0]}, {steps[1]}, ..., {steps[-1]}")
+  )
 
 
 def main(argv):

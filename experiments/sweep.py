@@ -42,16 +42,30 @@ from mtrl_jax.train import budget, experiment, report
 
 _CONFIG = flags.DEFINE_string("config", None, "config file (path[:arg])")
 _SWEEP = flags.DEFINE_string("sweep", "", "argument of get_sweep(arg)")
-_AXIS = flags.DEFINE_multi_string("axis", [], "an ad-hoc axis '<dotted.key>=v1,v2,...' (repeat "
-                                  "for a grid; one value: set in every run, not in run names)")
+_AXIS = flags.DEFINE_multi_string(
+    "axis",
+    [],
+    "an ad-hoc axis '<dotted.key>=v1,v2,...' (repeat "
+    "for a grid; one value: set in every run, not in run names)",
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "parent directory of the runs")
 _PRINT = flags.DEFINE_bool("print_only", False, "print one command per run instead of running")
-_RERUN = flags.DEFINE_bool("rerun", False, "also run the runs that finished already "
-                           "(their workdir has summary.json); by default they are skipped, so "
-                           "repeating a sweep command completes the missing runs")
-_ONLY = flags.DEFINE_list("only", [], "keep only the runs whose workdir name contains one of "
-                          "these strings, e.g. --only=show_partner,num_generations=2")
-_PARALLEL = flags.DEFINE_integer("parallel", 0, "run K train.py processes at a time (0: in-process, one by one)")
+_RERUN = flags.DEFINE_bool(
+    "rerun",
+    False,
+    "also run the runs that finished already "
+    "(their workdir has summary.json); by default they are skipped, so "
+    "repeating a sweep command completes the missing runs",
+)
+_ONLY = flags.DEFINE_list(
+    "only",
+    [],
+    "keep only the runs whose workdir name contains one of "
+    "these strings, e.g. --only=show_partner,num_generations=2",
+)
+_PARALLEL = flags.DEFINE_integer(
+    "parallel", 0, "run K train.py processes at a time (0: in-process, one by one)"
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -88,8 +102,10 @@ def parse_axis(text: str) -> tuple[str, list]:
   """'tree.num_generations=2,4,8' -> ('tree.num_generations', [2, 4, 8])."""
   key, sep, values = text.partition("=")
   if not sep or not key.strip() or not values.strip():
-    raise app.UsageError(f"--axis={text!r}; allowed: '<dotted.key>=v1,v2,...', e.g. "
-                         "--axis=tree.num_generations=2,4,8")
+    raise app.UsageError(
+        f"--axis={text!r}; allowed: '<dotted.key>=v1,v2,...', e.g. "
+        "--axis=tree.num_generations=2,4,8"
+    )
   return key.strip(), [parse_value(v) for v in split_values(values)]
 
 
@@ -100,16 +116,19 @@ def set_field(config, key: str, value, axis: str) -> None:
   for i, part in enumerate(parts):
     if not isinstance(node, config_dict.ConfigDict) or part not in node:
       where = ".".join(parts[:i]) or "the config"
-      allowed = (sorted(node.keys()) if isinstance(node, config_dict.ConfigDict)
-                 else "none (not a group)")
+      allowed = (
+          sorted(node.keys()) if isinstance(node, config_dict.ConfigDict) else "none (not a group)"
+      )
       raise app.UsageError(f"--axis={axis}: {where} has no field {part!r}; allowed: {allowed}")
     if i < len(parts) - 1:
       node = node[part]
   try:
     node[parts[-1]] = value
   except (TypeError, ValueError) as e:
-    raise app.UsageError(f"--axis={axis}: {key}={value!r} ({cli.one_line(e)}); allowed: a "
-                         f"{type(node[parts[-1]]).__name__}") from None
+    raise app.UsageError(
+        f"--axis={axis}: {key}={value!r} ({cli.one_line(e)}); allowed: a "
+        f"{type(node[parts[-1]]).__name__}"
+    ) from None
 
 
 def expand(config_spec: str, sweep_arg: str, axes: list[str], parent: str) -> list:
@@ -163,8 +182,9 @@ def validate_arms(runs, memory: bool) -> None:
         if memory:
           budget.check_memory(exp)
     except (experiment.ConfigError, ValueError, TypeError) as e:
-      raise app.UsageError(f"sweep arm {os.path.basename(workdir)} ({workdir}): "
-                           f"{cli.one_line(e)}") from None
+      raise app.UsageError(
+          f"sweep arm {os.path.basename(workdir)} ({workdir}): {cli.one_line(e)}"
+      ) from None
 
 
 def run_parallel(commands, k: int) -> None:
@@ -177,8 +197,11 @@ def run_parallel(commands, k: int) -> None:
       log = open(workdir + ".log", "w")
       argv = shlex.split(cmd)
       argv[0] = sys.executable  # the command says "python"; run this interpreter
-      active[workdir] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT),
-                         log, time.time())
+      active[workdir] = (
+          subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT),
+          log,
+          time.time(),
+      )
       print(f"started {workdir}", flush=True)
     for workdir, (proc, log, t0) in list(active.items()):
       if proc.poll() is not None:
@@ -198,16 +221,20 @@ def main(argv):
   try:
     runs = expand(_CONFIG.value, _SWEEP.value, _AXIS.value, _WORKDIR.value)
   except (ValueError, OSError) as e:  # no get_sweep, an unknown sweep, a missing config file
-    raise app.UsageError(f"--config={_CONFIG.value} --sweep={_SWEEP.value}: "
-                         f"{cli.one_line(e)}") from None
+    raise app.UsageError(
+        f"--config={_CONFIG.value} --sweep={_SWEEP.value}: {cli.one_line(e)}"
+    ) from None
   if _ONLY.value:
     names = [os.path.basename(w) for w, _, _ in runs]
     runs = [r for r in runs if any(o in os.path.basename(r[0]) for o in _ONLY.value)]
     if not runs:
-      raise app.UsageError(f"--only={','.join(_ONLY.value)} matches no run; allowed: parts of "
-                           f"the run names {names}")
+      raise app.UsageError(
+          f"--only={','.join(_ONLY.value)} matches no run; allowed: parts of "
+          f"the run names {names}"
+      )
   if not _PRINT.value:
     from mtrl_jax.train import recipes
+
     recipes.check_workdir(_WORKDIR.value, "--workdir")
   if not (_RERUN.value or _PRINT.value):
     done = [w for w, _, _ in runs if os.path.exists(os.path.join(w, "summary.json"))]
@@ -217,8 +244,9 @@ def main(argv):
   if not _PRINT.value:
     validate_arms(runs, memory=_PARALLEL.value <= 0)  # before the first arm computes
   if _PARALLEL.value > 0 and not _PRINT.value:
-    commands = [(w, report.train_command(_CONFIG.value, w, o) + " --progress=false")
-                for w, o, _ in runs]
+    commands = [
+        (w, report.train_command(_CONFIG.value, w, o) + " --progress=false") for w, o, _ in runs
+    ]
     run_parallel(commands, _PARALLEL.value)
     return
   for workdir, overrides, config in runs:
@@ -226,6 +254,7 @@ def main(argv):
       print(report.train_command(_CONFIG.value, workdir, overrides))
       continue
     from mtrl_jax.train import rl
+
     print(f"== {workdir}", flush=True)
     rl.run(config, workdir)
 

@@ -28,8 +28,11 @@ from mtrl_jax.train import experiment, recipes, rl
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (created; resumed if present)")
-_PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar (false: no bar; the "
-                              "one-line phase messages on stderr stay)")
+_PROGRESS = flags.DEFINE_bool(
+    "progress",
+    True,
+    "show a progress bar (false: no bar; the one-line phase messages on stderr stay)",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -45,8 +48,13 @@ def main(argv):
     sys.exit(3)
   if not distributed.is_writer():
     return
-  print(json.dumps({k: summary[k] for k in ("workdir", "best", "compiles") if k in summary},
-                   indent=1, default=float))
+  print(
+      json.dumps(
+          {k: summary[k] for k in ("workdir", "best", "compiles") if k in summary},
+          indent=1,
+          default=float,
+      )
+  )
 
 
 if __name__ == "__main__":

@@ -36,13 +36,14 @@ def bucket(n: int, buckets: Sequence[int], what: str) -> int:
   """
   fits = [b for b in sorted(buckets) if b >= n]
   if not fits:
-    raise ValueError(f"{what} {n} exceeds the largest bucket {max(buckets)} "
-                     f"(buckets {sorted(buckets)}); raise the bucket or shorten the rollout")
+    raise ValueError(
+        f"{what} {n} exceeds the largest bucket {max(buckets)} "
+        f"(buckets {sorted(buckets)}); raise the bucket or shorten the rollout"
+    )
   return int(fits[0])
 
 
-def bucket_or_pow2(n: int, buckets: Optional[Sequence[int]], what: str,
-                   minimum: int = 1) -> int:
+def bucket_or_pow2(n: int, buckets: Optional[Sequence[int]], what: str, minimum: int = 1) -> int:
   """`bucket(n, buckets, what)`, or `next_pow2(n, minimum)` when `buckets` is None."""
   if buckets is None:
     return next_pow2(n, minimum)

@@ -100,7 +100,8 @@ def abstract_like(state) -> Any:
 
 def _manager(directory: str, keep: Optional[int], async_save: bool) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
+      max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+  )
   return ocp.CheckpointManager(directory, options=options, item_names=("state", "meta"))
 
 
@@ -117,8 +118,15 @@ class Checkpointer:
     warn: where the one-line warnings go (default: stderr).
   """
 
-  def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, *,
-               read_only: bool = False, warn: Callable[[str], None] = print_warning):
+  def __init__(
+      self,
+      workdir: str,
+      keep: int = 3,
+      async_save: bool = True,
+      *,
+      read_only: bool = False,
+      warn: Callable[[str], None] = print_warning,
+  ):
     if keep < 1:
       raise ValueError(f"Checkpointer keep={keep}; allowed: an integer >= 1")
     quiet_orbax()
@@ -150,8 +158,10 @@ class Checkpointer:
     done = step_dirs(directory)
     last = f"{directory}/{done[-1]} is intact" if done else "none is complete"
     which = f"{directory}/{step}" if step is not None else f"a checkpoint under {directory}"
-    self._failed = CheckpointError(f"checkpoint {which} was not written: {reason(exc)}; the "
-                                   f"last complete checkpoint there: {last}")
+    self._failed = CheckpointError(
+        f"checkpoint {which} was not written: {reason(exc)}; the "
+        f"last complete checkpoint there: {last}"
+    )
     self._end_failed_save(manager)
     return self._failed
 
@@ -195,8 +205,9 @@ class Checkpointer:
     self.check()
     if step in self.all_steps():
       return False
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              meta=ocp.args.JsonSave(dict(meta or {})))
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta or {}))
+    )
     return self._save(self._latest, step, args)
 
   def all_steps(self) -> list[int]:
@@ -245,9 +256,11 @@ class Checkpointer:
       then = f"trying step {older[-1]}" if older else "no older checkpoint"
       self._warn(f"{why}; skipped it{where}; {then}")
     if failed and found is None:
-      raise CheckpointError(f"no readable checkpoint under {self._latest.directory}: steps "
-                            f"{sorted(s for s, _ in failed)} do not read back (see the "
-                            "warnings above)")
+      raise CheckpointError(
+          f"no readable checkpoint under {self._latest.directory}: steps "
+          f"{sorted(s for s, _ in failed)} do not read back (see the "
+          "warnings above)"
+      )
     return found
 
   def _set_aside(self, manager, step: int) -> str:
@@ -278,9 +291,11 @@ class Checkpointer:
     except Exception as e:
       if self._unreadable_best != step:
         self._unreadable_best = step
-        self._warn(f"best checkpoint {self._best.directory}/{step} does not read back "
-                   f"({_diagnose(self._best, step, e)}); ignored it"
-                   f"{self._set_aside(self._best, step)}")
+        self._warn(
+            f"best checkpoint {self._best.directory}/{step} does not read back "
+            f"({_diagnose(self._best, step, e)}); ignored it"
+            f"{self._set_aside(self._best, step)}"
+        )
       return None
 
   def maybe_save_best(self, step: int, score: float, state, meta: Optional[dict] = None) -> bool:
@@ -370,11 +385,17 @@ def _diagnose(manager: ocp.CheckpointManager, step: int, exc: BaseException) -> 
 def _restore(manager: ocp.CheckpointManager, step: int, target) -> tuple[Any, dict]:
   abstract = abstract_like(target)
   try:
-    out = manager.restore(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    out = manager.restore(
+        int(step),
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+        ),
+    )
   except Exception as e:
-    error = CheckpointError(f"checkpoint {manager.directory}/{step} does not read back "
-                            f"({_diagnose(manager, step, e)})")
+    error = CheckpointError(
+        f"checkpoint {manager.directory}/{step} does not read back "
+        f"({_diagnose(manager, step, e)})"
+    )
   else:
     return out["state"], dict(out["meta"] or {})
   collect_quietly()

@@ -38,8 +38,9 @@ def directory(setting: str) -> str:
     ValueError (one line naming `compile_cache`) for a setting that is not a string.
   """
   if not isinstance(setting, str):
-    raise ValueError(f"config compile_cache={setting!r}; allowed: 'auto', '' (off) or a "
-                     "directory path")
+    raise ValueError(
+        f"config compile_cache={setting!r}; allowed: 'auto', '' (off) or a directory path"
+    )
   if setting == AUTO:
     if ENV in os.environ:
       setting = os.environ[ENV]
@@ -64,11 +65,15 @@ def setup(setting: str = AUTO) -> str:
       if not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError("not writable")
     except OSError as e:
-      print(f"compile_cache {path!r} cannot be used ({e}); compiling without a persistent "
-            "cache", file=sys.stderr, flush=True)
+      print(
+          f"compile_cache {path!r} cannot be used ({e}); compiling without a persistent cache",
+          file=sys.stderr,
+          flush=True,
+      )
       path = ""
   import jax
   from jax.experimental.compilation_cache import compilation_cache
+
   current = jax.config.jax_compilation_cache_dir
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

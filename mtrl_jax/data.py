@@ -22,8 +22,9 @@ from mtrl_jax.registry import Registry
 
 # name -> a callable `(split, **kwargs) -> TaskSource`. Built-in tasks register
 # themselves when `mtrl_jax.tasks` is imported (the run's composition root does).
-TASK_SOURCES = Registry("task source", hint="the built-in tasks register when mtrl_jax.tasks "
-                        "is imported")
+TASK_SOURCES = Registry(
+    "task source", hint="the built-in tasks register when mtrl_jax.tasks is imported"
+)
 
 
 class TaskSource(Protocol):
@@ -166,14 +167,20 @@ class CurriculumConfig:
       if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"config curriculum.{name}={value!r}; allowed: an int >= {low}")
     if self.start_level >= self.num_levels:
-      raise ValueError(f"config curriculum.start_level={self.start_level}; allowed: 0 .. "
-                       f"num_levels - 1 = {self.num_levels - 1}")
+      raise ValueError(
+          f"config curriculum.start_level={self.start_level}; allowed: 0 .. "
+          f"num_levels - 1 = {self.num_levels - 1}"
+      )
     if not 0.0 <= self.lower_below < self.raise_above <= 1.0:
-      raise ValueError(f"config curriculum.lower_below={self.lower_below} and raise_above="
-                       f"{self.raise_above}; allowed: 0 <= lower_below < raise_above <= 1")
+      raise ValueError(
+          f"config curriculum.lower_below={self.lower_below} and raise_above="
+          f"{self.raise_above}; allowed: 0 <= lower_below < raise_above <= 1"
+      )
     if not isinstance(self.level_key, str) or not self.level_key.isidentifier():
-      raise ValueError(f"config curriculum.level_key={self.level_key!r}; allowed: the name of "
-                       "the task source's level keyword")
+      raise ValueError(
+          f"config curriculum.level_key={self.level_key!r}; allowed: the name of "
+          "the task source's level keyword"
+      )
 
 
 class CurriculumStream:
@@ -197,11 +204,17 @@ class CurriculumStream:
   checkpoint taken while a draw is in flight.
   """
 
-  def __init__(self, make_source: Callable[[int], TaskSource], cfg: CurriculumConfig,
-               seed: int, shuffle: bool = True):
+  def __init__(
+      self,
+      make_source: Callable[[int], TaskSource],
+      cfg: CurriculumConfig,
+      seed: int,
+      shuffle: bool = True,
+  ):
     self.cfg = cfg
-    self.streams = [TaskStream(make_source(level), seed, shuffle)
-                    for level in range(cfg.num_levels)]
+    self.streams = [
+        TaskStream(make_source(level), seed, shuffle) for level in range(cfg.num_levels)
+    ]
     self.level = cfg.start_level
     self.window: list[float] = []
     self.pending: list[int] = []  # levels of the draws not yet observed, oldest first
@@ -214,8 +227,10 @@ class CurriculumStream:
     level = self.redraw.pop(0) if self.redraw else self.level
     self.pending.append(level)
     self.draws += 1
-    return [dict(t, curriculum_level=level) if isinstance(t, Mapping) else t
-            for t in self.streams[level].next(count)]
+    return [
+        dict(t, curriculum_level=level) if isinstance(t, Mapping) else t
+        for t in self.streams[level].next(count)
+    ]
 
   def observe(self, success: float) -> dict[str, float]:
     """Records one RL step's rollout success (steps in draw order); may move the level
@@ -226,7 +241,7 @@ class CurriculumStream:
       `curriculum/rolling_success` (mean over the window so far, this step included).
     """
     used = self.pending.pop(0) if self.pending else self.level
-    self.window = (self.window + [float(success)])[-self.cfg.window:]
+    self.window = (self.window + [float(success)])[-self.cfg.window :]
     rolling = sum(self.window) / len(self.window)
     if len(self.window) == self.cfg.window:
       if rolling > self.cfg.raise_above and self.level < self.cfg.num_levels - 1:
@@ -236,9 +251,14 @@ class CurriculumStream:
     return {"curriculum/level": float(used), "curriculum/rolling_success": rolling}
 
   def state(self) -> dict:
-    return {"level": self.level, "window": list(self.window), "draws": self.draws,
-            "pending": list(self.pending), "redraw": list(self.redraw),
-            "streams": [s.state() for s in self.streams]}
+    return {
+        "level": self.level,
+        "window": list(self.window),
+        "draws": self.draws,
+        "pending": list(self.pending),
+        "redraw": list(self.redraw),
+        "streams": [s.state() for s in self.streams],
+    }
 
   def rewound(self, mark: Mapping[str, Any]) -> dict:
     """The state with the draws since `mark` (a `state()` taken earlier) undone: each
@@ -252,17 +272,25 @@ class CurriculumStream:
     """
     undone = self.draws - int(mark["draws"])
     if undone > len(self.pending):
-      raise ValueError(f"{undone} draws since the mark, {len(self.pending)} not yet observed: "
-                       "an observed draw cannot be undone")
+      raise ValueError(
+          f"{undone} draws since the mark, {len(self.pending)} not yet observed: "
+          "an observed draw cannot be undone"
+      )
     kept = len(self.pending) - undone
-    return {**self.state(), "streams": [dict(x) for x in mark["streams"]],
-            "draws": int(mark["draws"]), "pending": self.pending[:kept],
-            "redraw": self.pending[kept:] + self.redraw}
+    return {
+        **self.state(),
+        "streams": [dict(x) for x in mark["streams"]],
+        "draws": int(mark["draws"]),
+        "pending": self.pending[:kept],
+        "redraw": self.pending[kept:] + self.redraw,
+    }
 
   def restore(self, state: Mapping[str, Any]) -> None:
     if len(state["streams"]) != len(self.streams):
-      raise ValueError(f"curriculum state has {len(state['streams'])} levels; this run has "
-                       f"{len(self.streams)} (curriculum.num_levels changed?)")
+      raise ValueError(
+          f"curriculum state has {len(state['streams'])} levels; this run has "
+          f"{len(self.streams)} (curriculum.num_levels changed?)"
+      )
     self.level = int(state["level"])
     self.window = [float(x) for x in state["window"]]
     self.draws = int(state["draws"])

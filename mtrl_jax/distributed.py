@@ -74,16 +74,21 @@ class DistributedConfig:
       return
     host, _, port = self.coordinator_address.rpartition(":")
     if not host or not port.isdigit():
-      raise ValueError(f"config distributed.coordinator_address={self.coordinator_address!r}; "
-                       "allowed: 'host:port' (mode='explicit')")
+      raise ValueError(
+          f"config distributed.coordinator_address={self.coordinator_address!r}; "
+          "allowed: 'host:port' (mode='explicit')"
+      )
     n = self.num_processes
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-      raise ValueError(f"config distributed.num_processes={n!r}; allowed: an integer >= 1 "
-                       "(mode='explicit')")
+      raise ValueError(
+          f"config distributed.num_processes={n!r}; allowed: an integer >= 1 (mode='explicit')"
+      )
     i = self.process_id
     if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
-      raise ValueError(f"config distributed.process_id={i!r}; allowed: an integer in "
-                       f"[0, {n}) (mode='explicit')")
+      raise ValueError(
+          f"config distributed.process_id={i!r}; allowed: an integer in "
+          f"[0, {n}) (mode='explicit')"
+      )
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -96,11 +101,16 @@ def initialize(cfg: DistributedConfig) -> None:
     return
   if os.environ.get("JAX_PLATFORMS", "") == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  kw = dict(initialization_timeout=cfg.initialization_timeout_s,
-            heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
+  kw = dict(
+      initialization_timeout=cfg.initialization_timeout_s,
+      heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+  )
   if cfg.mode == "explicit":
-    kw.update(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
-              process_id=cfg.process_id)
+    kw.update(
+        coordinator_address=cfg.coordinator_address,
+        num_processes=cfg.num_processes,
+        process_id=cfg.process_id,
+    )
   jax.distributed.initialize(**kw)
   global _GATHER_TIMEOUT_MS
   _GATHER_TIMEOUT_MS = cfg.gather_timeout_s * 1000
@@ -136,6 +146,7 @@ _round = 0
 
 def _client():
   from jax._src import distributed as jax_distributed  # the runtime's own client
+
   return jax_distributed.global_state.client
 
 
@@ -158,12 +169,15 @@ def allgather(obj: Any) -> list:
       out.append(obj)
       continue
     try:
-      data = client.blocking_key_value_get_bytes(f"mtrl_jax/gather/{_round}/{p}",
-                                                 _GATHER_TIMEOUT_MS)
+      data = client.blocking_key_value_get_bytes(
+          f"mtrl_jax/gather/{_round}/{p}", _GATHER_TIMEOUT_MS
+      )
     except Exception as e:  # the runtime raises its own status errors
-      raise RuntimeError(f"process {me}: no answer from process {p} in all-gather round "
-                         f"{_round} within {_GATHER_TIMEOUT_MS // 1000} s (did it die?): "
-                         f"{e}") from e
+      raise RuntimeError(
+          f"process {me}: no answer from process {p} in all-gather round "
+          f"{_round} within {_GATHER_TIMEOUT_MS // 1000} s (did it die?): "
+          f"{e}"
+      ) from e
     out.append(pickle.loads(data))
   if _round > 1:
     client.key_value_delete(f"mtrl_jax/gather/{_round - 1}/{me}")
@@ -190,9 +204,11 @@ def row_block(sharding, global_rows: int) -> tuple[int, int]:
   stops = [global_rows if s[0].stop is None else s[0].stop for s in idx.values()]
   start, stop = min(starts), max(stops)
   if (stop - start) * jax.process_count() != global_rows:
-    raise ValueError(f"the batch sharding gives process {jax.process_index()} rows "
-                     f"[{start}, {stop}) of {global_rows}: not a 1/{jax.process_count()} block "
-                     "(the data x fsdp axes must be split evenly by process)")
+    raise ValueError(
+        f"the batch sharding gives process {jax.process_index()} rows "
+        f"[{start}, {stop}) of {global_rows}: not a 1/{jax.process_count()} block "
+        "(the data x fsdp axes must be split evenly by process)"
+    )
   return start, stop
 
 
@@ -217,11 +233,11 @@ def local_rows(x) -> np.ndarray:
   out = np.empty((stop - start,) + x.shape[1:], x.dtype)
   for shard in x.addressable_shards:
     rows = shard.index[0] if shard.index else slice(None)
-    lo = (rows.start or 0)
+    lo = rows.start or 0
     hi = x.shape[0] if rows.stop is None else rows.stop
     lo, hi = max(lo, start), min(hi, stop)
     data = np.asarray(shard.data)
-    out[lo - start:hi - start] = data[lo - (rows.start or 0):hi - (rows.start or 0)]
+    out[lo - start : hi - start] = data[lo - (rows.start or 0) : hi - (rows.start or 0)]
   return out
 
 

@@ -29,10 +29,20 @@ TB_DIR = "tb"
 RUN_BOUND_PREFIXES = ("compiles/", "time/", "engine/")
 # What `plot_metrics` draws by default: keys the RL loop writes (`train.rl`);
 # glob patterns match per-evaluation, per-turn and per-kind keys.
-DEFAULT_PLOT_KEYS = ("eval/*/success", "rollout/path_success", "rollout/return",
-                     "turn_*/mean_reward", "train/loss", "train/kl", "train/clip_frac",
-                     "train/entropy", "faults/*", "curriculum/level", "engine/kv_reuse",
-                     "engine/slot_occupancy")
+DEFAULT_PLOT_KEYS = (
+    "eval/*/success",
+    "rollout/path_success",
+    "rollout/return",
+    "turn_*/mean_reward",
+    "train/loss",
+    "train/kl",
+    "train/clip_frac",
+    "train/entropy",
+    "faults/*",
+    "curriculum/level",
+    "engine/kv_reuse",
+    "engine/slot_occupancy",
+)
 
 
 def _to_float(value) -> float:
@@ -67,8 +77,7 @@ class MetricsWriter:
     tensorboard: also write TensorBoard event files under `workdir/tb/`.
   """
 
-  def __init__(self, workdir: str, resume_step: Optional[int] = None,
-               tensorboard: bool = True):
+  def __init__(self, workdir: str, resume_step: Optional[int] = None, tensorboard: bool = True):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, METRICS_FILE)
     if resume_step is not None:
@@ -78,8 +87,10 @@ class MetricsWriter:
       while os.path.exists(f"{self.path}.{n}"):
         n += 1
       os.replace(self.path, f"{self.path}.{n}")
-      _warn(f"{self.path} held lines of an attempt that saved no checkpoint; moved them to "
-            f"{self.path}.{n}, the run starts at step 0")
+      _warn(
+          f"{self.path} held lines of an attempt that saved no checkpoint; moved them to "
+          f"{self.path}.{n}, the run starts at step 0"
+      )
     self._file = open(self.path, "a")
     self._tb = _EventFile(os.path.join(workdir, TB_DIR)) if tensorboard else None
     self._failed_rows = 0  # rows a write error kept off the disk (warned once)
@@ -87,8 +98,10 @@ class MetricsWriter:
   def _resume(self, step: int):
     """Keeps the lines up to `step` (rewritten whole, never half); warns about a gap."""
     if not os.path.exists(self.path):
-      _warn(f"{self.path} is missing: steps 0-{step} have no metrics, the run goes on from "
-            f"step {step + 1}")
+      _warn(
+          f"{self.path} is missing: steps 0-{step} have no metrics, the run goes on from "
+          f"step {step + 1}"
+      )
       return
     kept, bad = [], 0
     with open(self.path) as f:
@@ -103,8 +116,10 @@ class MetricsWriter:
     last = json.loads(kept[-1])["step"] if kept else None
     if last is None or last < step:
       ends = f"ends at step {last}" if kept else "holds no step"
-      _warn(f"{self.path} {ends} but the checkpoint is step {step}: steps "
-            f"{0 if last is None else last + 1}-{step} have no metrics, the run goes on")
+      _warn(
+          f"{self.path} {ends} but the checkpoint is step {step}: steps "
+          f"{0 if last is None else last + 1}-{step} have no metrics, the run goes on"
+      )
     if bad:
       _warn(f"{self.path}: dropped {bad} unreadable line(s)")
     with open(self.path + ".tmp", "w") as f:
@@ -127,8 +142,10 @@ class MetricsWriter:
     except OSError as e:
       self._failed_rows += 1
       if self._failed_rows == 1:
-        _warn(f"step {step}'s metrics were not written under {os.path.dirname(self.path)}: "
-              f"{e.strerror} (errno {e.errno}); later steps try again")
+        _warn(
+            f"step {step}'s metrics were not written under {os.path.dirname(self.path)}: "
+            f"{e.strerror} (errno {e.errno}); later steps try again"
+        )
     return {"step": int(step), **values}
 
   def flush(self):
@@ -156,6 +173,7 @@ class _EventFile:
 
   def __init__(self, logdir: str):
     from tensorboardX.event_file_writer import EventsWriter  # heavy import, only when used
+
     os.makedirs(logdir, exist_ok=True)
     self._writer = EventsWriter(os.path.join(logdir, "events"))
     self.closed = False
@@ -163,6 +181,7 @@ class _EventFile:
   def add(self, step: int, values: Mapping[str, float]) -> None:
     from tensorboardX.proto import event_pb2
     from tensorboardX.summary import scalar
+
     now = time.time()
     for k, v in values.items():
       self._writer.write_event(event_pb2.Event(wall_time=now, step=step, summary=scalar(k, v)))
@@ -209,8 +228,9 @@ def _match_keys(patterns: Sequence[str], available: Iterable[str]) -> list[str]:
   return out
 
 
-def plot_metrics(workdir: str, keys: Optional[Sequence[str]] = None,
-                 out_png: Optional[str] = None) -> str:
+def plot_metrics(
+    workdir: str, keys: Optional[Sequence[str]] = None, out_png: Optional[str] = None
+) -> str:
   """Plots metrics against the step, one panel per key, into a PNG.
 
   Args:
@@ -223,6 +243,7 @@ def plot_metrics(workdir: str, keys: Optional[Sequence[str]] = None,
     The PNG path.
   """
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -230,8 +251,10 @@ def plot_metrics(workdir: str, keys: Optional[Sequence[str]] = None,
   available = {k for r in rows for k in r if k != "step"}
   names = _match_keys(keys or DEFAULT_PLOT_KEYS, available)
   if not names:
-    raise ValueError(f"plot_metrics keys={list(keys or DEFAULT_PLOT_KEYS)} match nothing; "
-                     f"available: {sorted(available)}")
+    raise ValueError(
+        f"plot_metrics keys={list(keys or DEFAULT_PLOT_KEYS)} match nothing; "
+        f"available: {sorted(available)}"
+    )
   out_png = out_png or os.path.join(workdir, "metrics.png")
   cols = min(3, len(names))
   nrows = -(-len(names) // cols)
@@ -242,7 +265,7 @@ def plot_metrics(workdir: str, keys: Optional[Sequence[str]] = None,
     ax.set_title(name)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-  for ax in list(axes.flat)[len(names):]:
+  for ax in list(axes.flat)[len(names) :]:
     ax.set_visible(False)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
@@ -333,8 +356,10 @@ class CompileCensus:
 
   def register(self, name: str, fn_or_obj) -> None:
     if not (hasattr(fn_or_obj, "num_compiles") or callable(fn_or_obj)):
-      raise TypeError(f"CompileCensus.register({name!r}): expected an object with "
-                      f"`num_compiles` or a callable; got {type(fn_or_obj)}")
+      raise TypeError(
+          f"CompileCensus.register({name!r}): expected an object with "
+          f"`num_compiles` or a callable; got {type(fn_or_obj)}"
+      )
     self._entries[name] = fn_or_obj
 
   @staticmethod
@@ -358,7 +383,6 @@ class CompileCensus:
       # warm-up ended; docs/design.md invariant 5 wants this at 0.
       out["compiles/after_warmup"] = self._total() - self._warm
     return out
-
 
 
 def count_calls(fn: Callable) -> Callable:

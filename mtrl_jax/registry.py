@@ -43,9 +43,11 @@ def import_object(spec: str, what: str = "object") -> Any:
 
 def _same_definition(a: Any, b: Any) -> bool:
   """True when b is a re-import of a (same module and qualified name)."""
-  return (getattr(a, "__qualname__", None) is not None
-          and getattr(a, "__qualname__", None) == getattr(b, "__qualname__", None)
-          and getattr(a, "__module__", None) == getattr(b, "__module__", None))
+  return (
+      getattr(a, "__qualname__", None) is not None
+      and getattr(a, "__qualname__", None) == getattr(b, "__qualname__", None)
+      and getattr(a, "__module__", None) == getattr(b, "__module__", None)
+  )
 
 
 class Registry:
@@ -74,8 +76,7 @@ class Registry:
   def register(self, name: str) -> Callable[[Any], Any]:
     """Decorator registering its argument under `name` (see the module's rule)."""
     if not isinstance(name, str) or not name or ":" in name:
-      raise ValueError(f"{self.what} name must be a non-empty string without ':', "
-                       f"got {name!r}")
+      raise ValueError(f"{self.what} name must be a non-empty string without ':', got {name!r}")
 
     def decorate(obj):
       with self._lock:
@@ -98,8 +99,10 @@ class Registry:
     """The object registered under `name`."""
     if name not in self._entries:
       hint = f"; {self.hint}" if self.hint else ""
-      raise ValueError(f"unknown {self.what} {name!r}; registered: {self.names()}; or use an "
-                       f"import path 'package.module:Name'{hint}")
+      raise ValueError(
+          f"unknown {self.what} {name!r}; registered: {self.names()}; or use an "
+          f"import path 'package.module:Name'{hint}"
+      )
     return self._entries[name]
 
   def resolve(self, spec: Any) -> Any:

@@ -32,6 +32,7 @@ def _part_bytes(part: Any) -> bytes:
   if dtype is not None:
     import jax  # only when a key is given: callers below `sampling` pass ints
     import numpy as np
+
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
       return b"k" + np.asarray(jax.random.key_data(part)).tobytes()
     if np.dtype(dtype) == np.uint32:  # a raw PRNGKey (uint32 [2])

@@ -17,7 +17,6 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
-
 class ModelDims(Protocol):
   """The model sizes the rules need (`mtrl_jax.models.ModelConfig` has them); a protocol,
   because models import this module, not the other way round."""
@@ -28,6 +27,7 @@ class ModelDims(Protocol):
   num_kv_heads: int
   head_dim: int
   mlp_dim: int
+
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -45,7 +45,8 @@ TRAIN_RULES: tuple[tuple[str, Optional[str]], ...] = (
 )
 # Sampling: no FSDP (weights are gathered once, not every decode step).
 SAMPLE_RULES: tuple[tuple[str, Optional[str]], ...] = tuple(
-    (name, None if axis == "fsdp" else axis) for name, axis in TRAIN_RULES)
+    (name, None if axis == "fsdp" else axis) for name, axis in TRAIN_RULES
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,8 @@ class MeshConfig:
     if int(np.prod(dims)) != num_devices:
       raise ValueError(
           f"MeshConfig data*fsdp*tensor={dims} uses {int(np.prod(dims))} devices; "
-          f"{num_devices} are available")
+          f"{num_devices} are available"
+      )
     return tuple(dims)
 
 
@@ -83,8 +85,7 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices=None) -> jax.sharding.M
   """A (data, fsdp, tensor) mesh with Auto axis types over `devices`."""
   devices = list(devices if devices is not None else jax.devices())
   dims = MeshConfig(*shape).shape(len(devices))
-  return jax.make_mesh(dims, MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                       devices=devices)
+  return jax.make_mesh(dims, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
 def single_device_mesh() -> jax.sharding.Mesh:
@@ -92,13 +93,20 @@ def single_device_mesh() -> jax.sharding.Mesh:
 
 
 def _logical_sizes(cfg: ModelDims) -> dict[str, int]:
-  return {"vocab": cfg.vocab_size, "embed": cfg.d_model, "q_heads": cfg.num_heads,
-          "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "mlp": cfg.mlp_dim,
-          "norm": cfg.d_model}
+  return {
+      "vocab": cfg.vocab_size,
+      "embed": cfg.d_model,
+      "q_heads": cfg.num_heads,
+      "kv_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim,
+      "mlp": cfg.mlp_dim,
+      "norm": cfg.d_model,
+  }
 
 
-def rules_for(cfg: ModelDims, mesh: jax.sharding.Mesh,
-              rules=TRAIN_RULES) -> tuple[tuple[str, Optional[str]], ...]:
+def rules_for(
+    cfg: ModelDims, mesh: jax.sharding.Mesh, rules=TRAIN_RULES
+) -> tuple[tuple[str, Optional[str]], ...]:
   """`rules` with every mapping dropped whose mesh axis does not divide the dim."""
   sizes = _logical_sizes(cfg)
   out = []
@@ -109,8 +117,9 @@ def rules_for(cfg: ModelDims, mesh: jax.sharding.Mesh,
   return tuple(out)
 
 
-def batch_sharding(mesh: jax.sharding.Mesh, ndim: int = 2,
-                   batch_size: Optional[int] = None) -> NamedSharding:
+def batch_sharding(
+    mesh: jax.sharding.Mesh, ndim: int = 2, batch_size: Optional[int] = None
+) -> NamedSharding:
   """Shards the leading (batch) axis over data x fsdp, the rest replicated."""
   axes = BATCH_AXES
   if batch_size is not None and batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
@@ -126,4 +135,7 @@ def shard_batch(batch, mesh: jax.sharding.Mesh):
   """device_put every array of a batch pytree with its leading axis sharded."""
   return jax.tree.map(
       lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x), np.shape(x)[0]))
-      if np.ndim(x) else jax.device_put(x, replicated(mesh)), batch)
+      if np.ndim(x)
+      else jax.device_put(x, replicated(mesh)),
+      batch,
+  )

@@ -60,6 +60,7 @@ def _quiet_hook(previous):
   def hook(unraisable):
     if not _from_orbax(unraisable):
       previous(unraisable)
+
   hook.quiet_orbax = True
   return hook
 
@@ -116,11 +117,11 @@ def release_stalled_saves(timeout: float = 10.0) -> int:
   """
   try:
     from orbax.checkpoint._src.futures import future as ocp_future
+
     thread_type, set_signals = ocp_future._SignalingThread, ocp_future.set_signals
   except (ImportError, AttributeError):  # another Orbax: its threads end on their timeout
     return 0
-  stalled = [t for t in threading.enumerate()
-             if isinstance(t, thread_type) and t.is_alive()]
+  stalled = [t for t in threading.enumerate() if isinstance(t, thread_type) and t.is_alive()]
   for t in stalled:
     t.cancel()
     try:
@@ -131,7 +132,6 @@ def release_stalled_saves(timeout: float = 10.0) -> int:
     threading.Thread.join(t, timeout)  # not Orbax's join, which raises the cancellation
     _close_coroutines(getattr(t, "_target", None))
   return len(stalled)
-
 
 
 class WorkdirBusy(RuntimeError):
@@ -161,9 +161,11 @@ class WorkdirLock:
       holder = _read_pid(fd)
       os.close(fd)
       who = f"process {holder}" if holder else "another process"
-      raise WorkdirBusy(f"workdir {os.path.dirname(self.path)} is in use by {who} (it holds "
-                        f"{self.path}); allowed: one run per workdir at a time: wait for it "
-                        "to end, or use another --workdir") from None
+      raise WorkdirBusy(
+          f"workdir {os.path.dirname(self.path)} is in use by {who} (it holds "
+          f"{self.path}); allowed: one run per workdir at a time: wait for it "
+          "to end, or use another --workdir"
+      ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     self._fd: Optional[int] = fd

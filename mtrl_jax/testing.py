@@ -33,9 +33,23 @@ from mtrl_jax.rollout.records import ActionOutcome, StepRecord
 from mtrl_jax.sampling.slots import Sample
 from mtrl_jax.text import ByteTokenizer, ChatRenderer, compact
 
-__all__ = ["TokenState", "TokenTransition", "FEEDBACK", "TOOL", "TokState", "ScriptedTransition",
-           "total_ids", "CLOSED", "DuoEnv", "SoloEnv", "ToolThenUserEnv", "FakePolicy",
-           "byte_tokenizer", "byte_renderer", "tiny_model"]
+__all__ = [
+    "TokenState",
+    "TokenTransition",
+    "FEEDBACK",
+    "TOOL",
+    "TokState",
+    "ScriptedTransition",
+    "total_ids",
+    "CLOSED",
+    "DuoEnv",
+    "SoloEnv",
+    "ToolThenUserEnv",
+    "FakePolicy",
+    "byte_tokenizer",
+    "byte_renderer",
+    "tiny_model",
+]
 
 
 @functools.cache
@@ -69,24 +83,31 @@ class TokenTransition:
     self.observation = tuple(range(3, 3 + obs_len))
     self.vocab, self.low = vocab, low
 
-  def roots(self, num_roots: int, num_agents: int, prompt_len: int, seed: int = 0,
-            system_len: int = 0):
+  def roots(
+      self, num_roots: int, num_agents: int, prompt_len: int, seed: int = 0, system_len: int = 0
+  ):
     """Random prompts of `prompt_len` ids after a `system_len`-token system prompt
     that every root shares (the same ids whatever the seed, like a tool schema)."""
-    system = tuple(np.random.default_rng(12345).integers(self.low, self.vocab,
-                                                         system_len).tolist())
+    system = tuple(np.random.default_rng(12345).integers(self.low, self.vocab, system_len).tolist())
     rng = np.random.default_rng(seed)
-    return [TokenState(tuple(system + tuple(rng.integers(self.low, self.vocab,
-                                                         prompt_len).tolist())
-                             for _ in range(num_agents))) for _ in range(num_roots)]
+    return [
+        TokenState(
+            tuple(
+                system + tuple(rng.integers(self.low, self.vocab, prompt_len).tolist())
+                for _ in range(num_agents)
+            )
+        )
+        for _ in range(num_roots)
+    ]
 
   def prompts(self, state: TokenState):
     return [list(h) for h in state.histories]
 
   def step(self, state: TokenState, actions):
     reward = float(np.mean([int(c.ids[0]) % 2 if len(c.ids) else 0 for c in actions]))
-    hist = tuple(h + tuple(c.ids.tolist()) + self.observation
-                 for h, c in zip(state.histories, actions))
+    hist = tuple(
+        h + tuple(c.ids.tolist()) + self.observation for h, c in zip(state.histories, actions)
+    )
     return ActionOutcome(TokenState(hist), StepRecord(reward))
 
 
@@ -115,9 +136,14 @@ class ScriptedTransition:
   slow tool.
   """
 
-  def __init__(self, reward: Optional[Callable] = None, stop: Optional[Callable] = None,
-               fault: Optional[Callable] = None, sleep_s: float = 0.0,
-               continues: Optional[Callable] = None):
+  def __init__(
+      self,
+      reward: Optional[Callable] = None,
+      stop: Optional[Callable] = None,
+      fault: Optional[Callable] = None,
+      sleep_s: float = 0.0,
+      continues: Optional[Callable] = None,
+  ):
     self.reward = reward or (lambda s, a: float(sum(int(c.ids.sum()) for c in a) % 5) / 4)
     self.stop = stop or (lambda s, a: False)
     self.fault = fault or (lambda s, a: False)
@@ -126,8 +152,10 @@ class ScriptedTransition:
 
   @staticmethod
   def roots(num_roots: int, num_agents: int) -> list:
-    return [TokState(r, 0, tuple((3, 10 + r, 20 + i) for i in range(num_agents)))
-            for r in range(num_roots)]
+    return [
+        TokState(r, 0, tuple((3, 10 + r, 20 + i) for i in range(num_agents)))
+        for r in range(num_roots)
+    ]
 
   def prompts(self, state):
     return [list(h) for h in state.histories]
@@ -137,19 +165,23 @@ class ScriptedTransition:
       time.sleep(self.sleep_s)
     r = self.reward(state, actions)
     if self.fault(state, actions):
-      return ActionOutcome(None, StepRecord(0.0, valid=False,
-                                            details={"fault": "infrastructure"}))
+      return ActionOutcome(None, StepRecord(0.0, valid=False, details={"fault": "infrastructure"}))
     if self.stop(state, actions):
       return ActionOutcome(None, StepRecord(r, details={"stopped": True}))
     if self.continues(state, actions):
-      hist = tuple(h + tuple(int(t) for t in c.ids) + (TOOL,)
-                   for h, c in zip(state.histories, actions))
-      return ActionOutcome(TokState(state.root, state.turn, hist, state.sub + 1),
-                           StepRecord(r, continues_turn=True, details={"r": r, "tool": True}))
-    hist = tuple(h + tuple(int(t) for t in c.ids) + (FEEDBACK,)
-                 for h, c in zip(state.histories, actions))
-    return ActionOutcome(TokState(state.root, state.turn + 1, hist),
-                         StepRecord(r, details={"r": r}))
+      hist = tuple(
+          h + tuple(int(t) for t in c.ids) + (TOOL,) for h, c in zip(state.histories, actions)
+      )
+      return ActionOutcome(
+          TokState(state.root, state.turn, hist, state.sub + 1),
+          StepRecord(r, continues_turn=True, details={"r": r, "tool": True}),
+      )
+    hist = tuple(
+        h + tuple(int(t) for t in c.ids) + (FEEDBACK,) for h, c in zip(state.histories, actions)
+    )
+    return ActionOutcome(
+        TokState(state.root, state.turn + 1, hist), StepRecord(r, details={"r": r})
+    )
 
 
 class _FakeHandle:
@@ -185,9 +217,17 @@ class FakePolicy:
     latency_seed: seed of the latencies.
   """
 
-  def __init__(self, vocab: int = 256, max_new_tokens: int = 8, stop_id: Optional[int] = None,
-               low: int = 1, stop_prob: float = 0.8, separate: bool = False,
-               max_latency: int = 0, latency_seed: int = 0):
+  def __init__(
+      self,
+      vocab: int = 256,
+      max_new_tokens: int = 8,
+      stop_id: Optional[int] = None,
+      low: int = 1,
+      stop_prob: float = 0.8,
+      separate: bool = False,
+      max_latency: int = 0,
+      latency_seed: int = 0,
+  ):
     if not 0 <= low < vocab:
       raise ValueError(f"FakePolicy low={low} must be in [0, vocab={vocab})")
     self.vocab, self.low = vocab, low
@@ -222,7 +262,7 @@ class FakePolicy:
     prompt = np.asarray(req.prompt, np.int64)
     if req.parent is not None:
       cached = req.parent.ids
-      if len(cached) <= len(prompt) and np.array_equal(prompt[:len(cached)], cached):
+      if len(cached) <= len(prompt) and np.array_equal(prompt[: len(cached)], cached):
         self.reused += len(cached)
       else:
         self.misses += 1
@@ -300,8 +340,10 @@ class DuoEnv(Environment):
     grade = Grade(score, "even lengths", {"steps": self.steps})
     if all(len(t) < self.stop_below for t in texts):
       return None, grade
-    replies = [t.append(Turn("user", f"step {self.steps}: agent {i} wrote {len(texts[i])}"))
-               for i, t in enumerate(threads)]
+    replies = [
+        t.append(Turn("user", f"step {self.steps}: agent {i} wrote {len(texts[i])}"))
+        for i, t in enumerate(threads)
+    ]
     return replies, {"even": grade}
 
   def close(self):
@@ -343,10 +385,14 @@ def rows_batch(rows: dict):
   and optionally old_logp_BxL, adv_B (or adv_BxL), row_weight_B
   (`rollout.train_batch.from_rows`: each row one causal path)."""
   from mtrl_jax.rollout.train_batch import from_rows
-  return from_rows(rows["tokens_BxL"], rows["loss_mask_BxL"],
-                   old_logp_BxL=rows.get("old_logp_BxL"),
-                   adv=rows.get("adv_BxL", rows.get("adv_B")),
-                   row_weight_B=rows.get("row_weight_B"))
+
+  return from_rows(
+      rows["tokens_BxL"],
+      rows["loss_mask_BxL"],
+      old_logp_BxL=rows.get("old_logp_BxL"),
+      adv=rows.get("adv_BxL", rows.get("adv_B")),
+      row_weight_B=rows.get("row_weight_B"),
+  )
 
 
 def dense_rows(batch, x_BxK, fill=0.0) -> np.ndarray:
@@ -363,6 +409,9 @@ def rows_of(tree, length_buckets):
   """A finalized tree's trained samples as the rows layout (`rl.packing='rows'`): one row
   per action, agent-major then in node and sample order, no zero-variance filter."""
   from mtrl_jax.rollout.batching import BatchConfig, make_train_batch
-  batch, _ = make_train_batch(tree, BatchConfig(packing="rows", length_buckets=tuple(
-      length_buckets), zero_variance_filter=False))
+
+  batch, _ = make_train_batch(
+      tree,
+      BatchConfig(packing="rows", length_buckets=tuple(length_buckets), zero_variance_filter=False),
+  )
   return batch

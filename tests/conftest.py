@@ -9,12 +9,14 @@ Fixtures (built by `mtrl_jax.testing`, which also holds the scripted fakes):
 `byte_tokenizer`, `renderer` (compact chat format on it, fresh per test) and
 `tiny_model` (the seed-0 `tiny` preset, built once per process).
 """
+
 import os
 
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", "")] +
-    [f for f in _FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]).strip()
+    [os.environ.get("XLA_FLAGS", "")]
+    + [f for f in _FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache per test session, shared by the xdist
@@ -25,6 +27,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   import atexit
   import shutil
   import tempfile
+
   _cache = tempfile.mkdtemp(prefix="mtrl_jax_test_jit_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)

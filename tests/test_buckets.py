@@ -19,8 +19,9 @@ def test_round_up():
 def test_bucket_picks_smallest_holding_bucket_and_names_the_size():
   assert buckets.bucket(5, (8, 4, 16), "row length") == 8
   assert buckets.bucket(8, (8, 4, 16), "row length") == 8
-  with pytest.raises(ValueError, match=r"row length 17 exceeds the largest bucket 16 "
-                                       r"\(buckets \[4, 8, 16\]\)"):
+  with pytest.raises(
+      ValueError, match=r"row length 17 exceeds the largest bucket 16 \(buckets \[4, 8, 16\]\)"
+  ):
     buckets.bucket(17, (8, 4, 16), "row length")
 
 

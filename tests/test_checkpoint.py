@@ -12,13 +12,16 @@ from mtrl_jax import losses, sharding, testing
 from mtrl_jax.checkpoint import Checkpointer, CheckpointError
 from mtrl_jax.train import OptimConfig, TrainState, TrainStep
 
-META = {"data": {"position": 12, "seed": 3}, "curriculum": {"level": 2, "names": ["a", "b"]},
-        "best_score": 0.5}
+META = {
+    "data": {"position": 12, "seed": 3},
+    "curriculum": {"level": 2, "names": ["a", "b"]},
+    "best_score": 0.5,
+}
 
 
 @functools.cache
 def _trainer(shape=(1, 1, 1)):
-  mesh = sharding.make_mesh(shape, devices=jax.devices()[:int(np.prod(shape))])
+  mesh = sharding.make_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
   model = testing.tiny_model()
   ts = TrainStep(model, losses.LossConfig(), OptimConfig(), mesh)
 
@@ -27,6 +30,7 @@ def _trainer(shape=(1, 1, 1)):
       if jnp.issubdtype(x.dtype, jnp.floating):
         return x * 1.5 + 0.25 + shift
       return x + 3 + shift.astype(x.dtype)
+
     return jax.tree.map(one, state)
 
   ts.test_perturb = jax.jit(perturb, out_shardings=ts.state_shardings)
@@ -102,8 +106,10 @@ def test_keep_best_keeps_only_the_best(tmp_path):
     assert ckpt.best() is None
     with pytest.raises(CheckpointError, match="no readable best checkpoint under"):
       ckpt.restore_best(ts.abstract_state())
-    saved = [ckpt.maybe_save_best(step, score, _state(model, ts, shift=step), {"step": step})
-             for step, score in [(1, 0.5), (2, 0.3), (3, 0.8), (4, 0.8), (5, 0.6)]]
+    saved = [
+        ckpt.maybe_save_best(step, score, _state(model, ts, shift=step), {"step": step})
+        for step, score in [(1, 0.5), (2, 0.3), (3, 0.8), (4, 0.8), (5, 0.6)]
+    ]
     assert saved == [True, False, True, False, False]  # ties do not replace the best
     assert ckpt.best() == {"step": 3, "score": 0.8}
     with pytest.raises(ValueError, match="score=nan"):
@@ -130,7 +136,8 @@ def test_async_save_is_safe_against_donating_the_state_right_after(tmp_path):
   with Checkpointer(str(tmp_path)) as ckpt:
     ckpt.save(1, state, {})
     state = overwrite(overwrite(state))
-    restored, _ = ckpt.restore(jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+    restored, _ = ckpt.restore(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    )
   assert float(state["a"][0]) == -7.0
   _assert_equal(restored, want)

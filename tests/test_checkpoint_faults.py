@@ -89,8 +89,11 @@ def test_a_failed_best_save_raises_and_keeps_the_previous_best(tmp_path, monkeyp
 
   ckpt = Checkpointer(workdir, async_save=False)  # several processes save synchronously
   monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", full_disk)
-  with pytest.raises(CheckpointError, match=r"best/2 was not written: No space left on device"
-                     r" \(errno 28\); .*/best/1 is intact"):
+  with pytest.raises(
+      CheckpointError,
+      match=r"best/2 was not written: No space left on device"
+      r" \(errno 28\); .*/best/1 is intact",
+  ):
     ckpt.maybe_save_best(2, 0.9, _state(2.0))
   monkeypatch.undo()
   ckpt.close()
@@ -123,14 +126,22 @@ def test_a_write_the_os_refuses_ends_the_process_with_one_line(tmp_path):
   # A real write error from the kernel, in TensorStore's own writes: the file size
   # limit of the process stands in for a full disk.
   t0 = time.time()
-  out = subprocess.run([sys.executable, "-c", _FSIZE_SCRIPT, str(tmp_path)], cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-                       timeout=120)
+  out = subprocess.run(
+      [sys.executable, "-c", _FSIZE_SCRIPT, str(tmp_path)],
+      cwd=ROOT,
+      env=dict(os.environ, PYTHONPATH=ROOT),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert out.returncode == 3, out.stderr[-3000:]
   assert time.time() - t0 < 60
   lines = out.stdout.strip().splitlines()
-  assert len(lines) == 1 and f"{tmp_path}/ckpt/2 was not written: File too large (errno 27)" in \
-      lines[0] and f"{tmp_path}/ckpt/1 is intact" in lines[0], out.stdout
+  assert (
+      len(lines) == 1
+      and f"{tmp_path}/ckpt/2 was not written: File too large (errno 27)" in lines[0]
+      and f"{tmp_path}/ckpt/1 is intact" in lines[0]
+  ), out.stdout
   assert "Traceback" not in out.stderr and "orbax" not in out.stderr, out.stderr[-3000:]
   with Checkpointer(str(tmp_path)) as ckpt:
     step, state, _ = ckpt.restore_latest(_target())
@@ -169,9 +180,11 @@ def test_garbage_metadata_is_named_and_skipped_read_only(tmp_path, capsys):
     step, _, meta = ckpt.restore_latest(_target())
   assert (step, meta) == (1, {"step": 1})
   err = capsys.readouterr().err.strip().splitlines()
-  assert err == [f"warning: checkpoint {workdir}/ckpt/2 does not read back ({workdir}/ckpt/2/"
-                 "meta/metadata is not valid JSON: Expecting property name enclosed in double "
-                 "quotes: line 1 column 2 (char 1)); skipped it; trying step 1"]
+  assert err == [
+      f"warning: checkpoint {workdir}/ckpt/2 does not read back ({workdir}/ckpt/2/"
+      "meta/metadata is not valid JSON: Expecting property name enclosed in double "
+      "quotes: line 1 column 2 (char 1)); skipped it; trying step 1"
+  ]
   assert os.path.isdir(tmp_path / "ckpt" / "2")  # read-only: left where it is
 
 
@@ -185,9 +198,12 @@ def test_no_readable_checkpoint_names_the_directory(tmp_path):
     with pytest.raises(CheckpointError) as e:
       ckpt.restore_latest(_target())
   assert _one_line(str(e.value)).startswith(
-      f"no readable checkpoint under {workdir}/ckpt: steps [1, 2] do not read back")
+      f"no readable checkpoint under {workdir}/ckpt: steps [1, 2] do not read back"
+  )
   assert [w.split(" does not")[0] for w in warnings] == [
-      f"checkpoint {workdir}/ckpt/2", f"checkpoint {workdir}/ckpt/1"]
+      f"checkpoint {workdir}/ckpt/2",
+      f"checkpoint {workdir}/ckpt/1",
+  ]
   with Checkpointer(str(tmp_path / "empty")) as ckpt:
     assert ckpt.restore_latest(_target()) is None
 
@@ -204,13 +220,15 @@ def test_an_unreadable_best_is_named_and_replaced(tmp_path):
     assert ckpt.best() == {"step": 6, "score": 0.1}
   assert len(warnings) == 1 and warnings[0].startswith(
       f"best checkpoint {workdir}/best/4 does not read back ({workdir}/best/4/meta/metadata is "
-      "not valid JSON")
+      "not valid JSON"
+  )
   assert warnings[0].endswith(f"ignored it, moved to {workdir}/best.unreadable/4")
   assert os.path.isdir(tmp_path / "best.unreadable" / "4")
 
 
 def test_orbax_records_stay_off_the_console(tmp_path, caplog):
   from absl import logging as absl_logging
+
   absl_logging.set_verbosity(absl_logging.INFO)
   try:
     with caplog.at_level(logging.DEBUG):
@@ -222,20 +240,25 @@ def test_orbax_records_stay_off_the_console(tmp_path, caplog):
 
 def test_reason_is_one_short_line():
   assert checkpoint.reason(OSError(errno.ENOSPC, "x")) == "No space left on device (errno 28)"
-  ts = ValueError('RESOURCE_EXHAUSTED: Error writing "a/0" in OCDBT database at local file '
-                  '"/r/ckpt/2/state/": Failed writing: "/r/d/x": No space left on device '
-                  "[os_error_code='28']")
+  ts = ValueError(
+      'RESOURCE_EXHAUSTED: Error writing "a/0" in OCDBT database at local file '
+      '"/r/ckpt/2/state/": Failed writing: "/r/d/x": No space left on device '
+      "[os_error_code='28']"
+  )
   try:
     raise RuntimeError("Encountered error while reading\nspec {\n}") from ts
   except RuntimeError as e:
     assert checkpoint.reason(e) == "No space left on device (errno 28)"
-  status = ValueError('OUT_OF_RANGE: Error reading "w/0" in OCDBT database at local file '
-                      '"/r/": Requested byte range [5, 9) is not valid')
+  status = ValueError(
+      'OUT_OF_RANGE: Error reading "w/0" in OCDBT database at local file '
+      '"/r/": Requested byte range [5, 9) is not valid'
+  )
   try:
     raise Exception("Encountered error while reading array index\n...") from status
   except Exception as e:
-    assert checkpoint.reason(e) == ('OUT_OF_RANGE: Error reading "w/0": Requested byte range '
-                                    '[5, 9) is not valid')
+    assert checkpoint.reason(e) == (
+        'OUT_OF_RANGE: Error reading "w/0": Requested byte range [5, 9) is not valid'
+    )
   assert checkpoint.reason(KeyError("x" * 500)).startswith("KeyError: 'xxx")
   assert len(checkpoint.reason(KeyError("x" * 500))) < 260
 
@@ -262,13 +285,20 @@ def test_a_failed_background_save_lets_the_process_exit_at_once(tmp_path):
   # signal that never comes (five minutes) unless the Checkpointer ends them.
   (tmp_path / "best").write_text("keep")
   t0 = time.time()
-  out = subprocess.run([sys.executable, "-c", _BLOCKED_SCRIPT, str(tmp_path)], cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-                       timeout=200)
+  out = subprocess.run(
+      [sys.executable, "-c", _BLOCKED_SCRIPT, str(tmp_path)],
+      cwd=ROOT,
+      env=dict(os.environ, PYTHONPATH=ROOT),
+      capture_output=True,
+      text=True,
+      timeout=200,
+  )
   assert out.returncode == 1, out.stderr[-3000:]
   assert time.time() - t0 < 30
-  assert out.stdout.strip() == (f"checkpoint {tmp_path}/best/0 was not written: Not a directory "
-                                "(errno 20); the last complete checkpoint there: none is complete")
+  assert out.stdout.strip() == (
+      f"checkpoint {tmp_path}/best/0 was not written: Not a directory "
+      "(errno 20); the last complete checkpoint there: none is complete"
+  )
   assert "never awaited" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
   assert (tmp_path / "best").read_text() == "keep"
   with Checkpointer(str(tmp_path)) as ckpt:  # the other save, in flight, was finished
@@ -283,16 +313,30 @@ def test_a_run_that_cannot_save_exits_in_one_line_at_once(tmp_path):
   (workdir / "best").write_text("keep")  # where the step-0 best checkpoint must go
   t0 = time.time()
   out = subprocess.run(
-      [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
-       f"--workdir={workdir}", "--config.model.preset=tiny", "--config.rl.steps=1",
-       "--config.rl.precompile=false", "--progress=false"],
-      cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-      timeout=280)
+      [
+          sys.executable,
+          "-m",
+          "experiments.train",
+          "--config=configs/calculator.py:smoke=True",
+          f"--workdir={workdir}",
+          "--config.model.preset=tiny",
+          "--config.rl.steps=1",
+          "--config.rl.precompile=false",
+          "--progress=false",
+      ],
+      cwd=ROOT,
+      env=dict(os.environ, PYTHONPATH=ROOT),
+      capture_output=True,
+      text=True,
+      timeout=280,
+  )
   assert out.returncode == 1, out.stderr[-3000:]
   assert time.time() - t0 < 150  # start-up and the step-0 evaluation; no wait at exit
   errors = [l for l in out.stderr.splitlines() if l.startswith("error: ")]
-  assert errors == [f"error: checkpoint {workdir}/best/0 was not written: Not a directory "
-                    "(errno 20); the last complete checkpoint there: none is complete"], out.stderr
+  assert errors == [
+      f"error: checkpoint {workdir}/best/0 was not written: Not a directory "
+      "(errno 20); the last complete checkpoint there: none is complete"
+  ], out.stderr
   assert "never awaited" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
   assert (workdir / "best").read_text() == "keep" and (workdir / "config.json").is_file()
 
@@ -304,9 +348,14 @@ def test_asyncio_reports_of_failed_orbax_tasks_stay_off_the_console(caplog):
   only those."""
   quiet_orbax()
   scope = {}
-  exec(compile("def write():\n  raise ValueError('RESOURCE_EXHAUSTED: No space left')\n",
-               os.path.join(os.sep, "x", "orbax", "checkpoint", "serialization.py"), "exec"),
-       scope)
+  exec(
+      compile(
+          "def write():\n  raise ValueError('RESOURCE_EXHAUSTED: No space left')\n",
+          os.path.join(os.sep, "x", "orbax", "checkpoint", "serialization.py"),
+          "exec",
+      ),
+      scope,
+  )
   try:
     scope["write"]()
   except ValueError as e:
@@ -314,10 +363,15 @@ def test_asyncio_reports_of_failed_orbax_tasks_stay_off_the_console(caplog):
   loop = asyncio.new_event_loop()
   try:
     with caplog.at_level(logging.ERROR):
-      loop.call_exception_handler({"message": "Task exception was never retrieved",
-                                   "exception": from_orbax})
-      loop.call_exception_handler({"message": "Task exception was never retrieved",
-                                   "exception": ValueError("a task of the run's own")})
+      loop.call_exception_handler(
+          {"message": "Task exception was never retrieved", "exception": from_orbax}
+      )
+      loop.call_exception_handler(
+          {
+              "message": "Task exception was never retrieved",
+              "exception": ValueError("a task of the run's own"),
+          }
+      )
   finally:
     loop.close()
   logged = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
@@ -332,8 +386,9 @@ def test_a_full_disk_ends_the_run_in_one_line_with_the_last_checkpoint_intact(tm
   to mount a tmpfs."""
   disk = tmp_path / "disk"
   disk.mkdir()
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1000k", "tmpfs", str(disk)],
-                    capture_output=True).returncode:
+  if subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "size=1000k", "tmpfs", str(disk)], capture_output=True
+  ).returncode:
     pytest.skip("cannot mount a tmpfs here")
   try:
     workdir = disk / "run"
@@ -342,17 +397,33 @@ def test_a_full_disk_ends_the_run_in_one_line_with_the_last_checkpoint_intact(tm
     one_device["PYTHONPATH"] = ROOT
     t0 = time.time()
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
-         f"--workdir={workdir}", "--config.checkpoint.every=1", "--config.rl.steps=2",
-         "--config.sft.steps=0", "--progress=false"],
-        cwd=ROOT, env=one_device, capture_output=True, text=True, timeout=280)
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--config=configs/calculator.py:smoke=True",
+            f"--workdir={workdir}",
+            "--config.checkpoint.every=1",
+            "--config.rl.steps=2",
+            "--config.sft.steps=0",
+            "--progress=false",
+        ],
+        cwd=ROOT,
+        env=one_device,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert out.returncode == 1, out.stderr[-3000:]
     assert time.time() - t0 < 150
     errors = [l for l in out.stderr.splitlines() if l.startswith("error: ")]
     assert len(errors) == 1, out.stderr[-3000:]
-    m = re.fullmatch(rf"error: checkpoint {workdir}/(ckpt|best)/(\d+) was not written: No space "
-                     r"left on device \(errno 28\); the last complete checkpoint there: "
-                     rf"{workdir}/(ckpt|best)/(\d+) is intact", errors[0])
+    m = re.fullmatch(
+        rf"error: checkpoint {workdir}/(ckpt|best)/(\d+) was not written: No space "
+        r"left on device \(errno 28\); the last complete checkpoint there: "
+        rf"{workdir}/(ckpt|best)/(\d+) is intact",
+        errors[0],
+    )
     assert m and m[1] == m[3] and int(m[4]) < int(m[2]), errors[0]
     assert "Traceback" not in out.stderr and "never" not in out.stderr, out.stderr[-3000:]
     assert checkpoint.step_dirs(str(workdir / m[1]))[-1] == int(m[4])

@@ -50,15 +50,24 @@ def _parse(monkeypatch, *args):
   return cli.parse_flags([a for a in argv if a != "--noworkdir"], fv), fv
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--config.rl.stepz=3"], ["--config.rl.stepz:", "no field 'stepz'", "'steps'", "allowed"]),
-    (["--config.env.kwargs.k=v"], ["--config.env.kwargs.k:", "config.env.kwargs has no field "
-                                   "'k'", "--config.env.kwargs='{\"k\": ...}'"]),
-    (["--config.rl.steps.x=1"], ["config.rl.steps is a int value, not a group"]),
-    (["--config.rl.steps=abc"], ["--config.rl.steps=abc", "allowed: a value of type int"]),
-    (["--noworkdir"], ["--workdir is required; allowed: run directory"]),
-    (["--wrokdir=x"], ["'wrokdir'", "workdir"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--config.rl.stepz=3"], ["--config.rl.stepz:", "no field 'stepz'", "'steps'", "allowed"]),
+        (
+            ["--config.env.kwargs.k=v"],
+            [
+                "--config.env.kwargs.k:",
+                "config.env.kwargs has no field 'k'",
+                "--config.env.kwargs='{\"k\": ...}'",
+            ],
+        ),
+        (["--config.rl.steps.x=1"], ["config.rl.steps is a int value, not a group"]),
+        (["--config.rl.steps=abc"], ["--config.rl.steps=abc", "allowed: a value of type int"]),
+        (["--noworkdir"], ["--workdir is required; allowed: run directory"]),
+        (["--wrokdir=x"], ["'wrokdir'", "workdir"]),
+    ],
+)
 def test_bad_flags_are_one_line(monkeypatch, capsys, args, needles):
   with pytest.raises(SystemExit) as info:
     _parse(monkeypatch, *args)
@@ -67,10 +76,13 @@ def test_bad_flags_are_one_line(monkeypatch, capsys, args, needles):
     assert needle in err, err
 
 
-@pytest.mark.parametrize("spec, needles", [
-    ("configs/no_such.py", ["--config=configs/no_such.py", "No such file", "allowed"]),
-    (f"{CALC}:bogus=1", [f"--config={CALC}:bogus=1", "'bogus'", "['short', 'smoke']"]),
-])
+@pytest.mark.parametrize(
+    "spec, needles",
+    [
+        ("configs/no_such.py", ["--config=configs/no_such.py", "No such file", "allowed"]),
+        (f"{CALC}:bogus=1", [f"--config={CALC}:bogus=1", "'bogus'", "['short', 'smoke']"]),
+    ],
+)
 def test_a_config_file_that_does_not_load_is_one_line(monkeypatch, capsys, spec, needles):
   argv = ["train", f"--config={spec}", "--config.rl.steps=2"]
   monkeypatch.setattr(sys, "argv", argv)
@@ -92,10 +104,13 @@ def test_main_refusals_are_one_line_and_faults_keep_their_traceback(capsys):
   def refuses(error):
     def main(argv):
       raise error
+
     return main
 
-  for error in (app.UsageError("--x=1; allowed: 2"),
-                experiment.ConfigError("config rl.steps=-1; allowed: >= 0")):
+  for error in (
+      app.UsageError("--x=1; allowed: 2"),
+      experiment.ConfigError("config rl.steps=-1; allowed: >= 0"),
+  ):
     with pytest.raises(SystemExit) as info:
       cli.call_main(refuses(error), ["prog"])
     assert str(error) in _refusal(capsys, info)
@@ -106,6 +121,7 @@ def test_main_refusals_are_one_line_and_faults_keep_their_traceback(capsys):
 def test_ctrl_c_ends_in_one_line_that_says_how_to_resume(capsys):
   def main(argv):
     raise KeyboardInterrupt
+
   with pytest.raises(SystemExit) as info:
     cli.call_main(main, ["prog"])
   assert info.value.code == 130
@@ -136,7 +152,9 @@ def _local_tasks(split, **kwargs):
 def test_recipe_takes_classes_instances_and_callables():
   r = mtrl_jax.ENVGRPO(factory=WeatherFactory, tasks=weather_tasks, **WEATHER)
   assert (r.config.env.factory, r.config.tasks.source) == (
-      "mtrl_jax.tasks.weather:WeatherFactory", "mtrl_jax.tasks.weather:weather_tasks")
+      "mtrl_jax.tasks.weather:WeatherFactory",
+      "mtrl_jax.tasks.weather:weather_tasks",
+  )
 
   class LocalFactory(WeatherFactory):
     pass
@@ -145,20 +163,28 @@ def test_recipe_takes_classes_instances_and_callables():
   r = mtrl_jax.ENVGRPO(factory=instance, tasks=lambda split, **kw: _local_tasks(split), **WEATHER)
   assert ENV_FACTORIES.resolve(r.config.env.factory) is instance
   assert TASK_SOURCES.resolve(r.config.tasks.source)("eval")[0] == make_task("eval", 0)
-  r = mtrl_jax.ENVGRPO(env=dict(factory=LocalFactory, max_tokens=768), tasks=_local_tasks,
-                       rl=WEATHER["rl"])
+  r = mtrl_jax.ENVGRPO(
+      env=dict(factory=LocalFactory, max_tokens=768), tasks=_local_tasks, rl=WEATHER["rl"]
+  )
   assert ENV_FACTORIES.resolve(r.config.env.factory) is LocalFactory
   assert r.config.tasks.source == f"{__name__}:_local_tasks"
 
 
-@pytest.mark.parametrize("fields, needles", [
-    (dict(factory=3), ["recipe field 'env.factory'=3", "EnvironmentFactory class"]),
-    (dict(tasks=[{"city": "oslo"}]), ["recipe field 'tasks.source'", "a callable (split"]),
-    (dict(factory=WeatherFactory, tasks=lambda split, **kw: ["oslo", "lima"]),
-     ["config tasks.source=", "str"]),
-    (dict(tree=dict(num_generations="four")), ["recipe field 'tree.num_generations'='four'",
-                                               "allowed: a int"]),
-])
+@pytest.mark.parametrize(
+    "fields, needles",
+    [
+        (dict(factory=3), ["recipe field 'env.factory'=3", "EnvironmentFactory class"]),
+        (dict(tasks=[{"city": "oslo"}]), ["recipe field 'tasks.source'", "a callable (split"]),
+        (
+            dict(factory=WeatherFactory, tasks=lambda split, **kw: ["oslo", "lima"]),
+            ["config tasks.source=", "str"],
+        ),
+        (
+            dict(tree=dict(num_generations="four")),
+            ["recipe field 'tree.num_generations'='four'", "allowed: a int"],
+        ),
+    ],
+)
 def test_recipe_refusals_are_one_line(fields, needles):
   with pytest.raises(experiment.ConfigError) as info:
     mtrl_jax.ENVGRPO(**fields, **WEATHER)
@@ -179,8 +205,14 @@ def test_recipe_run_refuses_a_file_workdir_before_writing(tmp_path):
 
 def _entry(module, *args):
   env = dict(os.environ, PYTHONPATH=ROOT)
-  return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=300)
+  return subprocess.run(
+      [sys.executable, "-m", f"experiments.{module}", *args],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
 
 
 def _one_line(out, *needles) -> str:
@@ -193,8 +225,9 @@ def _one_line(out, *needles) -> str:
 
 
 def test_train_refuses_a_mistyped_config_key(tmp_path):
-  out = _entry("train", f"--config={CALC}:smoke=True", f"--workdir={tmp_path / 'run'}",
-               "--config.rl.stepz=3")
+  out = _entry(
+      "train", f"--config={CALC}:smoke=True", f"--workdir={tmp_path / 'run'}", "--config.rl.stepz=3"
+  )
   _one_line(out, "--config.rl.stepz", "'steps'")
   assert os.listdir(tmp_path) == []
 
@@ -208,9 +241,15 @@ def test_train_refuses_a_workdir_that_is_a_file(tmp_path):
 
 
 def test_sweep_axis_grid(tmp_path):
-  out = _entry("sweep", f"--config={CALC}:smoke=True", f"--workdir={tmp_path}",
-               "--axis=tree.num_generations=2,4,8", "--axis=seed=0,1",
-               "--axis=rl.length_buckets=(256,512)", "--print_only")
+  out = _entry(
+      "sweep",
+      f"--config={CALC}:smoke=True",
+      f"--workdir={tmp_path}",
+      "--axis=tree.num_generations=2,4,8",
+      "--axis=seed=0,1",
+      "--axis=rl.length_buckets=(256,512)",
+      "--print_only",
+  )
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
   assert len(lines) == 6 and all("'--config.rl.length_buckets=(256, 512)'" in l for l in lines)
@@ -219,7 +258,8 @@ def test_sweep_axis_grid(tmp_path):
 
 
 def test_sweep_refuses_an_unknown_axis(tmp_path):
-  out = _entry("sweep", f"--config={CALC}:smoke=True", f"--workdir={tmp_path}",
-               "--axis=tree.num_gens=2,4")
+  out = _entry(
+      "sweep", f"--config={CALC}:smoke=True", f"--workdir={tmp_path}", "--axis=tree.num_gens=2,4"
+  )
   _one_line(out, "--axis=tree.num_gens=2,4", "tree has no field 'num_gens'", "num_generations")
   assert os.listdir(tmp_path) == []

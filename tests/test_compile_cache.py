@@ -35,8 +35,9 @@ print(json.dumps({"hits": events.count("/jax/compilation_cache/cache_hits"),
 
 
 def _process(cache: str) -> dict:
-  out = subprocess.run([sys.executable, "-c", _SCRIPT, cache], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
+  out = subprocess.run(
+      [sys.executable, "-c", _SCRIPT, cache], cwd=REPO, capture_output=True, text=True, timeout=120
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   lines = [json.loads(line) for line in out.stdout.splitlines()]
   return {**lines[0], **lines[1], "stderr": out.stderr}
@@ -72,8 +73,7 @@ def test_a_truncated_entry_is_compiled_again_with_the_same_bits(cold_and_warm):
   assert "Error reading persistent compilation cache entry" in again["stderr"]
 
 
-def test_auto_is_the_environment_variable_then_the_users_cache_directory(monkeypatch,
-                                                                          tmp_path):
+def test_auto_is_the_environment_variable_then_the_users_cache_directory(monkeypatch, tmp_path):
   monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "env"))
   assert compile_cache.directory("auto") == str(tmp_path / "env")
   monkeypatch.setenv(compile_cache.ENV, "")
@@ -112,7 +112,8 @@ def restores_the_suites_cache():
 
 
 def test_an_unusable_directory_is_reported_in_one_line_and_compiling_goes_on(
-    tmp_path, capsys, restores_the_suites_cache):
+    tmp_path, capsys, restores_the_suites_cache
+):
   blocker = tmp_path / "a_file"
   blocker.write_text("kept")
   assert compile_cache.setup(str(blocker / "xla")) == ""

@@ -13,8 +13,9 @@ def _source(level):
 
 
 def _stream(**kw):
-  cfg = CurriculumConfig(enabled=True, **{"num_levels": 3, "window": 3, "raise_above": 0.7,
-                                          "lower_below": 0.3, **kw})
+  cfg = CurriculumConfig(
+      enabled=True, **{"num_levels": 3, "window": 3, "raise_above": 0.7, "lower_below": 0.3, **kw}
+  )
   return CurriculumStream(_source, cfg, seed=5)
 
 
@@ -74,14 +75,17 @@ def test_resumed_stream_draws_the_same_tasks_and_levels():
     _stream(num_levels=4).restore(saved)
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(window=0), "curriculum.window=0"),
-    (dict(num_levels=1), "curriculum.num_levels=1"),
-    (dict(start_level=5), "curriculum.start_level=5"),
-    (dict(lower_below=0.9, raise_above=0.8), "curriculum.lower_below=0.9"),
-    (dict(raise_above=1.5), "raise_above=1.5"),
-    (dict(level_key="not a name"), "curriculum.level_key"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(window=0), "curriculum.window=0"),
+        (dict(num_levels=1), "curriculum.num_levels=1"),
+        (dict(start_level=5), "curriculum.start_level=5"),
+        (dict(lower_below=0.9, raise_above=0.8), "curriculum.lower_below=0.9"),
+        (dict(raise_above=1.5), "raise_above=1.5"),
+        (dict(level_key="not a name"), "curriculum.level_key"),
+    ],
+)
 def test_bad_curriculum_configs_fail_in_one_line(kw, field):
   with pytest.raises(ValueError) as err:
     CurriculumConfig(**kw)
@@ -102,8 +106,9 @@ def _stale_loop(stream, successes, start=0, checkpoints=None):
     out.append((drawn[step], m))
     if checkpoints is not None:
       in_flight = step < len(successes)
-      checkpoints[step] = json.loads(json.dumps(stream.rewound(mark) if in_flight
-                                                else stream.state()))
+      checkpoints[step] = json.loads(
+          json.dumps(stream.rewound(mark) if in_flight else stream.state())
+      )
   return out
 
 

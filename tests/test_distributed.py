@@ -31,17 +31,25 @@ from mtrl_jax.train import experiment
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2
 DEVICES = 2  # per process of the 2-process run; the 1-process run has all 4
-FLAGS = ["--config=" + os.path.join(ROOT, "configs", "calculator.py") + ":smoke=True",
-         f"--config.rl.steps={STEPS}", "--config.sft.steps=0",
-         # Raw returns as advantages: every step's update is non-zero, so the
-         # final parameters check the train step, not just the init.
-         "--config.tree.advantage_mode=raw", "--config.tree.advantage_std_norm=False",
-         "--progress=false"]
+FLAGS = [
+    "--config=" + os.path.join(ROOT, "configs", "calculator.py") + ":smoke=True",
+    f"--config.rl.steps={STEPS}",
+    "--config.sft.steps=0",
+    # Raw returns as advantages: every step's update is non-zero, so the
+    # final parameters check the train step, not just the init.
+    "--config.tree.advantage_mode=raw",
+    "--config.tree.advantage_std_norm=False",
+    "--progress=false",
+]
 # Depend on how each process packs its own trees into rows (the trained
 # samples and the loss do not): tree packing stores a prefix shared by roots
 # on different processes once per process.
-LAYOUT_KEYS = ("batch/rows", "batch/padding_fraction", "batch/tokens_trained",
-               "batch/tokens_rows_equivalent")
+LAYOUT_KEYS = (
+    "batch/rows",
+    "batch/padding_fraction",
+    "batch/tokens_trained",
+    "batch/tokens_rows_equivalent",
+)
 
 
 def _config():
@@ -66,6 +74,7 @@ def _params(workdir):
   """Final train-state parameters of a run's last checkpoint, on one device."""
   import jax
   import orbax.checkpoint as ocp
+
   step = _committed_steps(workdir)[-1]
   path = os.path.join(workdir, "ckpt", str(step), "state")
   ck = ocp.StandardCheckpointer()
@@ -87,21 +96,37 @@ def _env(devices=None):
 
 
 def _launch(workdir, grace_s=50):
-  cmd = [sys.executable, "-u", "-m", "experiments.launch_local", "--num_processes=2",
-         f"--devices_per_process={DEVICES}", f"--grace_s={grace_s}",
-         "--heartbeat_timeout_s=10", "--", *FLAGS, f"--workdir={workdir}"]
-  return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  cmd = [
+      sys.executable,
+      "-u",
+      "-m",
+      "experiments.launch_local",
+      "--num_processes=2",
+      f"--devices_per_process={DEVICES}",
+      f"--grace_s={grace_s}",
+      "--heartbeat_timeout_s=10",
+      "--",
+      *FLAGS,
+      f"--workdir={workdir}",
+  ]
+  return subprocess.Popen(
+      cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
 
 
 def test_config_errors_are_one_line_naming_the_field():
-  with pytest.raises(ValueError, match=r"^config distributed.mode='pod'; allowed: \['off', 'auto', 'explicit'\]$"):
+  with pytest.raises(
+      ValueError, match=r"^config distributed.mode='pod'; allowed: \['off', 'auto', 'explicit'\]$"
+  ):
     distributed.DistributedConfig(mode="pod")
   with pytest.raises(ValueError, match=r"distributed.coordinator_address=''"):
     distributed.DistributedConfig(mode="explicit", num_processes=2, process_id=0)
-  with pytest.raises(ValueError, match=r"distributed.process_id=2; allowed: an integer in \[0, 2\)"):
-    distributed.DistributedConfig(mode="explicit", coordinator_address="127.0.0.1:1234",
-                                  num_processes=2, process_id=2)
+  with pytest.raises(
+      ValueError, match=r"distributed.process_id=2; allowed: an integer in \[0, 2\)"
+  ):
+    distributed.DistributedConfig(
+        mode="explicit", coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2
+    )
   c = _config()
   c.distributed.heartbeat_timeout_s = 0
   with pytest.raises(experiment.ConfigError, match="distributed.heartbeat_timeout_s=0"):
@@ -128,8 +153,12 @@ def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   killed_at, deadline = None, time.time() + 240
   while proc.poll() is None and time.time() < deadline:
     path = os.path.join(multi, "metrics.jsonl")
-    if (killed_at is None and os.path.exists(path) and _committed_steps(multi)
-        and any(r["step"] == 1 for r in _rows(multi))):
+    if (
+        killed_at is None
+        and os.path.exists(path)
+        and _committed_steps(multi)
+        and any(r["step"] == 1 for r in _rows(multi))
+    ):
       pid1 = int(re.search(r"\[launch\] process 1 pid (\d+)", "".join(lines)).group(1))
       os.kill(pid1, signal.SIGKILL)
       killed_at = time.time()
@@ -155,17 +184,21 @@ def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   assert "resumed from" in out, out[-3000:]
 
   # The same run in one process on the same 4 devices.
-  done = subprocess.run([sys.executable, "-m", "experiments.train", *FLAGS,
-                         f"--workdir={single}"], cwd=ROOT, env=_env(2 * DEVICES),
-                        capture_output=True, text=True, timeout=600)
+  done = subprocess.run(
+      [sys.executable, "-m", "experiments.train", *FLAGS, f"--workdir={single}"],
+      cwd=ROOT,
+      env=_env(2 * DEVICES),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
 
   one, two = _rows(single), _rows(multi)
   assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(STEPS + 1))
   for a, b in zip(one, two):
     keys = {k for k in a if not k.startswith(RUN_BOUND_PREFIXES) and k not in LAYOUT_KEYS}
-    assert keys == {k for k in b
-                    if not k.startswith(RUN_BOUND_PREFIXES) and k not in LAYOUT_KEYS}
+    assert keys == {k for k in b if not k.startswith(RUN_BOUND_PREFIXES) and k not in LAYOUT_KEYS}
     for k in sorted(keys):
       assert b[k] == pytest.approx(a[k], abs=1e-5), (a["step"], k, a[k], b[k])
   assert any(r.get("train/grad_norm", 0) > 0 for r in one)
@@ -178,7 +211,8 @@ def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   # dump per step, and process 1 printed no summary.
   assert len(os.listdir(os.path.join(multi, "tb"))) == 2
   assert sorted(os.listdir(os.path.join(multi, "rollouts"))) == [
-      f"step_{i:06d}.jsonl" for i in range(1, STEPS + 1)]
+      f"step_{i:06d}.jsonl" for i in range(1, STEPS + 1)
+  ]
   for name in ("config.json", "summary.json", "curves.png"):
     assert os.path.exists(os.path.join(multi, name)), name
   assert '[p1]  "workdir"' not in out and '[p0]  "workdir"' in out

@@ -54,8 +54,9 @@ def run_command(command: str, workdir: str) -> dict:
   assert argv[:3] == ["python", "-m", "experiments.train"], command
   args = [a for a in argv[3:] if not a.startswith("--workdir=")]
   fv = flags.FlagValues()
-  config = config_flags.DEFINE_config_file("config", None, "config file", flag_values=fv,
-                                           lock_config=True, sys_argv=["train"] + args)
+  config = config_flags.DEFINE_config_file(
+      "config", None, "config file", flag_values=fv, lock_config=True, sys_argv=["train"] + args
+  )
   flags.DEFINE_bool("progress", True, "progress bar", flag_values=fv)
   cwd = os.getcwd()
   os.chdir(ROOT)  # the doc's paths are relative to the repository root
@@ -72,8 +73,7 @@ def test_the_doc_commands_parse_and_cite_existing_files():
   text = doc_text()
   commands = doc_commands(text)
   assert len(commands) >= 4, commands
-  for path in set(re.findall(r"`((?:mtrl_jax|configs|docs|experiments|tests)/[\w/.]+)`",
-                             text)):
+  for path in set(re.findall(r"`((?:mtrl_jax|configs|docs|experiments|tests)/[\w/.]+)`", text)):
     assert os.path.exists(os.path.join(ROOT, path)), path
 
 
@@ -92,14 +92,32 @@ def run_all(root: str, commands: list[str]):
 
 def test_every_doc_command_trains(tmp_path):
   commands = doc_commands(doc_text())
-  xla = [f for f in os.environ.get("XLA_FLAGS", "").split()
-         if not f.startswith("--xla_force_host_platform_device_count")]
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=" ".join(xla + ["--xla_force_host_platform_device_count=1"]))
+  xla = [
+      f
+      for f in os.environ.get("XLA_FLAGS", "").split()
+      if not f.startswith("--xla_force_host_platform_device_count")
+  ]
+  env = dict(
+      os.environ,
+      PYTHONPATH=ROOT,
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=" ".join(xla + ["--xla_force_host_platform_device_count=1"]),
+  )
   out = subprocess.run(
-      [sys.executable, "-c", "import sys; from tests.test_docs_recipes import run_all; "
-       "run_all(sys.argv[1], sys.argv[2:])", str(tmp_path)] + commands,
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+      [
+          sys.executable,
+          "-c",
+          "import sys; from tests.test_docs_recipes import run_all; "
+          "run_all(sys.argv[1], sys.argv[2:])",
+          str(tmp_path),
+      ]
+      + commands,
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert out.returncode == 0, out.stderr[-4000:]
   done = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"command"')]
   assert [d["command"] for d in done] == commands, out.stdout[-2000:]
@@ -136,8 +154,9 @@ def cost_rows(text: str) -> list[dict]:
   for line in section.splitlines():
     cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
     if len(cells) == 8 and cells[0].isdigit():
-      rows.append(dict(zip(("T", "G", "N", "mode", "branch_on", "nodes", "actions",
-                            "completions"), cells)))
+      rows.append(
+          dict(zip(("T", "G", "N", "mode", "branch_on", "nodes", "actions", "completions"), cells))
+      )
     elif rows and not line.startswith("|"):
       break
   return rows
@@ -148,7 +167,7 @@ def test_the_cost_table_is_what_budget_counts(row):
   turns, agents = int(row["T"]), int(row["N"])
   c = (guess if agents == 1 else coop).get_config("smoke=True")
   c.rl.roots_per_step = 1
-  c.rl.max_generations = 10 ** 12  # the table's widest trees pass plan_tree's budget
+  c.rl.max_generations = 10**12  # the table's widest trees pass plan_tree's budget
   c.tree.num_turns, c.tree.num_generations = turns, int(row["G"])
   c.tree.num_agents, c.tree.joint_mode = agents, row["mode"]
   c.tree.branch_on = row["branch_on"]
@@ -156,4 +175,7 @@ def test_the_cost_table_is_what_budget_counts(row):
     c.env.max_turns = 2 * turns  # coop's follows tree.num_turns (one FieldReference)
   e = budget.estimate(experiment.validate(c))
   assert (e.nodes, e.joint_actions, e.completions) == (
-      int(row["nodes"]), int(row["actions"]), int(row["completions"])), row
+      int(row["nodes"]),
+      int(row["actions"]),
+      int(row["completions"]),
+  ), row

@@ -10,9 +10,14 @@ SMOKE = ("--config=configs/calculator.py:smoke=True", "--config.model.preset=tin
 
 
 def _entry(module, *args):
-  return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
-                        env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-                        timeout=300)
+  return subprocess.run(
+      [sys.executable, "-m", f"experiments.{module}", *args],
+      cwd=ROOT,
+      env=dict(os.environ, PYTHONPATH=ROOT),
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
 
 
 def _one_line(out, *needles) -> str:
@@ -25,11 +30,20 @@ def _one_line(out, *needles) -> str:
 
 
 def test_a_sweep_refuses_a_bad_arm_before_the_first_arm_trains(tmp_path):
-  out = _entry("sweep", "--config=configs/calculator.py:smoke=True", f"--workdir={tmp_path}",
-               "--axis=tree.num_generations=2,0", "--axis=model.preset=tiny",
-               "--axis=rl.steps=1", "--axis=rl.precompile=false")
-  _one_line(out, f"sweep arm tree.num_generations=0 ({tmp_path}/tree.num_generations=0): ",
-            "num_generations=0")
+  out = _entry(
+      "sweep",
+      "--config=configs/calculator.py:smoke=True",
+      f"--workdir={tmp_path}",
+      "--axis=tree.num_generations=2,0",
+      "--axis=model.preset=tiny",
+      "--axis=rl.steps=1",
+      "--axis=rl.precompile=false",
+  )
+  _one_line(
+      out,
+      f"sweep arm tree.num_generations=0 ({tmp_path}/tree.num_generations=0): ",
+      "num_generations=0",
+  )
   assert "Traceback" not in out.stderr
   assert os.listdir(tmp_path) == []  # the G=2 arm did not train
 
@@ -37,8 +51,11 @@ def test_a_sweep_refuses_a_bad_arm_before_the_first_arm_trains(tmp_path):
 def test_output_files_in_a_missing_folder_and_a_bad_level_are_refused_at_start(tmp_path):
   missing = tmp_path / "no_such" / "rows.json"
   out = _entry("eval", f"--workdir={tmp_path / 'run'}", f"--json={missing}")
-  _one_line(out, f"--json={str(missing)!r}: its folder {tmp_path}/no_such does not exist",
-            "allowed: a file in an existing folder")
+  _one_line(
+      out,
+      f"--json={str(missing)!r}: its folder {tmp_path}/no_such does not exist",
+      "allowed: a file in an existing folder",
+  )
   table = tmp_path / "no_such" / "table.md"
   out = _entry("ablate", f"--runs={tmp_path}/*", f"--out={table}")
   _one_line(out, f"--out={str(table)!r}: its folder {tmp_path}/no_such does not exist")
@@ -74,7 +91,8 @@ def test_export_refuses_an_out_that_is_holds_or_is_inside_a_run_even_with_force(
   for out_dir, needle in (
       (other, "is a run directory (it holds config.json, and metrics.jsonl or ckpt/)"),
       (tmp_path / "runs", f"contains the run directory {other}"),
-      (other / "ckpt", f"is inside ckpt/ of the run directory {other}")):
+      (other / "ckpt", f"is inside ckpt/ of the run directory {other}"),
+  ):
     out = _entry("export", f"--workdir={source}", f"--out={out_dir}", "--force")
     _one_line(out, f"--out={str(out_dir)!r} {needle}", "even with --force")
   assert _tree(tmp_path) == before  # other's config.json is still there

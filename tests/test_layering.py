@@ -41,8 +41,19 @@ IMPORTERS = ("mtrl_jax", "tests", "benchmarks", "experiments", "configs")
 MAX_LINES = 400  # code lines (`code_lines`): a guide to where a module is two ideas
 
 LAYERS = (
-    ("sharding", "distributed", "checkpoint", "storage", "metrics", "registry", "data",
-     "buckets", "resources", "seeds", "compile_cache"),
+    (
+        "sharding",
+        "distributed",
+        "checkpoint",
+        "storage",
+        "metrics",
+        "registry",
+        "data",
+        "buckets",
+        "resources",
+        "seeds",
+        "compile_cache",
+    ),
     ("text", "models", "losses"),
     ("sampling",),
     ("envs",),
@@ -77,7 +88,7 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
   parts = module.split(".")
   if not is_package:
     parts = parts[:-1]
-  parts = parts[:len(parts) - (node.level - 1)]
+  parts = parts[: len(parts) - (node.level - 1)]
   return ".".join(parts + ([node.module] if node.module else []))
 
 
@@ -95,15 +106,24 @@ def imports_of(module: str, path: str) -> set[str]:
       out.add(target)
       # `from pkg import sub` may name a submodule.
       out.update(f"{target}.{a.name}" for a in node.names if a.name != "*")
-    elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-          and isinstance(node.args[0].value, str)
-          and ast.unparse(node.func) in ("importlib.import_module", "import_module")):
+    elif (
+        isinstance(node, ast.Call)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+        and ast.unparse(node.func) in ("importlib.import_module", "import_module")
+    ):
       out.add(node.args[0].value)
     elif isinstance(node, (ast.Tuple, ast.List)):
       # Module names listed as data for a later import_module (e.g. built-in
       # modules a registry loads on a miss) count as imports too.
-      out.update(e.value for e in node.elts if isinstance(e, ast.Constant)
-                 and isinstance(e.value, str) and e.value.startswith("mtrl_jax."))
+      out.update(
+          e.value
+          for e in node.elts
+          if isinstance(e, ast.Constant)
+          and isinstance(e.value, str)
+          and e.value.startswith("mtrl_jax.")
+      )
   return {m for m in out if m == "mtrl_jax" or m.startswith("mtrl_jax.")}
 
 
@@ -144,8 +164,10 @@ def violations(root: str = ROOT) -> list[str]:
       if dst not in LAYER:
         continue  # reported once, as the source of its own imports
       if LAYER[dst] > LAYER[src]:
-        problems.append(f"{module} ({src}, layer {LAYER[src]}) imports {t} "
-                        f"({dst}, layer {LAYER[dst]}): upward")
+        problems.append(
+            f"{module} ({src}, layer {LAYER[src]}) imports {t} "
+            f"({dst}, layer {LAYER[dst]}): upward"
+        )
       pkg_edges.setdefault(src, set()).add(dst)
   problems += [f"package cycle: {' -> '.join(c)}" for c in _cycles(pkg_edges)]
   return problems
@@ -196,13 +218,16 @@ def test_graph_sees_function_level_and_importlib_imports(tmp_path):
     (pkg / sub / "__init__.py").write_text("")
   (pkg / "__init__.py").write_text("")
   (pkg / "envs" / "runner.py").write_text(
-      "def f():\n  from mtrl_jax.graders import base\n  return base\n")
+      "def f():\n  from mtrl_jax.graders import base\n  return base\n"
+  )
   (pkg / "graders" / "base.py").write_text("from mtrl_jax.envs import runner\n")
   (pkg / "sampling" / "x.py").write_text(
-      "import importlib\nimportlib.import_module('mtrl_jax.envs.runner')\n")
+      "import importlib\nimportlib.import_module('mtrl_jax.envs.runner')\n"
+  )
   problems = violations(str(pkg))
-  assert any("mtrl_jax.envs.runner" in p and "upward" in p and "graders" in p
-             for p in problems), problems
+  assert any(
+      "mtrl_jax.envs.runner" in p and "upward" in p and "graders" in p for p in problems
+  ), problems
   assert any("mtrl_jax.sampling.x" in p and "upward" in p for p in problems), problems
   assert "package cycle: envs -> graders -> envs" in problems, problems
 
@@ -219,9 +244,11 @@ def aliasing_calls(root: str = ROOT) -> list[str]:
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
         if name == "alias_module":
           problems.append(f"{module}:{node.lineno} calls alias_module")
-        elif (name in ("__setitem__", "setdefault", "update")
-              and isinstance(func, ast.Attribute)
-              and ast.unparse(func.value) in ("sys.modules", "modules")):
+        elif (
+            name in ("__setitem__", "setdefault", "update")
+            and isinstance(func, ast.Attribute)
+            and ast.unparse(func.value) in ("sys.modules", "modules")
+        ):
           problems.append(f"{module}:{node.lineno} writes sys.modules ({name})")
       targets = []
       if isinstance(node, ast.Assign):
@@ -230,8 +257,10 @@ def aliasing_calls(root: str = ROOT) -> list[str]:
         targets = [node.target]
       for t in targets:
         for sub in ast.walk(t):
-          if (isinstance(sub, ast.Subscript)
-              and ast.unparse(sub.value) in ("sys.modules", "modules")):
+          if isinstance(sub, ast.Subscript) and ast.unparse(sub.value) in (
+              "sys.modules",
+              "modules",
+          ):
             problems.append(f"{module}:{node.lineno} assigns into sys.modules")
   return problems
 
@@ -246,7 +275,8 @@ def test_no_module_is_an_alias_of_another(tmp_path):
   (pkg / "__init__.py").write_text("")
   (pkg / "old.py").write_text(
       "import sys\nfrom mtrl_jax.registry import alias_module\n"
-      "alias_module(__name__, 'mtrl_jax.new')\nsys.modules['mtrl_jax.x'] = sys\n")
+      "alias_module(__name__, 'mtrl_jax.new')\nsys.modules['mtrl_jax.x'] = sys\n"
+  )
   found = aliasing_calls(str(pkg))
   assert any("mtrl_jax.old:3 calls alias_module" in p for p in found), found
   assert any("mtrl_jax.old:4 assigns into sys.modules" in p for p in found), found
@@ -259,11 +289,20 @@ def code_lines(source: str) -> int:
   for node in ast.walk(ast.parse(source)):
     if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
       first = node.body[0] if node.body else None
-      if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-          and isinstance(first.value.value, str)):
+      if (
+          isinstance(first, ast.Expr)
+          and isinstance(first.value, ast.Constant)
+          and isinstance(first.value.value, str)
+      ):
         doc.update(range(first.lineno, first.end_lineno + 1))
-  skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-          tokenize.ENDMARKER)
+  skip = (
+      tokenize.COMMENT,
+      tokenize.NL,
+      tokenize.NEWLINE,
+      tokenize.INDENT,
+      tokenize.DEDENT,
+      tokenize.ENDMARKER,
+  )
   lines = set()
   for tok in tokenize.generate_tokens(io.StringIO(source).readline):
     if tok.type not in skip:
@@ -286,8 +325,10 @@ def test_every_module_holds_at_most_400_code_lines(tmp_path):
   """A guide to where a module is two ideas: docstrings and comments do not count, so
   documenting a module never pushes it over."""
   problems = long_modules()
-  assert not problems, (f"modules over {MAX_LINES} code lines (split them along a seam, "
-                        "never compress):\n" + "\n".join(problems))
+  assert not problems, (
+      f"modules over {MAX_LINES} code lines (split them along a seam, "
+      "never compress):\n" + "\n".join(problems)
+  )
   doc = '"""A module docstring\n\nof three lines."""\n\n# a comment\n'
   func = 'def f(x):\n  """f\'s docstring."""\n  return (x +  # a comment after code\n    1)\n'
   assert code_lines(doc + func) == 3  # def, return and its continuation
@@ -344,23 +385,28 @@ def reexport_imports(root: str = ROOT, importers=None) -> list[str]:
         with open(path) as fh:
           tree = ast.parse(fh.read(), path)
         for node in ast.walk(tree):
-          if not (isinstance(node, ast.ImportFrom) and node.level == 0
-                  and node.module in names):
+          if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in names):
             continue
           defined, imported = names[node.module]
           for a in node.names:
-            if (a.name in imported and a.name not in defined
-                and f"{node.module}.{a.name}" not in files):
+            if (
+                a.name in imported
+                and a.name not in defined
+                and f"{node.module}.{a.name}" not in files
+            ):
               rel = os.path.relpath(path, os.path.dirname(root))
-              problems.append(f"{rel}:{node.lineno} imports {a.name} from {node.module}, "
-                              "which only imports it")
+              problems.append(
+                  f"{rel}:{node.lineno} imports {a.name} from {node.module}, "
+                  "which only imports it"
+              )
   return problems
 
 
 def test_names_are_imported_from_the_module_that_defines_them(tmp_path):
   problems = reexport_imports()
-  assert not problems, ("imports through a re-export (import from the defining module):\n"
-                        + "\n".join(problems))
+  assert (
+      not problems
+  ), "imports through a re-export (import from the defining module):\n" + "\n".join(problems)
   # The walker itself: a name passed on by a plain module is caught, one passed on
   # by a package's __init__ or defined where it is imported from is not.
   pkg = tmp_path / "mtrl_jax"
@@ -369,9 +415,13 @@ def test_names_are_imported_from_the_module_that_defines_them(tmp_path):
   (pkg / "sub" / "__init__.py").write_text("from mtrl_jax.sub.new import Thing\n")
   (pkg / "sub" / "new.py").write_text("class Thing:\n  pass\n")
   (pkg / "sub" / "old.py").write_text("from mtrl_jax.sub.new import Thing  # noqa\n")
-  (pkg / "user.py").write_text("from mtrl_jax.sub.old import Thing\n"
-                               "from mtrl_jax.sub import Thing\n"
-                               "from mtrl_jax.sub.new import Thing\n")
+  (pkg / "user.py").write_text(
+      "from mtrl_jax.sub.old import Thing\n"
+      "from mtrl_jax.sub import Thing\n"
+      "from mtrl_jax.sub.new import Thing\n"
+  )
   found = reexport_imports(str(pkg))
-  assert found == [os.path.join("mtrl_jax", "user.py") + ":1 imports Thing from "
-                   "mtrl_jax.sub.old, which only imports it"], found
+  assert found == [
+      os.path.join("mtrl_jax", "user.py") + ":1 imports Thing from "
+      "mtrl_jax.sub.old, which only imports it"
+  ], found

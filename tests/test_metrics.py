@@ -12,26 +12,45 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrl_jax.metrics import (DEFAULT_PLOT_KEYS, CompileCensus, MetricsWriter, StepTimer,
-                              _match_keys, count_calls, plot_metrics, read_metrics)
+from mtrl_jax.metrics import (
+    DEFAULT_PLOT_KEYS,
+    CompileCensus,
+    MetricsWriter,
+    StepTimer,
+    _match_keys,
+    count_calls,
+    plot_metrics,
+    read_metrics,
+)
 
 
 def _rows():
-  return [{"reward": 0.1 * s, "success": s / 4, "heldout/success": 0.5, "kl": 1e-3 * s,
-           "clip_frac": 0.02, "reward/format": 1.0, "reward/answer": 0.2 * s,
-           "loss": jnp.float32(1.0 / (s + 1))} for s in range(4)]
+  return [
+      {
+          "reward": 0.1 * s,
+          "success": s / 4,
+          "heldout/success": 0.5,
+          "kl": 1e-3 * s,
+          "clip_frac": 0.02,
+          "reward/format": 1.0,
+          "reward/answer": 0.2 * s,
+          "loss": jnp.float32(1.0 / (s + 1)),
+      }
+      for s in range(4)
+  ]
 
 
 def _tb_scalars(workdir):
   """Reads TensorBoard event files (TFRecord framing, Event protos) without TensorFlow."""
   from tensorboardX.proto import event_pb2
+
   out = {}
   for path in glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*")):
     data = open(path, "rb").read()
     pos = 0
     while pos < len(data):
-      (length,) = struct.unpack("<Q", data[pos:pos + 8])
-      event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+      (length,) = struct.unpack("<Q", data[pos : pos + 8])
+      event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
       pos += 12 + length + 4  # length, its crc, payload, payload crc
       for v in event.summary.value:
         out.setdefault(v.tag, []).append((event.step, v.simple_value))
@@ -65,7 +84,12 @@ def test_resume_drops_lines_after_the_checkpoint(tmp_path):
   with MetricsWriter(workdir, resume_step=3, tensorboard=False) as w:
     w.write(4, {"reward": 40})
   assert [(r["step"], r["reward"]) for r in read_metrics(workdir)] == [
-      (0, 0), (1, 1), (2, 2), (3, 3), (4, 40)]
+      (0, 0),
+      (1, 1),
+      (2, 2),
+      (3, 3),
+      (4, 40),
+  ]
 
 
 def test_plot_metrics_writes_a_png(tmp_path):
@@ -73,15 +97,28 @@ def test_plot_metrics_writes_a_png(tmp_path):
   with MetricsWriter(workdir, tensorboard=False) as w:
     for step, row in enumerate(_rows()):
       # Keys the RL loop writes, which the default keys draw.
-      w.write(step, {**row, "eval/greedy/success": step / 4, "rollout/return": 0.1 * step,
-                     "turn_0/mean_reward": 0.05 * step, "train/loss": 1.0 / (step + 1)})
+      w.write(
+          step,
+          {
+              **row,
+              "eval/greedy/success": step / 4,
+              "rollout/return": 0.1 * step,
+              "turn_0/mean_reward": 0.05 * step,
+              "train/loss": 1.0 / (step + 1),
+          },
+      )
   assert set(_match_keys(DEFAULT_PLOT_KEYS, read_metrics(workdir)[0])) == {
-      "eval/greedy/success", "rollout/return", "turn_0/mean_reward", "train/loss"}
+      "eval/greedy/success",
+      "rollout/return",
+      "turn_0/mean_reward",
+      "train/loss",
+  }
   out = plot_metrics(workdir)  # default keys, per-evaluation and per-turn keys by glob
   assert out == os.path.join(workdir, "metrics.png")
   with open(out, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   from PIL import Image
+
   with Image.open(out) as img:
     img.verify()
   custom = plot_metrics(workdir, ["kl", "reward/*"], str(tmp_path / "sub" / "kl.png"))

@@ -38,9 +38,11 @@ def test_every_config_field_has_an_entry_in_its_dataclass_docstring():
   missing = set(reference.undocumented())
   assert not missing - NO_ENTRY_YET, (
       f"config fields without an entry in their dataclass's `Attributes:` docstring section: "
-      f"{sorted(missing - NO_ENTRY_YET)}; add one line of what each does, then {REGENERATE}")
-  assert not NO_ENTRY_YET - missing, (f"{sorted(NO_ENTRY_YET - missing)} now have their entry: "
-                                      "take them out of NO_ENTRY_YET")
+      f"{sorted(missing - NO_ENTRY_YET)}; add one line of what each does, then {REGENERATE}"
+  )
+  assert (
+      not NO_ENTRY_YET - missing
+  ), f"{sorted(NO_ENTRY_YET - missing)} now have their entry: take them out of NO_ENTRY_YET"
 
 
 def test_attribute_entries_are_read_whole_and_shared_entries_name_each_field():
@@ -60,16 +62,18 @@ def test_attribute_entries_are_read_whole_and_shared_entries_name_each_field():
     """
 
   assert reference.attribute_docs(Group) == {
-      "first": "one line and its continuation.", "b1": "both moments.",
-      "b2": "both moments.", "typed": "a typed entry."}
+      "first": "one line and its continuation.",
+      "b1": "both moments.",
+      "b2": "both moments.",
+      "typed": "a typed entry.",
+  }
 
 
 def test_allowed_values_are_the_validation_messages():
   rows = {r["name"]: r for r in reference.config_rows()}
   assert rows["rl.packing"]["allowed"] == "['tree', 'rows']"
   assert rows["rl.steps"]["allowed"] == "an integer >= 0"
-  assert (rows["tree.num_turns"]["default"], rows["tree.num_turns"]["library"]) == (
-      "2", "required")
+  assert (rows["tree.num_turns"]["default"], rows["tree.num_turns"]["library"]) == ("2", "required")
   assert rows["sampling.max_new_tokens"]["library"] == "`64`"
   assert rows["rl.steps"]["library"] == ""  # the run keeps the dataclass's default
   assert rows["model.lora.rank"]["type"] == "int" and rows["model.lora"]["type"] == "group"
@@ -91,8 +95,10 @@ def test_every_key_of_the_smoke_run_has_a_glossary_entry(smoke_run):  # noqa: F8
   keys = {k for row in smoke_run.rows() for k in row}
   assert "train/loss" in keys and "eval/greedy/success" in keys
   unknown = glossary.unknown_keys(keys)
-  assert not unknown, (f"logged keys without a glossary entry: {unknown}; add them to "
-                       f"mtrl_jax/train/glossary.py SECTIONS, then {REGENERATE}")
+  assert not unknown, (
+      f"logged keys without a glossary entry: {unknown}; add them to "
+      f"mtrl_jax/train/glossary.py SECTIONS, then {REGENERATE}"
+  )
 
 
 def _policy_and_value_keys() -> set:
@@ -103,12 +109,22 @@ def _policy_and_value_keys() -> set:
   obj = PolicyObjective(cfg, value_coef=0.5)
 
   def metrics(logp):
-    _, _, sums = losses.policy_loss_terms(logp, logp, logp - 0.1, jnp.ones((b,)),
-                                          jnp.ones((b, n), bool), cfg, entropy=jnp.ones((b, n)),
-                                          sampler_logp=logp - 0.2)
-    batch = types.SimpleNamespace(value_mask_BxK=jnp.ones((b, n), bool),
-                                  row_weight_B=jnp.ones(b), value_target_BxK=jnp.ones((b, n)),
-                                  old_value_BxK=jnp.zeros((b, n)))
+    _, _, sums = losses.policy_loss_terms(
+        logp,
+        logp,
+        logp - 0.1,
+        jnp.ones((b,)),
+        jnp.ones((b, n), bool),
+        cfg,
+        entropy=jnp.ones((b, n)),
+        sampler_logp=logp - 0.2,
+    )
+    batch = types.SimpleNamespace(
+        value_mask_BxK=jnp.ones((b, n), bool),
+        row_weight_B=jnp.ones(b),
+        value_target_BxK=jnp.ones((b, n)),
+        old_value_BxK=jnp.zeros((b, n)),
+    )
     _, value_sums = obj.value_terms(logp, batch)
     return obj.finalize({**sums, **value_sums})
 
@@ -119,10 +135,12 @@ def test_keys_of_agents_critics_corrections_faults_and_evaluations_have_entries(
   """Keys the smoke run does not log, from the functions that make them."""
   cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross")
   tr = ScriptedTransition()
-  tree = expand_tree(cfg, FakePolicy(vocab=32, max_new_tokens=3, low=4), tr, tr.roots(2, 2),
-                     jax.random.key(0))
+  tree = expand_tree(
+      cfg, FakePolicy(vocab=32, max_new_tokens=3, low=4), tr, tr.roots(2, 2), jax.random.key(0)
+  )
   keys = {**tree.metrics(), **rollout_metrics(tree, 0.5)}.keys() | set(
-      make_agent_batches(tree, BatchConfig(length_buckets=(64,), zero_variance_filter=False))[1])
+      make_agent_batches(tree, BatchConfig(length_buckets=(64,), zero_variance_filter=False))[1]
+  )
   assert "agent_1/influence" in keys and "agent_1/batch/actions" in keys
   train = _policy_and_value_keys()
   assert {"train/kl", "train/sampler_gap", "train/value_explained_var"} <= train
@@ -133,8 +151,11 @@ def test_keys_of_agents_critics_corrections_faults_and_evaluations_have_entries(
   stream = data.CurriculumStream(lambda level: [{"level": level}], data.CurriculumConfig(), 0)
   keys |= set(stream.observe(0.5))
   unknown = glossary.unknown_keys(keys)
-  assert not unknown, (f"keys without a glossary entry: {unknown}; add them to "
-                       f"mtrl_jax/train/glossary.py SECTIONS, then {REGENERATE}")
-  np.testing.assert_equal(sorted(k.value for k in FaultKind),
-                          sorted(p.split("/")[1] for p in glossary.METRICS
-                                 if p.startswith("faults/")))
+  assert not unknown, (
+      f"keys without a glossary entry: {unknown}; add them to "
+      f"mtrl_jax/train/glossary.py SECTIONS, then {REGENERATE}"
+  )
+  np.testing.assert_equal(
+      sorted(k.value for k in FaultKind),
+      sorted(p.split("/")[1] for p in glossary.METRICS if p.startswith("faults/")),
+  )

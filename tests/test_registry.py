@@ -20,9 +20,12 @@ def test_registry_names_import_paths_and_errors():
   assert reg.get("one") is one and reg.resolve("one") is one and "one" in reg
   assert reg.resolve("mtrl_jax.registry:Registry") is registry.Registry
   assert reg.names() == ["one"]
-  with pytest.raises(ValueError, match=r"unknown widget 'two'; registered: \['one'\]; or use "
-                                       r"an import path 'package.module:Name'; widgets "
-                                       r"register on import"):
+  with pytest.raises(
+      ValueError,
+      match=r"unknown widget 'two'; registered: \['one'\]; or use "
+      r"an import path 'package.module:Name'; widgets "
+      r"register on import",
+  ):
     reg.get("two")
   with pytest.raises(ValueError, match="widget 'nope:x': cannot import 'nope'"):
     reg.resolve("nope:x")
@@ -37,6 +40,7 @@ def test_one_reregistration_rule():
   def make():
     def f():
       return "first"
+
     return f
 
   first, reimported = make(), make()  # same module and qualified name, new objects
@@ -53,12 +57,11 @@ def test_the_three_registries_resolve_names_and_import_paths_to_what_runs():
   from mtrl_jax.envs import resolve_factory
   from mtrl_jax.graders.base import FunctionGrader, resolve_grader
   from mtrl_jax.tasks.calculator import CalculatorEnv, CalculatorFactory, calculator_tasks
-  assert all(isinstance(r, registry.Registry)
-             for r in (data.TASK_SOURCES, ENV_FACTORIES, GRADERS))
+
+  assert all(isinstance(r, registry.Registry) for r in (data.TASK_SOURCES, ENV_FACTORIES, GRADERS))
   # Task sources: the name and the import path reach the registered function.
   assert data.TASK_SOURCES.get("calculator") is calculator_tasks
-  assert (data.TASK_SOURCES.resolve("mtrl_jax.tasks.calculator:calculator_tasks")
-          is calculator_tasks)
+  assert data.TASK_SOURCES.resolve("mtrl_jax.tasks.calculator:calculator_tasks") is calculator_tasks
   tasks = data.resolve_task_source("calculator", "eval", size=3)
   assert len(tasks) == 3 and tasks[2] == calculator_tasks("eval", size=3)[2]
   # Environment factories: the registered class, built with the config's keyword arguments.
@@ -72,21 +75,28 @@ def test_the_three_registries_resolve_names_and_import_paths_to_what_runs():
   assert type(grader) is FunctionGrader and grader.name == "quarter"
   assert grader.grade(None).score == 0.25
   # Each registry names what it holds in its unknown-name error.
-  for reg, what in ((data.TASK_SOURCES, "task source"), (ENV_FACTORIES, "environment factory"),
-                    (GRADERS, "grader")):
+  for reg, what in (
+      (data.TASK_SOURCES, "task source"),
+      (ENV_FACTORIES, "environment factory"),
+      (GRADERS, "grader"),
+  ):
     with pytest.raises(ValueError, match=rf"^unknown {what} 'nope'; registered: \[.*'"):
       reg.get("nope")
 
 
 def test_importing_the_env_api_imports_no_task():
-  code = ("import sys, mtrl_jax.envs, mtrl_jax.graders, mtrl_jax.data\n"
-          "assert not [m for m in sys.modules if m.startswith('mtrl_jax.tasks')], "
-          "sorted(m for m in sys.modules if m.startswith('mtrl_jax.tasks'))\n"
-          "import mtrl_jax.tasks\n"
-          "from mtrl_jax.envs import registered_env_factories\n"
-          "from mtrl_jax.data import registered_task_sources\n"
-          "print(registered_env_factories(), registered_task_sources())\n")
+  code = (
+      "import sys, mtrl_jax.envs, mtrl_jax.graders, mtrl_jax.data\n"
+      "assert not [m for m in sys.modules if m.startswith('mtrl_jax.tasks')], "
+      "sorted(m for m in sys.modules if m.startswith('mtrl_jax.tasks'))\n"
+      "import mtrl_jax.tasks\n"
+      "from mtrl_jax.envs import registered_env_factories\n"
+      "from mtrl_jax.data import registered_task_sources\n"
+      "print(registered_env_factories(), registered_task_sources())\n"
+  )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-  names = ("['calculator', 'charclass', 'coop', 'guess', 'humaneval', 'refine', 'user_chat', "
-           "'weather']")
+  names = (
+      "['calculator', 'charclass', 'coop', 'guess', 'humaneval', 'refine', 'user_chat', "
+      "'weather']"
+  )
   assert out.stdout.strip() == f"{names} {names}"

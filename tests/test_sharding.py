@@ -50,8 +50,11 @@ def _single_device_logits(cfg):
 # Every axis split (2x2x2), no data axis (1x4x2), and rules that cannot apply (odd). The
 # pure data mesh (8x1x1, every parameter replicated; every run's default) is compared
 # with one device, forward and backward, in tests/train/test_train_step.py.
-@pytest.mark.parametrize("cfg,shape", [(CFG, (2, 2, 2)), (CFG, (1, 4, 2)), (ODD, (2, 2, 2))],
-                         ids=["2x2x2", "1x4x2", "odd-2x2x2"])
+@pytest.mark.parametrize(
+    "cfg,shape",
+    [(CFG, (2, 2, 2)), (CFG, (1, 4, 2)), (ODD, (2, 2, 2))],
+    ids=["2x2x2", "1x4x2", "odd-2x2x2"],
+)
 def test_sharded_forward_equals_single_device(cfg, shape):
   batch = _batch(cfg)
   want = _single_device_logits(cfg)
@@ -104,8 +107,9 @@ def test_rules_for_drops_non_dividing_axes():
 
 def test_sample_rules_have_no_fsdp():
   mesh = sharding.make_mesh((2, 2, 2))
-  shardings = models.state_shardings(models.create_model(CFG, seed=0, mesh=mesh), CFG, mesh,
-                                     sharding.SAMPLE_RULES)
+  shardings = models.state_shardings(
+      models.create_model(CFG, seed=0, mesh=mesh), CFG, mesh, sharding.SAMPLE_RULES
+  )
   specs = [v.get_value().spec for _, v in nnx.to_flat_state(shardings)]
   assert specs and all("fsdp" not in spec for spec in specs)
   assert any("tensor" in spec for spec in specs)

@@ -46,10 +46,17 @@ def run_dir(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("shown"))
   renderer = byte_renderer()
   transition = EnvTransition(renderer, reward_cfg=RewardConfig(shaping_weight=1.0))
-  roots = [transition.root_state(ToolThenUserEnv({"prompt": p}))
-           for p in ("count my letters", "and mine")]
-  tree = expand_tree(TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
-                     ToolReader(renderer), transition, roots, jax.random.key(0))
+  roots = [
+      transition.root_state(ToolThenUserEnv({"prompt": p}))
+      for p in ("count my letters", "and mine")
+  ]
+  tree = expand_tree(
+      TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
+      ToolReader(renderer),
+      transition,
+      roots,
+      jax.random.key(0),
+  )
   write_rollout_dump(tree, dump_path(workdir, 7), renderer.tokenizer.decode)
   return workdir
 
@@ -84,13 +91,15 @@ def test_episodes_are_a_seeded_sample_of_the_step(run_dir):
 
 def test_the_command_prints_episodes_or_one_line_naming_rl_dump_every(run_dir, tmp_path):
   cmd = [sys.executable, "-m", "experiments.show", "--episodes=1"]
-  out = subprocess.run(cmd + [f"--workdir={run_dir}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+  out = subprocess.run(
+      cmd + [f"--workdir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
   assert out.returncode == 0, out.stderr
   assert out.stdout.count("=== episode 1 of 1 ") == 1 and "completion (agent 0" in out.stdout
   (tmp_path / "config.json").write_text(json.dumps({"rl": {"dump_every": 0}}))
-  out = subprocess.run(cmd + [f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+  out = subprocess.run(
+      cmd + [f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
   assert out.returncode == 2 and not out.stdout
   err = out.stderr.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: ") and "has no rollout dumps" in err[0]

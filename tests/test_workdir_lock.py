@@ -32,15 +32,23 @@ def test_a_second_lock_on_a_workdir_is_refused_naming_the_holder(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(
         f"workdir {workdir} is in use by process {os.getpid()} (it holds {workdir}/.lock); "
-        "allowed: one run per workdir at a time")
+        "allowed: one run per workdir at a time"
+    )
   storage.WorkdirLock(str(workdir)).release()  # released: it locks again
 
 
 def test_a_killed_holder_leaves_the_workdir_free(tmp_path):
-  script = ("import sys, time; from mtrl_jax import storage; "
-            "lock = storage.WorkdirLock(sys.argv[1]); print('locked', flush=True); time.sleep(60)")
-  proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+  script = (
+      "import sys, time; from mtrl_jax import storage; "
+      "lock = storage.WorkdirLock(sys.argv[1]); print('locked', flush=True); time.sleep(60)"
+  )
+  proc = subprocess.Popen(
+      [sys.executable, "-c", script, str(tmp_path)],
+      cwd=ROOT,
+      env=dict(os.environ, PYTHONPATH=ROOT),
+      stdout=subprocess.PIPE,
+      text=True,
+  )
   try:
     assert proc.stdout.readline().strip() == "locked"
     with pytest.raises(storage.WorkdirBusy, match=f"in use by process {proc.pid} "):
@@ -60,16 +68,29 @@ def test_the_same_command_twice_refuses_the_second_before_it_writes(tmp_path):
     before = _files(workdir)
     t0 = time.time()
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
-         f"--workdir={workdir}", "--config.model.preset=tiny", "--config.rl.steps=1",
-         "--config.rl.precompile=false", "--progress=false"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-        timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--config=configs/calculator.py:smoke=True",
+            f"--workdir={workdir}",
+            "--config.model.preset=tiny",
+            "--config.rl.steps=1",
+            "--config.rl.precompile=false",
+            "--progress=false",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.splitlines() == [
         f"error: workdir {workdir} is in use by process {os.getpid()} (it holds "
         f"{workdir}/.lock); allowed: one run per workdir at a time: wait for it to end, or "
-        "use another --workdir"], out.stderr
+        "use another --workdir"
+    ], out.stderr
     assert [l for l in out.stdout.splitlines() if not l.startswith("tree per step")] == []
     assert time.time() - t0 < 120  # refused at start, before any model is built
     assert _files(workdir) == before

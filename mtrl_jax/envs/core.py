@@ -210,7 +210,8 @@ class Environment:
     if len(threads) != 1:
       raise NotImplementedError(
           f"{type(self).__name__} got {len(threads)} agent threads but does not implement "
-          "react_to_joint(threads)")
+          "react_to_joint(threads)"
+      )
     next_thread, grades = self.react_to(threads[0])
     return (None if next_thread is None else [next_thread]), grades
 
@@ -237,8 +238,10 @@ class Environment:
     elif "prompt" in metadata:
       turns.append(Turn("user", str(metadata["prompt"])))
     else:
-      raise ValueError(f"{type(self).__name__}.initial_thread: metadata needs 'prompt' or "
-                       f"'messages' (got keys {sorted(metadata)}); or override initial_thread")
+      raise ValueError(
+          f"{type(self).__name__}.initial_thread: metadata needs 'prompt' or "
+          f"'messages' (got keys {sorted(metadata)}); or override initial_thread"
+      )
     return Thread(tuple(turns), dict(metadata))
 
   def initial_threads(self) -> list[Thread]:
@@ -329,10 +332,12 @@ def fork_error_message(obj, exc: BaseException) -> str:
   '_thread.lock' object"). The start-up check and the rollout both use it."""
   name = type(obj).__name__
   fix = f", or override {name}.fork()" if isinstance(obj, Environment) else ""
-  return (f"{name}.fork failed ({type(exc).__name__}: {exc}): a tree copies the environment "
-          f"and each thread's metadata at every branch (deep copies); derive the class of an "
-          f"object that must be shared, not copied (a lock, a connection, a model, a cache), "
-          f"from mtrl_jax.envs.SharedResource{fix}")
+  return (
+      f"{name}.fork failed ({type(exc).__name__}: {exc}): a tree copies the environment "
+      f"and each thread's metadata at every branch (deep copies); derive the class of an "
+      f"object that must be shared, not copied (a lock, a connection, a model, a cache), "
+      f"from mtrl_jax.envs.SharedResource{fix}"
+  )
 
 
 class EnvironmentFactory:
@@ -359,4 +364,3 @@ class EnvironmentFactory:
     check bounds what shaping can add with it (`graders.check_reward_dominance`)."""
     del task_kwargs
     return None
-

@@ -30,8 +30,13 @@ def failure_grades(failure_outcome: float, num_turns: Optional[int] = None) -> d
   return {CUT_GRADE: Grade(float(failure_outcome), f"cut by the tree{where}: not finished")}
 
 
-def grade_cut(env, thread, failure_outcome: float, policy: FaultPolicy = FaultPolicy(),
-              num_turns: Optional[int] = None) -> tuple[dict, list, bool]:
+def grade_cut(
+    env,
+    thread,
+    failure_outcome: float,
+    policy: FaultPolicy = FaultPolicy(),
+    num_turns: Optional[int] = None,
+) -> tuple[dict, list, bool]:
   """The final grades of a cut episode.
 
   Args:
@@ -60,7 +65,9 @@ def cut_notice(num_turns: int, max_turns: Optional[int]) -> str:
   cap = f"env.max_turns={max_turns}"
   if max_turns is None or max_turns > num_turns:
     cap += " lets episodes run longer"
-  return (f"tree: an episode went on past the tree's last turn (tree.num_turns={num_turns}; "
-          f"{cap}): it is cut and graded as ended there (Environment.on_cut, default: "
-          f"finalize, else the failure outcome); raise tree.num_turns to the episodes' length "
-          f"or lower env.max_turns (counted in tree/cut_episodes; shown once)")
+  return (
+      f"tree: an episode went on past the tree's last turn (tree.num_turns={num_turns}; "
+      f"{cap}): it is cut and graded as ended there (Environment.on_cut, default: "
+      f"finalize, else the failure outcome); raise tree.num_turns to the episodes' length "
+      f"or lower env.max_turns (counted in tree/cut_episodes; shown once)"
+  )

@@ -69,8 +69,9 @@ def fault_origin(exc: BaseException, obj, method: str) -> str:
   where, tb = f"{type(obj).__name__}.{method}", exc.__traceback__
   while tb is not None:
     owner = tb.tb_frame.f_locals.get("self")
-    if owner is not None and (owner is obj or
-                              isinstance(getattr(type(owner), "fault_source", None), str)):
+    if owner is not None and (
+        owner is obj or isinstance(getattr(type(owner), "fault_source", None), str)
+    ):
       where = f"{type(owner).__name__}.{tb.tb_frame.f_code.co_name}"
     tb = tb.tb_next
   location = exception_location(exc)
@@ -120,6 +121,7 @@ def _writes_files() -> bool:
   if "jax" not in sys.modules:
     return True  # no multi-process runtime in this process
   from mtrl_jax import distributed
+
   return distributed.is_writer()
 
 

@@ -84,9 +84,18 @@ MODEL_CAUSED = frozenset({FaultKind.MODEL_FORMAT, FaultKind.TOOL_ERROR})
 # Kinds that are always masked: no honest reward exists.
 ALWAYS_MASKED = frozenset({FaultKind.CONTRACT, FaultKind.INFRASTRUCTURE})
 # Plain exceptions that mean a bug in environment, tool or grader code (`classify`).
-CONTRACT_ERRORS = (TypeError, AttributeError, LookupError, NameError, ValueError,
-                   ArithmeticError, AssertionError, NotImplementedError, RecursionError,
-                   ImportError)
+CONTRACT_ERRORS = (
+    TypeError,
+    AttributeError,
+    LookupError,
+    NameError,
+    ValueError,
+    ArithmeticError,
+    AssertionError,
+    NotImplementedError,
+    RecursionError,
+    ImportError,
+)
 # What a timed-out tool call does to its step (`FaultPolicy.tool_timeout`).
 TOOL_TIMEOUT_MODES = ("mask", "tell")
 
@@ -178,16 +187,21 @@ class Fault:
     object.__setattr__(self, "kind", FaultKind.parse(self.kind))
 
   @classmethod
-  def from_exception(cls, exc: BaseException, source: str, retries: int = 0,
-                     where: str = "") -> "Fault":
+  def from_exception(
+      cls, exc: BaseException, source: str, retries: int = 0, where: str = ""
+  ) -> "Fault":
     msg = str(exc) or type(exc).__name__
     if not isinstance(exc, EnvFault):
       msg = f"{type(exc).__name__}: {msg}"
     return cls(classify(exc), source, msg, retries, where)
 
   def to_dict(self) -> dict:
-    out = {"kind": self.kind.value, "source": self.source, "message": self.message,
-           "retries": self.retries}
+    out = {
+        "kind": self.kind.value,
+        "source": self.source,
+        "message": self.message,
+        "retries": self.retries,
+    }
     if self.where:
       out["where"] = self.where
     return out
@@ -198,8 +212,10 @@ class Fault:
     message = " ".join(self.message.split())
     if len(message) > max_chars:
       message = message[:max_chars] + " ..."
-    return (f"fault {self.kind.value} from {self.source}{where}: {message}  "
-            f"(shown once; counted in faults/{self.kind.value})")
+    return (
+        f"fault {self.kind.value} from {self.source}{where}: {message}  "
+        f"(shown once; counted in faults/{self.kind.value})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,13 +246,17 @@ class FaultPolicy:
 
   def __post_init__(self):
     if self.tool_timeout not in TOOL_TIMEOUT_MODES:
-      raise ValueError(f"FaultPolicy.tool_timeout={self.tool_timeout!r} (config "
-                       f"env.tool_timeout); allowed: {list(TOOL_TIMEOUT_MODES)}")
+      raise ValueError(
+          f"FaultPolicy.tool_timeout={self.tool_timeout!r} (config "
+          f"env.tool_timeout); allowed: {list(TOOL_TIMEOUT_MODES)}"
+      )
     penalise = frozenset(FaultKind.parse(k) for k in self.penalise)
     mask = frozenset(FaultKind.parse(k) for k in self.mask)
     if FaultKind.TIMEOUT in mask and self.tool_timeout == "tell":
-      raise ValueError("FaultPolicy.mask contains 'timeout' but tool_timeout='tell'; "
-                       "use tool_timeout='mask' to mask timeouts")
+      raise ValueError(
+          "FaultPolicy.mask contains 'timeout' but tool_timeout='tell'; "
+          "use tool_timeout='mask' to mask timeouts"
+      )
     mask |= {FaultKind.CONTRACT}
     if self.tool_timeout == "mask":
       mask |= {FaultKind.TIMEOUT}
@@ -244,10 +264,13 @@ class FaultPolicy:
     if bad:
       raise ValueError(
           f"FaultPolicy.penalise={sorted(k.value for k in penalise)}: only model-caused kinds "
-          f"may be penalised; allowed: {sorted(k.value for k in MODEL_CAUSED)}")
+          f"may be penalised; allowed: {sorted(k.value for k in MODEL_CAUSED)}"
+      )
     if FaultKind.INFRASTRUCTURE not in mask:
-      raise ValueError("FaultPolicy.mask must contain 'infrastructure': infrastructure "
-                       "faults are never scored as reward")
+      raise ValueError(
+          "FaultPolicy.mask must contain 'infrastructure': infrastructure "
+          "faults are never scored as reward"
+      )
     if self.max_retries < 0:
       raise ValueError(f"FaultPolicy.max_retries={self.max_retries}; must be >= 0")
     object.__setattr__(self, "penalise", penalise)
@@ -320,8 +343,9 @@ class _TimedWorkers:
         self.started += 1
     if inbox is None:
       inbox = queue.SimpleQueue()
-      threading.Thread(target=self._work, args=(inbox,), daemon=True,
-                       name=f"timed-call-{self.started}").start()
+      threading.Thread(
+          target=self._work, args=(inbox,), daemon=True, name=f"timed-call-{self.started}"
+      ).start()
     inbox.put((fn, done, box))
     return done, box
 

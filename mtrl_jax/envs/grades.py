@@ -75,8 +75,9 @@ def as_grade(value: Any, what: str = "grader") -> Grade:
     return Grade(float(value[0]), value[1])
   if isinstance(value, (bool, int, float)) or hasattr(value, "__float__"):
     return Grade(float(value))
-  raise TypeError(f"{what} returned {value!r}; expected a Grade, a number, a bool or "
-                  "(score, reason)")
+  raise TypeError(
+      f"{what} returned {value!r}; expected a Grade, a number, a bool or (score, reason)"
+  )
 
 
 def normalize_grades(grades: Any) -> dict[str, Grade]:
@@ -89,7 +90,6 @@ def normalize_grades(grades: Any) -> dict[str, Grade]:
     return {}
   if isinstance(grades, Mapping):
     return {str(k): as_grade(v, f"grade {k!r}") for k, v in grades.items()}
-  if isinstance(grades, (list, tuple)) and not (
-      len(grades) == 2 and isinstance(grades[1], str)):
+  if isinstance(grades, (list, tuple)) and not (len(grades) == 2 and isinstance(grades[1], str)):
     return {f"grade_{i}": as_grade(g, f"grade #{i}") for i, g in enumerate(grades)}
   return {"grade": as_grade(grades)}

@@ -35,8 +35,11 @@ class _FunctionFactory(EnvironmentFactory):
 # callable `metadata -> Environment`. The built-in tasks (`mtrl_jax.tasks`, a
 # higher layer) register themselves when imported; the run's composition root
 # imports them.
-ENV_FACTORIES = Registry("environment factory", hint="the built-in tasks (calculator, coop, "
-                         "humaneval, weather) register when mtrl_jax.tasks is imported")
+ENV_FACTORIES = Registry(
+    "environment factory",
+    hint="the built-in tasks (calculator, coop, "
+    "humaneval, weather) register when mtrl_jax.tasks is imported",
+)
 
 
 def register_env_factory(name: str):
@@ -68,7 +71,8 @@ def resolve_factory(spec, **kwargs) -> EnvironmentFactory:
   """
   obj = ENV_FACTORIES.resolve(spec) if isinstance(spec, str) else spec
   if isinstance(obj, EnvironmentFactory) or (
-      not isinstance(obj, type) and hasattr(obj, "create_environment")):
+      not isinstance(obj, type) and hasattr(obj, "create_environment")
+  ):
     if kwargs:
       raise ValueError(f"environment factory {spec!r} is an instance; cannot apply {kwargs}")
     return obj
@@ -78,5 +82,7 @@ def resolve_factory(spec, **kwargs) -> EnvironmentFactory:
     return _FunctionFactory(lambda metadata: obj(metadata, **kwargs))
   if callable(obj):
     return _FunctionFactory(lambda metadata: obj(metadata, **kwargs))
-  raise TypeError(f"environment factory {spec!r} resolved to {obj!r}, which is neither an "
-                  "EnvironmentFactory, an Environment class nor a callable")
+  raise TypeError(
+      f"environment factory {spec!r} resolved to {obj!r}, which is neither an "
+      "EnvironmentFactory, an Environment class nor a callable"
+  )

@@ -65,11 +65,14 @@ class RewardConfig:
     if self.outcome_weight <= 0:
       raise ValueError(f"RewardConfig.outcome_weight={self.outcome_weight}; must be > 0")
     if self.step_penalty > 0:
-      raise ValueError(f"RewardConfig.step_penalty={self.step_penalty}; must be <= 0 "
-                       "(it is added per step)")
+      raise ValueError(
+          f"RewardConfig.step_penalty={self.step_penalty}; must be <= 0 (it is added per step)"
+      )
     if self.tool_penalty > 0:
-      raise ValueError(f"RewardConfig.tool_penalty={self.tool_penalty}; must be <= 0 "
-                       "(it is added per invalid call)")
+      raise ValueError(
+          f"RewardConfig.tool_penalty={self.tool_penalty}; must be <= 0 "
+          "(it is added per invalid call)"
+      )
     if self.shaping_weight < 0:
       raise ValueError(f"RewardConfig.shaping_weight={self.shaping_weight}; must be >= 0")
 
@@ -88,17 +91,27 @@ class RewardBreakdown:
     return self.outcome + self.step + self.tool + self.shaping
 
   def metrics(self, prefix: str = "reward/") -> dict[str, float]:
-    return {f"{prefix}outcome": self.outcome, f"{prefix}step_penalty": self.step,
-            f"{prefix}tool_penalty": self.tool, f"{prefix}shaping": self.shaping,
-            f"{prefix}total": self.total}
+    return {
+        f"{prefix}outcome": self.outcome,
+        f"{prefix}step_penalty": self.step,
+        f"{prefix}tool_penalty": self.tool,
+        f"{prefix}shaping": self.shaping,
+        f"{prefix}total": self.total,
+    }
 
   @classmethod
   def zero(cls) -> "RewardBreakdown":
     return cls(0.0, 0.0, 0.0, 0.0)
 
 
-def compose_reward(cfg: RewardConfig, *, outcome: float = 0.0, steps: int = 0,
-                   invalid_calls: int = 0, shaping: float = 0.0) -> RewardBreakdown:
+def compose_reward(
+    cfg: RewardConfig,
+    *,
+    outcome: float = 0.0,
+    steps: int = 0,
+    invalid_calls: int = 0,
+    shaping: float = 0.0,
+) -> RewardBreakdown:
   """The reward `outcome_weight*outcome + step_penalty*steps + tool_penalty*invalid_calls
   + shaping_weight*shaping`, component by component.
 
@@ -110,12 +123,13 @@ def compose_reward(cfg: RewardConfig, *, outcome: float = 0.0, steps: int = 0,
     shaping: shaping score (per-turn grades).
   """
   if steps < 0 or invalid_calls < 0:
-    raise ValueError(f"compose_reward: steps={steps}, invalid_calls={invalid_calls}; "
-                     "must be >= 0")
-  return RewardBreakdown(outcome=cfg.outcome_weight * float(outcome),
-                         step=cfg.step_penalty * steps,
-                         tool=cfg.tool_penalty * invalid_calls,
-                         shaping=cfg.shaping_weight * float(shaping))
+    raise ValueError(f"compose_reward: steps={steps}, invalid_calls={invalid_calls}; must be >= 0")
+  return RewardBreakdown(
+      outcome=cfg.outcome_weight * float(outcome),
+      step=cfg.step_penalty * steps,
+      tool=cfg.tool_penalty * invalid_calls,
+      shaping=cfg.shaping_weight * float(shaping),
+  )
 
 
 def mean_score(grades: Mapping) -> Optional[float]:
@@ -133,9 +147,15 @@ def agent_mean_score(grades: Mapping, agent: int) -> Optional[float]:
   return sum(g.agent_scores.get(agent, g.score) for g in grades.values()) / len(grades)
 
 
-def compose_local(cfg: RewardConfig, num_agents: int, *, outcome_grades: Mapping,
-                  shaping_grades: Mapping, steps: int = 0,
-                  invalid_calls: int = 0) -> tuple:
+def compose_local(
+    cfg: RewardConfig,
+    num_agents: int,
+    *,
+    outcome_grades: Mapping,
+    shaping_grades: Mapping,
+    steps: int = 0,
+    invalid_calls: int = 0,
+) -> tuple:
   """Each agent's local reward of one step, composed like the joint one.
 
   Args:
@@ -148,13 +168,19 @@ def compose_local(cfg: RewardConfig, num_agents: int, *, outcome_grades: Mapping
   Returns:
     Per agent a `RewardBreakdown`, or None when no grade scores that agent alone.
   """
-  graded = {a for g in (*outcome_grades.values(), *shaping_grades.values())
-            for a in g.agent_scores}
+  graded = {a for g in (*outcome_grades.values(), *shaping_grades.values()) for a in g.agent_scores}
   return tuple(
-      compose_reward(cfg, steps=steps, invalid_calls=invalid_calls,
-                     outcome=agent_mean_score(outcome_grades, i) or 0.0,
-                     shaping=agent_mean_score(shaping_grades, i) or 0.0)
-      if i in graded else None for i in range(num_agents))
+      compose_reward(
+          cfg,
+          steps=steps,
+          invalid_calls=invalid_calls,
+          outcome=agent_mean_score(outcome_grades, i) or 0.0,
+          shaping=agent_mean_score(shaping_grades, i) or 0.0,
+      )
+      if i in graded
+      else None
+      for i in range(num_agents)
+  )
 
 
 def note_unweighted_shaping(cfg: RewardConfig, shaping_grades: Mapping) -> bool:
@@ -177,13 +203,18 @@ def note_unweighted_shaping(cfg: RewardConfig, shaping_grades: Mapping) -> bool:
       f"reward: the environment returns per-turn grades ({names}) but "
       "reward.shaping_weight=0, so they are logged and add nothing to the reward; set "
       "--config.reward.shaping_weight (e.g. 0.1; the start-up dominance check bounds it) "
-      "to train on them (shown once)")
+      "to train on them (shown once)",
+  )
 
 
-def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
-                           outcome_range: tuple[float, float] = (0.0, 1.0),
-                           max_shaping: float = 1.0,
-                           max_graded: Optional[int] = None) -> list[str]:
+def check_reward_dominance(
+    cfg: RewardConfig,
+    max_steps: int,
+    max_invalid: int,
+    outcome_range: tuple[float, float] = (0.0, 1.0),
+    max_shaping: float = 1.0,
+    max_graded: Optional[int] = None,
+) -> list[str]:
   """Warns when shaping or penalties can outweigh the outcome term.
 
   What matters is the gap the outcome opens between a success and a failure,
@@ -220,12 +251,16 @@ def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
   """
   lo, hi = (float(x) for x in outcome_range)
   if not hi > lo:
-    raise ValueError(f"check_reward_dominance: outcome_range={outcome_range!r}; "
-                     "must be (lowest, highest) with lowest < highest")
-  if max_graded is not None and (isinstance(max_graded, bool) or not isinstance(max_graded, int)
-                                 or max_graded < 0):
-    raise ValueError(f"check_reward_dominance: max_graded={max_graded!r}; "
-                     "must be None or an int >= 0")
+    raise ValueError(
+        f"check_reward_dominance: outcome_range={outcome_range!r}; "
+        "must be (lowest, highest) with lowest < highest"
+    )
+  if max_graded is not None and (
+      isinstance(max_graded, bool) or not isinstance(max_graded, int) or max_graded < 0
+  ):
+    raise ValueError(
+        f"check_reward_dominance: max_graded={max_graded!r}; must be None or an int >= 0"
+    )
   gap = cfg.outcome_weight * (hi - lo)
   graded = max_steps if max_graded is None else min(max_steps, max_graded)
   shaping = cfg.shaping_weight * max_shaping * graded
@@ -236,12 +271,14 @@ def check_reward_dominance(cfg: RewardConfig, max_steps: int, max_invalid: int,
         f"shaping can outweigh the outcome: shaping_weight * max_shaping * graded steps "
         f"({graded}) = "
         f"{shaping:.4g} >= outcome_weight * (max - min outcome) = {gap:.4g}; a policy can "
-        "earn more by farming per-turn grades than by finishing the task")
+        "earn more by farming per-turn grades than by finishing the task"
+    )
   if penalty >= gap:
     messages.append(
         f"penalties can outweigh the outcome: |step_penalty| * (max_steps - 1) + "
         f"|tool_penalty| * max_invalid = {penalty:.4g} >= outcome_weight * (max - min outcome)"
-        f" = {gap:.4g}; failing early can beat succeeding")
+        f" = {gap:.4g}; failing early can beat succeeding"
+    )
   for m in messages:
     warnings.warn(m, RewardDominanceWarning, stacklevel=2)
   return messages

@@ -60,11 +60,23 @@ from typing import Optional, Sequence
 
 from mtrl_jax.envs.core import Thread, Turn
 from mtrl_jax.envs.fault_report import fault_origin, fault_source, show_fault_once
-from mtrl_jax.envs.faults import (ContractError, Fault, FaultKind, FaultPolicy,
-                                  InfrastructureError, call_with_timeout, classify)
+from mtrl_jax.envs.faults import (
+    ContractError,
+    Fault,
+    FaultKind,
+    FaultPolicy,
+    InfrastructureError,
+    call_with_timeout,
+    classify,
+)
 from mtrl_jax.envs.grades import normalize_grades
-from mtrl_jax.envs.reward import (RewardBreakdown, RewardConfig, compose_local,
-                                  compose_reward, mean_score)
+from mtrl_jax.envs.reward import (
+    RewardBreakdown,
+    RewardConfig,
+    compose_local,
+    compose_reward,
+    mean_score,
+)
 from mtrl_jax.envs.tools import cap_tool_turns
 from mtrl_jax.text.ledger import TokenLedger
 
@@ -101,8 +113,9 @@ class StepLimits:
     for name in ("max_turns", "max_tokens", "max_tool_output_chars"):
       v = getattr(self, name)
       if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise ValueError(f"StepLimits.{name}={v!r} (config env.{name}); must be a positive "
-                         "int or None")
+        raise ValueError(
+            f"StepLimits.{name}={v!r} (config env.{name}); must be a positive int or None"
+        )
     if self.react_timeout_s is not None and self.react_timeout_s <= 0:
       raise ValueError(f"StepLimits.react_timeout_s={self.react_timeout_s}; must be > 0 or None")
 
@@ -157,19 +170,24 @@ class StepOutcome:
     if self.next_threads is None:
       return None
     if len(self.next_threads) != 1:
-      raise ValueError(f"StepOutcome.next_thread: {len(self.next_threads)} agents; "
-                       "use next_threads")
+      raise ValueError(
+          f"StepOutcome.next_thread: {len(self.next_threads)} agents; use next_threads"
+      )
     return self.next_threads[0]
 
   def to_dict(self) -> dict:
     """JSON-friendly record for the rollout dump (texts excluded)."""
-    return {"done": self.done, "truncated": self.truncated,
-            "masked": self.masked, "invalid_calls": self.invalid_calls,
-            "history_rewrites": self.history_rewrites,
-            "reward": self.reward.metrics(prefix=""),
-            "grades": {k: g.to_dict() for k, g in self.grades.items()},
-            "faults": [f.to_dict() for f in self.faults],
-            "local": [b and b.metrics(prefix="") for b in self.local]}
+    return {
+        "done": self.done,
+        "truncated": self.truncated,
+        "masked": self.masked,
+        "invalid_calls": self.invalid_calls,
+        "history_rewrites": self.history_rewrites,
+        "reward": self.reward.metrics(prefix=""),
+        "grades": {k: g.to_dict() for k, g in self.grades.items()},
+        "faults": [f.to_dict() for f in self.faults],
+        "local": [b and b.metrics(prefix="") for b in self.local],
+    }
 
 
 def _validated(result, threads: Sequence[Thread], joint: bool):
@@ -181,34 +199,40 @@ def _validated(result, threads: Sequence[Thread], joint: bool):
   """
   if not isinstance(result, tuple) or len(result) != 2:
     got = f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__
-    raise ContractError(f"react_to must return a 2-tuple (next_thread | None, grades), "
-                        f"got {got}")
+    raise ContractError(f"react_to must return a 2-tuple (next_thread | None, grades), got {got}")
   nxt, grades = result
   if nxt is None and grades is None:
-    raise ContractError("react_to returned (None, None): a finished trajectory needs "
-                        "its final grades (use {} for none)")
+    raise ContractError(
+        "react_to returned (None, None): a finished trajectory needs "
+        "its final grades (use {} for none)"
+    )
   try:
     grades = normalize_grades(grades)
   except (TypeError, ValueError) as e:  # a non-number, NaN or infinite grade
     raise ContractError(f"react_to returned invalid grades: {e}") from None
   for name, g in grades.items():
     if any(a >= len(threads) for a in g.agent_scores):
-      raise ContractError(f"grade {name!r} has agent_scores for agents {sorted(g.agent_scores)}"
-                          f"; allowed: agent indices below {len(threads)}")
+      raise ContractError(
+          f"grade {name!r} has agent_scores for agents {sorted(g.agent_scores)}"
+          f"; allowed: agent indices below {len(threads)}"
+      )
   if nxt is None:
     return None, grades, []
   if joint and not isinstance(nxt, (list, tuple)):
-    raise ContractError(f"react_to_joint returned {type(nxt).__name__} as next threads; "
-                        "expected a list of Threads")
+    raise ContractError(
+        f"react_to_joint returned {type(nxt).__name__} as next threads; "
+        "expected a list of Threads"
+    )
   nxt = list(nxt) if joint else [nxt]
   if len(nxt) != len(threads):
-    raise ContractError(f"react_to_joint returned {len(nxt)} threads for "
-                        f"{len(threads)} agents")
+    raise ContractError(f"react_to_joint returned {len(nxt)} threads for {len(threads)} agents")
   for i, (old, new) in enumerate(zip(threads, nxt)):
     if not isinstance(new, Thread):
-      raise ContractError(f"react_to returned {type(new).__name__} as next thread "
-                          f"(agent {i}); expected a Thread")
-  rewrote = [new.turns[:len(old.turns)] != old.turns for old, new in zip(threads, nxt)]
+      raise ContractError(
+          f"react_to returned {type(new).__name__} as next thread "
+          f"(agent {i}); expected a Thread"
+      )
+  rewrote = [new.turns[: len(old.turns)] != old.turns for old, new in zip(threads, nxt)]
   nxt = [new.replace(ledger=None) if r else new for new, r in zip(nxt, rewrote)]
   return nxt, grades, rewrote
 
@@ -249,14 +273,20 @@ def render_thread(thread: Thread, renderer, rewritten: Optional[bool] = None) ->
   if ledger.open_turn is not None:
     raise InfrastructureError("thread ledger has an open assistant turn without completion")
   view = renderer.context_view(thread.turns)
-  for role, content in view[ledger.num_turns:]:
+  for role, content in view[ledger.num_turns :]:
     renderer.render_turn(ledger, role, content)
   return thread.replace(ledger=ledger)
 
 
-def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
-                     reward_cfg: Optional[RewardConfig] = None, renderer=None,
-                     step_index: Optional[int] = None) -> StepOutcome:
+def step_environment(
+    env,
+    thread,
+    limits: StepLimits = StepLimits(),
+    *,
+    reward_cfg: Optional[RewardConfig] = None,
+    renderer=None,
+    step_index: Optional[int] = None,
+) -> StepOutcome:
   """Runs one react_to call under the framework's fault, limit and reward rules.
 
   Args:
@@ -295,15 +325,32 @@ def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
     if masked:
       reward = RewardBreakdown.zero()  # never scored as reward
     else:
-      reward = compose_reward(reward_cfg, steps=1, invalid_calls=invalid,
-                              outcome=mean_score(outcome_grades) or 0.0,
-                              shaping=mean_score(shaping_grades) or 0.0)
-      local = compose_local(reward_cfg, len(threads), outcome_grades=outcome_grades,
-                            shaping_grades=shaping_grades, steps=1, invalid_calls=invalid)
-    return StepOutcome(None if next_threads is None else tuple(next_threads),
-                       {**shaping_grades, **outcome_grades}, reward, tuple(faults),
-                       truncated, masked, invalid, rewrites if next_threads is not None else 0,
-                       local)
+      reward = compose_reward(
+          reward_cfg,
+          steps=1,
+          invalid_calls=invalid,
+          outcome=mean_score(outcome_grades) or 0.0,
+          shaping=mean_score(shaping_grades) or 0.0,
+      )
+      local = compose_local(
+          reward_cfg,
+          len(threads),
+          outcome_grades=outcome_grades,
+          shaping_grades=shaping_grades,
+          steps=1,
+          invalid_calls=invalid,
+      )
+    return StepOutcome(
+        None if next_threads is None else tuple(next_threads),
+        {**shaping_grades, **outcome_grades},
+        reward,
+        tuple(faults),
+        truncated,
+        masked,
+        invalid,
+        rewrites if next_threads is not None else 0,
+        local,
+    )
 
   retries = 0
   rewrites = 0
@@ -313,8 +360,10 @@ def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
       next_threads, grades, rewrote = _validated(result, threads, joint)
       if next_threads is not None:
         cap = limits.tool_output_chars
-        next_threads = [cap_tool_turns(t, 0 if r else len(old.turns), cap)
-                        for t, old, r in zip(next_threads, threads, rewrote)]
+        next_threads = [
+            cap_tool_turns(t, 0 if r else len(old.turns), cap)
+            for t, old, r in zip(next_threads, threads, rewrote)
+        ]
       if next_threads is not None and renderer is not None:
         rewrote = [r or history_rewritten(t, renderer) for t, r in zip(next_threads, rewrote)]
         next_threads = [render_thread(t, renderer, r) for t, r in zip(next_threads, rewrote)]
@@ -352,14 +401,18 @@ def step_environment(env, thread, limits: StepLimits = StepLimits(), *,
     final_grades = normalize_grades(env.finalize(next_threads if joint else next_threads[0]))
   except Exception as e:  # classified like any other fault
     faults.append(Fault.from_exception(e, fault_source(e), where=fault_origin(e, env, "finalize")))
-    return finish(None, {}, grades, truncated=True,
-                  mask=classify(e) not in policy.penalise)
+    return finish(None, {}, grades, truncated=True, mask=classify(e) not in policy.penalise)
   return finish(None, final_grades, grades, truncated=True)
 
 
-def rollout_scripted(env, policy_texts: Sequence, limits: StepLimits = StepLimits(), *,
-                     reward_cfg: Optional[RewardConfig] = None, renderer=None
-                     ) -> tuple[list[StepOutcome], list[Thread]]:
+def rollout_scripted(
+    env,
+    policy_texts: Sequence,
+    limits: StepLimits = StepLimits(),
+    *,
+    reward_cfg: Optional[RewardConfig] = None,
+    renderer=None,
+) -> tuple[list[StepOutcome], list[Thread]]:
   """Runs an environment against a scripted policy (a list of assistant texts).
 
   For tests and for debugging a new environment without a model. With a
@@ -391,8 +444,14 @@ def rollout_scripted(env, policy_texts: Sequence, limits: StepLimits = StepLimit
         t = t.replace(ledger=ledger)
       acted.append(t.append(Turn("assistant", text)))
     seen.append(acted if env.num_agents > 1 else acted[0])
-    out = step_environment(env, acted if env.num_agents > 1 else acted[0], limits,
-                           reward_cfg=reward_cfg, renderer=renderer, step_index=i)
+    out = step_environment(
+        env,
+        acted if env.num_agents > 1 else acted[0],
+        limits,
+        reward_cfg=reward_cfg,
+        renderer=renderer,
+        step_index=i,
+    )
     outcomes.append(out)
     if out.done:
       break

@@ -28,6 +28,7 @@ PYTHONHASHSEED). The harness confines itself before the first untrusted line:
 The threat model and the residual risks are in docs/internals.md ("The code
 sandbox"); `confinement()` says which namespaces this machine allows.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,6 +63,7 @@ class SandboxResult:
   (another exception, a syntax error or an early exit), 'timeout' (wall clock
   or CPU limit) or 'killed' (another signal, e.g. SIGSEGV).
   """
+
   status: str
   error_type: str | None
   error_message: str | None
@@ -78,6 +80,7 @@ class SandboxResult:
 @dataclasses.dataclass(frozen=True)
 class AssertResult:
   """Outcome of one assert of `run_tests` (status adds 'skipped')."""
+
   assertion: str
   status: str
   error_type: str | None
@@ -97,8 +100,12 @@ _confined: dict = {}
 def _probe(mode: str):
   """One trivial run in `mode`: its 'ready' record when it passed, else the failure."""
   try:
-    raw = execute({"mode": "program", "program": "import decimal, fractions"}, 10.0,
-                   Limits(512, 8, 5, 1, 4096, True), mode)
+    raw = execute(
+        {"mode": "program", "program": "import decimal, fractions"},
+        10.0,
+        Limits(512, 8, 5, 1, 4096, True),
+        mode,
+    )
   except OSError as e:
     return e
   kinds = {r.get("kind"): r for r in raw.records}
@@ -122,8 +129,9 @@ def isolation_mode() -> str:
     if _isolation is not None:
       return _isolation
   mode, ready = "process_group", None
-  candidates = ("drop_uid", "drop_uid_read", "process_group") if os.geteuid() == 0 else (
-      "process_group",)
+  candidates = (
+      ("drop_uid", "drop_uid_read", "process_group") if os.geteuid() == 0 else ("process_group",)
+  )
   for candidate in candidates:
     ready = _probe(candidate)
     if not isinstance(ready, Exception):
@@ -134,8 +142,11 @@ def isolation_mode() -> str:
   if isinstance(ready, Exception):
     raise SandboxError(f"the sandbox cannot run a trivial program: {ready}")
   if not (ready["net"] and ready["files"]):
-    logging.warning("sandbox: no network/mount namespace here (%s): network, reads and ctypes "
-                    "are guarded by the audit hook only", "; ".join(ready["why"]))
+    logging.warning(
+        "sandbox: no network/mount namespace here (%s): network, reads and ctypes "
+        "are guarded by the audit hook only",
+        "; ".join(ready["why"]),
+    )
   with _lock:
     _isolation, _confined = mode, {"net": ready["net"], "files": ready["files"]}
   return mode
@@ -147,18 +158,35 @@ def confinement() -> dict:
   return dict(_confined)
 
 
-def _make_limits(timeout_s, memory_mb, max_processes, cpu_time_s, max_file_mb,
-                 max_output_bytes, block_outside_writes) -> Limits:
-  for name, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb),
-                      ("max_processes", max_processes), ("max_file_mb", max_file_mb),
-                      ("max_output_bytes", max_output_bytes)):
+def _make_limits(
+    timeout_s,
+    memory_mb,
+    max_processes,
+    cpu_time_s,
+    max_file_mb,
+    max_output_bytes,
+    block_outside_writes,
+) -> Limits:
+  for name, value in (
+      ("timeout_s", timeout_s),
+      ("memory_mb", memory_mb),
+      ("max_processes", max_processes),
+      ("max_file_mb", max_file_mb),
+      ("max_output_bytes", max_output_bytes),
+  ):
     if not isinstance(value, (int, float)) or value <= 0:
       raise ValueError(f"{name} must be a positive number, got {value!r}")
   cpu = math.ceil(timeout_s) + 1 if cpu_time_s is None else int(math.ceil(cpu_time_s))
   if cpu <= 0:
     raise ValueError(f"cpu_time_s must be positive, got {cpu_time_s!r}")
-  return Limits(int(memory_mb), int(max_processes), cpu, int(max_file_mb),
-                 int(max_output_bytes), bool(block_outside_writes))
+  return Limits(
+      int(memory_mb),
+      int(max_processes),
+      cpu,
+      int(max_file_mb),
+      int(max_output_bytes),
+      bool(block_outside_writes),
+  )
 
 
 def _signal_name(returncode: int | None) -> str:
@@ -184,17 +212,26 @@ def _check_started(raw: Raw) -> None:
   ready = [r for r in raw.records if r.get("kind") == "ready"]
   if not ready:
     infra = [r.get("message") for r in raw.records if r.get("kind") == "infra"]
-    raise SandboxError(f"the sandbox did not start (returncode {raw.returncode}, "
-                       f"timed_out {raw.timed_out}): {infra or raw.stderr[-1000:]}")
+    raise SandboxError(
+        f"the sandbox did not start (returncode {raw.returncode}, "
+        f"timed_out {raw.timed_out}): {infra or raw.stderr[-1000:]}"
+    )
   lost = [k for k, v in _confined.items() if v and not ready[0].get(k)]
   if lost:  # worked at the probe, failed now (e.g. out of namespaces): not the program's fault
     raise SandboxError(f"the sandbox lost its {'/'.join(lost)} isolation: {ready[0]['why']}")
 
 
-def run_python(program: str, timeout_s: float, *, memory_mb: int = 1024,
-               max_processes: int = 32, cpu_time_s: float | None = None,
-               max_file_mb: int = 16, max_output_bytes: int = 65536,
-               block_outside_writes: bool = True) -> SandboxResult:
+def run_python(
+    program: str,
+    timeout_s: float,
+    *,
+    memory_mb: int = 1024,
+    max_processes: int = 32,
+    cpu_time_s: float | None = None,
+    max_file_mb: int = 16,
+    max_output_bytes: int = 65536,
+    block_outside_writes: bool = True,
+) -> SandboxResult:
   """Runs `program` as `__main__` in a fresh sandboxed interpreter.
 
   Args:
@@ -215,8 +252,15 @@ def run_python(program: str, timeout_s: float, *, memory_mb: int = 1024,
   Raises:
     SandboxError: the sandbox itself failed to start (infrastructure fault).
   """
-  limits = _make_limits(timeout_s, memory_mb, max_processes, cpu_time_s, max_file_mb,
-                        max_output_bytes, block_outside_writes)
+  limits = _make_limits(
+      timeout_s,
+      memory_mb,
+      max_processes,
+      cpu_time_s,
+      max_file_mb,
+      max_output_bytes,
+      block_outside_writes,
+  )
   wall = timeout_s + STARTUP_GRACE_S
   raw = execute({"mode": "program", "program": program}, wall, limits, isolation_mode())
   _check_started(raw)
@@ -226,14 +270,22 @@ def run_python(program: str, timeout_s: float, *, memory_mb: int = 1024,
     status, etype, msg = rec["status"], rec["error_type"], rec["error_message"]
   else:
     status, etype, msg = _abnormal_end(raw, limits, wall)
-  return SandboxResult(status, etype, msg, raw.stdout, raw.stderr, raw.duration_s,
-                       raw.returncode)
+  return SandboxResult(status, etype, msg, raw.stdout, raw.stderr, raw.duration_s, raw.returncode)
 
 
-def run_tests(setup_code: str, asserts: Sequence[str], timeout_per_assert_s: float,
-              max_timeouts: int = 3, *, prelude: str = "", total_timeout_s: float | None = None,
-              memory_mb: int = 1024, max_processes: int = 32, max_file_mb: int = 16,
-              block_outside_writes: bool = True) -> list[AssertResult]:
+def run_tests(
+    setup_code: str,
+    asserts: Sequence[str],
+    timeout_per_assert_s: float,
+    max_timeouts: int = 3,
+    *,
+    prelude: str = "",
+    total_timeout_s: float | None = None,
+    memory_mb: int = 1024,
+    max_processes: int = 32,
+    max_file_mb: int = 16,
+    block_outside_writes: bool = True,
+) -> list[AssertResult]:
   """Loads `setup_code` once, then runs each assert under its own alarm.
 
   All in one sandbox process and one globals dict. If loading fails, every
@@ -258,24 +310,34 @@ def run_tests(setup_code: str, asserts: Sequence[str], timeout_per_assert_s: flo
   asserts = list(asserts)
   if not isinstance(max_timeouts, int) or max_timeouts < 1:
     raise ValueError(f"max_timeouts must be a positive int, got {max_timeouts!r}")
-  wall = (timeout_per_assert_s * (len(asserts) + 1) + STARTUP_GRACE_S
-          if total_timeout_s is None else total_timeout_s)
-  limits = _make_limits(timeout_per_assert_s, memory_mb, max_processes, wall, max_file_mb,
-                        4096, block_outside_writes)
-  spec = {"mode": "tests", "prelude": prelude, "setup": setup_code, "asserts": asserts,
-          "timeout_s": float(timeout_per_assert_s), "max_timeouts": max_timeouts}
+  wall = (
+      timeout_per_assert_s * (len(asserts) + 1) + STARTUP_GRACE_S
+      if total_timeout_s is None
+      else total_timeout_s
+  )
+  limits = _make_limits(
+      timeout_per_assert_s, memory_mb, max_processes, wall, max_file_mb, 4096, block_outside_writes
+  )
+  spec = {
+      "mode": "tests",
+      "prelude": prelude,
+      "setup": setup_code,
+      "asserts": asserts,
+      "timeout_s": float(timeout_per_assert_s),
+      "max_timeouts": max_timeouts,
+  }
   raw = execute(spec, wall, limits, isolation_mode())
   _check_started(raw)
   by_index = {r["i"]: r for r in raw.records if r.get("kind") == "assert"}
   setup_done = any(r.get("kind") == "setup" for r in raw.records)
-  fate = None if "end" in {r.get("kind") for r in raw.records} else _abnormal_end(
-      raw, limits, wall)
+  fate = None if "end" in {r.get("kind") for r in raw.records} else _abnormal_end(raw, limits, wall)
   results = []
   for i, a in enumerate(asserts):
     rec = by_index.get(i)
     if rec is not None:
-      results.append(AssertResult(a, rec["status"], rec["error_type"], rec["error_message"],
-                                  rec["duration_s"]))
+      results.append(
+          AssertResult(a, rec["status"], rec["error_type"], rec["error_message"], rec["duration_s"])
+      )
     elif fate is None:
       raise SandboxError(f"sandbox ended without a result for assert {i}")
     elif not setup_done:  # died while loading: every assert shares the error

@@ -13,6 +13,7 @@ run's own uid (or every capability, in a user namespace) and setting
 no_new_privs; the audit hook. Each step that fails is reported in the 'ready'
 record, and the run goes on with the layers that remain.
 """
+
 import builtins
 import json
 import os
@@ -26,24 +27,48 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE = 1024, 2048, 4096, 16384, 1 << 18
 MS_RELATIME = 1 << 21
 # statvfs flag -> mount flag: flags a remount inside a user namespace must keep.
-LOCKED_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
-                (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME),
-                (os.ST_RELATIME, MS_RELATIME))
-LIB_DIRS = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32",
-            "/usr/libx32", "/usr/local/lib")
+LOCKED_FLAGS = (
+    (os.ST_NOSUID, MS_NOSUID),
+    (os.ST_NODEV, MS_NODEV),
+    (os.ST_NOEXEC, MS_NOEXEC),
+    (os.ST_NOATIME, MS_NOATIME),
+    (os.ST_NODIRATIME, MS_NODIRATIME),
+    (os.ST_RELATIME, MS_RELATIME),
+)
+LIB_DIRS = (
+    "/lib",
+    "/lib64",
+    "/lib32",
+    "/libx32",
+    "/usr/lib",
+    "/usr/lib64",
+    "/usr/lib32",
+    "/usr/libx32",
+    "/usr/local/lib",
+)
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 # Modules that reach past the audit hook: foreign calls and raw memory
 # (ctypes), interpreters without this interpreter's hooks, CPython's test
 # helpers. (_posixsubprocess.fork_exec, an exec without audit event of its
 # own, is replaced instead: asyncio and multiprocessing import the module.)
-BLOCKED_MODULES = frozenset({"ctypes", "_ctypes", "_xxsubinterpreters",
-                             "_xxinterpchannels", "_interpreters", "_testcapi",
-                             "_testinternalcapi", "_testmultiphase"})
+BLOCKED_MODULES = frozenset(
+    {
+        "ctypes",
+        "_ctypes",
+        "_xxsubinterpreters",
+        "_xxinterpchannels",
+        "_interpreters",
+        "_testcapi",
+        "_testinternalcapi",
+        "_testmultiphase",
+    }
+)
 
 
 def _libc():
   import ctypes
+
   return ctypes, ctypes.CDLL(None, use_errno=True)
 
 
@@ -81,20 +106,35 @@ def _unshare(ctypes, libc, as_root: bool) -> None:
     _ok(ctypes, libc.unshare(CLONE_NEWNS | CLONE_NEWNET), "unshare(NEWNS|NEWNET)")
     return
   uid, gid = os.geteuid(), os.getegid()
-  _ok(ctypes, libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET),
-      "unshare(NEWUSER|NEWNS|NEWNET)")
-  for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
-                     ("gid_map", f"{gid} {gid} 1")):
+  _ok(
+      ctypes,
+      libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET),
+      "unshare(NEWUSER|NEWNS|NEWNET)",
+  )
+  for name, text in (
+      ("setgroups", "deny"),
+      ("uid_map", f"{uid} {uid} 1"),
+      ("gid_map", f"{gid} {gid} 1"),
+  ):
     with open(f"/proc/self/{name}", "w") as f:
       f.write(text)
 
 
 def _build_root(ctypes, libc, new_root: str, workdir: str) -> None:
   """Mounts a tmpfs at new_root holding only what the program may see; chroots into it."""
+
   def mount(src, dst, fstype, flags, data=None):
-    _ok(ctypes, libc.mount(None if src is None else src.encode(), dst.encode(),
-                           None if fstype is None else fstype.encode(), flags,
-                           None if data is None else data.encode()), f"mount {dst}")
+    _ok(
+        ctypes,
+        libc.mount(
+            None if src is None else src.encode(),
+            dst.encode(),
+            None if fstype is None else fstype.encode(),
+            flags,
+            None if data is None else data.encode(),
+        ),
+        f"mount {dst}",
+    )
 
   def bind(src, writable=False, at=None):
     dst = new_root + (at or src)
@@ -132,8 +172,11 @@ def _drop_capabilities(ctypes, libc, keep: int = 0) -> None:
     _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
   class Data(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
 
   caps = (Data * 2)()
   caps[0].effective = caps[0].permitted = keep
@@ -185,16 +228,50 @@ def make_hook(root: str, readable: tuple):
   getpgid, getpid = os.getpgid, os.getpid
   write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
   writable = (root,)
-  path_events = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.chmod": (0,),
-                 "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,), "os.chflags": (0,),
-                 "os.setxattr": (0,), "os.removexattr": (0,), "os.rename": (0, 1),
-                 "os.link": (0, 1), "os.symlink": (1,), "shutil.rmtree": (0,),
-                 "shutil.move": (0, 1), "shutil.chown": (0,)}
-  spawn = frozenset({"os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen",
-                     "pty.spawn", "os.startfile", "os.forkpty"})
-  network = frozenset({"socket.bind", "socket.connect", "socket.sendto", "socket.sendmsg",
-                       "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
-                       "socket.getnameinfo", "socket.sethostname", "urllib.Request"})
+  path_events = {
+      "os.remove": (0,),
+      "os.rmdir": (0,),
+      "os.mkdir": (0,),
+      "os.chmod": (0,),
+      "os.chown": (0,),
+      "os.truncate": (0,),
+      "os.utime": (0,),
+      "os.chflags": (0,),
+      "os.setxattr": (0,),
+      "os.removexattr": (0,),
+      "os.rename": (0, 1),
+      "os.link": (0, 1),
+      "os.symlink": (1,),
+      "shutil.rmtree": (0,),
+      "shutil.move": (0, 1),
+      "shutil.chown": (0,),
+  }
+  spawn = frozenset(
+      {
+          "os.exec",
+          "os.posix_spawn",
+          "os.spawn",
+          "os.system",
+          "subprocess.Popen",
+          "pty.spawn",
+          "os.startfile",
+          "os.forkpty",
+      }
+  )
+  network = frozenset(
+      {
+          "socket.bind",
+          "socket.connect",
+          "socket.sendto",
+          "socket.sendmsg",
+          "socket.getaddrinfo",
+          "socket.gethostbyname",
+          "socket.gethostbyaddr",
+          "socket.getnameinfo",
+          "socket.sethostname",
+          "urllib.Request",
+      }
+  )
   unix, blocked = 1, BLOCKED_MODULES  # AF_UNIX: unconnected pairs only (asyncio's self-pipe)
 
   def inside(path, roots) -> bool:
@@ -206,8 +283,9 @@ def make_hook(root: str, readable: tuple):
       return
     if not inside(path, roots):
       where = "" if roots is writable else " and the Python installation"
-      raise PermissionError(f"sandbox: {what} outside the working directory{where} is "
-                            f"blocked: {path!r}")
+      raise PermissionError(
+          f"sandbox: {what} outside the working directory{where} is blocked: {path!r}"
+      )
 
   def hook(event, args):
     if event == "open":
@@ -215,7 +293,8 @@ def make_hook(root: str, readable: tuple):
       if path is None or isinstance(path, int) or fsdecode(path) == devnull:
         return
       if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-          isinstance(flags, int) and flags & write_flags):
+          isinstance(flags, int) and flags & write_flags
+      ):
         check(path, writable, "writing")
       else:
         check(path, readable, "reading")
@@ -282,7 +361,7 @@ def main():
     rec["nonce"] = nonce
     data = (dumps(rec) + "\n").encode()
     while data:
-      data = data[write(out, data):]
+      data = data[write(out, data) :]
 
   try:
     done = confine(spec)
@@ -292,6 +371,7 @@ def main():
       for name in [m for m in sys.modules if m.partition(".")[0] in BLOCKED_MODULES]:
         del sys.modules[name]  # a later import is refused by the hook
       import _posixsubprocess
+
       _posixsubprocess.fork_exec = _no_exec
       sys.addaudithook(make_hook(root, readable))
   except BaseException as e:
@@ -326,6 +406,7 @@ def main():
       res = describe(e)
       try:
         import traceback
+
         traceback.print_exception(type(e), e, e.__traceback__.tb_next)
       except BaseException:
         pass
@@ -353,8 +434,14 @@ def main():
         except BaseException as e:
           res = describe(e)
           timeouts += res[0] == "timeout"
-      emit(kind="assert", i=i, status=res[0], error_type=res[1], error_message=res[2],
-           duration_s=clock() - t0)
+      emit(
+          kind="assert",
+          i=i,
+          status=res[0],
+          error_type=res[1],
+          error_message=res[2],
+          duration_s=clock() - t0,
+      )
   for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
     try:
       s.flush()

@@ -7,6 +7,7 @@ out (and, with a per-run uid, every process of that uid afterwards), and
 returns the records the harness wrote with the run's nonce and the truncated
 stdout and stderr. What the records mean is `mtrl_jax.envs.sandbox`'s business.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +31,7 @@ _UID_BASE = 1_000_000  # per-run uids live in [1e6, 1e6 + 65536 * 256)
 @dataclasses.dataclass(frozen=True)
 class Limits:
   """Resource limits of one run (validated by the caller)."""
+
   memory_mb: int
   max_processes: int
   cpu_time_s: int
@@ -42,6 +44,7 @@ class Limits:
 class Raw:
   """What one run left: the harness's records (with the run's nonce), how it ended, its
   output."""
+
   records: list
   returncode: int | None
   timed_out: bool
@@ -87,20 +90,48 @@ def execute(spec: dict, wall_s: float, limits: Limits, mode: str) -> Raw:
   try:
     if uid is not None:
       os.chown(workdir, uid, uid)
-    spec = dict(spec, result_fd=res.fileno(), nonce=secrets.token_hex(16), uid=uid,
-                read_cap=mode == "drop_uid_read", namespaces=True, new_root=new_root,
-                cap=_MESSAGE_CAP, block_writes=limits.block_outside_writes, limits={
-                    "cpu_s": limits.cpu_time_s, "nproc": nproc,
-                    "as_bytes": limits.memory_mb << 20, "file_bytes": limits.max_file_mb << 20})
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-           "HOME": workdir, "TMPDIR": workdir, "PYTHONHASHSEED": "0",
-           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    spec = dict(
+        spec,
+        result_fd=res.fileno(),
+        nonce=secrets.token_hex(16),
+        uid=uid,
+        read_cap=mode == "drop_uid_read",
+        namespaces=True,
+        new_root=new_root,
+        cap=_MESSAGE_CAP,
+        block_writes=limits.block_outside_writes,
+        limits={
+            "cpu_s": limits.cpu_time_s,
+            "nproc": nproc,
+            "as_bytes": limits.memory_mb << 20,
+            "file_bytes": limits.max_file_mb << 20,
+        },
+    )
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "PYTHONHASHSEED": "0",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONIOENCODING": "utf-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
     flags = ["-s", "-B"] + (["-P"] if sys.version_info >= (3, 11) else [])
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, *flags, "-c", _harness()], stdin=subprocess.PIPE,
-                            stdout=out, stderr=err, cwd=workdir, env=env,
-                            pass_fds=(res.fileno(),), start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *flags, "-c", _harness()],
+        stdin=subprocess.PIPE,
+        stdout=out,
+        stderr=err,
+        cwd=workdir,
+        env=env,
+        pass_fds=(res.fileno(),),
+        start_new_session=True,
+    )
     # A timer thread and a blocking wait: Popen.wait(timeout) polls with
     # sleeps of up to 50 ms, which would dominate short runs.
     expired = threading.Event()
@@ -137,8 +168,9 @@ def execute(spec: dict, wall_s: float, limits: Limits, mode: str) -> Raw:
       if isinstance(rec, dict) and rec.get("nonce") == spec["nonce"]:
         records.append(rec)
     cap = limits.max_output_bytes
-    return Raw(records, proc.returncode, expired.is_set(), decode(out, cap),
-               decode(err, cap), duration)
+    return Raw(
+        records, proc.returncode, expired.is_set(), decode(out, cap), decode(err, cap), duration
+    )
   finally:
     for f in (out, err, res):
       f.close()
@@ -200,6 +232,7 @@ def rmtree(path: str) -> None:
       func(p)
     except OSError:
       logging.warning("sandbox: could not remove %s", p)
+
   shutil.rmtree(path, **({"onexc": fix} if sys.version_info >= (3, 12) else {"onerror": fix}))
 
 

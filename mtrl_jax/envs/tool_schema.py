@@ -18,7 +18,8 @@ from typing import Any, Literal, Union
 
 _SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean"}
 _SECTION = re.compile(
-    r"^\s*(Args|Arguments|Returns|Raises|Yields|Example|Examples|Note|Notes):\s*$")
+    r"^\s*(Args|Arguments|Returns|Raises|Yields|Example|Examples|Note|Notes):\s*$"
+)
 
 
 def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
@@ -96,7 +97,8 @@ def type_schema(tp, where: str = "annotation") -> dict:
     return {}
   raise TypeError(
       f"{where}: unsupported type {tp!r}; allowed: int, float, str, bool, list[T], "
-      "dict[str, T], Optional[T], Literal[...]")
+      "dict[str, T], Optional[T], Literal[...]"
+  )
 
 
 def function_schema(fn) -> tuple[str, dict]:
@@ -125,8 +127,12 @@ def function_schema(fn) -> tuple[str, dict]:
     else:
       required.append(name)
     props[name] = schema
-  params = {"type": "object", "properties": props, "required": required,
-            "additionalProperties": False}
+  params = {
+      "type": "object",
+      "properties": props,
+      "required": required,
+      "additionalProperties": False,
+  }
   return summary, params
 
 
@@ -156,8 +162,11 @@ def _check(value, schema: dict, path: str, errors: list[str]):
     return float(value)
   if t == "array" and "items" in schema:
     return [_check(v, schema["items"], f"{path}[{i}]", errors) for i, v in enumerate(value)]
-  if t == "object" and "additionalProperties" in schema and isinstance(
-      schema["additionalProperties"], dict):
+  if (
+      t == "object"
+      and "additionalProperties" in schema
+      and isinstance(schema["additionalProperties"], dict)
+  ):
     sub = schema["additionalProperties"]
     return {k: _check(v, sub, f"{path}.{k}", errors) for k, v in value.items()}
   return value

@@ -39,8 +39,15 @@ from typing import Any, Callable, Iterable, Optional
 
 from mtrl_jax.envs.core import Thread, Turn
 from mtrl_jax.envs.fault_report import exception_location
-from mtrl_jax.envs.faults import (MODEL_CAUSED, Fault, FaultKind, FaultTimeoutError,
-                                  ToolError, call_with_timeout, classify)
+from mtrl_jax.envs.faults import (
+    MODEL_CAUSED,
+    Fault,
+    FaultKind,
+    FaultTimeoutError,
+    ToolError,
+    call_with_timeout,
+    classify,
+)
 from mtrl_jax.envs.tool_schema import function_schema, validate_arguments
 from mtrl_jax.resources import SharedResource
 
@@ -80,9 +87,15 @@ class Tool:
     return {"name": self.name, "description": self.description, "parameters": self.parameters}
 
 
-def tool(fn: Optional[Callable] = None, *, name: Optional[str] = None,
-         description: Optional[str] = None, timeout_s: Optional[float] = 10.0,
-         cacheable: bool = False, model_errors: tuple = ()):
+def tool(
+    fn: Optional[Callable] = None,
+    *,
+    name: Optional[str] = None,
+    description: Optional[str] = None,
+    timeout_s: Optional[float] = 10.0,
+    cacheable: bool = False,
+    model_errors: tuple = (),
+):
   """Decorator turning a typed Python function into a `Tool`.
 
   Usable bare (`@tool`) or with options (`@tool(timeout_s=1.0, cacheable=True)`).
@@ -106,9 +119,15 @@ def tool(fn: Optional[Callable] = None, *, name: Optional[str] = None,
 
   def wrap(f):
     summary, params = function_schema(f)
-    return Tool(fn=f, name=name or f.__name__, description=description or summary,
-                parameters=params, timeout_s=timeout_s, cacheable=cacheable,
-                model_errors=model_errors)
+    return Tool(
+        fn=f,
+        name=name or f.__name__,
+        description=description or summary,
+        parameters=params,
+        timeout_s=timeout_s,
+        cacheable=cacheable,
+        model_errors=model_errors,
+    )
 
   return wrap(fn) if fn is not None else wrap
 
@@ -150,8 +169,7 @@ class ToolCache(SharedResource):
     return len(self._data)
 
   def metrics(self, prefix: str = "tool_cache/") -> dict[str, int]:
-    return {f"{prefix}hits": self.hits, f"{prefix}misses": self.misses,
-            f"{prefix}size": len(self)}
+    return {f"{prefix}hits": self.hits, f"{prefix}misses": self.misses, f"{prefix}size": len(self)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,8 +219,12 @@ def cap_tool_turns(thread: Thread, start: int, max_chars: int) -> Thread:
   for i in range(start, len(turns)):
     t = turns[i]
     if t.role == "tool" and len(t.content) > max_chars:
-      turns[i] = Turn("tool", cap_output(t.content, max_chars), t.name,
-                      {**t.metadata, "truncated_chars": len(t.content)})
+      turns[i] = Turn(
+          "tool",
+          cap_output(t.content, max_chars),
+          t.name,
+          {**t.metadata, "truncated_chars": len(t.content)},
+      )
   return thread if turns == list(thread.turns) else thread.replace(turns=tuple(turns))
 
 
@@ -230,9 +252,15 @@ class ToolSet:
 
   fault_source = "tool"
 
-  def __init__(self, tools: Iterable = (), *, cache: Optional[ToolCache] = None,
-               max_retries: int = 1, max_calls: Optional[int] = None,
-               max_result_chars: Optional[int] = None):
+  def __init__(
+      self,
+      tools: Iterable = (),
+      *,
+      cache: Optional[ToolCache] = None,
+      max_retries: int = 1,
+      max_calls: Optional[int] = None,
+      max_result_chars: Optional[int] = None,
+  ):
     if max_retries < 0:
       raise ValueError(f"ToolSet max_retries={max_retries}; must be >= 0")
     self._tools: dict[str, Tool] = {}
@@ -275,29 +303,43 @@ class ToolSet:
     return "\n".join(lines)
 
   # ------------------------------------------------------------------ execution
-  def _error(self, name: str, kind: FaultKind, message: str, arguments=None,
-             retries: int = 0, elapsed: float = 0.0, where: str = ""):
+  def _error(
+      self,
+      name: str,
+      kind: FaultKind,
+      message: str,
+      arguments=None,
+      retries: int = 0,
+      elapsed: float = 0.0,
+      where: str = "",
+  ):
     fault = Fault(kind, f"tool:{name}", message, retries, where)
-    turn = Turn("tool", f"error: {message}", name=name, metadata={"ok": False,
-                                                                   "fault": kind.value})
+    turn = Turn("tool", f"error: {message}", name=name, metadata={"ok": False, "fault": kind.value})
     return turn, ToolCallRecord(name, arguments, False, turn.content, fault, False, elapsed)
 
   def call(self, name: str, arguments: Any) -> tuple[Turn, ToolCallRecord]:
     """Validates and runs one call; never raises: failures become error turns."""
     if name not in self._tools:
-      return self._error(name, FaultKind.TOOL_ERROR,
-                         f"unknown tool {name!r}; available: {self.names}", arguments)
+      return self._error(
+          name, FaultKind.TOOL_ERROR, f"unknown tool {name!r}; available: {self.names}", arguments
+      )
     t = self._tools[name]
     args, problems = validate_arguments(t.parameters, arguments)
     if problems:
-      return self._error(name, FaultKind.TOOL_ERROR,
-                         f"invalid arguments for {name!r}: " + "; ".join(problems), arguments)
+      return self._error(
+          name,
+          FaultKind.TOOL_ERROR,
+          f"invalid arguments for {name!r}: " + "; ".join(problems),
+          arguments,
+      )
     key = (name, canonical_arguments(args))
     if t.cacheable:
       hit, value = self.cache.get(key)
       if hit:
-        return (Turn("tool", value, name=name, metadata={"ok": True, "cached": True}),
-                ToolCallRecord(name, args, True, value, None, True, 0.0))
+        return (
+            Turn("tool", value, name=name, metadata={"ok": True, "cached": True}),
+            ToolCallRecord(name, args, True, value, None, True, 0.0),
+        )
     start, retries = time.perf_counter(), 0
     while True:
       try:
@@ -309,8 +351,11 @@ class ToolSet:
         if kind == FaultKind.INFRASTRUCTURE and retries < self.max_retries:
           retries += 1
           continue
-        msg = str(e) if declared or isinstance(e, (ToolError, FaultTimeoutError)) else (
-            f"tool {name!r} failed ({type(e).__name__}: {e})")
+        msg = (
+            str(e)
+            if declared or isinstance(e, (ToolError, FaultTimeoutError))
+            else (f"tool {name!r} failed ({type(e).__name__}: {e})")
+        )
         if kind == FaultKind.MODEL_FORMAT:  # a tool raising ModelFormatError
           kind = FaultKind.TOOL_ERROR
         where, location = getattr(t.fn, "__qualname__", name), exception_location(e)
@@ -320,8 +365,10 @@ class ToolSet:
     text = cap_output(text, self.max_result_chars)
     if t.cacheable:
       self.cache.put(key, text)
-    return (Turn("tool", text, name=name, metadata={"ok": True}),
-            ToolCallRecord(name, args, True, text, None, False, time.perf_counter() - start))
+    return (
+        Turn("tool", text, name=name, metadata={"ok": True}),
+        ToolCallRecord(name, args, True, text, None, False, time.perf_counter() - start),
+    )
 
   def execute(self, text: str) -> ToolResults:
     """Parses the `<tool_call>`s in a policy message and runs them in order.
@@ -334,6 +381,7 @@ class ToolSet:
       malformed message) and the faults; no calls -> empty results.
     """
     from mtrl_jax.text.tool_calls import ToolCallError, parse_tool_calls
+
     try:
       calls = parse_tool_calls(text)
     except ToolCallError as e:
@@ -342,12 +390,16 @@ class ToolSet:
     turns, records = [], []
     for i, c in enumerate(calls):
       if self.max_calls is not None and i >= self.max_calls:
-        turn, rec = self._error(c.name, FaultKind.TOOL_ERROR,
-                                f"too many tool calls in one message (max {self.max_calls})",
-                                c.arguments)
+        turn, rec = self._error(
+            c.name,
+            FaultKind.TOOL_ERROR,
+            f"too many tool calls in one message (max {self.max_calls})",
+            c.arguments,
+        )
       else:
         turn, rec = self.call(c.name, c.arguments)
       turns.append(turn)
       records.append(rec)
-    return ToolResults(tuple(turns), tuple(records),
-                       tuple(r.fault for r in records if r.fault is not None))
+    return ToolResults(
+        tuple(turns), tuple(records), tuple(r.fault for r in records if r.fault is not None)
+    )

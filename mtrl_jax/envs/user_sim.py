@@ -28,7 +28,8 @@ DEFAULT_PROMPT = (
     "Your goal: {goal}\n\n"
     "Conversation so far:\n{transcript}\n\n"
     "Write the USER's next message only. If your goal has been met, or the assistant "
-    "cannot help, write {done_marker} instead.")
+    "cannot help, write {done_marker} instead."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +93,17 @@ class LLMUserSimulator(SharedResource):
 
   fault_source = "user_sim"
 
-  def __init__(self, generator, persona: str, goal: str, *, done_marker: str = "[DONE]",
-               template: str = DEFAULT_PROMPT, sampling: Any = None,
-               max_chars: Optional[int] = 2000):
+  def __init__(
+      self,
+      generator,
+      persona: str,
+      goal: str,
+      *,
+      done_marker: str = "[DONE]",
+      template: str = DEFAULT_PROMPT,
+      sampling: Any = None,
+      max_chars: Optional[int] = 2000,
+  ):
     if not hasattr(generator, "generate"):
       raise TypeError(f"LLMUserSimulator: generator {generator!r} has no generate()")
     if not done_marker:
@@ -113,18 +122,23 @@ class LLMUserSimulator(SharedResource):
     self.conversations_done = 0
 
   def prompt(self, thread: Thread) -> str:
-    return self.template.format(persona=self.persona, goal=self.goal,
-                                transcript=_transcript(thread), done_marker=self.done_marker)
+    return self.template.format(
+        persona=self.persona,
+        goal=self.goal,
+        transcript=_transcript(thread),
+        done_marker=self.done_marker,
+    )
 
   def _parse(self, text: str) -> UserReply:
     text = text.strip()
     if self.done_marker in text:
       return UserReply(text.split(self.done_marker, 1)[0].strip(), True)
     if not text:
-      raise InfrastructureError("user simulator produced an empty message without "
-                                f"{self.done_marker!r}")
+      raise InfrastructureError(
+          f"user simulator produced an empty message without {self.done_marker!r}"
+      )
     if self.max_chars is not None:
-      text = text[:self.max_chars]
+      text = text[: self.max_chars]
     return UserReply(text, False)
 
   def reply_batch(self, threads: Sequence[Thread]) -> list[UserReply]:
@@ -138,8 +152,9 @@ class LLMUserSimulator(SharedResource):
     except Exception as e:  # the simulator is infrastructure, never the policy's fault
       raise InfrastructureError(f"user simulator failed: {type(e).__name__}: {e}") from e
     if len(texts) != len(threads):
-      raise InfrastructureError(f"user simulator returned {len(texts)} messages for "
-                                f"{len(threads)} threads")
+      raise InfrastructureError(
+          f"user simulator returned {len(texts)} messages for {len(threads)} threads"
+      )
     replies = [self._parse(t) for t in texts]
     with self._lock:
       self.turns_generated += sum(not r.done for r in replies)

@@ -19,8 +19,15 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 from mtrl_jax.envs.grades import Grade, as_grade
 from mtrl_jax.registry import Registry
 
-__all__ = ["SCOPES", "CombinedGrader", "FunctionGrader", "GRADERS", "Grader",
-           "register_grader", "resolve_grader"]
+__all__ = [
+    "SCOPES",
+    "CombinedGrader",
+    "FunctionGrader",
+    "GRADERS",
+    "Grader",
+    "register_grader",
+    "resolve_grader",
+]
 
 SCOPES = ("trajectory", "turn")
 
@@ -86,8 +93,13 @@ class CombinedGrader(Grader):
     normalize: divide by the sum of weights.
   """
 
-  def __init__(self, graders: Union[Sequence, Mapping], name: str = "combined",
-               scope: str = "trajectory", normalize: bool = True):
+  def __init__(
+      self,
+      graders: Union[Sequence, Mapping],
+      name: str = "combined",
+      scope: str = "trajectory",
+      normalize: bool = True,
+  ):
     super().__init__(name, scope)
     items = graders.items() if isinstance(graders, Mapping) else [(None, g) for g in graders]
     self.parts: list[tuple[str, Grader, float]] = []

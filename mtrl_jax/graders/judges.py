@@ -26,7 +26,8 @@ DEFAULT_TEMPLATE = (
     "You are grading an AI assistant.\n"
     "Criteria: {criteria}\n\n"
     "Conversation:\n{transcript}\n\n"
-    "{focus}{instruction}")
+    "{focus}{instruction}"
+)
 
 
 def render_transcript(thread, include_system: bool = False) -> str:
@@ -47,9 +48,16 @@ class _JudgeGrader(Grader):
   choices: tuple = ()
   instruction: str = ""
 
-  def __init__(self, generator, criteria: str, name: str, scope: str = "trajectory",
-               template: str = DEFAULT_TEMPLATE, include_system: bool = False,
-               choices: Optional[Sequence[str]] = None):
+  def __init__(
+      self,
+      generator,
+      criteria: str,
+      name: str,
+      scope: str = "trajectory",
+      template: str = DEFAULT_TEMPLATE,
+      include_system: bool = False,
+      choices: Optional[Sequence[str]] = None,
+  ):
     super().__init__(name, scope)
     if not hasattr(generator, "score_choices"):
       raise TypeError(f"{type(self).__name__}: generator {generator!r} has no score_choices")
@@ -64,16 +72,21 @@ class _JudgeGrader(Grader):
     self.include_system = include_system
     if choices is not None:
       if len(choices) != len(self.choices):
-        raise ValueError(f"{type(self).__name__}: choices={list(choices)}; need "
-                         f"{len(self.choices)} strings like {list(self.choices)}")
+        raise ValueError(
+            f"{type(self).__name__}: choices={list(choices)}; need "
+            f"{len(self.choices)} strings like {list(self.choices)}"
+        )
       self.choices = tuple(choices)
 
   def prompt(self, thread) -> str:
     """The judge prompt for one thread."""
-    focus = ("Judge only the last [ASSISTANT] message.\n" if self.scope == "turn" else "")
-    return self.template.format(criteria=self.criteria,
-                                transcript=render_transcript(thread, self.include_system),
-                                focus=focus, instruction=self.instruction)
+    focus = "Judge only the last [ASSISTANT] message.\n" if self.scope == "turn" else ""
+    return self.template.format(
+        criteria=self.criteria,
+        transcript=render_transcript(thread, self.include_system),
+        focus=focus,
+        instruction=self.instruction,
+    )
 
   def _logprobs(self, threads) -> np.ndarray:
     prompts = [self.prompt(t) for t in threads]
@@ -82,8 +95,10 @@ class _JudgeGrader(Grader):
     except Exception as e:  # the judge model is infrastructure, never the policy's fault
       raise InfrastructureError(f"judge {self.name!r} failed: {type(e).__name__}: {e}") from e
     if lp.shape != (len(prompts), len(self.choices)):
-      raise InfrastructureError(f"judge {self.name!r}: score_choices returned shape {lp.shape}, "
-                                f"expected {(len(prompts), len(self.choices))}")
+      raise InfrastructureError(
+          f"judge {self.name!r}: score_choices returned shape {lp.shape}, "
+          f"expected {(len(prompts), len(self.choices))}"
+      )
     if np.isnan(lp).any() or np.isneginf(lp).all(axis=1).any():
       raise InfrastructureError(f"judge {self.name!r}: no probability on any choice ({lp})")
     return lp

@@ -25,8 +25,12 @@ from typing import Mapping, Optional
 import jax
 import jax.numpy as jnp
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                "seq-mean-token-sum-norm")
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 
 
 class Sequences:
@@ -46,8 +50,9 @@ class Sequences:
       self.gid = None
       self.num = b
     else:
-      self.gid = (jnp.arange(b, dtype=jnp.int32)[:, None] * l
-                  + sequence_ids_BxL.astype(jnp.int32)).reshape(-1)
+      self.gid = (
+          jnp.arange(b, dtype=jnp.int32)[:, None] * l + sequence_ids_BxL.astype(jnp.int32)
+      ).reshape(-1)
       self.num = b * l
 
   def sum(self, x_BxL):
@@ -75,8 +80,9 @@ class Sequences:
     return self.mask & (pos == seg_first[self.gid]).reshape(self.shape)
 
 
-def aggregate(x_BxL, mask_BxL, aggregation: str, max_len: Optional[int] = None,
-              sequence_ids_BxL=None):
+def aggregate(
+    x_BxL, mask_BxL, aggregation: str, max_len: Optional[int] = None, sequence_ids_BxL=None
+):
   """Reduces a per-token quantity to (num, den) with value num / den.
 
   Args:
@@ -178,14 +184,16 @@ def finalize_metrics(s: Mapping) -> dict:
     if key + "_sum" in s:
       out[key] = per_tok(key + "_sum")
   if "is_weight_sum" in s:
-    out.update({
-        "is_weight_mean": per_tok("is_weight_sum"),
-        "is_truncated": s["is_truncated_sum"],
-        "is_truncated_frac": per_tok("is_truncated_sum"),
-        "is_masked": s["is_masked_sum"],
-        "is_masked_frac": per_tok("is_masked_sum"),
-        "is_ratio_min": if_any(tokens, s["is_ratio_min"]),
-        "is_ratio_max": if_any(tokens, s["is_ratio_max"]),
-        "sampler_gap": per_tok("sampler_gap_sum"),
-    })
+    out.update(
+        {
+            "is_weight_mean": per_tok("is_weight_sum"),
+            "is_truncated": s["is_truncated_sum"],
+            "is_truncated_frac": per_tok("is_truncated_sum"),
+            "is_masked": s["is_masked_sum"],
+            "is_masked_frac": per_tok("is_masked_sum"),
+            "is_ratio_min": if_any(tokens, s["is_ratio_min"]),
+            "is_ratio_max": if_any(tokens, s["is_ratio_max"]),
+            "sampler_gap": per_tok("sampler_gap_sum"),
+        }
+    )
   return out

@@ -59,8 +59,10 @@ def target_logprobs(logits_BxKxV, targets_BxK, *, temperature: float = 1.0):
   path (`rollout.tree_packing`), so logits and targets already line up.
   """
   if logits_BxKxV.ndim != 3 or logits_BxKxV.shape[:2] != targets_BxK.shape:
-    raise ValueError(f"target_logprobs: logits shape {logits_BxKxV.shape} does not match "
-                     f"targets {targets_BxK.shape}")
+    raise ValueError(
+        f"target_logprobs: logits shape {logits_BxKxV.shape} does not match "
+        f"targets {targets_BxK.shape}"
+    )
   logits = _float(logits_BxKxV)
   if temperature != 1.0:
     logits = logits / temperature
@@ -100,8 +102,9 @@ def token_entropy(logits_BxLxV, *, temperature: float = 1.0):
   return _shift_pad(-jnp.sum(q * logq, axis=-1))
 
 
-def chunked_token_logprobs(hidden_BxLxD, weight_DxV, tokens_BxL, chunk_size: int, *,
-                           temperature: float = 1.0):
+def chunked_token_logprobs(
+    hidden_BxLxD, weight_DxV, tokens_BxL, chunk_size: int, *, temperature: float = 1.0
+):
   """`token_logprobs(hidden @ weight, tokens)` without materialising [B, L, V]
   (`chunked_target_logprobs` with the row alignment: logp[:, 0] = 0).
 
@@ -116,13 +119,16 @@ def chunked_token_logprobs(hidden_BxLxD, weight_DxV, tokens_BxL, chunk_size: int
     logp_BxL, float32, logp[:, 0] = 0.
   """
   _check("chunked_token_logprobs: hidden_BxLxD", hidden_BxLxD, tokens_BxL, 3)
-  return _shift_pad(chunked_target_logprobs(hidden_BxLxD[:, :-1], weight_DxV,
-                                            tokens_BxL[:, 1:], chunk_size,
-                                            temperature=temperature))
+  return _shift_pad(
+      chunked_target_logprobs(
+          hidden_BxLxD[:, :-1], weight_DxV, tokens_BxL[:, 1:], chunk_size, temperature=temperature
+      )
+  )
 
 
-def chunked_target_logprobs(hidden_BxKxD, weight_DxV, targets_BxK, chunk_size: int, *,
-                            temperature: float = 1.0):
+def chunked_target_logprobs(
+    hidden_BxKxD, weight_DxV, targets_BxK, chunk_size: int, *, temperature: float = 1.0
+):
   """`target_logprobs(hidden @ weight, targets)` without materialising [B, K, V].
 
   The log-normaliser is a running logsumexp over vocabulary chunks inside a
@@ -142,11 +148,15 @@ def chunked_target_logprobs(hidden_BxKxD, weight_DxV, targets_BxK, chunk_size: i
     logp_BxK, float32.
   """
   if hidden_BxKxD.ndim != 3 or hidden_BxKxD.shape[:2] != targets_BxK.shape:
-    raise ValueError(f"chunked_target_logprobs: hidden shape {hidden_BxKxD.shape} does not "
-                     f"match targets {targets_BxK.shape}")
+    raise ValueError(
+        f"chunked_target_logprobs: hidden shape {hidden_BxKxD.shape} does not "
+        f"match targets {targets_BxK.shape}"
+    )
   if weight_DxV.ndim != 2 or weight_DxV.shape[0] != hidden_BxKxD.shape[-1]:
-    raise ValueError(f"chunked_target_logprobs: weight_DxV shape {weight_DxV.shape} does not "
-                     f"match hidden width {hidden_BxKxD.shape[-1]}")
+    raise ValueError(
+        f"chunked_target_logprobs: weight_DxV shape {weight_DxV.shape} does not "
+        f"match hidden width {hidden_BxKxD.shape[-1]}"
+    )
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
     raise ValueError(f"chunked_target_logprobs: chunk_size={chunk_size!r}; needs a positive int")
   h = hidden_BxKxD
@@ -156,22 +166,23 @@ def chunked_target_logprobs(hidden_BxKxD, weight_DxV, targets_BxK, chunk_size: i
   def add_chunk(carry, start, size):
     run_max, run_sum, picked = carry
     w = jax.lax.dynamic_slice_in_dim(weight_DxV, start, size, axis=1)
-    logits = jnp.einsum("bld,dv->blv", h, w.astype(h.dtype),
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bld,dv->blv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
     if temperature != 1.0:
       logits = logits / temperature
     # The shift only stabilises exp; the result does not depend on it.
     new_max = jnp.maximum(run_max, jax.lax.stop_gradient(logits.max(-1)))
-    run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(
-        logits - new_max[..., None]).sum(-1)
+    run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(logits - new_max[..., None]).sum(-1)
     local = targets - start
     inside = (local >= 0) & (local < size)
     hit = jnp.take_along_axis(logits, jnp.clip(local, 0, size - 1)[..., None], axis=-1)[..., 0]
     return new_max, run_sum, picked + jnp.where(inside, hit, 0.0)
 
   shape = targets.shape
-  carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-           jnp.zeros(shape, jnp.float32))
+  carry = (
+      jnp.full(shape, -jnp.inf, jnp.float32),
+      jnp.zeros(shape, jnp.float32),
+      jnp.zeros(shape, jnp.float32),
+  )
   num_full, tail = divmod(vocab, chunk_size)
   if num_full:
     body = jax.checkpoint(lambda c, i: (add_chunk(c, i * chunk_size, chunk_size), None))

@@ -81,8 +81,7 @@ def importance_weights(old_logp, sampler_logp, mask, mode: str, cap: float, seqs
     seq_log_rho_S = seqs.sum(log_rho) / jnp.maximum(ntok_S, 1)
     out_S = jnp.abs(seq_log_rho_S) > log_cap
     dropped = mask & seqs.per_token(out_S)
-    w = seqs.per_token(jnp.where(out_S, 0.0, jnp.exp(jnp.clip(seq_log_rho_S, -log_cap,
-                                                                  log_cap))))
+    w = seqs.per_token(jnp.where(out_S, 0.0, jnp.exp(jnp.clip(seq_log_rho_S, -log_cap, log_cap))))
   w = jnp.where(mask, w, 0.0)
   ratio_sg = jnp.exp(jnp.where(mask, log_rho, 0.0))
   sums = {

@@ -137,8 +137,12 @@ class LossConfig:
   is_cap: float = 2.0
 
   def __post_init__(self):
-    for name, allowed in (("algorithm", ALGORITHMS), ("aggregation", AGGREGATIONS),
-                          ("kl_estimator", KL_ESTIMATORS), ("is_correction", CORRECTIONS)):
+    for name, allowed in (
+        ("algorithm", ALGORITHMS),
+        ("aggregation", AGGREGATIONS),
+        ("kl_estimator", KL_ESTIMATORS),
+        ("is_correction", CORRECTIONS),
+    ):
       value = getattr(self, name)
       if value not in allowed:
         raise ValueError(f"LossConfig.{name}={value!r}; allowed: {list(allowed)}")
@@ -147,8 +151,10 @@ class LossConfig:
       if not _is_real(value) or value < 0:
         raise ValueError(f"LossConfig.{name}={value!r}; must be a finite number >= 0")
     if not _is_real(self.is_cap) or self.is_cap <= 1:
-      raise ValueError(f"LossConfig.is_cap={self.is_cap!r}; must be a finite number > 1 (the "
-                       "correction keeps ratios in [1/is_cap, is_cap])")
+      raise ValueError(
+          f"LossConfig.is_cap={self.is_cap!r}; must be a finite number > 1 (the "
+          "correction keeps ratios in [1/is_cap, is_cap])"
+      )
     algorithm = ALGORITHM_TABLE[self.algorithm]
     if algorithm.clipped:
       # eps = 0 makes every token sit on a clip boundary; eps_low >= 1 puts the
@@ -157,41 +163,63 @@ class LossConfig:
         if getattr(self, name) == 0:
           raise ValueError(
               f"LossConfig.{name}=0 with algorithm={self.algorithm!r}; the clip range "
-              f"must be non-empty (use algorithm='reinforce' for an unclipped loss)")
+              f"must be non-empty (use algorithm='reinforce' for an unclipped loss)"
+          )
       if self.clip_eps_low >= 1:
         raise ValueError(
             f"LossConfig.clip_eps_low={self.clip_eps_low!r} with algorithm="
-            f"{self.algorithm!r}; must be < 1 (the lower clip bound is 1 - clip_eps_low)")
+            f"{self.algorithm!r}; must be < 1 (the lower clip bound is 1 - clip_eps_low)"
+        )
     if algorithm.per_sequence and self.aggregation in _TOKEN_SUM_AGGREGATIONS:
       raise ValueError(
           f"LossConfig.algorithm={self.algorithm!r} with aggregation={self.aggregation!r} is "
           f"unsafe: the sequence ratio is a per-row quantity and a token-sum aggregation scales it by "
-          f"the row's length; use aggregation 'seq-mean-token-mean' or 'token-mean'")
+          f"the row's length; use aggregation 'seq-mean-token-mean' or 'token-mean'"
+      )
     if self.aggregation == "seq-mean-token-sum-norm":
-      if (not isinstance(self.max_len, numbers.Integral) or isinstance(self.max_len, bool)
-          or self.max_len <= 0):
+      if (
+          not isinstance(self.max_len, numbers.Integral)
+          or isinstance(self.max_len, bool)
+          or self.max_len <= 0
+      ):
         raise ValueError(
             f"LossConfig.max_len={self.max_len!r} with aggregation="
             f"'seq-mean-token-sum-norm'; needs a positive int (the fixed length each "
-            f"row's sum is divided by)")
+            f"row's sum is divided by)"
+        )
 
   def replace(self, **kw) -> "LossConfig":
     return dataclasses.replace(self, **kw)
 
 
-def _check_shapes(logp, old_logp, ref_logp, adv, mask, entropy, cfg: LossConfig,
-                  action_ids=None, sampler_logp=None):
+def _check_shapes(
+    logp,
+    old_logp,
+    ref_logp,
+    adv,
+    mask,
+    entropy,
+    cfg: LossConfig,
+    action_ids=None,
+    sampler_logp=None,
+):
   if logp.ndim != 2:
     raise ValueError(f"policy_loss: logp must be [B, L]; got shape {logp.shape}")
   shape = logp.shape
-  for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask),
-                  ("entropy", entropy), ("action_ids", action_ids),
-                  ("sampler_logp", sampler_logp)):
+  for name, x in (
+      ("old_logp", old_logp),
+      ("ref_logp", ref_logp),
+      ("mask", mask),
+      ("entropy", entropy),
+      ("action_ids", action_ids),
+      ("sampler_logp", sampler_logp),
+  ):
     if x is not None and x.shape != shape:
       raise ValueError(f"policy_loss: {name} shape {x.shape} != logp shape {shape}")
   if adv.shape not in (shape[:1], shape):
     raise ValueError(
-        f"policy_loss: adv shape {adv.shape}; allowed: [B]={shape[:1]} or [B, L]={shape}")
+        f"policy_loss: adv shape {adv.shape}; allowed: [B]={shape[:1]} or [B, L]={shape}"
+    )
   if ref_logp is None and cfg.kl_coef != 0:
     raise ValueError(f"policy_loss: ref_logp is None but LossConfig.kl_coef={cfg.kl_coef}")
 
@@ -205,8 +233,18 @@ def _kl(d_BxL, estimator: str):
   return jnp.expm1(d_BxL) - d_BxL
 
 
-def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None,
-                      action_ids=None, sampler_logp=None):
+def policy_loss_terms(
+    logp,
+    old_logp,
+    ref_logp,
+    adv,
+    mask,
+    cfg: LossConfig,
+    *,
+    entropy=None,
+    action_ids=None,
+    sampler_logp=None,
+):
   """The loss as an exact (numerator, denominator) pair plus summable metrics.
 
   Args:
@@ -253,8 +291,9 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
 
   is_sums = None
   if sampler_logp is not None:
-    is_w, is_sums = importance_weights(old_, clean(sampler_logp), mask, cfg.is_correction,
-                                       cfg.is_cap, seqs)
+    is_w, is_sums = importance_weights(
+        old_, clean(sampler_logp), mask, cfg.is_correction, cfg.is_cap, seqs
+    )
     pg_BxL = pg_BxL * is_w
   loss_BxL = pg_BxL
   kl_BxL = kl3_BxL = None
@@ -272,8 +311,7 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
   m = {
       "loss_num": _sg(num),
       "loss_den": den,
-      "pg_num": _sg(agg.aggregate(pg_BxL, mask, cfg.aggregation, cfg.max_len,
-                                  action_ids)[0]),
+      "pg_num": _sg(agg.aggregate(pg_BxL, mask, cfg.aggregation, cfg.max_len, action_ids)[0]),
       "tokens": maskf.sum(),
       "rows": (ntok_S > 0).astype(dtype).sum(),
       "clip_high_sum": clip_high.astype(dtype).sum(),
@@ -298,18 +336,30 @@ def policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, e
   else:
     has_adv = (ntok_S > 0) if adv.ndim == 1 else mask
   adv_vals = _sg(jnp.where(has_adv, adv.astype(dtype), 0))
-  m.update({
-      "adv_count": has_adv.astype(dtype).sum(),
-      "adv_sum": adv_vals.sum(),
-      "adv_sq_sum": (adv_vals * adv_vals).sum(),
-      "adv_min": jnp.min(jnp.where(has_adv, adv_vals, jnp.inf)),
-      "adv_max": jnp.max(jnp.where(has_adv, adv_vals, -jnp.inf)),
-  })
+  m.update(
+      {
+          "adv_count": has_adv.astype(dtype).sum(),
+          "adv_sum": adv_vals.sum(),
+          "adv_sq_sum": (adv_vals * adv_vals).sum(),
+          "adv_min": jnp.min(jnp.where(has_adv, adv_vals, jnp.inf)),
+          "adv_max": jnp.max(jnp.where(has_adv, adv_vals, -jnp.inf)),
+      }
+  )
   return num, den, m
 
 
-def policy_loss(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy=None,
-                action_ids=None, sampler_logp=None):
+def policy_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    adv,
+    mask,
+    cfg: LossConfig,
+    *,
+    entropy=None,
+    action_ids=None,
+    sampler_logp=None,
+):
   """The policy loss of one batch (docs/design.md section 4).
 
   Args:
@@ -329,7 +379,15 @@ def policy_loss(logp, old_logp, ref_logp, adv, mask, cfg: LossConfig, *, entropy
     (loss, metrics): the scalar loss and a dict of scalar metrics
     (see `aggregation.finalize_metrics`).
   """
-  num, den, metric_sums = policy_loss_terms(logp, old_logp, ref_logp, adv, mask, cfg,
-                                            entropy=entropy, action_ids=action_ids,
-                                            sampler_logp=sampler_logp)
+  num, den, metric_sums = policy_loss_terms(
+      logp,
+      old_logp,
+      ref_logp,
+      adv,
+      mask,
+      cfg,
+      entropy=entropy,
+      action_ids=action_ids,
+      sampler_logp=sampler_logp,
+  )
   return agg.safe_divide(num, den), agg.finalize_metrics(metric_sums)

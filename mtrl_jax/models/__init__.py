@@ -10,12 +10,21 @@ from mtrl_jax.models.config import PRESETS, ModelConfig, get_preset
 from mtrl_jax.models.cache import KVCache, init_cache
 from mtrl_jax.models.transformer import Transformer
 
-__all__ = ["ModelConfig", "PRESETS", "get_preset", "Transformer", "KVCache", "init_cache",
-           "create_model", "state_shardings"]
+__all__ = [
+    "ModelConfig",
+    "PRESETS",
+    "get_preset",
+    "Transformer",
+    "KVCache",
+    "init_cache",
+    "create_model",
+    "state_shardings",
+]
 
 
-def create_model(cfg: ModelConfig, *, seed: int = 0, mesh=None,
-                 rules=sharding.TRAIN_RULES) -> Transformer:
+def create_model(
+    cfg: ModelConfig, *, seed: int = 0, mesh=None, rules=sharding.TRAIN_RULES
+) -> Transformer:
   """Builds a randomly initialised model with parameters born sharded on `mesh`.
 
   Args:

@@ -44,18 +44,26 @@ class LoraConfig:
       object.__setattr__(self, "targets", (self.targets,))
     object.__setattr__(self, "targets", tuple(self.targets))
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-      raise ValueError(f"config model.lora.rank={self.rank!r}; allowed: an integer >= 0 "
-                       "(0: full fine-tuning)")
-    if (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
-        or not 0 < self.alpha < float("inf")):
+      raise ValueError(
+          f"config model.lora.rank={self.rank!r}; allowed: an integer >= 0 (0: full fine-tuning)"
+      )
+    if (
+        isinstance(self.alpha, bool)
+        or not isinstance(self.alpha, (int, float))
+        or not 0 < self.alpha < float("inf")
+    ):
       raise ValueError(f"config model.lora.alpha={self.alpha!r}; allowed: a finite number > 0")
     unknown = [t for t in self.targets if t not in LORA_TARGETS]
     if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
-      raise ValueError(f"config model.lora.targets={self.targets!r}; allowed: distinct "
-                       f"names among {list(LORA_TARGETS)}, at least one")
+      raise ValueError(
+          f"config model.lora.targets={self.targets!r}; allowed: distinct "
+          f"names among {list(LORA_TARGETS)}, at least one"
+      )
     if not isinstance(self.init_from, str) or (self.init_from and not self.enabled):
-      raise ValueError(f"config model.lora.init_from={self.init_from!r} with model.lora.rank="
-                       f"{self.rank}; allowed: '' or a PEFT adapter directory with rank > 0")
+      raise ValueError(
+          f"config model.lora.init_from={self.init_from!r} with model.lora.rank="
+          f"{self.rank}; allowed: '' or a PEFT adapter directory with rank > 0"
+      )
 
   @property
   def enabled(self) -> bool:
@@ -109,15 +117,14 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; allowed: ['cudnn', 'xla']")
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _DTYPES:
-        raise ValueError(
-            f"ModelConfig.{name}={getattr(self, name)!r}; allowed: {sorted(_DTYPES)}")
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; allowed: {sorted(_DTYPES)}")
     if self.family not in ("llama", "qwen2", "qwen3"):
-      raise ValueError(
-          f"ModelConfig.family={self.family!r}; allowed: ['llama', 'qwen2', 'qwen3']")
+      raise ValueError(f"ModelConfig.family={self.family!r}; allowed: ['llama', 'qwen2', 'qwen3']")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
-          f"num_kv_heads={self.num_kv_heads}")
+          f"num_kv_heads={self.num_kv_heads}"
+      )
 
   @property
   def jnp_param_dtype(self):
@@ -158,7 +165,8 @@ class ModelConfig:
     model_type = hf.get("model_type", "llama")
     if model_type not in ("llama", "qwen2", "qwen3"):
       raise ValueError(
-          f"config.json model_type={model_type!r}; allowed: ['llama', 'qwen2', 'qwen3']")
+          f"config.json model_type={model_type!r}; allowed: ['llama', 'qwen2', 'qwen3']"
+      )
     # Features the transformer does not implement must fail here, not give
     # silently different logits.
     if hf.get("hidden_act", "silu") != "silu":
@@ -170,7 +178,8 @@ class ModelConfig:
       raise ValueError(
           f"config.json use_sliding_window={hf.get('use_sliding_window')}, layer_types "
           f"{sorted(layer_types)}: sliding-window attention is not supported; allowed: "
-          f"use_sliding_window=False, layer_types all 'full_attention'")
+          f"use_sliding_window=False, layer_types all 'full_attention'"
+      )
     num_heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
     attention_bias = bool(hf.get("attention_bias", False))
@@ -186,8 +195,9 @@ class ModelConfig:
       elif kind != "llama3":
         raise ValueError(f"config.json rope_scaling type {kind!r}; allowed: [None, 'llama3']")
       else:
-        rope_scaling = tuple(sorted((k, v) for k, v in rope_scaling.items()
-                                    if isinstance(v, (int, float, str))))
+        rope_scaling = tuple(
+            sorted((k, v) for k, v in rope_scaling.items() if isinstance(v, (int, float, str)))
+        )
     rope_theta = hf.get("rope_theta")
     if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
       rope_theta = hf["rope_parameters"].get("rope_theta")
@@ -227,8 +237,9 @@ class ModelConfig:
 
   def to_hf_dict(self) -> dict[str, Any]:
     """The HF `config.json` dict describing this model."""
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}[self.family]
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+        self.family
+    ]
     out = {
         "architectures": [arch],
         "model_type": self.family,
@@ -259,40 +270,124 @@ class ModelConfig:
 # vocab of 256 bytes + specials); `bench` is the 2-layer Qwen3-shaped model of
 # the sampler/train benchmarks; the rest match public checkpoints' shapes.
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(vocab_size=300, d_model=32, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8, mlp_dim=64, family="qwen3",
-                        qk_norm=True, max_seq_len=512),
-    "small": ModelConfig(vocab_size=320, d_model=128, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=32, mlp_dim=384, family="qwen3",
-                         qk_norm=True, max_seq_len=1024),
-    "bench": ModelConfig(vocab_size=8192, d_model=256, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=64, mlp_dim=768, family="qwen3",
-                         qk_norm=True, max_seq_len=2048),
-    "qwen2-0.5b": ModelConfig(vocab_size=151936, d_model=896, num_layers=24, num_heads=14,
-                              num_kv_heads=2, head_dim=64, mlp_dim=4864, family="qwen2",
-                              qkv_bias=True, rope_theta=1e6, max_seq_len=32768,
-                              param_dtype="bfloat16", dtype="bfloat16"),
-    "qwen2.5-coder-3b": ModelConfig(vocab_size=151936, d_model=2048, num_layers=36,
-                                    num_heads=16, num_kv_heads=2, head_dim=128,
-                                    mlp_dim=11008, family="qwen2", qkv_bias=True,
-                                    rope_theta=1e6, max_seq_len=32768,
-                                    param_dtype="bfloat16", dtype="bfloat16"),
-    "qwen3-0.6b": ModelConfig(vocab_size=151936, d_model=1024, num_layers=28, num_heads=16,
-                              num_kv_heads=8, head_dim=128, mlp_dim=3072, family="qwen3",
-                              qk_norm=True, rope_theta=1e6, max_seq_len=40960,
-                              param_dtype="bfloat16", dtype="bfloat16"),
-    "qwen3-1.7b": ModelConfig(vocab_size=151936, d_model=2048, num_layers=28, num_heads=16,
-                              num_kv_heads=8, head_dim=128, mlp_dim=6144, family="qwen3",
-                              qk_norm=True, rope_theta=1e6, max_seq_len=40960,
-                              param_dtype="bfloat16", dtype="bfloat16"),
-    "llama3.2-1b": ModelConfig(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32,
-                               num_kv_heads=8, head_dim=64, mlp_dim=8192, family="llama",
-                               rope_theta=500000.0, rms_eps=1e-5,
-                               rope_scaling=(("factor", 32.0), ("high_freq_factor", 4.0),
-                                             ("low_freq_factor", 1.0),
-                                             ("original_max_position_embeddings", 8192),
-                                             ("rope_type", "llama3")),
-                               max_seq_len=131072, param_dtype="bfloat16", dtype="bfloat16"),
+    "tiny": ModelConfig(
+        vocab_size=300,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=64,
+        family="qwen3",
+        qk_norm=True,
+        max_seq_len=512,
+    ),
+    "small": ModelConfig(
+        vocab_size=320,
+        d_model=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        mlp_dim=384,
+        family="qwen3",
+        qk_norm=True,
+        max_seq_len=1024,
+    ),
+    "bench": ModelConfig(
+        vocab_size=8192,
+        d_model=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        mlp_dim=768,
+        family="qwen3",
+        qk_norm=True,
+        max_seq_len=2048,
+    ),
+    "qwen2-0.5b": ModelConfig(
+        vocab_size=151936,
+        d_model=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        mlp_dim=4864,
+        family="qwen2",
+        qkv_bias=True,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        param_dtype="bfloat16",
+        dtype="bfloat16",
+    ),
+    "qwen2.5-coder-3b": ModelConfig(
+        vocab_size=151936,
+        d_model=2048,
+        num_layers=36,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=128,
+        mlp_dim=11008,
+        family="qwen2",
+        qkv_bias=True,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        param_dtype="bfloat16",
+        dtype="bfloat16",
+    ),
+    "qwen3-0.6b": ModelConfig(
+        vocab_size=151936,
+        d_model=1024,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        mlp_dim=3072,
+        family="qwen3",
+        qk_norm=True,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        param_dtype="bfloat16",
+        dtype="bfloat16",
+    ),
+    "qwen3-1.7b": ModelConfig(
+        vocab_size=151936,
+        d_model=2048,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        mlp_dim=6144,
+        family="qwen3",
+        qk_norm=True,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        param_dtype="bfloat16",
+        dtype="bfloat16",
+    ),
+    "llama3.2-1b": ModelConfig(
+        vocab_size=128256,
+        d_model=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        mlp_dim=8192,
+        family="llama",
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        rope_scaling=(
+            ("factor", 32.0),
+            ("high_freq_factor", 4.0),
+            ("low_freq_factor", 1.0),
+            ("original_max_position_embeddings", 8192),
+            ("rope_type", "llama3"),
+        ),
+        max_seq_len=131072,
+        param_dtype="bfloat16",
+        dtype="bfloat16",
+    ),
 }
 
 

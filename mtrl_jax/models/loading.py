@@ -41,10 +41,18 @@ _IGNORED_RE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 # safetensors dtype codes -> numpy dtypes (ml_dtypes supplies the ones numpy lacks).
 _ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
-    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 
 
@@ -64,8 +72,14 @@ class _Entry:
 
 def _entries(cfg: ModelConfig) -> list[_Entry]:
   """The parameter table of a model with config `cfg`, in HF order."""
-  d, h, k, dh, f, v = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                       cfg.mlp_dim, cfg.vocab_size)
+  d, h, k, dh, f, v = (
+      cfg.d_model,
+      cfg.num_heads,
+      cfg.num_kv_heads,
+      cfg.head_dim,
+      cfg.mlp_dim,
+      cfg.vocab_size,
+  )
   out = [_Entry(("embed",), "model.embed_tokens.weight", (v, d), False)]
   for i in range(cfg.num_layers):
     hf, ours = f"model.layers.{i}.", ("blocks", i)
@@ -91,8 +105,7 @@ def _entries(cfg: ModelConfig) -> list[_Entry]:
       ]
     out += [
         _Entry(ours + ("attn_norm", "scale"), hf + "input_layernorm.weight", (d,), False),
-        _Entry(ours + ("mlp_norm", "scale"), hf + "post_attention_layernorm.weight", (d,),
-               False),
+        _Entry(ours + ("mlp_norm", "scale"), hf + "post_attention_layernorm.weight", (d,), False),
         _Entry(mlp + ("gate",), hf + "mlp.gate_proj.weight", (f, d), True),
         _Entry(mlp + ("up",), hf + "mlp.up_proj.weight", (f, d), True),
         _Entry(mlp + ("down",), hf + "mlp.down_proj.weight", (d, f), True),
@@ -139,19 +152,24 @@ class _SafetensorsFile:
   def get(self, name: str) -> np.ndarray:
     info = self.header[name]
     if info["dtype"] not in _ST_DTYPES:
-      raise ValueError(f"{self.path}: tensor {name!r} has dtype {info['dtype']!r}; "
-                       f"allowed: {sorted(_ST_DTYPES)}")
+      raise ValueError(
+          f"{self.path}: tensor {name!r} has dtype {info['dtype']!r}; "
+          f"allowed: {sorted(_ST_DTYPES)}"
+      )
     dtype = np.dtype(_ST_DTYPES[info["dtype"]])
     shape = tuple(info["shape"])
     begin, end = info["data_offsets"]
-    if end - begin != int(np.prod(shape)) * dtype.itemsize or \
-        self.data_start + end > self.file_size:
-      raise ValueError(f"{self.path}: tensor {name!r} has inconsistent data_offsets "
-                       f"{info['data_offsets']} for shape {shape} and dtype {info['dtype']}")
+    if (
+        end - begin != int(np.prod(shape)) * dtype.itemsize
+        or self.data_start + end > self.file_size
+    ):
+      raise ValueError(
+          f"{self.path}: tensor {name!r} has inconsistent data_offsets "
+          f"{info['data_offsets']} for shape {shape} and dtype {info['dtype']}"
+      )
     if not shape or 0 in shape:
       return np.zeros(shape, dtype)
-    return np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin,
-                     shape=shape)
+    return np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin, shape=shape)
 
 
 def _weight_map(path: str) -> dict[str, str]:
@@ -170,16 +188,19 @@ def _check_names(entries: list[_Entry], available, cfg: ModelConfig):
   expected = {e.hf_name for e in entries}
   missing = sorted(expected - set(available))
   unexpected = sorted(
-      n for n in set(available) - expected
+      n
+      for n in set(available) - expected
       if not _IGNORED_RE.fullmatch(n)
       # Some tied checkpoints still store a copy of the embedding as lm_head.
-      and not (cfg.tie_embeddings and n == "lm_head.weight"))
+      and not (cfg.tie_embeddings and n == "lm_head.weight")
+  )
   if missing or unexpected:
     raise ValueError(
         f"checkpoint tensors do not match the {cfg.family} config "
         f"(tie_embeddings={cfg.tie_embeddings}, qkv_bias={cfg.qkv_bias}, "
         f"o_bias={cfg.o_bias}, qk_norm={cfg.qk_norm}): missing {missing}; "
-        f"unexpected {unexpected}")
+        f"unexpected {unexpected}"
+    )
 
 
 def _dtype_name(dtype) -> str:
@@ -189,9 +210,14 @@ def _dtype_name(dtype) -> str:
   return name
 
 
-def from_pretrained(path: str, *, mesh: Optional[jax.sharding.Mesh] = None,
-                    rules=sharding.TRAIN_RULES, dtype=None,
-                    value_head: bool = False) -> Transformer:
+def from_pretrained(
+    path: str,
+    *,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    rules=sharding.TRAIN_RULES,
+    dtype=None,
+    value_head: bool = False,
+) -> Transformer:
   """Loads a local HF-format Llama / Qwen2 / Qwen3 checkpoint.
 
   Args:
@@ -226,11 +252,15 @@ def from_pretrained(path: str, *, mesh: Optional[jax.sharding.Mesh] = None,
   filled = {}
   if value_head:  # a fresh critic: zero, as `Transformer` makes it
     var = abs_flat.pop(("value_head",))
-    filled[("value_head",)] = var.replace(jax.device_put(
-        np.zeros(var.get_value().shape, np.float32), shardings[("value_head",)].get_value()))
+    filled[("value_head",)] = var.replace(
+        jax.device_put(
+            np.zeros(var.get_value().shape, np.float32), shardings[("value_head",)].get_value()
+        )
+    )
   if {e.path for e in entries} != set(abs_flat):
     raise AssertionError(  # the table above is out of sync with Transformer
-        f"loading table {sorted(e.path for e in entries)} != model state {sorted(abs_flat)}")
+        f"loading table {sorted(e.path for e in entries)} != model state {sorted(abs_flat)}"
+    )
   weight_map = _weight_map(path)
   _check_names(entries, weight_map, cfg)
 
@@ -242,14 +272,17 @@ def from_pretrained(path: str, *, mesh: Optional[jax.sharding.Mesh] = None,
     for e in file_entries:
       w = reader.get(e.hf_name)
       if tuple(w.shape) != e.hf_shape:
-        raise ValueError(f"{fpath}: tensor {e.hf_name!r} has shape {tuple(w.shape)}; "
-                         f"the config needs {e.hf_shape}")
+        raise ValueError(
+            f"{fpath}: tensor {e.hf_name!r} has shape {tuple(w.shape)}; "
+            f"the config needs {e.hf_shape}"
+        )
       var = abs_flat[e.path]
       spec = var.get_value()
       w = _to_ours(w, e, spec.shape, spec.dtype)
       # Each process transfers only its addressable shards (multi-host safe).
-      arr = jax.make_array_from_callback(w.shape, shardings[e.path].get_value(),
-                                         lambda idx, w=w: w[idx])
+      arr = jax.make_array_from_callback(
+          w.shape, shardings[e.path].get_value(), lambda idx, w=w: w[idx]
+      )
       filled[e.path] = var.replace(arr)
       del w
   return nnx.merge(graphdef, nnx.from_flat_state(filled))
@@ -265,16 +298,22 @@ def _host_array(x: jax.Array) -> np.ndarray:
 def _check_representable(cfg: ModelConfig):
   """Fails when config.json cannot describe `cfg` (e.g. Llama with qkv_bias != o_bias)."""
   back = ModelConfig.from_hf_dict(cfg.to_hf_dict(), dtype=cfg.dtype, remat=cfg.remat)
-  lost = {f.name: (getattr(cfg, f.name), getattr(back, f.name))
-          for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(back, f.name)}
+  lost = {
+      f.name: (getattr(cfg, f.name), getattr(back, f.name))
+      for f in dataclasses.fields(cfg)
+      if getattr(cfg, f.name) != getattr(back, f.name)
+  }
   if lost:
-    raise ValueError(f"save_pretrained: a {cfg.family} config.json cannot express "
-                     f"{ {k: v[0] for k, v in lost.items()} } (it would read back as "
-                     f"{ {k: v[1] for k, v in lost.items()} })")
+    raise ValueError(
+        f"save_pretrained: a {cfg.family} config.json cannot express "
+        f"{ {k: v[0] for k, v in lost.items()} } (it would read back as "
+        f"{ {k: v[1] for k, v in lost.items()} })"
+    )
 
 
-def save_pretrained(model: Transformer, path: str, *,
-                    max_shard_bytes: int = 4 * 2**30) -> list[str]:
+def save_pretrained(
+    model: Transformer, path: str, *, max_shard_bytes: int = 4 * 2**30
+) -> list[str]:
   """Writes `model` as an HF-format checkpoint directory.
 
   `config.json` comes from `cfg.to_hf_dict()`; weights keep the parameter
@@ -301,7 +340,8 @@ def save_pretrained(model: Transformer, path: str, *,
   entries = _entries(cfg)
   if {e.path for e in entries} != set(flat):
     raise AssertionError(
-        f"saving table {sorted(e.path for e in entries)} != model state {sorted(flat)}")
+        f"saving table {sorted(e.path for e in entries)} != model state {sorted(flat)}"
+    )
 
   # Plan the shards from shapes alone, so only one shard is on the host at once.
   shards: list[list[_Entry]] = [[]]
@@ -315,8 +355,9 @@ def save_pretrained(model: Transformer, path: str, *,
     shards[-1].append(e)
     shard_bytes += nbytes
   n = len(shards)
-  names = [SINGLE_FILE] if n == 1 else [
-      f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+  names = (
+      [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+  )
 
   write = jax.process_index() == 0
   if write:

@@ -31,8 +31,15 @@ from mtrl_jax.models.config import LoraConfig, ModelConfig
 from mtrl_jax.models.transformer import Transformer
 
 # target -> (the block's submodule, its weight)
-MODULE_OF = {"q": "attn", "k": "attn", "v": "attn", "o": "attn",
-             "gate": "mlp", "up": "mlp", "down": "mlp"}
+MODULE_OF = {
+    "q": "attn",
+    "k": "attn",
+    "v": "attn",
+    "o": "attn",
+    "gate": "mlp",
+    "up": "mlp",
+    "down": "mlp",
+}
 
 
 def split(model: Transformer):
@@ -66,8 +73,9 @@ def _mesh_of(state):
   return mesh if isinstance(mesh, jax.sharding.Mesh) else sharding.single_device_mesh()
 
 
-def attach(model: Transformer, lora: LoraConfig, seed: int = 0,
-           rules=sharding.TRAIN_RULES) -> Transformer:
+def attach(
+    model: Transformer, lora: LoraConfig, seed: int = 0, rules=sharding.TRAIN_RULES
+) -> Transformer:
   """An adapted copy of `model` (its weights shared, not copied) with fresh adapters.
 
   The adapters are those of `Transformer(cfg with lora, rngs=nnx.Rngs(seed))`
@@ -106,6 +114,7 @@ def adapters_and_base(model_or_params, fresh):
 def fingerprint(params) -> str:
   """sha256 of a parameter state's paths, dtypes, shapes and bytes (a base's identity)."""
   from jax.experimental import multihost_utils
+
   h = hashlib.sha256()
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
     if not getattr(x, "is_fully_addressable", True):
@@ -123,8 +132,7 @@ def pairs(adapters):
   for i, block in adapters["blocks"].items():
     for module in ("attn", "mlp"):
       for name, ab in block.get(module, {}).items():
-        out[(int(i), name[:-len("_lora")])] = (ab["lora_a"].get_value(),
-                                                ab["lora_b"].get_value())
+        out[(int(i), name[: -len("_lora")])] = (ab["lora_a"].get_value(), ab["lora_b"].get_value())
   return out
 
 

@@ -108,8 +108,14 @@ def _add_adapters(block, cfg: ModelConfig, rngs):
     module = block.attn if name in ("q", "k", "v", "o") else block.mlp
     shape = getattr(module, name).shape
     n = 2 if name == "o" else 1  # input axes: q is [D, H, Dh], o is [H, Dh, D]
-    adapter = nnx.LoRA(math.prod(shape[:n]), cfg.lora.rank, math.prod(shape[n:]),
-                       dtype=cfg.jnp_dtype, param_dtype=jnp.float32, rngs=rngs)
+    adapter = nnx.LoRA(
+        math.prod(shape[:n]),
+        cfg.lora.rank,
+        math.prod(shape[n:]),
+        dtype=cfg.jnp_dtype,
+        param_dtype=jnp.float32,
+        rngs=rngs,
+    )
     setattr(module, f"{name}_lora", adapter)
 
 
@@ -149,8 +155,11 @@ class Attention(nnx.Module):
     q = jnp.einsum("bld,dhe->blhe", x, self.q[...].astype(dt))
     k = jnp.einsum("bld,dke->blke", x, self.k[...].astype(dt))
     v = jnp.einsum("bld,dke->blke", x, self.v[...].astype(dt))
-    q, k, v = (_with_lora(cfg, self.q_lora, x, q), _with_lora(cfg, self.k_lora, x, k),
-               _with_lora(cfg, self.v_lora, x, v))
+    q, k, v = (
+        _with_lora(cfg, self.q_lora, x, q),
+        _with_lora(cfg, self.k_lora, x, k),
+        _with_lora(cfg, self.v_lora, x, v),
+    )
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -167,12 +176,17 @@ class Attention(nnx.Module):
     kh = cfg.num_kv_heads
     if cfg.attention == "cudnn":
       out = jax.nn.dot_product_attention(
-          q_BxLxHxDh, k_BxSxKxDh.astype(q_BxLxHxDh.dtype), v_BxSxKxDh.astype(q_BxLxHxDh.dtype),
-          mask=mask_BxLxS[:, None, :, :], implementation="cudnn")
+          q_BxLxHxDh,
+          k_BxSxKxDh.astype(q_BxLxHxDh.dtype),
+          v_BxSxKxDh.astype(q_BxLxHxDh.dtype),
+          mask=mask_BxLxS[:, None, :, :],
+          implementation="cudnn",
+      )
     else:
       q = q_BxLxHxDh.reshape(b, l, kh, h // kh, dh)
-      scores = jnp.einsum("blkgd,bskd->bkgls", q, k_BxSxKxDh,
-                          preferred_element_type=jnp.float32) / math.sqrt(dh)
+      scores = jnp.einsum(
+          "blkgd,bskd->bkgls", q, k_BxSxKxDh, preferred_element_type=jnp.float32
+      ) / math.sqrt(dh)
       scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, _NEG_INF)
       probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
       out = jnp.einsum("bkgls,bskd->blkgd", probs, v_BxSxKxDh)
@@ -191,16 +205,21 @@ class Attention(nnx.Module):
     q = q_BxLxHxDh.reshape(b, l, kh, h // kh, dh)
     if l == 1:
       q_BxKxGxDh = q[:, 0].astype(jnp.float32)
-      scores = jnp.sum(q_BxKxGxDh[:, :, :, None, :] * k_BxKxSxDh[:, :, None, :, :],
-                       axis=-1)[:, :, :, None, :] / math.sqrt(dh)  # [B, K, G, 1, S]
+      scores = jnp.sum(q_BxKxGxDh[:, :, :, None, :] * k_BxKxSxDh[:, :, None, :, :], axis=-1)[
+          :, :, :, None, :
+      ] / math.sqrt(
+          dh
+      )  # [B, K, G, 1, S]
     else:
-      scores = jnp.einsum("blkgd,bksd->bkgls", q, k_BxKxSxDh,
-                          preferred_element_type=jnp.float32) / math.sqrt(dh)
+      scores = jnp.einsum(
+          "blkgd,bksd->bkgls", q, k_BxKxSxDh, preferred_element_type=jnp.float32
+      ) / math.sqrt(dh)
     scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
     if l == 1:
-      out = jnp.sum(probs[:, :, :, 0, :, None] * v_BxKxSxDh[:, :, None, :, :],
-                    axis=-2)[:, None]  # [B, 1, K, G, Dh]
+      out = jnp.sum(probs[:, :, :, 0, :, None] * v_BxKxSxDh[:, :, None, :, :], axis=-2)[
+          :, None
+      ]  # [B, 1, K, G, Dh]
     else:
       out = jnp.einsum("bkgls,bksd->blkgd", probs, v_BxKxSxDh)
     return self.output(out.reshape(b, l, h, dh))
@@ -225,8 +244,9 @@ class MLP(nnx.Module):
     self.gate_lora = self.up_lora = self.down_lora = nnx.data(None)
 
   def _linear(self, x, name: str):
-    return _with_lora(self.cfg, getattr(self, f"{name}_lora"), x,
-                      x @ getattr(self, name)[...].astype(x.dtype))
+    return _with_lora(
+        self.cfg, getattr(self, f"{name}_lora"), x, x @ getattr(self, name)[...].astype(x.dtype)
+    )
 
   def __call__(self, x_BxLxD):
     x = x_BxLxD.astype(self.cfg.jnp_dtype)
@@ -268,18 +288,19 @@ class Transformer(nnx.Module):
     pd = cfg.jnp_param_dtype
     self.embed = nnx.Param(
         nnx.initializers.normal(stddev=1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model), pd),
-        out_sharding=("vocab", "embed"))
+        out_sharding=("vocab", "embed"),
+    )
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.rms_eps, pd, rngs=rngs)
     if not cfg.tie_embeddings:
-      self.lm_head = _dense(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model,
-                            ("embed", "vocab"), pd)
+      self.lm_head = _dense(
+          rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model, ("embed", "vocab"), pd
+      )
     if cfg.lora is not None and cfg.lora.enabled:  # drawn last: the base's weights stay put
       for block in self.blocks:
         _add_adapters(block, cfg, rngs)
     if cfg.value_head:  # zero: a fresh critic predicts 0 (advantages start as returns)
-      self.value_head = nnx.Param(jnp.zeros((cfg.d_model,), jnp.float32),
-                                  out_sharding=("embed",))
+      self.value_head = nnx.Param(jnp.zeros((cfg.d_model,), jnp.float32), out_sharding=("embed",))
 
   # ------------------------------------------------------------ pieces
   def embed_tokens(self, tokens_BxL):
@@ -336,8 +357,12 @@ class Transformer(nnx.Module):
   def project(self, normed_BxLxD):
     """LM head of final-normed hidden states; logits in float32."""
     w = self.head_weight()
-    return jnp.einsum("bld,dv->blv", normed_BxLxD, w.astype(normed_BxLxD.dtype),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        "bld,dv->blv",
+        normed_BxLxD,
+        w.astype(normed_BxLxD.dtype),
+        preferred_element_type=jnp.float32,
+    )
 
   def __call__(self, tokens_BxL, positions_BxL=None, mask_BxL=None):
     """Full causal forward.
@@ -351,8 +376,16 @@ class Transformer(nnx.Module):
     """
     return self.project(self.hidden(tokens_BxL, positions_BxL, mask_BxL))
 
-  def forward_cached(self, tokens_BxL, positions_BxL, attn_mask_BxLxS, cache: KVCache,
-                     write_BxL, *, head: str = "all"):
+  def forward_cached(
+      self,
+      tokens_BxL,
+      positions_BxL,
+      attn_mask_BxLxS,
+      cache: KVCache,
+      write_BxL,
+      *,
+      head: str = "all",
+  ):
     """Forward of L new tokens against a KV cache (a prefill extension or a decode step).
 
     Args:
@@ -372,8 +405,14 @@ class Transformer(nnx.Module):
     x = self.embed_tokens(tokens_BxL)
     new_k, new_v = [], []
     for i, block in enumerate(self.blocks):
-      x, (k, v) = block(x, positions_BxL, attn_mask_BxLxS, inv_freq,
-                        kv=(cache.k[i], cache.v[i]), write_BxL=write_BxL)
+      x, (k, v) = block(
+          x,
+          positions_BxL,
+          attn_mask_BxLxS,
+          inv_freq,
+          kv=(cache.k[i], cache.v[i]),
+          write_BxL=write_BxL,
+      )
       new_k.append(k)
       new_v.append(v)
     cache = KVCache(k=tuple(new_k), v=tuple(new_v))

@@ -68,8 +68,9 @@ class BatchConfig:
       raise ValueError(f"BatchConfig.values={self.values!r}; allowed: None, 'v', 'q'")
 
 
-def trained_samples(tree: Tree, zero_variance_filter: bool = True,
-                    keep_kl: bool = False) -> tuple[list[np.ndarray], int]:
+def trained_samples(
+    tree: Tree, zero_variance_filter: bool = True, keep_kl: bool = False
+) -> tuple[list[np.ndarray], int]:
   """Per node a bool [N, G] of the samples that train, and the number of groups dropped."""
   out, dropped = [], 0
   for node in tree.nodes:
@@ -83,29 +84,46 @@ def trained_samples(tree: Tree, zero_variance_filter: bool = True,
   return out, dropped
 
 
-def _pack(tree: Tree, cfg: BatchConfig, trained: list,
-          critic: Optional[tuple] = None) -> tuple[Optional[TrainBatch], dict]:
+def _pack(
+    tree: Tree, cfg: BatchConfig, trained: list, critic: Optional[tuple] = None
+) -> tuple[Optional[TrainBatch], dict]:
   """The batch of the `trained` samples (None when there are none) and its packing stats;
   `critic`: per node (values, targets) of the actions (`tree_actions`)."""
   actions = tree_actions(tree, trained, critic)
   if not any(actions):
     return None, {"actions": 0.0, "tokens_trained": 0.0, "tokens_rows_equivalent": 0.0}
   if cfg.packing == "tree":
-    return pack_actions(actions, length=max(cfg.length_buckets), row_buckets=cfg.row_buckets,
-                        row_multiple=cfg.row_multiple, pad_id=cfg.pad_id, values=cfg.values)
-  return pack_rows(actions, length_buckets=cfg.length_buckets, row_buckets=cfg.row_buckets,
-                   row_multiple=cfg.row_multiple, pad_id=cfg.pad_id, values=cfg.values)
+    return pack_actions(
+        actions,
+        length=max(cfg.length_buckets),
+        row_buckets=cfg.row_buckets,
+        row_multiple=cfg.row_multiple,
+        pad_id=cfg.pad_id,
+        values=cfg.values,
+    )
+  return pack_rows(
+      actions,
+      length_buckets=cfg.length_buckets,
+      row_buckets=cfg.row_buckets,
+      row_multiple=cfg.row_multiple,
+      pad_id=cfg.pad_id,
+      values=cfg.values,
+  )
 
 
 def _batch_metrics(stats: dict, rows: int, length: int, copies: int = 1) -> dict:
-  return {"batch/rows": float(rows), "batch/length": float(length),
-          "batch/tokens_trained": stats["tokens_trained"],
-          "batch/tokens_rows_equivalent": stats["tokens_rows_equivalent"],
-          "batch/padding_fraction": 1.0 - stats["tokens_trained"] / float(copies * rows * length)}
+  return {
+      "batch/rows": float(rows),
+      "batch/length": float(length),
+      "batch/tokens_trained": stats["tokens_trained"],
+      "batch/tokens_rows_equivalent": stats["tokens_rows_equivalent"],
+      "batch/padding_fraction": 1.0 - stats["tokens_trained"] / float(copies * rows * length),
+  }
 
 
-def make_train_batch(tree: Tree, cfg: BatchConfig,
-                     critic: Optional[tuple] = None) -> tuple[Optional[TrainBatch], dict]:
+def make_train_batch(
+    tree: Tree, cfg: BatchConfig, critic: Optional[tuple] = None
+) -> tuple[Optional[TrainBatch], dict]:
   """The train batch of a finalized tree (None when no sample trains) and its metrics;
   `critic`: per node (values, value targets) [N, G] for the value fields."""
   trained, dropped = trained_samples(tree, cfg.zero_variance_filter, cfg.keep_kl)
@@ -116,8 +134,9 @@ def make_train_batch(tree: Tree, cfg: BatchConfig,
   return batch, metrics
 
 
-def make_agent_batches(tree: Tree, cfg: BatchConfig,
-                       critic: Optional[tuple] = None) -> tuple[Optional[TrainBatch], dict]:
+def make_agent_batches(
+    tree: Tree, cfg: BatchConfig, critic: Optional[tuple] = None
+) -> tuple[Optional[TrainBatch], dict]:
   """One batch per agent, stacked on a leading agent axis: every field [A, B, ...].
 
   Agent a's batch holds only its own trained samples (separate policies never
@@ -133,8 +152,10 @@ def make_agent_batches(tree: Tree, cfg: BatchConfig,
   per = []
   for a in range(n):
     per.append(_pack(tree, cfg, _only(trained, [a]), critic))
-  metrics = {"batch/zero_variance_groups": float(dropped),
-             "batch/actions": float(sum(st["actions"] for _, st in per))}
+  metrics = {
+      "batch/zero_variance_groups": float(dropped),
+      "batch/actions": float(sum(st["actions"] for _, st in per)),
+  }
   for a, (_, st) in enumerate(per):
     metrics[f"agent_{a}/batch/actions"] = st["actions"]
     metrics[f"agent_{a}/batch/tokens_trained"] = st["tokens_trained"]
@@ -157,9 +178,14 @@ def _stack(batches: list, cfg: BatchConfig) -> TrainBatch:
   """Per-agent batches (None: nothing) padded to one shape and stacked [A, ...]."""
   present = [b for b in batches if b is not None]
   rows, length, k = (max(b.shape[i] for b in present) for i in range(3))
-  return train_batch.stack([
-      train_batch.empty(rows, length, k, cfg.pad_id, cfg.values is not None) if b is None
-      else train_batch.pad_batch(b, rows, length, k, cfg.pad_id) for b in batches])
+  return train_batch.stack(
+      [
+          train_batch.empty(rows, length, k, cfg.pad_id, cfg.values is not None)
+          if b is None
+          else train_batch.pad_batch(b, rows, length, k, cfg.pad_id)
+          for b in batches
+      ]
+  )
 
 
 def critic_values(tree: Tree, cfg: BatchConfig, values_fn, per_agent: bool) -> list:
@@ -191,8 +217,9 @@ def critic_values(tree: Tree, cfg: BatchConfig, values_fn, per_agent: bool) -> l
   return out
 
 
-def global_batch(batch: Optional[TrainBatch], metrics: dict, cfg: BatchConfig,
-                 mesh) -> tuple[Optional[TrainBatch], dict]:
+def global_batch(
+    batch: Optional[TrainBatch], metrics: dict, cfg: BatchConfig, mesh
+) -> tuple[Optional[TrainBatch], dict]:
   """Every process's train batch as one global batch (several processes).
 
   Each process packed its own trees; the row count, length and trained-token
@@ -208,21 +235,35 @@ def global_batch(batch: Optional[TrainBatch], metrics: dict, cfg: BatchConfig,
   from mtrl_jax import distributed, sharding  # infrastructure; numpy-only callers skip it
 
   shape = None if batch is None else batch.shape
-  summed = ("batch/zero_variance_groups", "batch/actions", "batch/tokens_trained",
-            "batch/tokens_rows_equivalent")
+  summed = (
+      "batch/zero_variance_groups",
+      "batch/actions",
+      "batch/tokens_trained",
+      "batch/tokens_rows_equivalent",
+  )
   parts = distributed.allgather((shape, {k: metrics.get(k, 0.0) for k in summed}))
   out = {k: float(sum(m[k] for _, m in parts)) for k in summed}
   shapes = [s for s, _ in parts if s is not None]
   if not shapes:
     return None, {k: out[k] for k in summed[:2]}
   rows, length, k = (max(s[i] for s in shapes) for i in range(3))
-  local = (train_batch.empty(rows, length, k, cfg.pad_id, cfg.values is not None)
-           if batch is None
-           else train_batch.pad_batch(batch, rows, length, k, cfg.pad_id))
+  local = (
+      train_batch.empty(rows, length, k, cfg.pad_id, cfg.values is not None)
+      if batch is None
+      else train_batch.pad_batch(batch, rows, length, k, cfg.pad_id)
+  )
   total = rows * distributed.process_count()
   arrays = jax.tree.map(
-      lambda x: distributed.global_rows(x, sharding.batch_sharding(mesh, x.ndim, total)), local)
-  out.update(_batch_metrics(
-      {"tokens_trained": out["batch/tokens_trained"],
-       "tokens_rows_equivalent": out["batch/tokens_rows_equivalent"]}, total, length))
+      lambda x: distributed.global_rows(x, sharding.batch_sharding(mesh, x.ndim, total)), local
+  )
+  out.update(
+      _batch_metrics(
+          {
+              "tokens_trained": out["batch/tokens_trained"],
+              "tokens_rows_equivalent": out["batch/tokens_rows_equivalent"],
+          },
+          total,
+          length,
+      )
+  )
   return arrays, out

@@ -34,13 +34,16 @@ class Completion:
 
   def __post_init__(self):
     if len(self.ids) != len(self.logprobs):
-      raise ValueError(f"Completion ids ({len(self.ids)}) and logprobs "
-                       f"({len(self.logprobs)}) differ in length")
+      raise ValueError(
+          f"Completion ids ({len(self.ids)}) and logprobs "
+          f"({len(self.logprobs)}) differ in length"
+      )
     if self.trainable is not None:
       mask = np.asarray(self.trainable, bool)
       if mask.shape != (len(self.ids),):
-        raise ValueError(f"Completion trainable has shape {mask.shape}; expected "
-                         f"({len(self.ids)},)")
+        raise ValueError(
+            f"Completion trainable has shape {mask.shape}; expected ({len(self.ids)},)"
+        )
       if np.any(np.asarray(self.logprobs)[~mask] != 0):
         raise ValueError("Completion context tokens (trainable False) must have logprob 0")
       object.__setattr__(self, "trainable", mask)
@@ -69,11 +72,18 @@ class Completion:
       raise ValueError("Completion.continued: the new segment must be sampled tokens only")
     context = np.asarray(context_ids, np.int32).reshape(-1)
     return Completion(
-        ids=np.concatenate([np.asarray(self.ids, np.int32), context,
-                            np.asarray(segment.ids, np.int32)]),
-        logprobs=np.concatenate([np.asarray(self.logprobs, np.float32),
-                                 np.zeros(len(context), np.float32),
-                                 np.asarray(segment.logprobs, np.float32)]),
+        ids=np.concatenate(
+            [np.asarray(self.ids, np.int32), context, np.asarray(segment.ids, np.int32)]
+        ),
+        logprobs=np.concatenate(
+            [
+                np.asarray(self.logprobs, np.float32),
+                np.zeros(len(context), np.float32),
+                np.asarray(segment.logprobs, np.float32),
+            ]
+        ),
         finish_reason=segment.finish_reason,
-        trainable=np.concatenate([self.sampled_mask, np.zeros(len(context), bool),
-                                  np.ones(len(segment.ids), bool)]))
+        trainable=np.concatenate(
+            [self.sampled_mask, np.zeros(len(context), bool), np.ones(len(segment.ids), bool)]
+        ),
+    )

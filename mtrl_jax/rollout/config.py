@@ -108,42 +108,52 @@ class TreeConfig:
     _check_choice("shape", self.shape, SHAPES)
     _check_choice("schedule", self.schedule, SCHEDULES)
     if self.joint_mode == "marginal" and self.num_agents < 2:
-      raise ValueError(f"TreeConfig.joint_mode='marginal' needs num_agents >= 2 (config "
-                       f"tree.num_agents={self.num_agents}); allowed with one agent: "
-                       "'align', 'cross'")
+      raise ValueError(
+          f"TreeConfig.joint_mode='marginal' needs num_agents >= 2 (config "
+          f"tree.num_agents={self.num_agents}); allowed with one agent: "
+          "'align', 'cross'"
+      )
     w = self.team_weight
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
-      raise ValueError(f"config agents.team_weight={w!r}; allowed: a number in [0, 1] "
-                       "(1: the team reward only)")
+      raise ValueError(
+          f"config agents.team_weight={w!r}; allowed: a number in [0, 1] "
+          "(1: the team reward only)"
+      )
     if self.shape == "chain" and self.joint_mode != "align":
-      raise ValueError(f"TreeConfig.shape='chain' needs joint_mode='align', got "
-                       f"{self.joint_mode!r}: a chain is G independent trajectories")
-    if (isinstance(self.max_substeps, bool) or not isinstance(self.max_substeps, int)
-        or self.max_substeps < 1):
+      raise ValueError(
+          f"TreeConfig.shape='chain' needs joint_mode='align', got "
+          f"{self.joint_mode!r}: a chain is G independent trajectories"
+      )
+    if (
+        isinstance(self.max_substeps, bool)
+        or not isinstance(self.max_substeps, int)
+        or self.max_substeps < 1
+    ):
       raise ValueError(f"TreeConfig.max_substeps={self.max_substeps!r}; must be an int >= 1")
     if self.branch_on == "user_turn" and self.num_agents != 1:
       raise ValueError(
           f"TreeConfig.branch_on='user_turn' needs num_agents=1, got {self.num_agents}: "
           "sub-steps (tool continuations within a turn) are defined for one agent; use "
-          "branch_on='every_turn' for multi-agent trees")
+          "branch_on='every_turn' for multi-agent trees"
+      )
     if self.advantage_mode == "rloo" and self.num_generations < 2:
       raise ValueError(
           f"TreeConfig.advantage_mode='rloo' needs num_generations >= 2, got "
-          f"{self.num_generations}")
+          f"{self.num_generations}"
+      )
     if not isinstance(self.discount, (int, float)) or not 0.0 <= self.discount <= 1.0:
       raise ValueError(f"TreeConfig.discount={self.discount!r}; must be a float in [0, 1]")
     tau = self.termination_threshold
     if tau is not None and (not isinstance(tau, (int, float)) or math.isnan(tau)):
-      raise ValueError(
-          f"TreeConfig.termination_threshold={tau!r}; must be a float or None")
+      raise ValueError(f"TreeConfig.termination_threshold={tau!r}; must be a float or None")
     if not isinstance(self.advantage_std_norm, bool):
-      raise ValueError(
-          f"TreeConfig.advantage_std_norm={self.advantage_std_norm!r}; must be a bool")
+      raise ValueError(f"TreeConfig.advantage_std_norm={self.advantage_std_norm!r}; must be a bool")
     if self.advantage_std_norm and self.advantage_mode in ("raw", "max"):
       raise ValueError(
           f"TreeConfig.advantage_std_norm=True with advantage_mode={self.advantage_mode!r}: "
           "std-norm re-centres the advantages, which turns that baseline into 'mean'; "
-          "allowed with std-norm: 'mean', 'rloo'")
+          "allowed with std-norm: 'mean', 'rloo'"
+      )
 
   @property
   def substeps(self) -> bool:
@@ -154,14 +164,14 @@ class TreeConfig:
   def branching(self) -> int:
     """Children per node, B: G (align, marginal) or G^N (cross)."""
     if self.joint_mode == "cross":
-      return self.num_generations ** self.num_agents
+      return self.num_generations**self.num_agents
     return self.num_generations
 
   @property
   def actions_per_node(self) -> int:
     """Joint actions graded per node: G (align) or G^N (cross, marginal)."""
     if self.joint_mode in ("cross", "marginal"):
-      return self.num_generations ** self.num_agents
+      return self.num_generations**self.num_agents
     return self.num_generations
 
   def generations_at(self, turn: int) -> int:
@@ -227,9 +237,15 @@ def generations_per_root(cfg: TreeConfig) -> int:
   return total
 
 
-def plan_tree(cfg: TreeConfig, num_roots: int, max_prompt_len: int, max_new_tokens: int, *,
-              max_generations: Optional[int] = None,
-              max_tokens: Optional[int] = None) -> TreePlan:
+def plan_tree(
+    cfg: TreeConfig,
+    num_roots: int,
+    max_prompt_len: int,
+    max_new_tokens: int,
+    *,
+    max_generations: Optional[int] = None,
+    max_tokens: Optional[int] = None,
+) -> TreePlan:
   """Counts the work of one tree rollout before launch and checks a budget.
 
   Args:
@@ -247,8 +263,11 @@ def plan_tree(cfg: TreeConfig, num_roots: int, max_prompt_len: int, max_new_toke
   Raises:
     ValueError: a size argument is invalid or the plan exceeds a budget.
   """
-  for name, value in (("num_roots", num_roots), ("max_prompt_len", max_prompt_len),
-                      ("max_new_tokens", max_new_tokens)):
+  for name, value in (
+      ("num_roots", num_roots),
+      ("max_prompt_len", max_prompt_len),
+      ("max_new_tokens", max_new_tokens),
+  ):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"plan_tree {name}={value!r}; must be an int >= 1")
   n, g = cfg.num_agents, cfg.num_generations
@@ -269,19 +288,22 @@ def plan_tree(cfg: TreeConfig, num_roots: int, max_prompt_len: int, max_new_toke
       rows=rows,
       tokens=rows * (max_prompt_len + max_new_tokens),
       level_nodes=level_nodes,
-      max_level_generations=max(k * n * cfg.generations_at(t)
-                                for t, k in enumerate(level_nodes)),
+      max_level_generations=max(k * n * cfg.generations_at(t) for t, k in enumerate(level_nodes)),
   )
-  shape = (f"T={cfg.num_turns}, G={g}, N={n}, joint_mode={cfg.joint_mode!r}, "
-           f"branch_on={cfg.branch_on!r}, shape={cfg.shape!r}, roots={num_roots}")
+  shape = (
+      f"T={cfg.num_turns}, G={g}, N={n}, joint_mode={cfg.joint_mode!r}, "
+      f"branch_on={cfg.branch_on!r}, shape={cfg.shape!r}, roots={num_roots}"
+  )
   if max_generations is not None and plan.generations > max_generations:
     raise ValueError(
         f"tree rollout ({shape}) samples {plan.generations} completions (segments) per "
         f"step, over the budget max_generations={max_generations}; lower num_generations, "
-        f"num_turns, max_substeps or the number of roots, or use joint_mode='align'")
+        f"num_turns, max_substeps or the number of roots, or use joint_mode='align'"
+    )
   if max_tokens is not None and plan.tokens > max_tokens:
     raise ValueError(
         f"tree rollout ({shape}) packs {plan.rows} rows x "
         f"{max_prompt_len + max_new_tokens} tokens = {plan.tokens} tokens per step, over the "
-        f"budget max_tokens={max_tokens}; lower the tree size or the prompt/completion lengths")
+        f"budget max_tokens={max_tokens}; lower the tree size or the prompt/completion lengths"
+    )
   return plan

@@ -76,13 +76,15 @@ def node_values(node) -> np.ndarray:
   """A finalized node's value per channel, the team's then each agent's: the mean return
   of its valid joint actions (what its parent's continuation reads)."""
   valid_B = node.valid_B
-  return np.asarray([node.returns_B[valid_B].mean()]
-                    + [node.returns_BxN[:, i][valid_B].mean()
-                       for i in range(node.returns_BxN.shape[1])])
+  return np.asarray(
+      [node.returns_B[valid_B].mean()]
+      + [node.returns_BxN[:, i][valid_B].mean() for i in range(node.returns_BxN.shape[1])]
+  )
 
 
-def impute_open(returns_BxK: np.ndarray, cont_BxK: np.ndarray, child_B: np.ndarray,
-                open_B: np.ndarray) -> np.ndarray:
+def impute_open(
+    returns_BxK: np.ndarray, cont_BxK: np.ndarray, child_B: np.ndarray, open_B: np.ndarray
+) -> np.ndarray:
   """Marginal mode: a combination the environment continued but the tree did not branch
   (`open_B`) gets the mean continuation of the node's combinations that have a child
   (`child_B`); none: no estimate, it stays a leaf (its reward). Returns a new array."""
@@ -92,9 +94,14 @@ def impute_open(returns_BxK: np.ndarray, cont_BxK: np.ndarray, child_B: np.ndarr
   return out
 
 
-def marginal_returns(joint_BxN: np.ndarray, rewards_BxN: np.ndarray, cont_BxN: np.ndarray,
-                     valid_B: np.ndarray, slot_B: np.ndarray, g: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def marginal_returns(
+    joint_BxN: np.ndarray,
+    rewards_BxN: np.ndarray,
+    cont_BxN: np.ndarray,
+    valid_B: np.ndarray,
+    slot_B: np.ndarray,
+    g: int,
+) -> tuple[np.ndarray, np.ndarray]:
   """Per-agent sample returns of a marginal node (see the module docstring).
 
   Args:
@@ -123,8 +130,9 @@ def marginal_returns(joint_BxN: np.ndarray, rewards_BxN: np.ndarray, cont_BxN: n
   return out_NxG, valid_NxG
 
 
-def influence(joint_BxN: np.ndarray, rewards_B: np.ndarray, valid_B: np.ndarray,
-              g: int) -> Optional[np.ndarray]:
+def influence(
+    joint_BxN: np.ndarray, rewards_B: np.ndarray, valid_B: np.ndarray, g: int
+) -> Optional[np.ndarray]:
   """Per agent, the share of the variance of the valid combinations' rewards explained by
   its choice: Var_k(mean reward of the combinations with its sample k) / Var(r), over
   its samples in some valid combination; 0 where Var(r) = 0. None: no valid combination.
@@ -141,8 +149,11 @@ def influence(joint_BxN: np.ndarray, rewards_B: np.ndarray, valid_B: np.ndarray,
   total = r.var()
   out = np.zeros(n)
   for i in range(n):
-    means = [rewards_B[valid_B & (joint_BxN[:, i] == k)].mean() for k in range(g)
-             if (valid_B & (joint_BxN[:, i] == k)).any()]
+    means = [
+        rewards_B[valid_B & (joint_BxN[:, i] == k)].mean()
+        for k in range(g)
+        if (valid_B & (joint_BxN[:, i] == k)).any()
+    ]
     out[i] = np.var(means) / total
   return out
 
@@ -163,13 +174,21 @@ def credit_metrics(tree) -> dict[str, float]:
   graded_MxN = np.concatenate([node.local_graded_BxN[node.valid_B] for node in nodes])
   out = {}
   for a in range(n):
-    out.update({f"agent_{a}/reward/team": float(team_M.mean()),
-                f"agent_{a}/reward/local": float(local_MxN[:, a].mean()),
-                f"agent_{a}/reward/total": float(total_MxN[:, a].mean()),
-                f"agent_{a}/reward/local_graded": float(graded_MxN[:, a].mean())})
+    out.update(
+        {
+            f"agent_{a}/reward/team": float(team_M.mean()),
+            f"agent_{a}/reward/local": float(local_MxN[:, a].mean()),
+            f"agent_{a}/reward/total": float(total_MxN[:, a].mean()),
+            f"agent_{a}/reward/local_graded": float(graded_MxN[:, a].mean()),
+        }
+    )
   if cfg.joint_mode in ("cross", "marginal"):
-    shares = [influence(tree.node_joint(node), node.rewards_B, node.valid_B,
-                        cfg.generations_at(node.turn)) for node in nodes]
+    shares = [
+        influence(
+            tree.node_joint(node), node.rewards_B, node.valid_B, cfg.generations_at(node.turn)
+        )
+        for node in nodes
+    ]
     mean_N = np.mean([s for s in shares if s is not None], axis=0)
     out.update({f"agent_{a}/influence": float(mean_N[a]) for a in range(n)})
   return out

@@ -111,16 +111,17 @@ def _check_values(tree: Tree, values) -> list[np.ndarray]:
   if not tree.finalized:
     raise ValueError("critic_advantages needs a finalized tree (Tree.finalize())")
   if len(values) != len(tree.nodes):
-    raise ValueError(f"critic_advantages: {len(values)} value arrays for "
-                     f"{len(tree.nodes)} nodes")
+    raise ValueError(f"critic_advantages: {len(values)} value arrays for {len(tree.nodes)} nodes")
   out = []
   n = tree.cfg.num_agents
   for node, v in zip(tree.nodes, values):
     v_NxG = np.asarray(v, np.float64)
     shape = (n, tree.cfg.generations_at(node.turn))
     if v_NxG.shape != shape:
-      raise ValueError(f"critic_advantages: node {node.node_id} values have shape "
-                       f"{v_NxG.shape}, expected {shape}")
+      raise ValueError(
+          f"critic_advantages: node {node.node_id} values have shape "
+          f"{v_NxG.shape}, expected {shape}"
+      )
     if not np.isfinite(v_NxG).all():
       raise ValueError(f"critic_advantages: node {node.node_id} has non-finite values")
     out.append(v_NxG)
@@ -133,8 +134,9 @@ def _normalize(tree: Tree, adv: list[np.ndarray]) -> None:
   for turn in range(tree.cfg.num_turns):
     nodes = [node for node in tree.nodes if node.turn == turn]
     for i in range(n):
-      a = np.concatenate([adv[node.node_id][i][node.weight_NxG[i] > 0] for node in nodes]
-                         or [np.zeros(0)])
+      a = np.concatenate(
+          [adv[node.node_id][i][node.weight_NxG[i] > 0] for node in nodes] or [np.zeros(0)]
+      )
       if a.size <= 1:  # CoMLRL leaves a one-sample group as it is
         continue
       mean, std = a.mean(), max(a.std(), _STD_FLOOR)
@@ -143,8 +145,9 @@ def _normalize(tree: Tree, adv: list[np.ndarray]) -> None:
         adv[node.node_id][i] = np.where(keep_G, (adv[node.node_id][i] - mean) / std, 0.0)
 
 
-def critic_advantages(tree: Tree, values: list[np.ndarray], cfg: CriticConfig
-                      ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def critic_advantages(
+    tree: Tree, values: list[np.ndarray], cfg: CriticConfig
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
   """Critic advantages and value targets of every (node, agent, sample).
 
   Args:
@@ -182,11 +185,14 @@ def critic_advantages(tree: Tree, values: list[np.ndarray], cfg: CriticConfig
       cont_BxN[j] = gamma * ((1.0 - lam) * vbar_N[child_id] + lam * jbar_N[child_id])
     ret_BxN = rewards_BxN + cont_BxN
     if tcfg.joint_mode == "marginal":
-      open_B = valid_B & ~child_B & np.asarray(
-          [a is not None and not a.ended for a in node.actions]) & tree.may_expand(node)
+      open_B = (
+          valid_B
+          & ~child_B
+          & np.asarray([a is not None and not a.ended for a in node.actions])
+          & tree.may_expand(node)
+      )
       ret_BxN = credit.impute_open(ret_BxN, cont_BxN, child_B, open_B)
-      y_NxG, _ = credit.marginal_returns(joint_BxN, rewards_BxN, cont_BxN, valid_B,
-                                         tree.slot_B, g)
+      y_NxG, _ = credit.marginal_returns(joint_BxN, rewards_BxN, cont_BxN, valid_B, tree.slot_B, g)
     else:
       y_NxG, _ = agent_returns(agg_cfg, joint_BxN, ret_BxN, valid_B, g)
     if valid_B.any():

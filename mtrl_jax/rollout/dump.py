@@ -114,8 +114,7 @@ def _segments(comp, decode: Optional[Callable]) -> list[dict]:
   return out
 
 
-def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None
-                       ) -> Optional[str]:
+def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None) -> Optional[str]:
   """Writes one JSON object per node to `path` (atomically) and returns the path.
 
   A dump is a diagnostic: when the file cannot be written (a full disk, a read-only
@@ -138,8 +137,12 @@ def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None
   except OSError as e:
     if os.path.exists(tmp):
       os.remove(tmp)
-    print(f"warning: rollout dump {path} was not written: {e.strerror or e} "
-          f"(errno {e.errno}); the run goes on", file=sys.stderr, flush=True)
+    print(
+        f"warning: rollout dump {path} was not written: {e.strerror or e} "
+        f"(errno {e.errno}); the run goes on",
+        file=sys.stderr,
+        flush=True,
+    )
     return None
   return path
 
@@ -165,8 +168,10 @@ def no_dumps_message(workdir: str) -> str:
   except (OSError, ValueError, KeyError, TypeError):
     pass
   run = "" if every is None else f" (this run: rl.dump_every={every})"
-  return (f"{workdir} has no rollout dumps (rollouts/step_*.jsonl): a run writes one every "
-          f"rl.dump_every steps, none with rl.dump_every=0{run}")
+  return (
+      f"{workdir} has no rollout dumps (rollouts/step_*.jsonl): a run writes one every "
+      f"rl.dump_every steps, none with rl.dump_every=0{run}"
+  )
 
 
 def read_dump(path: str) -> list[dict]:

@@ -56,19 +56,25 @@ import numpy as np
 from mtrl_jax import distributed
 from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.rollout.config import TreeConfig
-from mtrl_jax.rollout.inflight import (ActRun, NodeRun, RolloutTimes, action_seed,
-                                       takes_seed)
+from mtrl_jax.rollout.inflight import (ActRun, NodeRun, RolloutTimes, action_seed, takes_seed)
 from mtrl_jax.rollout.policy import RolloutPolicy, request_keys
 from mtrl_jax.rollout.records import ActionOutcome, ActionRecord, Transition, step_record
 from mtrl_jax.rollout.tree import Tree
 from mtrl_jax.sampling.slots import Request, Sample
 from mtrl_jax.seeds import call_seed
 
+
 class _Rollout:
   """One `expand_tree` call (see the module docstring)."""
 
-  def __init__(self, cfg: TreeConfig, policy: RolloutPolicy, transition: Transition, key,
-               executor: concurrent.futures.Executor):
+  def __init__(
+      self,
+      cfg: TreeConfig,
+      policy: RolloutPolicy,
+      transition: Transition,
+      key,
+      executor: concurrent.futures.Executor,
+  ):
     self.cfg, self.policy, self.transition, self.key = cfg, policy, transition, key
     self.barrier = cfg.schedule == "barrier"
     self.executor = executor
@@ -168,8 +174,9 @@ class _Rollout:
     comps = act.completions() if substep == 0 else [act.segment]
     kw = {}
     if self.seeded:
-      kw["seed"] = action_seed(self.env_seed(node.turn), self.root_base + node.root,
-                               node.full_id, act.j, substep)
+      kw["seed"] = action_seed(
+          self.env_seed(node.turn), self.root_base + node.root, node.full_id, act.j, substep
+      )
     if self.in_flight == 0:
       self._env_since = time.perf_counter()
     self.in_flight += 1
@@ -197,8 +204,7 @@ class _Rollout:
     record = step_record(out)
     answered = act.segment if act.steps else act.completions()[-1]
     finish = answered.finish_reason
-    act.steps.append(dataclasses.replace(record, done=out.next_state is None,
-                                         finish_reason=finish))
+    act.steps.append(dataclasses.replace(record, done=out.next_state is None, finish_reason=finish))
     if len(act.steps) == 1:
       nr.first_steps -= 1
       if nr.first_steps == 0:
@@ -224,16 +230,22 @@ class _Rollout:
     g = act.samples[0][1]
     comp = nr.comps[0][g]
     done = nr.node.prompts[0] + [int(t) for t in comp.ids]
-    if prompt[:len(done)] != done:
+    if prompt[: len(done)] != done:
       raise ValueError(
           f"node {nr.node.full_id} action {act.j}: the sub-step context does not extend the "
-          "node's prompt and the sampled tokens verbatim (token-in, token-out)")
-    act.context = prompt[len(done):]
+          "node's prompt and the sampled tokens verbatim (token-in, token-out)"
+      )
+    act.context = prompt[len(done) :]
     rnd = len(act.steps)
     index = nr.node.full_id - self.offsets[nr.node.turn]
-    key, rows = request_keys(self.round_key(nr.node.turn, rnd), 0,
-                             index * self.cfg.actions_at(nr.node.turn) + act.j, 1, 1,
-                             self.policy.separate)
+    key, rows = request_keys(
+        self.round_key(nr.node.turn, rnd),
+        0,
+        index * self.cfg.actions_at(nr.node.turn) + act.j,
+        1,
+        1,
+        self.policy.separate,
+    )
     handle = nr.handles[0][g]
     req = Request(("cont", act), prompt, key, rows, agent=0, parent=handle)
     if self.barrier:
@@ -267,8 +279,13 @@ class _Rollout:
       if may_expand and record.valid and not act.limit_reached and slot >= 0:
         b = self.cfg.branching_at(nr.node.turn)
         index = nr.node.full_id - self.offsets[nr.node.turn]
-        child = self.tree.add_child(nr.node, act.j, self.transition.prompts(nxt), nxt,
-                                    full_id=self.offsets[nr.node.turn + 1] + index * b + slot)
+        child = self.tree.add_child(
+            nr.node,
+            act.j,
+            self.transition.prompts(nxt),
+            nxt,
+            full_id=self.offsets[nr.node.turn + 1] + index * b + slot,
+        )
         self.add_node(child)
       else:  # terminated node, last turn, masked, truncated or unbranched: the branch ends
         self.close(nxt)
@@ -311,15 +328,16 @@ class _Rollout:
   def run(self, root_states: Sequence[Any]) -> Tree:
     t_start = time.perf_counter()
     counts = distributed.allgather(len(root_states))
-    self.root_base = sum(counts[:jax.process_index()])
+    self.root_base = sum(counts[: jax.process_index()])
     sizes = self.level_sizes(sum(counts))
     self.offsets = list(np.cumsum([0] + sizes))
     self.runs: dict = {}
     multi = distributed.process_count() > 1
     self.policy.start(self.cfg.num_generations)
     for r, state in enumerate(root_states):
-      self.add_node(self.tree.add_root(self.transition.prompts(state), state,
-                                       full_id=self.root_base + r))
+      self.add_node(
+          self.tree.add_root(self.transition.prompts(state), state, full_id=self.root_base + r)
+      )
     while True:
       self.drain(block=False)
       self.gate()
@@ -363,10 +381,16 @@ class _Rollout:
         return
 
 
-def expand_tree(cfg: TreeConfig, policy: RolloutPolicy, transition: Transition,
-                root_states: Sequence[Any], key: jax.Array, *,
-                executor: Optional[concurrent.futures.Executor] = None,
-                max_workers: int = 32) -> Tree:
+def expand_tree(
+    cfg: TreeConfig,
+    policy: RolloutPolicy,
+    transition: Transition,
+    root_states: Sequence[Any],
+    key: jax.Array,
+    *,
+    executor: Optional[concurrent.futures.Executor] = None,
+    max_workers: int = 32,
+) -> Tree:
   """Rolls out one tree per root state; returns the finalized tree.
 
   Args:

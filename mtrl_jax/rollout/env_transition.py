@@ -63,12 +63,22 @@ import numpy as np
 from mtrl_jax.envs import StepLimits, StepOutcome, Thread, Turn, step_environment
 from mtrl_jax.envs.core import fork_error_message
 from mtrl_jax.envs.cuts import cut_notice, grade_cut
-from mtrl_jax.envs.fault_report import (fault_origin, fault_source, show_fault_once,
-                                        show_notice_once)
+from mtrl_jax.envs.fault_report import (
+    fault_origin,
+    fault_source,
+    show_fault_once,
+    show_notice_once,
+)
 from mtrl_jax.envs.runner import render_thread
 from mtrl_jax.envs.faults import ContractError, Fault, FaultKind, classify
-from mtrl_jax.envs.reward import (RewardBreakdown, RewardConfig, compose_local, compose_reward,
-                                  mean_score, note_unweighted_shaping)
+from mtrl_jax.envs.reward import (
+    RewardBreakdown,
+    RewardConfig,
+    compose_local,
+    compose_reward,
+    mean_score,
+    note_unweighted_shaping,
+)
 from mtrl_jax.rollout.records import ActionOutcome, StepRecord
 from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.seeds import call_seed
@@ -98,10 +108,16 @@ def _record(out: StepOutcome, details: dict, continues_turn: bool = False) -> St
   """The engine's record of one `step_environment` outcome."""
   parts = out.reward.metrics(prefix="")
   parts.pop("total")
-  return StepRecord(reward=out.reward.total, valid=not out.masked, continues_turn=continues_turn,
-                    truncated=out.truncated, parts=parts, faults=tuple(out.faults),
-                    details=details,
-                    local_rewards=tuple(None if b is None else b.total for b in out.local))
+  return StepRecord(
+      reward=out.reward.total,
+      valid=not out.masked,
+      continues_turn=continues_turn,
+      truncated=out.truncated,
+      parts=parts,
+      faults=tuple(out.faults),
+      details=details,
+      local_rewards=tuple(None if b is None else b.total for b in out.local),
+  )
 
 
 class EnvTransition:
@@ -118,9 +134,15 @@ class EnvTransition:
       environment does not grade scores the lowest (`cut`).
   """
 
-  def __init__(self, renderer: ChatRenderer, num_agents: int = 1, *,
-               limits: StepLimits = StepLimits(), reward_cfg=None,
-               outcome_range: tuple = (0.0, 1.0)):
+  def __init__(
+      self,
+      renderer: ChatRenderer,
+      num_agents: int = 1,
+      *,
+      limits: StepLimits = StepLimits(),
+      reward_cfg=None,
+      outcome_range: tuple = (0.0, 1.0),
+  ):
     self.renderer = renderer
     self.num_agents = num_agents
     self.limits = limits
@@ -132,12 +154,14 @@ class EnvTransition:
     """The root state of one trajectory: the env's initial per-agent threads, rendered."""
     n = getattr(env, "num_agents", 1)
     if n != self.num_agents:
-      raise ValueError(f"{type(env).__name__}.num_agents={n} but the tree has "
-                       f"num_agents={self.num_agents}")
+      raise ValueError(
+          f"{type(env).__name__}.num_agents={n} but the tree has num_agents={self.num_agents}"
+      )
     threads = env.initial_threads() if n > 1 else [env.initial_thread()]
     if len(threads) != n:
-      raise ValueError(f"{type(env).__name__}.initial_threads returned {len(threads)} "
-                       f"threads for {n} agents")
+      raise ValueError(
+          f"{type(env).__name__}.initial_threads returned {len(threads)} threads for {n} agents"
+      )
     return EnvState(env, tuple(render_thread(t, self.renderer) for t in threads), 0)
 
   def root_states(self, factory, metadatas: Sequence[Mapping]) -> list[EnvState]:
@@ -150,10 +174,13 @@ class EnvTransition:
     for k, metadata in enumerate(metadatas):
       if not isinstance(metadata, Mapping):
         text = repr(metadata)
-        fault = Fault(FaultKind.CONTRACT, "task_source",
-                      f"task {k} of the step is {type(metadata).__name__}, not a mapping "
-                      f"of metadata: {text[:80]}{' ...' * (len(text) > 80)}",
-                      where="TaskSource.__getitem__")
+        fault = Fault(
+            FaultKind.CONTRACT,
+            "task_source",
+            f"task {k} of the step is {type(metadata).__name__}, not a mapping "
+            f"of metadata: {text[:80]}{' ...' * (len(text) > 80)}",
+            where="TaskSource.__getitem__",
+        )
         states.append(self.failed_root(fault))
         continue
       env = None
@@ -183,8 +210,9 @@ class EnvTransition:
       out.append(self.renderer.begin_assistant(ledger))
     return out
 
-  def step(self, state: EnvState, actions: Sequence[Completion],
-           seed: Optional[int] = None) -> ActionOutcome:
+  def step(
+      self, state: EnvState, actions: Sequence[Completion], seed: Optional[int] = None
+  ) -> ActionOutcome:
     """Steps one joint action; `seed` (from the engine) seeds the environment's model calls."""
     if state.fault is not None:  # a failed root
       return self._masked(state.fault)
@@ -207,16 +235,30 @@ class EnvTransition:
     for i, (thread, comp) in enumerate(zip(forked, actions)):
       ledger = thread.ledger
       self.renderer.begin_assistant(ledger)
-      text = self.renderer.append_completion(ledger, comp.ids.tolist(), comp.logprobs.tolist(),
-                                             finished_by_stop=comp.finish_reason == "stop")
+      text = self.renderer.append_completion(
+          ledger,
+          comp.ids.tolist(),
+          comp.logprobs.tolist(),
+          finished_by_stop=comp.finish_reason == "stop",
+      )
       name = f"agent_{i}" if self.num_agents > 1 else None
       agent_seed = None if seed is None else call_seed(seed, i, state.steps)
-      acted.append(thread.replace(ledger=ledger, seed=agent_seed).append(
-          Turn("assistant", text, name=name)))
-    out = step_environment(env, acted, self.limits, reward_cfg=self.reward_cfg,
-                           renderer=self.renderer, step_index=state.steps)
-    details = {"grades": {k: g.to_dict() for k, g in out.grades.items()},
-               "invalid_calls": out.invalid_calls, "history_rewrites": out.history_rewrites}
+      acted.append(
+          thread.replace(ledger=ledger, seed=agent_seed).append(Turn("assistant", text, name=name))
+      )
+    out = step_environment(
+        env,
+        acted,
+        self.limits,
+        reward_cfg=self.reward_cfg,
+        renderer=self.renderer,
+        step_index=state.steps,
+    )
+    details = {
+        "grades": {k: g.to_dict() for k, g in out.grades.items()},
+        "invalid_calls": out.invalid_calls,
+        "history_rewrites": out.history_rewrites,
+    }
     offers_tools = bool(getattr(state.env, "tools", None))  # a ToolSet is falsy when empty
     if out.done:
       env.close()
@@ -225,15 +267,18 @@ class EnvTransition:
       return ActionOutcome(None, _record(out, details))
     if not out.masked:  # a continuing step's grades are all per-turn grades
       note_unweighted_shaping(self.reward_cfg or RewardConfig(), out.grades)
-    new_turns = [nxt.turns[len(old.turns):] for old, nxt in zip(acted, out.next_threads)]
+    new_turns = [nxt.turns[len(old.turns) :] for old, nxt in zip(acted, out.next_threads)]
     details["env_turns"] = [[t.content for t in turns] for turns in new_turns]
     details["env_roles"] = [[t.role for t in turns] for turns in new_turns]
     if offers_tools:  # one tool turn per call (`ToolSet.execute`), per agent
       details["tool_calls"] = [sum(t.role == "tool" for t in turns) for turns in new_turns]
-    waits = (not out.history_rewrites
-             and all(turns and turns[-1].role == "tool" for turns in new_turns))
-    return ActionOutcome(EnvState(env, tuple(out.next_threads), state.steps + 1),
-                         _record(out, details, continues_turn=waits))
+    waits = not out.history_rewrites and all(
+        turns and turns[-1].role == "tool" for turns in new_turns
+    )
+    return ActionOutcome(
+        EnvState(env, tuple(out.next_threads), state.steps + 1),
+        _record(out, details, continues_turn=waits),
+    )
 
   def cut(self, out: ActionOutcome, num_turns: int) -> ActionOutcome:
     """Grades an episode the tree cut (a step at its last turn that went on) as ended.
@@ -252,8 +297,13 @@ class EnvTransition:
     """
     state, record = out.next_state, out.step
     threads = list(state.threads)
-    grades, faults, masked = grade_cut(state.env, threads if self.num_agents > 1 else threads[0],
-                                       self.failure_outcome, self.limits.faults, num_turns)
+    grades, faults, masked = grade_cut(
+        state.env,
+        threads if self.num_agents > 1 else threads[0],
+        self.failure_outcome,
+        self.limits.faults,
+        num_turns,
+    )
     state.env.close()
     show_notice_once("tree/cut_episodes", cut_notice(num_turns, self.limits.max_turns))
     for f in faults:
@@ -264,17 +314,31 @@ class EnvTransition:
     if masked:
       reward = RewardBreakdown.zero()
     else:
-      reward = compose_reward(cfg, steps=1, invalid_calls=invalid,
-                              outcome=mean_score(grades) or 0.0)
-      local = compose_local(cfg, self.num_agents, outcome_grades=grades, shaping_grades={},
-                            steps=1, invalid_calls=invalid)
+      reward = compose_reward(
+          cfg, steps=1, invalid_calls=invalid, outcome=mean_score(grades) or 0.0
+      )
+      local = compose_local(
+          cfg,
+          self.num_agents,
+          outcome_grades=grades,
+          shaping_grades={},
+          steps=1,
+          invalid_calls=invalid,
+      )
     parts = reward.metrics(prefix="")
     parts.pop("total")
     details = {**record.details, "cut_grades": {k: g.to_dict() for k, g in grades.items()}}
     step = dataclasses.replace(
-        record, reward=reward.total, valid=not masked, continues_turn=False, parts=parts,
-        faults=tuple(record.faults) + tuple(faults), details=details, cut=True,
-        local_rewards=tuple(None if b is None else b.total for b in local))
+        record,
+        reward=reward.total,
+        valid=not masked,
+        continues_turn=False,
+        parts=parts,
+        faults=tuple(record.faults) + tuple(faults),
+        details=details,
+        cut=True,
+        local_rewards=tuple(None if b is None else b.total for b in local),
+    )
     return ActionOutcome(None, step)
 
   def _fork_fault(self, obj, exc: Exception) -> Fault:
@@ -297,13 +361,19 @@ class EnvTransition:
   def _undecodable(self, agent: int, bad: list, vocab: int) -> ActionOutcome:
     """The outcome of a message with ids outside the tokenizer: a model format fault."""
     policy = self.limits.faults
-    fault = Fault(FaultKind.MODEL_FORMAT, "framework",
-                  f"agent {agent} sampled ids {sorted(set(bad))[:8]} outside the tokenizer's "
-                  f"vocabulary [0, {vocab})")
+    fault = Fault(
+        FaultKind.MODEL_FORMAT,
+        "framework",
+        f"agent {agent} sampled ids {sorted(set(bad))[:8]} outside the tokenizer's "
+        f"vocabulary [0, {vocab})",
+    )
     masked = fault.kind in policy.mask
     invalid = int(fault.kind in policy.penalise)
-    reward = (RewardBreakdown.zero() if masked else
-              compose_reward(self.reward_cfg or RewardConfig(), steps=1, invalid_calls=invalid))
+    reward = (
+        RewardBreakdown.zero()
+        if masked
+        else compose_reward(self.reward_cfg or RewardConfig(), steps=1, invalid_calls=invalid)
+    )
     show_fault_once(fault)
     out = StepOutcome(None, {}, reward, (fault,), masked=masked, invalid_calls=invalid)
     return ActionOutcome(None, _record(out, {"invalid_calls": invalid}))

@@ -37,11 +37,18 @@ def merge_trees(cfg, parts) -> Tree:
   for nodes, num_roots in parts:
     offset = len(out.nodes)
     for n in nodes:
-      children = None if n.children_B is None else np.where(
-          n.children_B >= 0, n.children_B + offset, -1)
-      out.nodes.append(dataclasses.replace(
-          n, node_id=n.node_id + offset, root=n.root + out.num_roots,
-          parent_id=n.parent_id + offset if n.parent_id >= 0 else -1, children_B=children))
+      children = (
+          None if n.children_B is None else np.where(n.children_B >= 0, n.children_B + offset, -1)
+      )
+      out.nodes.append(
+          dataclasses.replace(
+              n,
+              node_id=n.node_id + offset,
+              root=n.root + out.num_roots,
+              parent_id=n.parent_id + offset if n.parent_id >= 0 else -1,
+              children_B=children,
+          )
+      )
     out.num_roots += num_roots
   out.finalized = True
   return out

@@ -62,21 +62,23 @@ def joint_rows(tree: Tree, target: str) -> list[JointRow]:
   if not tree.finalized:
     raise ValueError("joint_rows needs a finalized tree (Tree.finalize())")
   if target == "q" and tree.cfg.joint_mode != "align":
-    raise ValueError(f"joint_rows target='q' with joint_mode={tree.cfg.joint_mode!r}; "
-                     "allowed: 'align' (one action per agent in each joint action)")
+    raise ValueError(
+        f"joint_rows target='q' with joint_mode={tree.cfg.joint_mode!r}; "
+        "allowed: 'align' (one action per agent in each joint action)"
+    )
   rows = []
   for k, node in enumerate(tree.nodes):
     trained_NxG = node.weight_NxG > 0
     if target == "v":
       if trained_NxG.any():
-        rows.append(JointRow(k, -1, np.concatenate(
-            [np.asarray(p, np.int32) for p in node.prompts])))
+        rows.append(
+            JointRow(k, -1, np.concatenate([np.asarray(p, np.int32) for p in node.prompts]))
+        )
       continue
     for g in np.flatnonzero(trained_NxG.any(axis=0)):
       parts = []
       for i, prompt in enumerate(node.prompts):
-        parts += [np.asarray(prompt, np.int32),
-                  np.asarray(node.completions[i][g].ids, np.int32)]
+        parts += [np.asarray(prompt, np.int32), np.asarray(node.completions[i][g].ids, np.int32)]
       rows.append(JointRow(k, int(g), np.concatenate(parts)))
   return rows
 
@@ -107,8 +109,15 @@ def values_per_node(tree: Tree, rows: list[JointRow], values_R) -> list[np.ndarr
   return out
 
 
-def rows_batch(rows: list[JointRow], *, pad_id: int = 0, row_multiple: int = 1,
-               min_length: int = 64, targets_R=None, old_values_R=None) -> TrainBatch:
+def rows_batch(
+    rows: list[JointRow],
+    *,
+    pad_id: int = 0,
+    row_multiple: int = 1,
+    min_length: int = 64,
+    targets_R=None,
+    old_values_R=None,
+) -> TrainBatch:
   """The rows as one causal batch with one value slot each (at the row's last token).
 
   Rows are padded to the next power of two (a multiple of `row_multiple`), the
@@ -122,7 +131,7 @@ def rows_batch(rows: list[JointRow], *, pad_id: int = 0, row_multiple: int = 1,
   length = buckets.next_pow2(longest, min_length)
   b = buckets.row_count(len(rows), row_multiple)
   out = train_batch.empty(b, length, 1, pad_id, values=True)
-  out.ends_BxL[:len(rows)] = length  # causal: each key is seen by the rest of its row
+  out.ends_BxL[: len(rows)] = length  # causal: each key is seen by the rest of its row
   for r, row in enumerate(rows):
     n = len(row.tokens)
     out.tokens_BxL[r, :n] = row.tokens
@@ -132,12 +141,13 @@ def rows_batch(rows: list[JointRow], *, pad_id: int = 0, row_multiple: int = 1,
     out.row_weight_B[r] = 1.0
   for field, x in (("value_target_BxK", targets_R), ("old_value_BxK", old_values_R)):
     if x is not None:
-      getattr(out, field)[:len(rows), 0] = np.asarray(x, np.float32)
+      getattr(out, field)[: len(rows), 0] = np.asarray(x, np.float32)
   return out
 
 
-def joint_values(tree: Tree, target: str, values_fn, *, pad_id: int = 0,
-                 row_multiple: int = 1) -> tuple[list[np.ndarray], Optional[list[JointRow]]]:
+def joint_values(
+    tree: Tree, target: str, values_fn, *, pad_id: int = 0, row_multiple: int = 1
+) -> tuple[list[np.ndarray], Optional[list[JointRow]]]:
   """A centralized critic's value pass: per node [N, G] values, and the rows.
 
   `values_fn(batch)` returns the value head's [B, K] values of a `rows_batch`
@@ -147,4 +157,4 @@ def joint_values(tree: Tree, target: str, values_fn, *, pad_id: int = 0,
   if not rows:
     return [np.zeros(node.weight_NxG.shape, np.float64) for node in tree.nodes], rows
   values = np.asarray(values_fn(rows_batch(rows, pad_id=pad_id, row_multiple=row_multiple)))
-  return values_per_node(tree, rows, values[:len(rows), 0]), rows
+  return values_per_node(tree, rows, values[: len(rows), 0]), rows

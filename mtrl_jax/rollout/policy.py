@@ -31,14 +31,18 @@ class RolloutPolicy(Protocol):
   def start(self, fanout: int) -> None:
     """Begins a rollout whose requests ask for at most `fanout` samples."""
 
-  def submit(self, req: Request) -> None: ...
+  def submit(self, req: Request) -> None:
+    ...
 
-  def step(self, expect_more: bool = False) -> tuple[list[Sample], bool]: ...
+  def step(self, expect_more: bool = False) -> tuple[list[Sample], bool]:
+    ...
 
-  def release(self, handle) -> None: ...
+  def release(self, handle) -> None:
+    ...
 
   @property
-  def busy(self) -> bool: ...
+  def busy(self) -> bool:
+    ...
 
   def finish(self) -> dict:
     """Ends the rollout; returns the run's counters (`DecodeEngine.stats`)."""
@@ -59,8 +63,9 @@ def key_data(key) -> np.ndarray:
   return np.asarray(key, np.uint32).reshape(2)
 
 
-def request_keys(level_key, agent: int, index: int, num_agents: int, num_samples: int,
-                 separate: bool) -> tuple[np.ndarray, np.ndarray]:
+def request_keys(
+    level_key, agent: int, index: int, num_agents: int, num_samples: int, separate: bool
+) -> tuple[np.ndarray, np.ndarray]:
   """(key, rows) of the samples of one (node or action, agent).
 
   `index` is the node's (or, for a tool continuation, the action's) position
@@ -77,9 +82,11 @@ def request_keys(level_key, agent: int, index: int, num_agents: int, num_samples
     rows = index * num_samples + g
   else:
     rows = (index * num_agents + agent) * num_samples + g
-  if rows.max() >= 2 ** 32:
-    raise ValueError(f"sample row {int(rows.max())} does not fit 32 bits: the complete tree "
-                     "has too many nodes per level for its sampling keys")
+  if rows.max() >= 2**32:
+    raise ValueError(
+        f"sample row {int(rows.max())} does not fit 32 bits: the complete tree "
+        "has too many nodes per level for its sampling keys"
+    )
   return key_data(key), rows.astype(np.uint32)
 
 
@@ -98,8 +105,9 @@ class EnginePolicy:
       the training rollouts' compiled admit programs.
   """
 
-  def __init__(self, engine: DecodeEngine, states, sampling, *, stop_ids, pad_id: int,
-               fanout: int = 1):
+  def __init__(
+      self, engine: DecodeEngine, states, sampling, *, stop_ids, pad_id: int, fanout: int = 1
+  ):
     self.engine = engine
     self.sampling = sampling
     self.stop_ids = tuple(int(s) for s in stop_ids)
@@ -116,14 +124,17 @@ class EnginePolicy:
     self.separate = isinstance(states, StackedStates)
     expected = states.num_agents if self.separate else 1
     if self.engine.num_agents != expected:
-      raise ValueError(f"EnginePolicy: the engine has {self.engine.num_agents} parameter "
-                       f"sets, the states {expected}")
+      raise ValueError(
+          f"EnginePolicy: the engine has {self.engine.num_agents} parameter "
+          f"sets, the states {expected}"
+      )
     self.states = states
 
   def start(self, fanout: int) -> None:
     params = self.states.params if self.separate else self.states
-    self.engine.start(params, self.sampling, self.stop_ids, self.pad_id,
-                      fanout=max(fanout, self.fanout))
+    self.engine.start(
+        params, self.sampling, self.stop_ids, self.pad_id, fanout=max(fanout, self.fanout)
+    )
 
   def submit(self, req: Request) -> None:
     if not self.separate and req.agent:

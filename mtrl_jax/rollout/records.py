@@ -66,11 +66,17 @@ class StepRecord:
     return self.reward if mine is None else mine
 
   def to_json(self) -> dict:
-    out = {"reward": float(self.reward), "valid": self.valid, "done": self.done,
-           "truncated": self.truncated, "continues_turn": self.continues_turn,
-           "finish_reason": self.finish_reason,
-           "parts": {k: float(v) for k, v in self.parts.items()},
-           "faults": [f.to_dict() for f in self.faults], **dict(self.details)}
+    out = {
+        "reward": float(self.reward),
+        "valid": self.valid,
+        "done": self.done,
+        "truncated": self.truncated,
+        "continues_turn": self.continues_turn,
+        "finish_reason": self.finish_reason,
+        "parts": {k: float(v) for k, v in self.parts.items()},
+        "faults": [f.to_dict() for f in self.faults],
+        **dict(self.details),
+    }
     if any(r is not None for r in self.local_rewards):
       out["local_rewards"] = [None if r is None else float(r) for r in self.local_rewards]
     if self.cut:  # records of episodes that ended within the tree stay as they were
@@ -147,16 +153,23 @@ class ActionRecord:
 
   def local_graded(self, num_agents: int) -> list[bool]:
     """Per agent: some step of the action scored it alone."""
-    return [any(i < len(s.local_rewards) and s.local_rewards[i] is not None
-                for s in self.steps) for i in range(num_agents)]
+    return [
+        any(i < len(s.local_rewards) and s.local_rewards[i] is not None for s in self.steps)
+        for i in range(num_agents)
+    ]
 
   @property
   def faults(self) -> list[Fault]:
     out = [f for s in self.steps for f in s.faults]
     if self.limit_reached:
-      out.append(Fault(FaultKind.TRUNCATION, "framework",
-                       f"sub-step limit reached ({self.substeps} continuations): the "
-                       "environment still waited for the policy"))
+      out.append(
+          Fault(
+              FaultKind.TRUNCATION,
+              "framework",
+              f"sub-step limit reached ({self.substeps} continuations): the "
+              "environment still waited for the policy",
+          )
+      )
     return out
 
   def parts(self) -> dict[str, float]:
@@ -166,9 +179,14 @@ class ActionRecord:
     return {k: float(sum(s.parts.get(k, 0.0) for s in self.steps)) for k in REWARD_PARTS}
 
   def to_json(self) -> dict:
-    return {"reward": self.reward, "valid": self.valid, "ended": self.ended,
-            "limit_reached": self.limit_reached, "faults": [f.to_dict() for f in self.faults],
-            "steps": [s.to_json() for s in self.steps]}
+    return {
+        "reward": self.reward,
+        "valid": self.valid,
+        "ended": self.ended,
+        "limit_reached": self.limit_reached,
+        "faults": [f.to_dict() for f in self.faults],
+        "steps": [s.to_json() for s in self.steps],
+    }
 
 
 class Transition(Protocol):

@@ -63,9 +63,13 @@ def should_terminate(cfg: TreeConfig, rewards_B: np.ndarray, valid_B: np.ndarray
   return bool(rewards_B[valid_B].mean() > cfg.termination_threshold)
 
 
-def agent_returns(cfg: TreeConfig, joint_BxN: np.ndarray, returns_B: np.ndarray,
-                  valid_B: np.ndarray, num_generations: Optional[int] = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def agent_returns(
+    cfg: TreeConfig,
+    joint_BxN: np.ndarray,
+    returns_B: np.ndarray,
+    valid_B: np.ndarray,
+    num_generations: Optional[int] = None,
+) -> tuple[np.ndarray, np.ndarray]:
   """Per-agent sample returns and sample validity.
 
   Args:
@@ -97,8 +101,7 @@ def agent_returns(cfg: TreeConfig, joint_BxN: np.ndarray, returns_B: np.ndarray,
   return out_NxG, valid_NxG
 
 
-def advantages(returns_G: np.ndarray, valid_G: np.ndarray, mode: str,
-               std_norm: bool) -> np.ndarray:
+def advantages(returns_G: np.ndarray, valid_G: np.ndarray, mode: str, std_norm: bool) -> np.ndarray:
   """Sibling-baseline advantages of one agent at one node (invalid samples get 0).
 
   Args:

@@ -26,9 +26,13 @@ def _valid_actions(node):
 
 def fault_counts(tree) -> dict[str, float]:
   """`faults/<kind>`: faults over every step of every action (masked ones included)."""
-  counts = collections.Counter(f"faults/{f.kind.value}" for node in tree.nodes
-                               for action in node.actions or [] if action is not None
-                               for f in action.faults)
+  counts = collections.Counter(
+      f"faults/{f.kind.value}"
+      for node in tree.nodes
+      for action in node.actions or []
+      if action is not None
+      for f in action.faults
+  )
   return {k: float(v) for k, v in sorted(counts.items())}
 
 
@@ -86,8 +90,9 @@ def path_success(tree, success_threshold: float) -> float:
       elif chance[child] is not None:
         vals.append(chance[child])
     chance[node.node_id] = float(np.mean(vals)) if vals else None
-  roots = [chance[n.node_id] for n in tree.nodes
-           if n.parent_id < 0 and chance[n.node_id] is not None]
+  roots = [
+      chance[n.node_id] for n in tree.nodes if n.parent_id < 0 and chance[n.node_id] is not None
+  ]
   return float(np.mean(roots)) if roots else float("nan")
 
 
@@ -111,8 +116,7 @@ def cut_metrics(tree) -> dict[str, float]:
       if node.children_B[b] < 0:
         episodes += 1
         cut += is_cut(tree, node, b)
-  return {"tree/cut_episodes": float(cut),
-          "tree/cut_fraction": cut / episodes if episodes else 0.0}
+  return {"tree/cut_episodes": float(cut), "tree/cut_fraction": cut / episodes if episodes else 0.0}
 
 
 def _tool_calls(step) -> Optional[list]:
@@ -179,10 +183,13 @@ def tool_metrics(tree) -> dict[str, float]:
   if not turns:
     return {}
   paths = episodes(tree)
-  return {"tools/turns_with_call": with_call / turns, "tools/calls": float(calls),
-          "tools/valid_calls": float(max(calls - failed, 0)),
-          "tools/parse_failures_per_call": parse / calls if calls else 0.0,
-          "tools/calls_per_episode": float(np.mean([c for _, c in paths])) if paths else 0.0}
+  return {
+      "tools/turns_with_call": with_call / turns,
+      "tools/calls": float(calls),
+      "tools/valid_calls": float(max(calls - failed, 0)),
+      "tools/parse_failures_per_call": parse / calls if calls else 0.0,
+      "tools/calls_per_episode": float(np.mean([c for _, c in paths])) if paths else 0.0,
+  }
 
 
 def turn_metrics(tree) -> dict[str, float]:
@@ -202,14 +209,19 @@ def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
   per-agent rewards and influence (`rollout.credit.credit_metrics`)."""
   ended = [a for node in tree.nodes for a in node.actions or [] if a is not None and a.ended]
   roots = [n for n in tree.nodes if n.parent_id < 0]
-  return {"rollout/success": sum(a.outcome > success_threshold for a in ended)
-                             / max(len(ended), 1),
-          "rollout/path_success": path_success(tree, success_threshold),
-          "rollout/return": float(np.mean([n.returns_B[n.valid_B].mean() for n in roots
-                                           if n.valid_B.any()] or [np.nan])),
-          **turn_metrics(tree), **tool_metrics(tree),
-          **reward_metrics(tree), **fault_counts(tree), **cut_metrics(tree),
-          **credit_metrics(tree)}
+  return {
+      "rollout/success": sum(a.outcome > success_threshold for a in ended) / max(len(ended), 1),
+      "rollout/path_success": path_success(tree, success_threshold),
+      "rollout/return": float(
+          np.mean([n.returns_B[n.valid_B].mean() for n in roots if n.valid_B.any()] or [np.nan])
+      ),
+      **turn_metrics(tree),
+      **tool_metrics(tree),
+      **reward_metrics(tree),
+      **fault_counts(tree),
+      **cut_metrics(tree),
+      **credit_metrics(tree),
+  }
 
 
 def path_results(tree) -> list[dict]:
@@ -227,9 +239,16 @@ def path_results(tree) -> list[dict]:
       if child < 0:
         break
       node = by_id[child]
-    out.append({"return": total, "outcome": action.outcome, "ended": action.ended,
-                "turns": turns, "masked": not bool(node.valid_B[0]),
-                "cut": is_cut(tree, node, 0)})
+    out.append(
+        {
+            "return": total,
+            "outcome": action.outcome,
+            "ended": action.ended,
+            "turns": turns,
+            "masked": not bool(node.valid_B[0]),
+            "cut": is_cut(tree, node, 0),
+        }
+    )
   return out
 
 
@@ -253,14 +272,21 @@ def engine_metrics(tree) -> dict[str, float]:
   out = {}
   if stats:
     ctx = stats["prefill_tokens"] + stats["reused_tokens"]
-    out.update({
-        "engine/slot_occupancy": stats["occupancy_sum"] / max(stats["chunks"], 1),
-        "engine/prefill_tokens": float(stats["prefill_tokens"]),
-        "engine/decode_tokens": float(stats["decode_tokens"]),
-        "engine/kv_reuse": stats["reused_tokens"] / max(ctx, 1),
-        "engine/decode_efficiency": stats["decode_tokens"] / max(stats["slot_steps"], 1),
-        "engine/evictions": float(stats["evictions"])})
+    out.update(
+        {
+            "engine/slot_occupancy": stats["occupancy_sum"] / max(stats["chunks"], 1),
+            "engine/prefill_tokens": float(stats["prefill_tokens"]),
+            "engine/decode_tokens": float(stats["decode_tokens"]),
+            "engine/kv_reuse": stats["reused_tokens"] / max(ctx, 1),
+            "engine/decode_efficiency": stats["decode_tokens"] / max(stats["slot_steps"], 1),
+            "engine/evictions": float(stats["evictions"]),
+        }
+    )
   if times is not None:
-    out.update({f"time/{k}": float(getattr(times, k)) for k in
-                ("generation", "environment", "overlap", "device_idle", "env_waiting")})
+    out.update(
+        {
+            f"time/{k}": float(getattr(times, k))
+            for k in ("generation", "environment", "overlap", "device_idle", "env_waiting")
+        }
+    )
   return out

@@ -87,28 +87,63 @@ class TrainBatch:
   def program_key(self, rows_axis: int = 0) -> tuple:
     """A compiled program's cache key: the fields present, their ranks and row counts
     (shardings depend on rows only; jax.jit's own cache adds one program per length)."""
-    return tuple((f.name, len(v.shape), v.shape[rows_axis]) for f in dataclasses.fields(self)
-                 if (v := getattr(self, f.name)) is not None)
+    return tuple(
+        (f.name, len(v.shape), v.shape[rows_axis])
+        for f in dataclasses.fields(self)
+        if (v := getattr(self, f.name)) is not None
+    )
 
   def forward_part(self) -> "TrainBatch":
     """The entries a policy forward reads (the rest set to None): the argument of
     the old-logprob pass, so its program does not depend on the training fields."""
-    return TrainBatch(self.tokens_BxL, self.positions_BxL, self.ends_BxL, self.prev_BxK,
-                      self.target_BxK, None, None, None, None, None)
+    return TrainBatch(
+        self.tokens_BxL,
+        self.positions_BxL,
+        self.ends_BxL,
+        self.prev_BxK,
+        self.target_BxK,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 # The fill of every field where padding adds rows, positions or trained-token slots.
-_DTYPES = {"tokens_BxL": np.int32, "positions_BxL": np.int32, "ends_BxL": np.int32,
-           "prev_BxK": np.int32, "target_BxK": np.int32, "action_BxK": np.int32,
-           "loss_mask_BxK": np.bool_, "old_logp_BxK": np.float32, "adv_BxK": np.float32,
-           "row_weight_B": np.float32}
-_FILL = {"positions_BxL": 0, "prev_BxK": 0, "action_BxK": 0, "loss_mask_BxK": False,
-         "old_logp_BxK": 0.0, "adv_BxK": 0.0, "row_weight_B": 0.0, "value_pos_BxK": 0,
-         "value_mask_BxK": False, "value_target_BxK": 0.0, "old_value_BxK": 0.0}
+_DTYPES = {
+    "tokens_BxL": np.int32,
+    "positions_BxL": np.int32,
+    "ends_BxL": np.int32,
+    "prev_BxK": np.int32,
+    "target_BxK": np.int32,
+    "action_BxK": np.int32,
+    "loss_mask_BxK": np.bool_,
+    "old_logp_BxK": np.float32,
+    "adv_BxK": np.float32,
+    "row_weight_B": np.float32,
+}
+_FILL = {
+    "positions_BxL": 0,
+    "prev_BxK": 0,
+    "action_BxK": 0,
+    "loss_mask_BxK": False,
+    "old_logp_BxK": 0.0,
+    "adv_BxK": 0.0,
+    "row_weight_B": 0.0,
+    "value_pos_BxK": 0,
+    "value_mask_BxK": False,
+    "value_target_BxK": 0.0,
+    "old_value_BxK": 0.0,
+}
 FIELDS = tuple(_DTYPES)
 VALUE_FIELDS = ("value_pos_BxK", "value_mask_BxK", "value_target_BxK", "old_value_BxK")
-_DTYPES.update(value_pos_BxK=np.int32, value_mask_BxK=np.bool_, value_target_BxK=np.float32,
-               old_value_BxK=np.float32)
+_DTYPES.update(
+    value_pos_BxK=np.int32,
+    value_mask_BxK=np.bool_,
+    value_target_BxK=np.float32,
+    old_value_BxK=np.float32,
+)
 
 
 def logit_buckets(length: int) -> tuple[int, ...]:
@@ -128,15 +163,23 @@ def batch_spec(num_rows: int, length: int, num_logits: int, values: bool = False
   """Shapes and dtypes of a batch as `jax.ShapeDtypeStruct`s (for precompiling);
   `values`: with the value fields of a critic."""
   import jax  # the packing itself is numpy only
-  return TrainBatch(**{f: jax.ShapeDtypeStruct(_shape(f, num_rows, length, num_logits),
-                                               _DTYPES[f]) for f in _fields(values)})
+
+  return TrainBatch(
+      **{
+          f: jax.ShapeDtypeStruct(_shape(f, num_rows, length, num_logits), _DTYPES[f])
+          for f in _fields(values)
+      }
+  )
 
 
-def empty(num_rows: int, length: int, num_logits: int, pad_id: int = 0,
-          values: bool = False) -> TrainBatch:
+def empty(
+    num_rows: int, length: int, num_logits: int, pad_id: int = 0, values: bool = False
+) -> TrainBatch:
   """An all-padding batch: no trained token, every position its own subtree."""
-  b = {f: np.full(_shape(f, num_rows, length, num_logits), _FILL.get(f, pad_id), _DTYPES[f])
-       for f in _fields(values)}
+  b = {
+      f: np.full(_shape(f, num_rows, length, num_logits), _FILL.get(f, pad_id), _DTYPES[f])
+      for f in _fields(values)
+  }
   b["ends_BxL"] = np.tile(np.arange(1, length + 1, dtype=np.int32), (num_rows, 1))
   return TrainBatch(**b)
 
@@ -146,8 +189,9 @@ def has_values(batch: TrainBatch) -> bool:
   return batch.value_mask_BxK is not None
 
 
-def pad_batch(batch: TrainBatch, rows: int, length: int, num_logits: int,
-              pad_id: int = 0) -> TrainBatch:
+def pad_batch(
+    batch: TrainBatch, rows: int, length: int, num_logits: int, pad_id: int = 0
+) -> TrainBatch:
   """`batch` padded to `rows` x `length` x `num_logits`; padding never changes the loss."""
   values = has_values(batch)
   out = empty(rows, length, num_logits, pad_id, values)
@@ -161,12 +205,20 @@ def pad_batch(batch: TrainBatch, rows: int, length: int, num_logits: int,
 
 def stack(batches: Sequence[TrainBatch]) -> TrainBatch:
   """Batches of one shape stacked on a leading agent axis: every field [A, ...]."""
-  return TrainBatch(**{f: np.stack([getattr(b, f) for b in batches])
-                       for f in _fields(has_values(batches[0]))})
+  return TrainBatch(
+      **{f: np.stack([getattr(b, f) for b in batches]) for f in _fields(has_values(batches[0]))}
+  )
 
 
-def from_rows(tokens_BxL, loss_mask_BxL, *, old_logp_BxL=None, adv=None,
-              row_weight_B=None, num_logits: Optional[int] = None) -> TrainBatch:
+def from_rows(
+    tokens_BxL,
+    loss_mask_BxL,
+    *,
+    old_logp_BxL=None,
+    adv=None,
+    row_weight_B=None,
+    num_logits: Optional[int] = None,
+) -> TrainBatch:
   """Plain right-padded rows as a batch: each row one causal path, one action.
 
   The row layout's alignment: `old_logp_BxL[b, t]` is the logprob of token t
@@ -190,8 +242,11 @@ def from_rows(tokens_BxL, loss_mask_BxL, *, old_logp_BxL=None, adv=None,
   mask_BxL[:, 0] = False  # position 0 has no prediction
   if row_weight_B is not None:
     mask_BxL &= (np.asarray(row_weight_B) > 0)[:, None]
-  old_BxL = np.zeros((b, length), np.float32) if old_logp_BxL is None else np.asarray(
-      old_logp_BxL, np.float32)
+  old_BxL = (
+      np.zeros((b, length), np.float32)
+      if old_logp_BxL is None
+      else np.asarray(old_logp_BxL, np.float32)
+  )
   adv_BxL = np.zeros((b, length), np.float32) if adv is None else np.asarray(adv, np.float32)
   if adv_BxL.ndim == 1:
     adv_BxL = np.repeat(adv_BxL[:, None], length, axis=1)
@@ -217,5 +272,8 @@ def from_rows(tokens_BxL, loss_mask_BxL, *, old_logp_BxL=None, adv=None,
 
 def as_arrays(batch: TrainBatch) -> dict[str, Any]:
   """The batch's fields by name (None fields left out): for logs and tests."""
-  return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
-          if getattr(batch, f.name) is not None}
+  return {
+      f.name: getattr(batch, f.name)
+      for f in dataclasses.fields(batch)
+      if getattr(batch, f.name) is not None
+  }

@@ -48,11 +48,23 @@ from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.rollout.config import TreeConfig
 from mtrl_jax.rollout.records import ActionRecord, StepRecord
 from mtrl_jax.rollout import credit
-from mtrl_jax.rollout.returns import (advantages, agent_returns, child_slots, joint_actions,
-                                      should_terminate)
+from mtrl_jax.rollout.returns import (
+    advantages,
+    agent_returns,
+    child_slots,
+    joint_actions,
+    should_terminate,
+)
 
-__all__ = ["Completion", "Node", "Tree", "advantages", "agent_returns", "joint_actions",
-           "should_terminate"]
+__all__ = [
+    "Completion",
+    "Node",
+    "Tree",
+    "advantages",
+    "agent_returns",
+    "joint_actions",
+    "should_terminate",
+]
 
 
 @dataclasses.dataclass
@@ -143,44 +155,68 @@ class Tree:
     return int(self.slot_B[action])
 
   # ------------------------------------------------------------ building
-  def add_root(self, prompts: Sequence[Sequence[int]], state: Any = None,
-               full_id: Optional[int] = None) -> Node:
+  def add_root(
+      self, prompts: Sequence[Sequence[int]], state: Any = None, full_id: Optional[int] = None
+  ) -> Node:
     """Adds the root of a new task with one prompt per agent."""
-    node = self._new_node(self.num_roots, -1, -1, 0, prompts, state,
-                          self.num_roots if full_id is None else full_id)
+    node = self._new_node(
+        self.num_roots, -1, -1, 0, prompts, state, self.num_roots if full_id is None else full_id
+    )
     self.num_roots += 1
     return node
 
-  def add_child(self, parent: Node, action: int, prompts: Sequence[Sequence[int]],
-                state: Any = None, full_id: int = -1) -> Node:
+  def add_child(
+      self,
+      parent: Node,
+      action: int,
+      prompts: Sequence[Sequence[int]],
+      state: Any = None,
+      full_id: int = -1,
+  ) -> Node:
     """Adds the child spawned by joint action `action` of `parent` (once it is stepped)."""
     if parent.actions is None or parent.actions[action] is None:
-      raise ValueError(f"node {parent.node_id} action {action} has no recorded outcome; "
-                       "record it first")
+      raise ValueError(
+          f"node {parent.node_id} action {action} has no recorded outcome; record it first"
+      )
     if parent.children_B[action] >= 0:
       raise ValueError(f"node {parent.node_id} action {action} already has a child")
     if self.child_slot(parent, action) < 0:
-      raise ValueError(f"node {parent.node_id} action {action} is an unaligned combination "
-                       "of a marginal node: graded, never branched")
-    node = self._new_node(parent.root, parent.node_id, action, parent.turn + 1, prompts, state,
-                          full_id)
+      raise ValueError(
+          f"node {parent.node_id} action {action} is an unaligned combination "
+          "of a marginal node: graded, never branched"
+      )
+    node = self._new_node(
+        parent.root, parent.node_id, action, parent.turn + 1, prompts, state, full_id
+    )
     parent.children_B[action] = node.node_id
     return node
 
   def _new_node(self, root, parent_id, parent_action, turn, prompts, state, full_id) -> Node:
     if len(prompts) != self.cfg.num_agents:
-      raise ValueError(f"a node needs one prompt per agent ({self.cfg.num_agents}), "
-                       f"got {len(prompts)}")
+      raise ValueError(
+          f"a node needs one prompt per agent ({self.cfg.num_agents}), got {len(prompts)}"
+      )
     if turn >= self.cfg.num_turns:
       raise ValueError(f"turn {turn} is past num_turns={self.cfg.num_turns}")
     b, n = self.cfg.actions_at(turn), self.cfg.num_agents
-    node = Node(node_id=len(self.nodes), root=root, parent_id=parent_id,
-                parent_action=parent_action, turn=turn,
-                prompts=[list(map(int, p)) for p in prompts], full_id=int(full_id), state=state,
-                rewards_B=np.zeros(b, np.float64), valid_B=np.ones(b, bool),
-                children_B=np.full(b, -1, np.int64), actions=[None] * b,
-                substeps_B=np.zeros(b, np.int64), local_BxN=np.zeros((b, n)),
-                local_graded_BxN=np.zeros((b, n), bool), agent_rewards_BxN=np.zeros((b, n)))
+    node = Node(
+        node_id=len(self.nodes),
+        root=root,
+        parent_id=parent_id,
+        parent_action=parent_action,
+        turn=turn,
+        prompts=[list(map(int, p)) for p in prompts],
+        full_id=int(full_id),
+        state=state,
+        rewards_B=np.zeros(b, np.float64),
+        valid_B=np.ones(b, bool),
+        children_B=np.full(b, -1, np.int64),
+        actions=[None] * b,
+        substeps_B=np.zeros(b, np.int64),
+        local_BxN=np.zeros((b, n)),
+        local_graded_BxN=np.zeros((b, n), bool),
+        agent_rewards_BxN=np.zeros((b, n)),
+    )
     self.nodes.append(node)
     return node
 
@@ -207,9 +243,9 @@ class Tree:
     n = self.cfg.num_agents
     node.local_BxN[action] = record.local_rewards(n)
     node.local_graded_BxN[action] = record.local_graded(n)
-    node.agent_rewards_BxN[action] = credit.mix_rewards(node.rewards_B[action],
-                                                        node.local_BxN[action],
-                                                        self.cfg.team_weight)
+    node.agent_rewards_BxN[action] = credit.mix_rewards(
+        node.rewards_B[action], node.local_BxN[action], self.cfg.team_weight
+    )
 
   def close_node(self, node: Node) -> bool:
     """Decides termination once every joint action of `node` is recorded.
@@ -228,8 +264,13 @@ class Tree:
     """Children are allowed: not the last turn, and (once recorded) not terminated."""
     return node.turn < self.cfg.num_turns - 1 and not node.terminated
 
-  def record(self, node: Node, rewards_B: Sequence[float], valid_B: Optional[Sequence[bool]] = None,
-             actions: Optional[Sequence[ActionRecord]] = None) -> bool:
+  def record(
+      self,
+      node: Node,
+      rewards_B: Sequence[float],
+      valid_B: Optional[Sequence[bool]] = None,
+      actions: Optional[Sequence[ActionRecord]] = None,
+  ) -> bool:
     """Records every joint action of `node` at once and decides termination.
 
     Args:
@@ -250,15 +291,19 @@ class Tree:
     rewards_B = np.asarray(rewards_B, np.float64)
     valid_B = np.ones(b, bool) if valid_B is None else np.asarray(valid_B, bool)
     if rewards_B.shape != (b,) or valid_B.shape != (b,):
-      raise ValueError(f"node {node.node_id}: expected {b} rewards/valid flags, got "
-                       f"{rewards_B.shape}/{valid_B.shape}")
+      raise ValueError(
+          f"node {node.node_id}: expected {b} rewards/valid flags, got "
+          f"{rewards_B.shape}/{valid_B.shape}"
+      )
     if actions is None:
       actions = [ActionRecord((StepRecord(float(r), bool(v)),)) for r, v in zip(rewards_B, valid_B)]
     if not np.isfinite(rewards_B[valid_B]).all():
       raise ValueError(f"node {node.node_id}: non-finite reward {rewards_B.tolist()}")
     if [a.valid for a in actions] != valid_B.tolist():
-      raise ValueError(f"node {node.node_id}: valid_B {valid_B.tolist()} differs from the "
-                       f"actions' validity {[a.valid for a in actions]}")
+      raise ValueError(
+          f"node {node.node_id}: valid_B {valid_B.tolist()} differs from the "
+          f"actions' validity {[a.valid for a in actions]}"
+      )
     for j, record in enumerate(actions):
       self.record_action(node, j, record)
     return self.close_node(node)
@@ -273,8 +318,11 @@ class Tree:
     level = sorted(by_parent.get(-1, []), key=lambda n: n.root)
     while level:
       order.extend(level)
-      level = [c for n in level
-               for c in sorted(by_parent.get(n.node_id, []), key=lambda c: c.parent_action)]
+      level = [
+          c
+          for n in level
+          for c in sorted(by_parent.get(n.node_id, []), key=lambda c: c.parent_action)
+      ]
     if len(order) != len(self.nodes):
       raise ValueError("Tree.renumber: some nodes are not reachable from a root")
     new_id = {n.node_id: k for k, n in enumerate(order)}
@@ -310,8 +358,12 @@ class Tree:
       returns_BxK = rewards_BxK.copy()
       returns_BxK[child_B] += cont_BxK[child_B]
       if cfg.joint_mode == "marginal":
-        open_B = valid_B & ~child_B & np.asarray(
-            [a is not None and not a.ended for a in node.actions]) & self.may_expand(node)
+        open_B = (
+            valid_B
+            & ~child_B
+            & np.asarray([a is not None and not a.ended for a in node.actions])
+            & self.may_expand(node)
+        )
         returns_BxK = credit.impute_open(returns_BxK, cont_BxK, child_B, open_B)
       node.returns_B = np.where(valid_B, returns_BxK[:, 0], 0.0)
       node.returns_BxN = np.where(valid_B[:, None], returns_BxK[:, 1:], 0.0)
@@ -319,14 +371,23 @@ class Tree:
       g = cfg.generations_at(node.turn)
       if cfg.joint_mode == "marginal":
         node.agent_returns_NxG, valid_NxG = credit.marginal_returns(
-            self.node_joint(node), node.agent_rewards_BxN, cont_BxK[:, 1:], valid_B,
-            self.slot_B, g)
+            self.node_joint(node), node.agent_rewards_BxN, cont_BxK[:, 1:], valid_B, self.slot_B, g
+        )
       else:
         node.agent_returns_NxG, valid_NxG = agent_returns(
-            cfg, self.node_joint(node), node.returns_BxN, valid_B, g)
-      node.advantages_NxG = np.stack([
-          advantages(node.agent_returns_NxG[i], valid_NxG[i], cfg.advantage_mode,
-                     cfg.advantage_std_norm) for i in range(cfg.num_agents)])
+            cfg, self.node_joint(node), node.returns_BxN, valid_B, g
+        )
+      node.advantages_NxG = np.stack(
+          [
+              advantages(
+                  node.agent_returns_NxG[i],
+                  valid_NxG[i],
+                  cfg.advantage_mode,
+                  cfg.advantage_std_norm,
+              )
+              for i in range(cfg.num_agents)
+          ]
+      )
       node.weight_NxG = valid_NxG.astype(np.float64)
     if cfg.shape == "chain":
       self._chain_advantages()
@@ -343,8 +404,7 @@ class Tree:
       if node.parent_id < 0:
         continue
       parent = self.nodes[node.parent_id]
-      root, j = ((parent, node.parent_action) if parent.parent_id < 0
-                 else origin[parent.node_id])
+      root, j = (parent, node.parent_action) if parent.parent_id < 0 else origin[parent.node_id]
       origin[node.node_id] = (root, j)
       samples_N = self.joint_BxN[j]
       keep_N = (node.weight_NxG[:, 0] > 0) & (root.weight_NxG[agents, samples_N] > 0)
@@ -362,19 +422,24 @@ class Tree:
     environment step.
     """
     cfg = self.cfg
-    sampled = sum(cfg.num_agents * cfg.generations_at(n.turn) for n in self.nodes
-                  if n.completions is not None)
+    sampled = sum(
+        cfg.num_agents * cfg.generations_at(n.turn) for n in self.nodes if n.completions is not None
+    )
     substeps = self.num_substeps()
-    return {"nodes": len(self.nodes),
-            "generations": sampled + substeps,
-            "reward_calls": int(sum(np.size(n.rewards_B) for n in self.nodes
-                                    if n.recorded)) + substeps}
+    return {
+        "nodes": len(self.nodes),
+        "generations": sampled + substeps,
+        "reward_calls": int(sum(np.size(n.rewards_B) for n in self.nodes if n.recorded)) + substeps,
+    }
 
   def sampled_tokens(self) -> int:
     """Tokens the policy generated over the whole rollout (context tokens excluded):
     the budget axis of tree-vs-chain comparisons."""
-    return int(sum(c.sampled_mask.sum() for n in self.nodes for agent in n.completions or []
-                   for c in agent))
+    return int(
+        sum(
+            c.sampled_mask.sum() for n in self.nodes for agent in n.completions or [] for c in agent
+        )
+    )
 
   def num_substeps(self) -> int:
     """Continuation segments sampled over the whole tree."""
@@ -382,12 +447,13 @@ class Tree:
 
   def metrics(self) -> dict[str, float]:
     """Per-turn mean reward / return and tree counts, for logging."""
-    out = {"tree/nodes": float(len(self.nodes)),
-           "tree/terminated": float(sum(n.terminated for n in self.nodes)),
-           "tree/masked_actions": float(sum((~n.valid_B).sum() for n in self.nodes
-                                            if n.recorded)),
-           "tree/substeps": float(self.num_substeps()),
-           "tree/sampled_tokens": float(self.sampled_tokens())}
+    out = {
+        "tree/nodes": float(len(self.nodes)),
+        "tree/terminated": float(sum(n.terminated for n in self.nodes)),
+        "tree/masked_actions": float(sum((~n.valid_B).sum() for n in self.nodes if n.recorded)),
+        "tree/substeps": float(self.num_substeps()),
+        "tree/sampled_tokens": float(self.sampled_tokens()),
+    }
     for t in range(self.cfg.num_turns):
       nodes = [n for n in self.level(t) if n.recorded]
       if not nodes:

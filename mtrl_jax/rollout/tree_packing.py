@@ -152,16 +152,23 @@ def _items(trie: _Trie, max_len: int) -> list[tuple[tuple[int, ...], list[int]]]
     for k in kids:
       if size[k] > room:
         if len(path) + 2 > max_len:
-          raise ValueError(f"a single path of {len(path) + 2}+ tokens exceeds the largest "
-                           f"length bucket {max_len}; raise rl.length_buckets")
+          raise ValueError(
+              f"a single path of {len(path) + 2}+ tokens exceeds the largest "
+              f"length bucket {max_len}; raise rl.length_buckets"
+          )
         work.append((path + (k,), trie.kids[k]))
   return items
 
 
-def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
-                 row_buckets: Optional[Sequence[int]] = None, row_multiple: int = 1,
-                 pad_id: int = 0, values: Optional[str] = None
-                 ) -> tuple[TrainBatch, dict[str, float]]:
+def pack_actions(
+    actions_by_agent: Sequence[Sequence[Action]],
+    *,
+    length: int,
+    row_buckets: Optional[Sequence[int]] = None,
+    row_multiple: int = 1,
+    pad_id: int = 0,
+    values: Optional[str] = None,
+) -> tuple[TrainBatch, dict[str, float]]:
   """Packs trained actions (one list per agent: agents never share context) into a batch.
 
   Args:
@@ -210,8 +217,9 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
           assigned.add(a)
           mine.add(a)
       loss = [trie.action[n] in mine and trie.trainable[n] for n in nodes]
-      items.append((trie, size, depth, len(path), nodes, loss, actions,
-                    {a: n for n, a in last.items()}))
+      items.append(
+          (trie, size, depth, len(path), nodes, loss, actions, {a: n for n, a in last.items()})
+      )
   bins = _first_fit_decreasing([len(it[4]) for it in items], length)
   num_rows = len(bins)
   if row_buckets is not None:
@@ -226,8 +234,12 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
   out = empty(r, length, k, pad_id, values is not None)  # padding: its own subtree only
   tokens, positions, ends = out.tokens_BxL, out.positions_BxL, out.ends_BxL
   prev, target, action = out.prev_BxK, out.target_BxK, out.action_BxK
-  loss_mask, old_logp, adv, row_weight = (out.loss_mask_BxK, out.old_logp_BxK, out.adv_BxK,
-                                          out.row_weight_B)
+  loss_mask, old_logp, adv, row_weight = (
+      out.loss_mask_BxK,
+      out.old_logp_BxK,
+      out.adv_BxK,
+      out.row_weight_B,
+  )
   used = 0
   valued: set = set()
   slots = np.zeros((sum(map(len, actions_by_agent)), 2), np.int64)
@@ -245,8 +257,7 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
         if loss[pos]:
           prev[row, j] = where[trie.parent[n]]
           target[row, j] = trie.token[n]
-          action[row, j] = local_actions.setdefault((id(trie), trie.action[n]),
-                                                    len(local_actions))
+          action[row, j] = local_actions.setdefault((id(trie), trie.action[n]), len(local_actions))
           loss_mask[row, j] = True
           old_logp[row, j] = trie.logp[n]
           adv[row, j] = actions[trie.action[n]].advantage
@@ -254,8 +265,9 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
             valued.add((id(trie), trie.action[n]))  # the action's first trained token
             act = actions[trie.action[n]]
             out.value_mask_BxK[row, j] = True
-            out.value_pos_BxK[row, j] = (prev[row, j] if values == "v"
-                                         else where[last_node[trie.action[n]]])
+            out.value_pos_BxK[row, j] = (
+                prev[row, j] if values == "v" else where[last_node[trie.action[n]]]
+            )
             out.value_target_BxK[row, j] = act.value_target
             out.old_value_BxK[row, j] = act.old_value
             slots[first_action[id(trie)] + trie.action[n]] = (row, j)
@@ -263,18 +275,27 @@ def pack_actions(actions_by_agent: Sequence[Sequence[Action]], *, length: int,
       off = stop
     row_weight[row] = 1.0
     used += off
-  stats = {"tokens_trained": float(used), "tokens_rows_equivalent": float(equivalent),
-           "padding_fraction": 1.0 - used / float(r * length), "rows": float(r),
-           "actions": float(sum(len(a) for a in actions_by_agent))}
+  stats = {
+      "tokens_trained": float(used),
+      "tokens_rows_equivalent": float(equivalent),
+      "padding_fraction": 1.0 - used / float(r * length),
+      "rows": float(r),
+      "actions": float(sum(len(a) for a in actions_by_agent)),
+  }
   if values is not None:
     stats["value_slots"] = slots
   return out, stats
 
 
-def pack_rows(actions_by_agent: Sequence[Sequence[Action]], *, length_buckets: Sequence[int],
-              row_buckets: Optional[Sequence[int]] = None, row_multiple: int = 1,
-              pad_id: int = 0, values: Optional[str] = None
-              ) -> tuple[TrainBatch, dict[str, float]]:
+def pack_rows(
+    actions_by_agent: Sequence[Sequence[Action]],
+    *,
+    length_buckets: Sequence[int],
+    row_buckets: Optional[Sequence[int]] = None,
+    row_multiple: int = 1,
+    pad_id: int = 0,
+    values: Optional[str] = None,
+) -> tuple[TrainBatch, dict[str, float]]:
   """One row per action (its prompt, then its completion), right-padded: `pack_actions`'
   layout without shared prefixes, each row one causal path with K = L slots.
 
@@ -304,37 +325,55 @@ def pack_rows(actions_by_agent: Sequence[Sequence[Action]], *, length_buckets: S
   for b, act in enumerate(actions):
     p, c = len(act.prompt), len(act.ids)
     tokens_BxL[b, :p] = act.prompt
-    tokens_BxL[b, p:p + c] = act.ids
-    mask_BxL[b, p:p + c] = act.trainable
-    old_BxL[b, p:p + c] = act.logprobs
+    tokens_BxL[b, p : p + c] = act.ids
+    mask_BxL[b, p : p + c] = act.trainable
+    old_BxL[b, p : p + c] = act.logprobs
     adv_B[b] = act.advantage
   weight_B = (np.arange(rows) < len(actions)).astype(np.float32)
-  batch = from_rows(tokens_BxL, mask_BxL, old_logp_BxL=old_BxL, adv=adv_B,
-                    row_weight_B=weight_B, num_logits=length)
+  batch = from_rows(
+      tokens_BxL,
+      mask_BxL,
+      old_logp_BxL=old_BxL,
+      adv=adv_B,
+      row_weight_B=weight_B,
+      num_logits=length,
+  )
   if values is not None:  # slot 0 of a row: its action's first trained token
     n = len(actions)
     first_B = np.zeros(rows, np.int32)
-    first_B[:n] = [len(a.prompt) - 1 if values == "v" else len(a.prompt) + len(a.ids) - 1
-                   for a in actions]
+    first_B[:n] = [
+        len(a.prompt) - 1 if values == "v" else len(a.prompt) + len(a.ids) - 1 for a in actions
+    ]
     batch = batch.replace(
         value_pos_BxK=np.pad(first_B[:, None], ((0, 0), (0, length - 1))),
         value_mask_BxK=np.pad((np.arange(rows) < n)[:, None], ((0, 0), (0, length - 1))),
-        value_target_BxK=np.pad(np.asarray([a.value_target for a in actions] + [0.0] * (
-            rows - n), np.float32)[:, None], ((0, 0), (0, length - 1))),
-        old_value_BxK=np.pad(np.asarray([a.old_value for a in actions] + [0.0] * (
-            rows - n), np.float32)[:, None], ((0, 0), (0, length - 1))))
+        value_target_BxK=np.pad(
+            np.asarray([a.value_target for a in actions] + [0.0] * (rows - n), np.float32)[:, None],
+            ((0, 0), (0, length - 1)),
+        ),
+        old_value_BxK=np.pad(
+            np.asarray([a.old_value for a in actions] + [0.0] * (rows - n), np.float32)[:, None],
+            ((0, 0), (0, length - 1)),
+        ),
+    )
   used = float(sum(len(a.prompt) + len(a.ids) for a in actions))
-  stats = {"tokens_trained": used, "tokens_rows_equivalent": used,
-           "padding_fraction": 1.0 - used / float(rows * length), "rows": float(rows),
-           "actions": float(len(actions))}
+  stats = {
+      "tokens_trained": used,
+      "tokens_rows_equivalent": used,
+      "padding_fraction": 1.0 - used / float(rows * length),
+      "rows": float(rows),
+      "actions": float(len(actions)),
+  }
   if values is not None:
-    stats["value_slots"] = np.stack([np.arange(len(actions)), np.zeros(len(actions),
-                                                                       np.int64)], axis=1)
+    stats["value_slots"] = np.stack(
+        [np.arange(len(actions)), np.zeros(len(actions), np.int64)], axis=1
+    )
   return batch, stats
 
 
-def tree_actions(tree: Tree, trained_NxG_per_node: Optional[list] = None,
-                 critic: Optional[tuple] = None) -> list[list[Action]]:
+def tree_actions(
+    tree: Tree, trained_NxG_per_node: Optional[list] = None, critic: Optional[tuple] = None
+) -> list[list[Action]]:
   """The trained actions of a finalized tree, per agent, in node and sample order.
 
   An action is trained when its weight is > 0 (no infrastructure fault) and,
@@ -355,12 +394,15 @@ def tree_actions(tree: Tree, trained_NxG_per_node: Optional[list] = None,
         if trained_NxG_per_node is not None:
           keep = keep and bool(trained_NxG_per_node[idx][i, g])
         if keep:
-          out[i].append(Action(prompt=node.prompts[i], ids=np.asarray(comp.ids, np.int32),
-                               logprobs=np.asarray(comp.logprobs, np.float32),
-                               trainable=comp.sampled_mask,
-                               advantage=float(node.advantages_NxG[i, g]),
-                               value_target=0.0 if critic is None else float(
-                                   critic[1][idx][i, g]),
-                               old_value=0.0 if critic is None else float(
-                                   critic[0][idx][i, g])))
+          out[i].append(
+              Action(
+                  prompt=node.prompts[i],
+                  ids=np.asarray(comp.ids, np.int32),
+                  logprobs=np.asarray(comp.logprobs, np.float32),
+                  trainable=comp.sampled_mask,
+                  advantage=float(node.advantages_NxG[i, g]),
+                  value_target=0.0 if critic is None else float(critic[1][idx][i, g]),
+                  old_value=0.0 if critic is None else float(critic[0][idx][i, g]),
+              )
+          )
   return out

@@ -16,5 +16,14 @@ from mtrl_jax.sampling.engine import DecodeEngine
 from mtrl_jax.sampling.filters import choose_tokens, filtered_logits, inverse_cdf
 from mtrl_jax.sampling.slots import EngineConfig, Handle, Request, Sample
 
-__all__ = ["SamplingConfig", "DecodeEngine", "EngineConfig", "Request", "Sample", "Handle",
-           "choose_tokens", "filtered_logits", "inverse_cdf"]
+__all__ = [
+    "SamplingConfig",
+    "DecodeEngine",
+    "EngineConfig",
+    "Request",
+    "Sample",
+    "Handle",
+    "choose_tokens",
+    "filtered_logits",
+    "inverse_cdf",
+]

@@ -22,8 +22,9 @@ def _check_seeds(seeds, n: int):
   if seeds is None:
     return None
   seeds = list(seeds)
-  if len(seeds) != n or any(isinstance(s, bool) or not isinstance(s, (int, np.integer))
-                            for s in seeds):
+  if len(seeds) != n or any(
+      isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in seeds
+  ):
     raise ValueError(f"seeds: expected None or {n} ints (one per prompt), got {seeds!r}")
   return [int(s) & SEED_MASK for s in seeds]
 
@@ -55,8 +56,10 @@ class BatchingGenerator(SharedResource):
 
   def __init__(self, inner, max_wait_s: float = 0.005, max_batch: int = 256):
     if max_batch < 1 or max_wait_s < 0:
-      raise ValueError(f"BatchingGenerator: max_batch={max_batch} must be >= 1 and "
-                       f"max_wait_s={max_wait_s} >= 0")
+      raise ValueError(
+          f"BatchingGenerator: max_batch={max_batch} must be >= 1 and "
+          f"max_wait_s={max_wait_s} >= 0"
+      )
     self.inner = inner
     self.max_wait_s = max_wait_s
     self.max_batch = max_batch
@@ -70,7 +73,8 @@ class BatchingGenerator(SharedResource):
 
   def score_choices(self, prompts, choices) -> np.ndarray:
     return np.asarray(self._submit("score", tuple(choices), prompts)).reshape(
-        len(prompts), len(choices))
+        len(prompts), len(choices)
+    )
 
   def _submit(self, kind: str, key: Any, prompts, seeds=None):
     req = _Request(kind, key, prompts, seeds)
@@ -116,7 +120,7 @@ class BatchingGenerator(SharedResource):
         out = list(np.asarray(self.inner.score_choices(prompts, list(key))))
       start = 0
       for r in reqs:
-        r.result = out[start:start + len(r.prompts)]
+        r.result = out[start : start + len(r.prompts)]
         start += len(r.prompts)
     except Exception as e:  # every waiting caller sees the failure
       for r in reqs:

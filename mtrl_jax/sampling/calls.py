@@ -35,12 +35,21 @@ def split_calls(items: list, owner: Callable, per_call: int) -> list[list]:
   if not per:
     return []
   n = max(len(v) for v in per.values())
-  return [[item for v in per.values() for item in v[k:k + per_call]]
-          for k in range(0, n, per_call)]
+  return [
+      [item for v in per.values() for item in v[k : k + per_call]] for k in range(0, n, per_call)
+  ]
 
 
-def admit_arrays(plans: list[dict], shards: int, agents: int, rows: int, fanout: int,
-                 new_tokens: int, scratch: int, pad: int) -> tuple:
+def admit_arrays(
+    plans: list[dict],
+    shards: int,
+    agents: int,
+    rows: int,
+    fanout: int,
+    new_tokens: int,
+    scratch: int,
+    pad: int,
+) -> tuple:
   """(src, dst, tokens, start, count) of one admit call of `plans`.
 
   Args:
@@ -69,15 +78,16 @@ def admit_arrays(plans: list[dict], shards: int, agents: int, rows: int, fanout:
     i = used[sa]
     used[sa] += 1
     src[sa + (i,)] = p["src"]
-    dst[sa + (i,)][:len(p["dst"])] = p["dst"]
-    tokens[sa + (i,)][:len(p["ext"])] = p["ext"]
+    dst[sa + (i,)][: len(p["dst"])] = p["dst"]
+    tokens[sa + (i,)][: len(p["ext"])] = p["ext"]
     start[sa + (i,)] = p["start"]
     count[sa + (i,)] = len(p["ext"])
   return src, dst, tokens, start, count
 
 
-def decode_arrays(rows: list, shards: int, agents: int, per_call: int, scratch: int,
-                  pad: int) -> tuple[tuple, list]:
+def decode_arrays(
+    rows: list, shards: int, agents: int, per_call: int, scratch: int, pad: int
+) -> tuple[tuple, list]:
   """The inputs of one decode call over `rows` (`slots.Row`s, at most `per_call` per
   (shard, agent)) and where each row sits.
 

@@ -29,16 +29,26 @@ class SamplingConfig:
     def bad(field, allowed):
       return ValueError(f"SamplingConfig.{field}={getattr(self, field)!r}; allowed: {allowed}")
 
-    if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-        or not self.temperature > 0 or not np.isfinite(self.temperature):
+    if (
+        isinstance(self.temperature, bool)
+        or not isinstance(self.temperature, (int, float))
+        or not self.temperature > 0
+        or not np.isfinite(self.temperature)
+    ):
       raise bad("temperature", "a finite number > 0 (use greedy=True for argmax)")
-    if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-        or not 0 < self.top_p <= 1:
+    if (
+        isinstance(self.top_p, bool)
+        or not isinstance(self.top_p, (int, float))
+        or not 0 < self.top_p <= 1
+    ):
       raise bad("top_p", "a number in (0, 1]")
     if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
       raise bad("top_k", "an int >= 0 (0 disables top-k)")
-    if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-        or self.max_new_tokens < 1:
+    if (
+        isinstance(self.max_new_tokens, bool)
+        or not isinstance(self.max_new_tokens, int)
+        or self.max_new_tokens < 1
+    ):
       raise bad("max_new_tokens", "an int >= 1")
     if not isinstance(self.greedy, bool):
       raise bad("greedy", "True or False")

@@ -54,8 +54,16 @@ from mtrl_jax.sampling.calls import admit_arrays, decode_arrays, split_calls
 from mtrl_jax.sampling.config import SamplingConfig
 from mtrl_jax.sampling.layout import DeviceLayout
 from mtrl_jax.sampling.programs import Programs
-from mtrl_jax.sampling.slots import (STAT_KEYS, EngineConfig, Handle, Request, Row, Sample,
-                                     SlotPool, lcp)
+from mtrl_jax.sampling.slots import (
+    STAT_KEYS,
+    EngineConfig,
+    Handle,
+    Request,
+    Row,
+    Sample,
+    SlotPool,
+    lcp,
+)
 
 __all__ = ["DecodeEngine"]
 
@@ -73,9 +81,15 @@ class DecodeEngine:
     rules: logical-axis rules of the parameters while sampling.
   """
 
-  def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, *,
-               mesh: Optional[jax.sharding.Mesh] = None, num_agents: int = 1,
-               rules=sharding.SAMPLE_RULES):
+  def __init__(
+      self,
+      model_cfg: ModelConfig,
+      cfg: EngineConfig,
+      *,
+      mesh: Optional[jax.sharding.Mesh] = None,
+      num_agents: int = 1,
+      rules=sharding.SAMPLE_RULES,
+  ):
     self.model_cfg = model_cfg = model_cfg.replace(attention="xla")
     self.cfg = cfg
     self.layout = layout = DeviceLayout(model_cfg, mesh, num_agents, rules)
@@ -94,8 +108,9 @@ class DecodeEngine:
     return self.programs.num_traces
 
   # ------------------------------------------------------------ runs
-  def start(self, params, sampling: SamplingConfig, stop_ids: Sequence[int], pad_id: int, *,
-            fanout: int) -> None:
+  def start(
+      self, params, sampling: SamplingConfig, stop_ids: Sequence[int], pad_id: int, *, fanout: int
+  ) -> None:
     """Begins a run of requests: parameters (stacked on a leading agent axis when the engine
     has several agents), how tokens are chosen, stop ids, pad id, and `fanout`, the
     most samples a request of this run asks for."""
@@ -108,32 +123,48 @@ class DecodeEngine:
     if not isinstance(pad_id, (int, np.integer)) or not 0 <= pad_id < vocab:
       raise ValueError(f"pad_id={pad_id!r}; allowed: an int in [0, {vocab})")
     if not 1 <= fanout <= self.cfg.slots:
-      raise ValueError(f"fanout={fanout}: a request's samples need as many slots; the "
-                       f"engine has {self.cfg.slots} per shard (EngineConfig.slots)")
+      raise ValueError(
+          f"fanout={fanout}: a request's samples need as many slots; the "
+          f"engine has {self.cfg.slots} per shard (EngineConfig.slots)"
+      )
     if sampling.max_new_tokens + 2 > self.cfg.capacity:
-      raise ValueError(f"max_new_tokens={sampling.max_new_tokens} does not fit a slot of "
-                       f"{self.cfg.capacity} columns (EngineConfig.capacity)")
+      raise ValueError(
+          f"max_new_tokens={sampling.max_new_tokens} does not fit a slot of "
+          f"{self.cfg.capacity} columns (EngineConfig.capacity)"
+      )
     if self._run is not None and self.busy:
       raise RuntimeError("DecodeEngine.start: the previous run still has work")
     leading = {np.shape(x)[0] for x in jax.tree.leaves(params)}
     stacked = self.num_agents > 1
     if stacked and leading != {self.num_agents}:
-      raise ValueError(f"DecodeEngine.start: {self.num_agents} agents but parameters with "
-                       f"leading sizes {sorted(leading)}")
+      raise ValueError(
+          f"DecodeEngine.start: {self.num_agents} agents but parameters with "
+          f"leading sizes {sorted(leading)}"
+      )
     self._params = self.layout.put_params(params, stacked)
     stop_arr = np.full((next_pow2(len(stop), 4),), -1, np.int32)
-    stop_arr[:len(stop)] = stop
+    stop_arr[: len(stop)] = stop
     rep = self.layout.replicated
     self._run = dict(
-        sampling=sampling, pad=int(pad_id), fanout=int(fanout), stacked=stacked,
-        scalars=(rep(stop_arr), rep(np.float32(sampling.temperature)),
-                 rep(np.float32(sampling.top_p)), rep(np.int32(pad_id))),
-        static=dict(greedy=sampling.greedy, top_k=sampling.top_k,
-                    use_top_p=sampling.top_p < 1.0))
+        sampling=sampling,
+        pad=int(pad_id),
+        fanout=int(fanout),
+        stacked=stacked,
+        scalars=(
+            rep(stop_arr),
+            rep(np.float32(sampling.temperature)),
+            rep(np.float32(sampling.top_p)),
+            rep(np.int32(pad_id)),
+        ),
+        static=dict(greedy=sampling.greedy, top_k=sampling.top_k, use_top_p=sampling.top_p < 1.0),
+    )
     if self._pool is None:
       self._pool = self.layout.new_pool(self.cfg.slots, self.cfg.capacity)
-    self._slots = {(d, a): SlotPool(self.cfg.slots) for d in range(self.local_shards)
-                   for a in range(self.num_agents)}
+    self._slots = {
+        (d, a): SlotPool(self.cfg.slots)
+        for d in range(self.local_shards)
+        for a in range(self.num_agents)
+    }
     self._rows: dict = {}  # (shard, agent, slot) -> _Row
     self._queue: list[Request] = []
     self._deferred_free: list = []
@@ -162,21 +193,30 @@ class DecodeEngine:
       raise ValueError(f"request {req.tag!r}: ids outside [0, {self.model_cfg.vocab_size})")
     rows = np.asarray(req.rows, np.uint32).reshape(-1)
     if not 1 <= rows.size <= s["fanout"]:
-      raise ValueError(f"request {req.tag!r}: {rows.size} samples; allowed: 1 .. "
-                       f"{s['fanout']} (the run's fanout)")
+      raise ValueError(
+          f"request {req.tag!r}: {rows.size} samples; allowed: 1 .. "
+          f"{s['fanout']} (the run's fanout)"
+      )
     max_new = s["sampling"].max_new_tokens if req.max_new is None else int(req.max_new)
     if prompt.size + max_new + 1 > self.cfg.capacity:
-      raise ValueError(f"request {req.tag!r}: a prompt of {prompt.size} tokens plus "
-                       f"{max_new} new ones does not fit a slot of {self.cfg.capacity} "
-                       "columns (EngineConfig.capacity)")
+      raise ValueError(
+          f"request {req.tag!r}: a prompt of {prompt.size} tokens plus "
+          f"{max_new} new ones does not fit a slot of {self.cfg.capacity} "
+          "columns (EngineConfig.capacity)"
+      )
     if not 0 <= req.agent < self.num_agents:
-      raise ValueError(f"request {req.tag!r}: agent {req.agent}; the engine has "
-                       f"{self.num_agents} parameter sets")
+      raise ValueError(
+          f"request {req.tag!r}: agent {req.agent}; the engine has "
+          f"{self.num_agents} parameter sets"
+      )
     key = np.asarray(req.key, np.uint32).reshape(2)
     if req.parent is not None:
       req.parent.refs += 1
-    self._queue.append(dataclasses.replace(req, prompt=prompt.astype(np.int32), rows=rows,
-                                           key=key, max_new=max_new))
+    self._queue.append(
+        dataclasses.replace(
+            req, prompt=prompt.astype(np.int32), rows=rows, key=key, max_new=max_new
+        )
+    )
     self.stats["requests"] += 1
 
   def release(self, handle: Handle) -> None:
@@ -208,21 +248,28 @@ class DecodeEngine:
     groups: dict = collections.defaultdict(list)
     for plan in plans:
       groups[bucket(len(plan["ext"]), self.cfg.extends, "admitted tokens")].append(plan)
-    calls = {x: split_calls(g, lambda p: (p["shard"], p["agent"]), self.cfg.admit_rows)
-             for x, g in groups.items()}
+    calls = {
+        x: split_calls(g, lambda p: (p["shard"], p["agent"]), self.cfg.admit_rows)
+        for x, g in groups.items()
+    }
     for plan in plans:  # the rows now decode
       for g, slot in enumerate(plan["dst"]):
         key = (plan["shard"], plan["agent"], slot)
-        self._rows[key] = Row(plan["req"], g, plan["shard"], plan["agent"], slot,
-                               plan["ctx"], plan["req"].max_new)
+        self._rows[key] = Row(
+            plan["req"], g, plan["shard"], plan["agent"], slot, plan["ctx"], plan["req"].max_new
+        )
     by_window: dict = collections.defaultdict(list)
     for row in self._rows.values():
       by_window[self._window(row)].append(row)
-    decode = {w: split_calls(rows, lambda row: (row.shard, row.agent), self.cfg.rows)
-              for w, rows in by_window.items()}
-    mine = {"admit": {x: len(c) for x, c in calls.items()},
-            "decode": {w: len(c) for w, c in decode.items()},
-            "more": bool(expect_more or self._queue or self._rows)}
+    decode = {
+        w: split_calls(rows, lambda row: (row.shard, row.agent), self.cfg.rows)
+        for w, rows in by_window.items()
+    }
+    mine = {
+        "admit": {x: len(c) for x, c in calls.items()},
+        "decode": {w: len(c) for w, c in decode.items()},
+        "more": bool(expect_more or self._queue or self._rows),
+    }
     everyone = [mine] if self.layout.process_local else distributed.allgather(mine)
     t0 = time.perf_counter()
     for x in sorted({x for m in everyone for x in m["admit"]}):
@@ -239,7 +286,8 @@ class DecodeEngine:
     if decode:
       self.stats["chunks"] += 1
       self.stats["occupancy_sum"] += decoding / (
-          self.local_shards * self.num_agents * self.cfg.slots)
+          self.local_shards * self.num_agents * self.cfg.slots
+      )
     self.stats["device_seconds"] += time.perf_counter() - t0
     go_on = any(m["more"] for m in everyone) or bool(self._queue or self._rows)
     return done, go_on
@@ -286,18 +334,18 @@ class DecodeEngine:
         self._maybe_free(h)
       plan = dict(shard=h.shard, src=h.slot, dst=dst, start=start)
     else:
-      shard = max(range(self.local_shards),
-                  key=lambda d: (self._slots[(d, req.agent)].available(
-                      self._reading[(d, req.agent)]), -d))
-      dst = self._slots[(shard, req.agent)].take(g, self._reading[(shard, req.agent)],
-                                                 self.stats)
+      shard = max(
+          range(self.local_shards),
+          key=lambda d: (self._slots[(d, req.agent)].available(self._reading[(d, req.agent)]), -d),
+      )
+      dst = self._slots[(shard, req.agent)].take(g, self._reading[(shard, req.agent)], self.stats)
       if dst is None:
         return None
       if h is not None:
         h.refs -= 1
         self._maybe_free(h)
       plan = dict(shard=shard, src=dst[0], dst=dst, start=0)
-    plan.update(req=req, agent=req.agent, ctx=ctx, ext=ctx[plan["start"]:])
+    plan.update(req=req, agent=req.agent, ctx=ctx, ext=ctx[plan["start"] :])
     self.stats["prefill_tokens"] += len(plan["ext"])
     self.stats["reused_tokens"] += plan["start"]
     return plan
@@ -305,11 +353,19 @@ class DecodeEngine:
   # ------------------------------------------------------------ device calls
   def _admit(self, plans: list[dict], x: int) -> None:
     """One admit call of `plans` (at most `cfg.admit_rows` per (shard, agent)), padded."""
-    arrays = admit_arrays(plans, self.local_shards, self.num_agents, self.cfg.admit_rows,
-                          self._run["fanout"], x, self.cfg.slots, self._run["pad"])
-    self._pool = self.programs.admit(self._params, self._pool,
-                                     *map(self.layout.put_rows, arrays),
-                                     stacked=self._run["stacked"])
+    arrays = admit_arrays(
+        plans,
+        self.local_shards,
+        self.num_agents,
+        self.cfg.admit_rows,
+        self._run["fanout"],
+        x,
+        self.cfg.slots,
+        self._run["pad"],
+    )
+    self._pool = self.programs.admit(
+        self._params, self._pool, *map(self.layout.put_rows, arrays), stacked=self._run["stacked"]
+    )
     self.stats["admit_calls"] += 1
 
   def _decode(self, rows: list, window: int) -> list[Sample]:
@@ -318,8 +374,15 @@ class DecodeEngine:
     s = self._run
     arrays, placed = decode_arrays(rows, d, a, r, self.cfg.slots, s["pad"])
     out = self.programs.decode(
-        self._params, self._pool, *map(self.layout.put_rows, arrays), *s["scalars"],
-        stacked=s["stacked"], window=window, steps=self.cfg.chunk, **s["static"])
+        self._params,
+        self._pool,
+        *map(self.layout.put_rows, arrays),
+        *s["scalars"],
+        stacked=s["stacked"],
+        window=window,
+        steps=self.cfg.chunk,
+        **s["static"],
+    )
     self._pool = out[0]
     tokens, logps, counts, stopped = (distributed.local_rows(x) for x in out[1:5])
     ran = int(out[5])
@@ -344,8 +407,14 @@ class DecodeEngine:
     cached = np.concatenate([row.ctx, row.req.prompt[-1:], ids[:-1]]).astype(np.int32)
     h = Handle(row.shard, row.agent, row.slot, cached)
     self._slots[(row.shard, row.agent)].parked[row.slot] = h
-    return Sample(row.req.tag, row.g, ids, np.asarray(row.logps, np.float32),
-                  "stop" if stopped else "length", h)
+    return Sample(
+        row.req.tag,
+        row.g,
+        ids,
+        np.asarray(row.logps, np.float32),
+        "stop" if stopped else "length",
+        h,
+    )
 
   # ------------------------------------------------------------ compilation
   def programs_for(self, samplings: Sequence[SamplingConfig]) -> list[tuple]:
@@ -357,39 +426,73 @@ class DecodeEngine:
     out += [("decode", self.cfg.rows, w) + st for w in self.cfg.windows for st in statics]
     return out
 
-  def precompile(self, params, samplings: Sequence[SamplingConfig], num_stop_ids: int,
-                 fanout: int, threads: int = 2, progress=lambda done, total: None) -> int:
+  def precompile(
+      self,
+      params,
+      samplings: Sequence[SamplingConfig],
+      num_stop_ids: int,
+      fanout: int,
+      threads: int = 2,
+      progress=lambda done, total: None,
+  ) -> int:
     """Compiles `programs_for(samplings)` without running them (`threads` at once: XLA
     compiles off the Python lock); `progress(done, total)` sees 0, then each. Returns how many."""
     stacked = self.num_agents > 1
     # Concrete params are placed as a run places them (moving them onto the
     # sampling layout compiles reshard programs of its own), then made abstract.
     params = self.layout.put_params(params, stacked)
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                                         sharding=x.sharding), params)
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding), params
+    )
     pool = self.layout.abstract_pool(self.cfg.slots, self.cfg.capacity)
     d, a = self.num_shards, self.num_agents
+
     def spec(shape, dtype=np.int32):
       return jax.ShapeDtypeStruct(shape, dtype, sharding=self.layout.rows_sharding(len(shape)))
 
     rep = self.layout.replicated
-    scalars = (rep(np.zeros((next_pow2(num_stop_ids, 4),), np.int32)), rep(np.float32(1)),
-               rep(np.float32(1)), rep(np.int32(0)))
+    scalars = (
+        rep(np.zeros((next_pow2(num_stop_ids, 4),), np.int32)),
+        rep(np.float32(1)),
+        rep(np.float32(1)),
+        rep(np.int32(0)),
+    )
 
     def compile_one(program):
       if program[0] == "admit":
         _, e, x = program
-        self.programs.admit.lower(params, pool, spec((d, a, e)), spec((d, a, e, fanout)),
-                                  spec((d, a, e, x)), spec((d, a, e)), spec((d, a, e)),
-                                  stacked=stacked).compile()
+        self.programs.admit.lower(
+            params,
+            pool,
+            spec((d, a, e)),
+            spec((d, a, e, fanout)),
+            spec((d, a, e, x)),
+            spec((d, a, e)),
+            spec((d, a, e)),
+            stacked=stacked,
+        ).compile()
         return
       _, r, w, greedy, top_k, use_top_p = program
       rows = spec((d, a, r))
       self.programs.decode.lower(
-          params, pool, rows, rows, rows, spec((d, a, r, 2), np.uint32),
-          spec((d, a, r), np.uint32), rows, rows, spec((d, a, r), bool), *scalars,
-          stacked=stacked, window=w, steps=self.cfg.chunk, greedy=greedy, top_k=top_k,
-          use_top_p=use_top_p).compile()
+          params,
+          pool,
+          rows,
+          rows,
+          rows,
+          spec((d, a, r, 2), np.uint32),
+          spec((d, a, r), np.uint32),
+          rows,
+          rows,
+          spec((d, a, r), bool),
+          *scalars,
+          stacked=stacked,
+          window=w,
+          steps=self.cfg.chunk,
+          greedy=greedy,
+          top_k=top_k,
+          use_top_p=use_top_p,
+      ).compile()
 
     programs = self.programs_for(samplings)
     progress(0, len(programs))

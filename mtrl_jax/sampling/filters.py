@@ -80,8 +80,7 @@ def _nucleus_bisect(x_BxV: jax.Array, top_p) -> jax.Array:
   return jnp.where(bits >= lo, x_BxV, -jnp.inf)
 
 
-def filtered_logits(logits_BxV: jax.Array, temperature, top_p, *, top_k: int,
-                    use_top_p: bool):
+def filtered_logits(logits_BxV: jax.Array, temperature, top_p, *, top_k: int, use_top_p: bool):
   """Scaled logits of the candidate set (-inf where filtered out) and their ids.
 
   log_softmax of the returned logits is log q.
@@ -136,14 +135,22 @@ def inverse_cdf(weights_BxC: jax.Array, u_B: jax.Array):
   offset_B = jnp.minimum(jnp.sum(inner_cdf <= rest_B[:, None], axis=-1), width - 1)
   j_B = jnp.minimum(block_B * width + offset_B, c - 1).astype(jnp.int32)
   empty_B = jnp.take_along_axis(weights_BxC, j_B[:, None], axis=-1)[:, 0] <= 0
-  j_B = jax.lax.cond(jnp.any(empty_B),
-                     lambda: jnp.where(empty_B, argmax_last_axis(weights_BxC), j_B),
-                     lambda: j_B)
+  j_B = jax.lax.cond(
+      jnp.any(empty_B), lambda: jnp.where(empty_B, argmax_last_axis(weights_BxC), j_B), lambda: j_B
+  )
   return j_B, total_B
 
 
-def choose_tokens(logits_BxV: jax.Array, u_B: jax.Array, temperature, top_p, *,
-                  greedy: bool, top_k: int, use_top_p: bool):
+def choose_tokens(
+    logits_BxV: jax.Array,
+    u_B: jax.Array,
+    temperature,
+    top_p,
+    *,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+):
   """Samples (or argmaxes) one token per row.
 
   Args:
@@ -154,8 +161,7 @@ def choose_tokens(logits_BxV: jax.Array, u_B: jax.Array, temperature, top_p, *,
   Returns:
     (tokens_B int32, logq_B float32): chosen ids and their log q.
   """
-  z_BxC, ids_BxC = filtered_logits(logits_BxV, temperature, top_p, top_k=top_k,
-                                   use_top_p=use_top_p)
+  z_BxC, ids_BxC = filtered_logits(logits_BxV, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
   zmax_B = jnp.max(z_BxC, axis=-1)
   w_BxC = jnp.exp(z_BxC - zmax_B[:, None])  # unnormalised q; the max entry is 1
   if greedy:

@@ -53,7 +53,8 @@ from mtrl_jax.text import ChatRenderer, TokenLedger, chatml, compact
 def _seed_keys(base_key, seeds_Px2):
   """Key of each seed: fold_in(fold_in(base_key, seed high 32 bits), low 32 bits)."""
   return jax.vmap(lambda hi, lo: jax.random.fold_in(jax.random.fold_in(base_key, hi), lo))(
-      seeds_Px2[:, 0], seeds_Px2[:, 1])
+      seeds_Px2[:, 0], seeds_Px2[:, 1]
+  )
 
 
 def _default_format(tokenizer):
@@ -77,8 +78,9 @@ class TextGenerator(Protocol):
   replies plain strings: nothing here depends on the environment API.
   """
 
-  def generate(self, prompts: Sequence[str], sampling: Any = None,
-               seeds: Optional[Sequence[int]] = None) -> list[str]:
+  def generate(
+      self, prompts: Sequence[str], sampling: Any = None, seeds: Optional[Sequence[int]] = None
+  ) -> list[str]:
     ...
 
   def score_choices(self, prompts: Sequence[str], choices: Sequence[str]) -> Any:
@@ -96,8 +98,11 @@ class ScriptedGenerator(SharedResource):
 
   fault_source = "judge"  # see LocalLLM
 
-  def __init__(self, replies: Union[Sequence[str], Callable[[str], str], None] = None,
-               scores: Optional[Callable[[str, Sequence[str]], Sequence[float]]] = None):
+  def __init__(
+      self,
+      replies: Union[Sequence[str], Callable[[str], str], None] = None,
+      scores: Optional[Callable[[str, Sequence[str]], Sequence[float]]] = None,
+  ):
     self.replies = replies
     self.scores = scores
     self.prompts: list[str] = []  # every prompt seen, in order
@@ -161,11 +166,21 @@ class LocalLLM(SharedResource):
   # (`mtrl_jax.envs.fault_source`): judges are its main users.
   fault_source = "judge"
 
-  def __init__(self, model, tokenizer, fmt=None, *, sampling: Optional[SamplingConfig] = None,
-               seed: int = 0, max_len: Optional[int] = None, slots: int = 64,
-               fixed_rows: Optional[int] = None):
-    if fixed_rows is not None and (isinstance(fixed_rows, bool) or not isinstance(fixed_rows, int)
-                                   or fixed_rows < 1):
+  def __init__(
+      self,
+      model,
+      tokenizer,
+      fmt=None,
+      *,
+      sampling: Optional[SamplingConfig] = None,
+      seed: int = 0,
+      max_len: Optional[int] = None,
+      slots: int = 64,
+      fixed_rows: Optional[int] = None,
+  ):
+    if fixed_rows is not None and (
+        isinstance(fixed_rows, bool) or not isinstance(fixed_rows, int) or fixed_rows < 1
+    ):
       raise ValueError(f"LocalLLM fixed_rows={fixed_rows!r}; allowed: None or an int >= 1")
     self.fixed_rows = fixed_rows
     self.cfg = model.cfg
@@ -175,9 +190,15 @@ class LocalLLM(SharedResource):
     self.renderer = ChatRenderer(tokenizer, self.fmt)
     self.sampling = sampling or SamplingConfig(temperature=1.0, max_new_tokens=128)
     capacity = round_up(max_len or min(self.cfg.max_seq_len, 2048), 16)
-    self.engine = DecodeEngine(self.cfg, EngineConfig(
-        slots=fixed_rows or slots, capacity=capacity, decode_rows=fixed_rows or 0,
-        admit_rows=fixed_rows or 8))
+    self.engine = DecodeEngine(
+        self.cfg,
+        EngineConfig(
+            slots=fixed_rows or slots,
+            capacity=capacity,
+            decode_rows=fixed_rows or 0,
+            admit_rows=fixed_rows or 8,
+        ),
+    )
     self._base_key = jax.random.key(seed)
     self._key = self._base_key
     self._lock = threading.Lock()
@@ -206,8 +227,11 @@ class LocalLLM(SharedResource):
     for i, length in enumerate(lengths):
       by_bucket.setdefault(next_pow2(length, 16), []).append(i)
     r = self.fixed_rows
-    return [(rows[k:k + r], r) for _, rows in sorted(by_bucket.items())
-            for k in range(0, len(rows), r)]
+    return [
+        (rows[k : k + r], r)
+        for _, rows in sorted(by_bucket.items())
+        for k in range(0, len(rows), r)
+    ]
 
   def prompt_ids(self, prompt: str) -> list[int]:
     """Token ids of `prompt` as one user turn followed by the assistant header."""
@@ -216,8 +240,12 @@ class LocalLLM(SharedResource):
     return self.renderer.begin_assistant(ledger)
 
   # ---------------------------------------------------------------- generate
-  def generate(self, prompts: Sequence[str], sampling: Optional[SamplingConfig] = None,
-               seeds: Optional[Sequence[int]] = None) -> list[str]:
+  def generate(
+      self,
+      prompts: Sequence[str],
+      sampling: Optional[SamplingConfig] = None,
+      seeds: Optional[Sequence[int]] = None,
+  ) -> list[str]:
     """One sampled reply per prompt (stop token removed).
 
     Args:
@@ -232,24 +260,28 @@ class LocalLLM(SharedResource):
       return []
     sampling = sampling or self.sampling
     ids = [self.prompt_ids(p) for p in prompts]
-    too_long = [len(x) for x in ids if len(x) + sampling.max_new_tokens + 1 > self.engine.cfg.capacity]
+    too_long = [
+        len(x) for x in ids if len(x) + sampling.max_new_tokens + 1 > self.engine.cfg.capacity
+    ]
     if too_long:
-      raise ValueError(f"LocalLLM.generate: a prompt of {max(too_long)} tokens plus "
-                       f"{sampling.max_new_tokens} new ones exceeds max_len="
-                       f"{self.engine.cfg.capacity}")
+      raise ValueError(
+          f"LocalLLM.generate: a prompt of {max(too_long)} tokens plus "
+          f"{sampling.max_new_tokens} new ones exceeds max_len="
+          f"{self.engine.cfg.capacity}"
+      )
     prompt_keys = None
     if seeds is not None:
       halves = np.zeros((next_pow2(len(seeds), 1), 2), np.uint32)  # one program per bucket
-      halves[:len(seeds)] = [[s >> 32, s & 0xFFFFFFFF] for s in seeds]
-      prompt_keys = _seed_keys(self._base_key, halves)[:len(seeds)]
+      halves[: len(seeds)] = [[s >> 32, s & 0xFFFFFFFF] for s in seeds]
+      prompt_keys = _seed_keys(self._base_key, halves)[: len(seeds)]
     with self._lock:
       if prompt_keys is None:
         self._key, key = jax.random.split(self._key)
         prompt_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(
-            np.arange(len(prompts), dtype=np.uint32))
+            np.arange(len(prompts), dtype=np.uint32)
+        )
       data = np.asarray(jax.random.key_data(prompt_keys), np.uint32)
-      self.engine.start(self.state, sampling, self.fmt.stop_ids, self.tokenizer.pad_id,
-                        fanout=1)
+      self.engine.start(self.state, sampling, self.fmt.stop_ids, self.tokenizer.pad_id, fanout=1)
       for p, prompt in enumerate(ids):
         self.engine.submit(Request(p, prompt, data[p], [0]))
       out = [""] * len(prompts)
@@ -293,19 +325,18 @@ class LocalLLM(SharedResource):
         seqs.append(base + ids)
         spans.append((len(base), len(base) + len(ids)))
     if max(len(s) for s in seqs) > self.cfg.max_seq_len:
-      raise ValueError(f"score_choices: {max(len(s) for s in seqs)} tokens exceed the judge's "
-                       f"max_seq_len={self.cfg.max_seq_len}")
+      raise ValueError(
+          f"score_choices: {max(len(s) for s in seqs)} tokens exceed the judge's "
+          f"max_seq_len={self.cfg.max_seq_len}"
+      )
     scores = np.zeros(len(seqs))
     for rows, size in self._groups([len(s) for s in seqs]):
       length = min(next_pow2(max(len(seqs[i]) for i in rows), 16), self.cfg.max_seq_len)
       tokens_BxL = np.full((size, length), self.tokenizer.pad_id, np.int32)
       for b, i in enumerate(rows):
-        tokens_BxL[b, :len(seqs[i])] = seqs[i]
+        tokens_BxL[b, : len(seqs[i])] = seqs[i]
       with self._lock:
-        logp_BxL = np.asarray(jax.device_get(self._score_fn(self.state, tokens_BxL)),
-                              np.float64)
+        logp_BxL = np.asarray(jax.device_get(self._score_fn(self.state, tokens_BxL)), np.float64)
       for b, i in enumerate(rows):
-        scores[i] = logp_BxL[b, spans[i][0]:spans[i][1]].sum()
+        scores[i] = logp_BxL[b, spans[i][0] : spans[i][1]].sum()
     return scores.reshape(len(prompts), len(choices))
-
-

@@ -34,22 +34,29 @@ class DeviceLayout:
     rules: logical-axis rules of the parameters while sampling.
   """
 
-  def __init__(self, model_cfg: ModelConfig, mesh: Optional[jax.sharding.Mesh],
-               num_agents: int, rules=sharding.SAMPLE_RULES):
+  def __init__(
+      self,
+      model_cfg: ModelConfig,
+      mesh: Optional[jax.sharding.Mesh],
+      num_agents: int,
+      rules=sharding.SAMPLE_RULES,
+  ):
     self.model_cfg = model_cfg
     self.process_local = mesh is None
     if mesh is None:
       mesh = sharding.make_mesh((1, 1, 1), devices=jax.local_devices()[:1])
     if any(t != AxisType.Auto for t in mesh.axis_types):
-      mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                               axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+      mesh = jax.sharding.Mesh(
+          mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+      )
     self.mesh = mesh
     self.num_agents = int(num_agents)
     self.num_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     procs = 1 if self.process_local else jax.process_count()
     if self.num_shards % procs:
-      raise ValueError(f"DecodeEngine: {self.num_shards} batch shards do not split over "
-                       f"{procs} processes")
+      raise ValueError(
+          f"DecodeEngine: {self.num_shards} batch shards do not split over {procs} processes"
+      )
     self.local_shards = self.num_shards // procs
     model_rules = sharding.rules_for(model_cfg, mesh, rules)
     self.kv_axis = dict(model_rules).get("kv_heads")
@@ -65,20 +72,27 @@ class DeviceLayout:
     return (self.num_shards, self.num_agents, slots + 1, c.num_kv_heads, capacity, c.head_dim)
 
   def pool_sharding(self) -> NamedSharding:
-    return NamedSharding(self.mesh, P(sharding.BATCH_AXES, None, None, self.kv_axis, None,
-                                      None))
+    return NamedSharding(self.mesh, P(sharding.BATCH_AXES, None, None, self.kv_axis, None, None))
 
   def new_pool(self, slots: int, capacity: int) -> KVCache:
-    shape, dtype, layers = self.pool_shape(slots, capacity), self.model_cfg.jnp_dtype, \
-        self.model_cfg.num_layers
-    make = jax.jit(lambda: KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
-                                   v=tuple(jnp.zeros(shape, dtype) for _ in range(layers))),
-                   out_shardings=self.pool_sharding())
+    shape, dtype, layers = (
+        self.pool_shape(slots, capacity),
+        self.model_cfg.jnp_dtype,
+        self.model_cfg.num_layers,
+    )
+    make = jax.jit(
+        lambda: KVCache(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+        ),
+        out_shardings=self.pool_sharding(),
+    )
     return make()
 
   def abstract_pool(self, slots: int, capacity: int) -> KVCache:
-    s = jax.ShapeDtypeStruct(self.pool_shape(slots, capacity), self.model_cfg.jnp_dtype,
-                             sharding=self.pool_sharding())
+    s = jax.ShapeDtypeStruct(
+        self.pool_shape(slots, capacity), self.model_cfg.jnp_dtype, sharding=self.pool_sharding()
+    )
     return KVCache(k=(s,) * self.model_cfg.num_layers, v=(s,) * self.model_cfg.num_layers)
 
   # ------------------------------------------------------------ placement
@@ -88,8 +102,9 @@ class DeviceLayout:
     if stacked:
       sh = jax.tree.map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), sh)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
-      return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          params, sh)
+      return jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, sh
+      )
     return jax.device_put(params, sh)
 
   def rows_sharding(self, ndim: int) -> NamedSharding:

@@ -67,9 +67,11 @@ class Programs:
     self.graphdef, self.mesh, self.kv_axis, self.agent_map = graphdef, mesh, kv_axis, agent_map
     self.num_traces = 0
     self.admit = jax.jit(self._admit, static_argnames=("stacked",), donate_argnums=(1,))
-    self.decode = jax.jit(self._decode, donate_argnums=(1,),
-                          static_argnames=("stacked", "window", "steps", "greedy", "top_k",
-                                           "use_top_p"))
+    self.decode = jax.jit(
+        self._decode,
+        donate_argnums=(1,),
+        static_argnames=("stacked", "window", "steps", "greedy", "top_k", "use_top_p"),
+    )
 
   # ------------------------------------------------------------ layout helpers
   def _shard(self, x):
@@ -82,17 +84,21 @@ class Programs:
   @staticmethod
   def _gather(pool_layer, rows_DxAxR, window):
     """[D, A, R, K, window, Dh]: the rows' first `window` columns (a per-shard gather)."""
+
     def one_shard(p_AxSxKxCxE, r_AxR):
       agents = jnp.arange(r_AxR.shape[0])[:, None]
       return p_AxSxKxCxE[agents, r_AxR, :, :window]
+
     return jax.vmap(one_shard)(pool_layer, rows_DxAxR)
 
   @staticmethod
   def _scatter(pool_layer, rows_DxAxR, window, vals):
     """`pool_layer` with the rows' first `window` columns set to `vals` [D, A, R, K, window, Dh]."""
+
     def one_shard(p, r_AxR, v):
       agents = jnp.arange(r_AxR.shape[0])[:, None]
       return p.at[agents, r_AxR, :, :window].set(v, mode="promise_in_bounds")
+
     return jax.vmap(one_shard)(pool_layer, rows_DxAxR, vals)
 
   def _per_agent(self, fn, params, stacked: bool, *args):
@@ -106,16 +112,20 @@ class Programs:
     if self.agent_map == "vmap":
       return jax.vmap(fn)(params, *args)
     num = jax.tree.leaves(args)[0].shape[0]
-    outs = [fn(jax.tree.map(lambda x, a=a: x[a], params), *jax.tree.map(lambda x, a=a: x[a], args))
-            for a in range(num)]
+    outs = [
+        fn(jax.tree.map(lambda x, a=a: x[a], params), *jax.tree.map(lambda x, a=a: x[a], args))
+        for a in range(num)
+    ]
     return jax.tree.map(lambda *x: jnp.stack(x), *outs)
 
   def _rows_cache(self, pool: KVCache, rows_DxAxR, window) -> KVCache:
     """The gathered rows as one cache per agent: [A, D * R, K, window, Dh] per layer."""
+
     def flat(layer):
       g = self._shard(self._gather(layer, rows_DxAxR, window))
       d, a, r = g.shape[:3]
       return jnp.swapaxes(g, 0, 1).reshape((a, d * r) + g.shape[3:])
+
     return KVCache(k=tuple(flat(x) for x in pool.k), v=tuple(flat(x) for x in pool.v))
 
   def _put_back(self, pool: KVCache, rows_DxAxR, window, cache: KVCache) -> KVCache:
@@ -124,8 +134,11 @@ class Programs:
     def unflat(layer, vals):
       vals = jnp.swapaxes(vals.reshape((a, d, r) + vals.shape[2:]), 0, 1)
       return self._shard(self._scatter(layer, rows_DxAxR, window, vals))
-    return KVCache(k=tuple(unflat(x, y) for x, y in zip(pool.k, cache.k)),
-                   v=tuple(unflat(x, y) for x, y in zip(pool.v, cache.v)))
+
+    return KVCache(
+        k=tuple(unflat(x, y) for x, y in zip(pool.k, cache.k)),
+        v=tuple(unflat(x, y) for x, y in zip(pool.v, cache.v)),
+    )
 
   @staticmethod
   def _flat(x_DxAx):
@@ -139,8 +152,18 @@ class Programs:
     return jnp.swapaxes(x_AxN.reshape((a, d, n // d) + x_AxN.shape[2:]), 0, 1)
 
   # ------------------------------------------------------------ admit
-  def _admit(self, params, pool: KVCache, src_DxAxE, dst_DxAxExF, tokens_DxAxExX, start_DxAxE,
-             count_DxAxE, *, stacked: bool):
+  def _admit(
+      self,
+      params,
+      pool: KVCache,
+      src_DxAxE,
+      dst_DxAxExF,
+      tokens_DxAxExX,
+      start_DxAxE,
+      count_DxAxE,
+      *,
+      stacked: bool,
+  ):
     """Prefills `tokens` (the first `count` of each row) on top of `src`'s columns
     [0, start) and writes the rows to their `dst` slots."""
     self.num_traces += 1
@@ -165,19 +188,55 @@ class Programs:
     return pool
 
   # ------------------------------------------------------------ decode
-  def _decode(self, params, pool: KVCache, rows_DxAxR, token_DxAxR, pos_DxAxR, key_DxAxRx2,
-              keyrow_DxAxR, t_DxAxR, max_new_DxAxR, live_DxAxR, stop_ids, temperature, top_p,
-              pad_id, *, stacked: bool, window: int, steps: int, greedy: bool, top_k: int,
-              use_top_p: bool):
+  def _decode(
+      self,
+      params,
+      pool: KVCache,
+      rows_DxAxR,
+      token_DxAxR,
+      pos_DxAxR,
+      key_DxAxRx2,
+      keyrow_DxAxR,
+      t_DxAxR,
+      max_new_DxAxR,
+      live_DxAxR,
+      stop_ids,
+      temperature,
+      top_p,
+      pad_id,
+      *,
+      stacked: bool,
+      window: int,
+      steps: int,
+      greedy: bool,
+      top_k: int,
+      use_top_p: bool,
+  ):
     """Up to `steps` decode steps of every live row; returns (pool, tokens [D, A, R, steps],
     logprobs, sampled counts [D, A, R], stopped [D, A, R], steps run)."""
     self.num_traces += 1
     d = rows_DxAxR.shape[0]
     cache = self._rows_cache(pool, rows_DxAxR, window)
-    flat = [self._flat(v) for v in (token_DxAxR, pos_DxAxR, key_DxAxRx2, keyrow_DxAxR,
-                                    t_DxAxR, max_new_DxAxR, live_DxAxR)]
-    choose = functools.partial(choose_tokens, temperature=temperature, top_p=top_p,
-                               greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+    flat = [
+        self._flat(v)
+        for v in (
+            token_DxAxR,
+            pos_DxAxR,
+            key_DxAxRx2,
+            keyrow_DxAxR,
+            t_DxAxR,
+            max_new_DxAxR,
+            live_DxAxR,
+        )
+    ]
+    choose = functools.partial(
+        choose_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        greedy=greedy,
+        top_k=top_k,
+        use_top_p=use_top_p,
+    )
     cols = jnp.arange(window, dtype=jnp.int32)
 
     def one(params_a, cache_a, tok_N, pos_N, key_Nx2, keyrow_N, t_N, max_new_N, live_N):
@@ -193,8 +252,9 @@ class Programs:
         go_N = ~done_N
         mask = (cols[None, :] <= pos_N[:, None])[:, None, :]
         write = jnp.where(go_N, pos_N, window - 1)[:, None]
-        logits_NxV, cache_a = model.forward_cached(tok_N[:, None], pos_N[:, None], mask,
-                                                   cache_a, write, head="last")
+        logits_NxV, cache_a = model.forward_cached(
+            tok_N[:, None], pos_N[:, None], mask, cache_a, write, head="last"
+        )
         u_N = jax.vmap(sample_uniform)(key_Nx2, keyrow_N, t_N)
         new_N, logq_N = choose(logits_NxV, u_N)
         new_N = jnp.where(go_N, new_N, pad_id)
@@ -210,14 +270,26 @@ class Programs:
         return (i + 1, cache_a, tok_N, pos_N, t_N, done_N, stopped_N, count_N, out_tok, out_lp)
 
       zeros = jnp.zeros((n,), jnp.int32)
-      init = (jnp.int32(0), cache_a, tok_N, pos_N, t_N, ~live_N, jnp.zeros((n,), bool), zeros,
-              jnp.full((n, steps), pad_id, jnp.int32), jnp.zeros((n, steps), jnp.float32))
+      init = (
+          jnp.int32(0),
+          cache_a,
+          tok_N,
+          pos_N,
+          t_N,
+          ~live_N,
+          jnp.zeros((n,), bool),
+          zeros,
+          jnp.full((n, steps), pad_id, jnp.int32),
+          jnp.zeros((n, steps), jnp.float32),
+      )
       i, cache_a, _, _, _, _, stopped_N, count_N, out_tok, out_lp = jax.lax.while_loop(
-          cond, body, init)
+          cond, body, init
+      )
       return cache_a, out_tok, out_lp, count_N, stopped_N, i
 
-    cache, out_tok, out_lp, count, stopped, ran = self._per_agent(one, params, stacked, cache,
-                                                                  *flat)
+    cache, out_tok, out_lp, count, stopped, ran = self._per_agent(
+        one, params, stacked, cache, *flat
+    )
     pool = self._put_back(pool, rows_DxAxR, window, cache)
     outs = tuple(self._shard(self._unflat(x, d)) for x in (out_tok, out_lp, count, stopped))
     return (pool,) + outs + (jnp.max(ran),)

@@ -69,20 +69,29 @@ class EngineConfig:
   extend_buckets: Optional[tuple] = None
 
   def __post_init__(self):
-    for name, low in (("slots", 1), ("capacity", 16), ("chunk", 1), ("decode_rows", 0),
-                      ("admit_rows", 1)):
+    for name, low in (
+        ("slots", 1),
+        ("capacity", 16),
+        ("chunk", 1),
+        ("decode_rows", 0),
+        ("admit_rows", 1),
+    ):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise ValueError(f"EngineConfig.{name}={v!r}; allowed: an int >= {low}")
     if self.agent_map not in (None, "map", "vmap"):
-      raise ValueError(f"EngineConfig.agent_map={self.agent_map!r}; allowed: None, 'map', "
-                       "'vmap'")
+      raise ValueError(f"EngineConfig.agent_map={self.agent_map!r}; allowed: None, 'map', 'vmap'")
     for name in ("window_buckets", "extend_buckets"):
       b = getattr(self, name)
-      if b is not None and (not b or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
-                                         for x in b) or max(b) < self.capacity):
-        raise ValueError(f"EngineConfig.{name}={b!r}; allowed: None or ints >= 1 whose "
-                         f"largest is at least capacity={self.capacity}")
+      if b is not None and (
+          not b
+          or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b)
+          or max(b) < self.capacity
+      ):
+        raise ValueError(
+            f"EngineConfig.{name}={b!r}; allowed: None or ints >= 1 whose "
+            f"largest is at least capacity={self.capacity}"
+        )
 
   @property
   def rows(self) -> int:
@@ -94,8 +103,9 @@ class EngineConfig:
   @property
   def windows(self) -> tuple:
     c = self.capacity
-    return tuple(sorted(self.window_buckets or {max(16, -(-c // k // 16) * 16) for k in (4, 2)}
-                        | {c}))
+    return tuple(
+        sorted(self.window_buckets or {max(16, -(-c // k // 16) * 16) for k in (4, 2)} | {c})
+    )
 
   @property
   def extends(self) -> tuple:
@@ -150,8 +160,20 @@ class Sample:
 class Row:
   """A decoding slot."""
 
-  __slots__ = ("req", "g", "shard", "agent", "slot", "ctx", "token", "pos", "t", "max_new",
-               "ids", "logps")
+  __slots__ = (
+      "req",
+      "g",
+      "shard",
+      "agent",
+      "slot",
+      "ctx",
+      "token",
+      "pos",
+      "t",
+      "max_new",
+      "ids",
+      "logps",
+  )
 
   def __init__(self, req, g, shard, agent, slot, ctx, max_new):
     self.req, self.g, self.shard, self.agent, self.slot = req, g, shard, agent, slot
@@ -191,6 +213,16 @@ def lcp(a: np.ndarray, b: np.ndarray) -> int:
   return int(diff[0]) if diff.size else n
 
 
-STAT_KEYS = ("requests", "prefill_tokens", "reused_tokens", "decode_tokens", "slot_steps",
-             "chunks", "occupancy_sum", "evictions", "admit_calls", "decode_calls",
-             "device_seconds")
+STAT_KEYS = (
+    "requests",
+    "prefill_tokens",
+    "reused_tokens",
+    "decode_tokens",
+    "slot_steps",
+    "chunks",
+    "occupancy_sum",
+    "evictions",
+    "admit_calls",
+    "decode_calls",
+    "device_seconds",
+)

@@ -93,9 +93,15 @@ def calculate(expression: str) -> str:
   return str(evaluate(expression))
 
 
-def make_task(split: str, index: int, min_operands: int = 2, max_operands: int = 3,
-              max_digits: int = 2, num_followups: int = NUM_FOLLOWUPS,
-              level: Optional[int] = None) -> dict:
+def make_task(
+    split: str,
+    index: int,
+    min_operands: int = 2,
+    max_operands: int = 3,
+    max_digits: int = 2,
+    num_followups: int = NUM_FOLLOWUPS,
+    level: Optional[int] = None,
+) -> dict:
   """Task `index` of `split`: a deterministic function of (split, index[, level]).
 
   `level` (an index into `LEVELS`) overrides min_operands, max_operands and max_digits.
@@ -108,7 +114,7 @@ def make_task(split: str, index: int, min_operands: int = 2, max_operands: int =
     min_operands, max_operands, max_digits = LEVELS[level]
   rng = np.random.default_rng([_SPLIT_SEEDS[split], index])
   n = int(rng.integers(min_operands, max_operands + 1))
-  hi = 10 ** max_digits
+  hi = 10**max_digits
   nums = [int(rng.integers(1, hi)) for _ in range(n)]
   ops = list(rng.choice(["+", "-", "*"], size=n - 1, p=[0.45, 0.35, 0.2]))
   if ops.count("*") > 1:  # at most one product keeps results short
@@ -121,8 +127,15 @@ def make_task(split: str, index: int, min_operands: int = 2, max_operands: int =
     x = int(rng.integers(1, hi))
     followups.append(f"then {op}{x}")
     answers.append(evaluate(f"{answers[-1]}{op}{x}"))
-  task = {"question": f"{expression}=", "expression": expression, "followups": followups,
-          "answers": answers, "difficulty": n, "split": split, "index": index}
+  task = {
+      "question": f"{expression}=",
+      "expression": expression,
+      "followups": followups,
+      "answers": answers,
+      "difficulty": n,
+      "split": split,
+      "index": index,
+  }
   if level is not None:
     task["level"] = level
   return task
@@ -132,7 +145,8 @@ def stage_expressions(task: Mapping[str, Any]) -> list[str]:
   """The expression the tool call of each stage should carry: the question's, then
   each follow-up applied to the previous answer ("867-58")."""
   return [task["expression"]] + [
-      f"{prev}{f[len('then '):]}" for prev, f in zip(task["answers"], task["followups"])]
+      f"{prev}{f[len('then '):]}" for prev, f in zip(task["answers"], task["followups"])
+  ]
 
 
 def copy_similarity(got: str, want: str) -> float:
@@ -170,8 +184,9 @@ class CalculatorEnv(Environment):
   Later calls of the stage are not graded, so retries cannot collect shaping.
   """
 
-  def __init__(self, metadata: Mapping[str, Any], show_tools: bool = False,
-               max_tool_calls: int = 2):
+  def __init__(
+      self, metadata: Mapping[str, Any], show_tools: bool = False, max_tool_calls: int = 2
+  ):
     super().__init__(metadata, tools=ToolSet([calculate]))
     self.show_tools = show_tools
     self.max_tool_calls = max_tool_calls
@@ -250,8 +265,9 @@ class CalculatorFactory(EnvironmentFactory):
 @data.register_task_source("calculator")
 def calculator_tasks(split: str, size: Optional[int] = None, **task_kwargs) -> data.GeneratedTasks:
   """`size` tasks of a split (default: 100k train, 200 eval/test)."""
-  return data.GeneratedTasks(make_task, split, size or (100_000 if split == "train" else 200),
-                             **task_kwargs)
+  return data.GeneratedTasks(
+      make_task, split, size or (100_000 if split == "train" else 200), **task_kwargs
+  )
 
 
 # The failure classes of a completion (`python -m experiments.calc_errors`).

@@ -36,10 +36,12 @@ from mtrl_jax import data
 from mtrl_jax.envs import Environment, EnvironmentFactory, register_env_factory
 from mtrl_jax.envs.grades import Grade
 
-CLASSES = {"lower": frozenset(string.ascii_lowercase),
-           "upper": frozenset(string.ascii_uppercase),
-           "digit": frozenset(string.digits),
-           "symbol": frozenset(string.punctuation)}
+CLASSES = {
+    "lower": frozenset(string.ascii_lowercase),
+    "upper": frozenset(string.ascii_uppercase),
+    "digit": frozenset(string.digits),
+    "symbol": frozenset(string.punctuation),
+}
 _SPLIT_SEEDS = {"train": 20, "eval": 21, "test": 22}
 
 
@@ -89,8 +91,9 @@ class CharClassFactory(EnvironmentFactory):
 
   def create_environment(self, metadata: Mapping[str, Any]) -> CharClassEnv:
     if metadata.get("target") not in CLASSES:
-      raise ValueError(f"charclass task target {metadata.get('target')!r}; "
-                       f"allowed: {sorted(CLASSES)}")
+      raise ValueError(
+          f"charclass task target {metadata.get('target')!r}; allowed: {sorted(CLASSES)}"
+      )
     return CharClassEnv(metadata)
 
 

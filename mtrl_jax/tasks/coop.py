@@ -35,6 +35,7 @@ A byte-level episode is under 40 tokens per agent per turn (about 30 in
 all). Tasks are generated from (split, index), so data order is reproducible
 and resumable; `golden_conversation` gives SFT data for either agent.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
@@ -58,7 +59,7 @@ def make_task(split: str, index: int, digits: int = 2) -> dict:
   if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= 6:
     raise ValueError(f"coop digits={digits!r}; must be an int in [1, 6]")
   rng = np.random.default_rng([_SPLIT_SEEDS[split], index])
-  lo, hi = 10 ** (digits - 1), 10 ** digits
+  lo, hi = 10 ** (digits - 1), 10**digits
   parts = [str(int(rng.integers(lo, hi))) for _ in LETTERS]
   return {"parts": parts, "target": "".join(parts), "split": split, "index": index}
 
@@ -68,8 +69,9 @@ def first_prompt(task: Mapping[str, Any], agent: int) -> str:
   return f"{LETTERS[agent]}:{task['parts'][agent]}"
 
 
-def feedback_prompt(agent: int, partner_answer: Optional[str], success: bool,
-                    show_partner: bool = True) -> str:
+def feedback_prompt(
+    agent: int, partner_answer: Optional[str], success: bool, show_partner: bool = True
+) -> str:
   """Turn t+1 user message of `agent`: the partner's last answer and ok | no."""
   verdict = "ok" if success else "no"
   if not show_partner:
@@ -78,8 +80,9 @@ def feedback_prompt(agent: int, partner_answer: Optional[str], success: bool,
   return f"{LETTERS[1 - agent]}:{shown} {verdict}"
 
 
-def golden_conversation(task: Mapping[str, Any], agent: Optional[int] = None,
-                        num_turns: int = 2) -> list[tuple[str, str]]:
+def golden_conversation(
+    task: Mapping[str, Any], agent: Optional[int] = None, num_turns: int = 2
+) -> list[tuple[str, str]]:
   """The ideal episode of one agent as (role, content) pairs (SFT data).
 
   Args:
@@ -90,12 +93,13 @@ def golden_conversation(task: Mapping[str, Any], agent: Optional[int] = None,
   """
   agent = int(task.get("index", 0)) % 2 if agent is None else agent
   partner = task["parts"][1 - agent]
-  msgs = [("user", first_prompt(task, agent)),
-          ("assistant", f"<answer>{task['parts'][agent]}</answer>")]
+  msgs = [
+      ("user", first_prompt(task, agent)),
+      ("assistant", f"<answer>{task['parts'][agent]}</answer>"),
+  ]
   success = False
   for turn in range(1, num_turns):
-    msgs.append(("user", feedback_prompt(agent, partner if turn == 1 else task["target"],
-                                         success)))
+    msgs.append(("user", feedback_prompt(agent, partner if turn == 1 else task["target"], success)))
     msgs.append(("assistant", f"<answer>{task['target']}</answer>"))
     success = True
   return msgs
@@ -122,8 +126,11 @@ def grade_joint_answers(env: Environment, threads: Sequence[Thread], target: str
   success = all(correct)
   info = {"success": float(success)}
   info.update({f"agent_{i}_correct": float(c) for i, c in enumerate(correct)})
-  reason = ("every agent answered the joint code" if success
-            else f"answers {answers}; joint code {target}")
+  reason = (
+      "every agent answered the joint code"
+      if success
+      else f"answers {answers}; joint code {target}"
+  )
   local = {i: float(c) for i, c in enumerate(correct)}
   return answers, success, {GRADE_NAME: Grade(float(success), reason, info, local)}
 
@@ -150,8 +157,10 @@ class CoopEnv(Environment):
     self.show_partner = bool(show_partner)
 
   def initial_threads(self) -> list[Thread]:
-    return [Thread((Turn("user", first_prompt(self.metadata, i)),), dict(self.metadata))
-            for i in range(2)]
+    return [
+        Thread((Turn("user", first_prompt(self.metadata, i)),), dict(self.metadata))
+        for i in range(2)
+    ]
 
   def react_to_joint(self, threads: Sequence[Thread]):
     if len(threads) != 2:
@@ -159,8 +168,10 @@ class CoopEnv(Environment):
     answers, success, grades = grade_joint_answers(self, threads, self.metadata["target"], "coop")
     if threads[0].count("assistant") >= self.num_turns:
       return None, grades
-    return [t.append(Turn("user", feedback_prompt(i, answers[1 - i], success, self.show_partner)))
-            for i, t in enumerate(threads)], grades
+    return [
+        t.append(Turn("user", feedback_prompt(i, answers[1 - i], success, self.show_partner)))
+        for i, t in enumerate(threads)
+    ], grades
 
 
 @register_env_factory("coop")
@@ -177,5 +188,6 @@ class CoopFactory(EnvironmentFactory):
 
 @data.register_task_source("coop")
 def coop_tasks(split: str, size: Optional[int] = None, digits: int = 2) -> data.GeneratedTasks:
-  return data.GeneratedTasks(make_task, split, size or (100_000 if split == "train" else 200),
-                             digits=digits)
+  return data.GeneratedTasks(
+      make_task, split, size or (100_000 if split == "train" else 200), digits=digits
+  )

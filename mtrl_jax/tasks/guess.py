@@ -81,9 +81,12 @@ def golden_conversation(task) -> list[tuple[str, str]]:
   which the SFT rows do not get otherwise."""
   low, high, number = 1, task["high"], task["number"]
   call = render_tool_call("midpoint", {"low": low, "high": high})
-  msgs = [("system", ToolSet([midpoint]).system_prompt(SYSTEM)),
-          ("user", f"Guess my number, 1 to {high}."),
-          ("assistant", call), ("tool", midpoint(low, high))]
+  msgs = [
+      ("system", ToolSet([midpoint]).system_prompt(SYSTEM)),
+      ("user", f"Guess my number, 1 to {high}."),
+      ("assistant", call),
+      ("tool", midpoint(low, high)),
+  ]
   while True:
     guess = (low + high) // 2
     msgs.append(("assistant", f"<answer>{guess}</answer>"))
@@ -99,8 +102,9 @@ class GuessEnv(Environment):
   def __init__(self, metadata, max_guesses: int = 5):
     super().__init__(metadata, tools=ToolSet([midpoint]), system=SYSTEM)
     self.max_guesses = max_guesses
-    self.turn_grader = FunctionGrader(lambda t: consistent(t, metadata["high"]),
-                                      name="consistent", scope="turn")
+    self.turn_grader = FunctionGrader(
+        lambda t: consistent(t, metadata["high"]), name="consistent", scope="turn"
+    )
     self.final_grader = FunctionGrader(found)
 
   def react_to(self, thread):
@@ -136,12 +140,12 @@ def make_task(split: str, index: int, high: int = 20) -> dict:
   if split not in _SPLIT_SEEDS:
     raise ValueError(f"guess split {split!r}; allowed: {sorted(_SPLIT_SEEDS)}")
   rng = np.random.default_rng([_SPLIT_SEEDS[split], index])
-  return {"number": int(rng.integers(1, high + 1)), "high": high, "split": split,
-          "index": index}
+  return {"number": int(rng.integers(1, high + 1)), "high": high, "split": split, "index": index}
 
 
 @data.register_task_source("guess")
 def guess_tasks(split: str, size: Optional[int] = None, high: int = 20) -> data.GeneratedTasks:
   """`size` tasks of a split (default: 1000 train, 100 eval/test)."""
-  return data.GeneratedTasks(make_task, split, size or (1000 if split == "train" else 100),
-                             high=high)
+  return data.GeneratedTasks(
+      make_task, split, size or (1000 if split == "train" else 100), high=high
+  )

@@ -56,6 +56,7 @@ refiner itself.
 Tasks come from (split, index), so data order is reproducible and
 resumable.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
@@ -84,14 +85,13 @@ def make_task(split: str, index: int, digits: int = 2, hint_size: int = 2) -> di
   _check_int("digits", digits, 1, 6)
   _check_int("hint_size", hint_size, 1, 9)
   rng = np.random.default_rng([_SPLIT_SEEDS[split], index])
-  lo, hi = 10 ** (digits - 1), 10 ** digits
+  lo, hi = 10 ** (digits - 1), 10**digits
   parts, hints = [], []
   for _ in LETTERS:
     picks = rng.choice(hi - lo, size=hint_size, replace=False) + lo
     parts.append(str(int(picks[0])))
     hints.append([str(int(p)) for p in rng.permutation(picks)])
-  return {"parts": parts, "hints": hints, "target": "".join(parts), "split": split,
-          "index": index}
+  return {"parts": parts, "hints": hints, "target": "".join(parts), "split": split, "index": index}
 
 
 def first_prompt(task: Mapping[str, Any], agent: int) -> str:
@@ -107,8 +107,13 @@ def _judge(guess: Optional[str], truth: str) -> str:
   return "ok" if guess == truth else ("hi" if int(guess) > int(truth) else "lo")
 
 
-def feedback_prompt(task: Mapping[str, Any], agent: int, answer: Optional[str], success: bool,
-                    feedback: str = "level_feedback") -> str:
+def feedback_prompt(
+    task: Mapping[str, Any],
+    agent: int,
+    answer: Optional[str],
+    success: bool,
+    feedback: str = "level_feedback",
+) -> str:
   """The user message after a joint action, for `agent`, whose answer was `answer`."""
   if feedback == "bandit":
     return first_prompt(task, agent)
@@ -153,9 +158,16 @@ def _play(task, num_turns: int, feedback: str, agents: int, refine: bool, pick) 
         options = left[a]
       elif feedback == "level_feedback":
         mark = _judge(g, truth)
-        left[a] = options = [c for c in left[a] if mark == "ok" and c == g
-                             or mark == "hi" and int(c) < int(g)
-                             or mark == "lo" and int(c) > int(g)]
+        left[a] = options = [
+            c
+            for c in left[a]
+            if mark == "ok"
+            and c == g
+            or mark == "hi"
+            and int(c) < int(g)
+            or mark == "lo"
+            and int(c) > int(g)
+        ]
       else:  # plain
         options = [g] if success else [c for c in left[a] if c != g]
       guesses[a] = pick(options)
@@ -163,9 +175,14 @@ def _play(task, num_turns: int, feedback: str, agents: int, refine: bool, pick) 
   return answers
 
 
-def warmup_conversation(task: Mapping[str, Any], agent: Optional[int] = None, num_turns: int = 2,
-                        feedback: str = "level_feedback", agents: int = 2,
-                        follow: float = 0.5) -> list:
+def warmup_conversation(
+    task: Mapping[str, Any],
+    agent: Optional[int] = None,
+    num_turns: int = 2,
+    feedback: str = "level_feedback",
+    agents: int = 2,
+    follow: float = 0.5,
+) -> list:
   """SFT data: with chance `follow` the mode's refiner (`_play`), else a fresh random
   guess every turn, blind to the feedback; turn 1 is a random candidate either way.
 
@@ -183,14 +200,19 @@ def warmup_conversation(task: Mapping[str, Any], agent: Optional[int] = None, nu
   return _render(task, agent, answers, feedback)
 
 
-def golden_conversation(task: Mapping[str, Any], agent: Optional[int] = None,
-                        num_turns: int = 2, feedback: str = "level_feedback",
-                        agents: int = 2) -> list:
+def golden_conversation(
+    task: Mapping[str, Any],
+    agent: Optional[int] = None,
+    num_turns: int = 2,
+    feedback: str = "level_feedback",
+    agents: int = 2,
+) -> list:
   """The mode's refiner, always taking the first candidate left: under
   'level_feedback' every task is solved by turn 2 (K = 2) or 3 (K = 3)."""
   agent = int(task.get("index", 0)) % agents if agent is None else agent
-  return _render(task, agent, _play(task, num_turns, feedback, agents, True, lambda c: c[0]),
-                 feedback)
+  return _render(
+      task, agent, _play(task, num_turns, feedback, agents, True, lambda c: c[0]), feedback
+  )
 
 
 class RefineEnv(Environment):
@@ -203,8 +225,13 @@ class RefineEnv(Environment):
     agents: 2, or 1 for the single-agent arm (role A's information, no partner).
   """
 
-  def __init__(self, metadata: Mapping[str, Any], num_turns: int = 2,
-               feedback: str = "level_feedback", agents: int = 2):
+  def __init__(
+      self,
+      metadata: Mapping[str, Any],
+      num_turns: int = 2,
+      feedback: str = "level_feedback",
+      agents: int = 2,
+  ):
     super().__init__(metadata)
     _check_int("num_turns", num_turns, 1, 64)
     _check_int("agents", agents, 1, 2)
@@ -216,8 +243,10 @@ class RefineEnv(Environment):
     self.num_turns, self.feedback, self.num_agents = num_turns, feedback, agents
 
   def initial_threads(self) -> list[Thread]:
-    return [Thread((Turn("user", first_prompt(self.metadata, i)),), dict(self.metadata))
-            for i in range(self.num_agents)]
+    return [
+        Thread((Turn("user", first_prompt(self.metadata, i)),), dict(self.metadata))
+        for i in range(self.num_agents)
+    ]
 
   def initial_thread(self) -> Thread:
     return self.initial_threads()[0]
@@ -229,13 +258,15 @@ class RefineEnv(Environment):
   def react_to_joint(self, threads: Sequence[Thread]):
     if len(threads) != self.num_agents:
       raise ValueError(f"RefineEnv has {self.num_agents} agents, got {len(threads)} threads")
-    answers, success, grades = grade_joint_answers(self, threads, self.metadata["target"],
-                                                   "refine")
+    answers, success, grades = grade_joint_answers(self, threads, self.metadata["target"], "refine")
     if threads[0].count("assistant") >= self.num_turns:
       return None, grades
-    return [t.append(Turn("user", feedback_prompt(self.metadata, i, answers[i], success,
-                                                  self.feedback)))
-            for i, t in enumerate(threads)], grades
+    return [
+        t.append(
+            Turn("user", feedback_prompt(self.metadata, i, answers[i], success, self.feedback))
+        )
+        for i, t in enumerate(threads)
+    ], grades
 
 
 @register_env_factory("refine")
@@ -251,7 +282,13 @@ class RefineFactory(EnvironmentFactory):
 
 
 @data.register_task_source("refine")
-def refine_tasks(split: str, size: Optional[int] = None, digits: int = 2,
-                 hint_size: int = 2) -> data.GeneratedTasks:
-  return data.GeneratedTasks(make_task, split, size or (100_000 if split == "train" else 200),
-                             digits=digits, hint_size=hint_size)
+def refine_tasks(
+    split: str, size: Optional[int] = None, digits: int = 2, hint_size: int = 2
+) -> data.GeneratedTasks:
+  return data.GeneratedTasks(
+      make_task,
+      split,
+      size or (100_000 if split == "train" else 200),
+      digits=digits,
+      hint_size=hint_size,
+  )

@@ -21,13 +21,26 @@ from __future__ import annotations
 from typing import Optional
 
 from mtrl_jax import data
-from mtrl_jax.envs import (Environment, EnvironmentFactory, LLMUserSimulator, SharedResource,
-                           Turn, register_env_factory)
+from mtrl_jax.envs import (
+    Environment,
+    EnvironmentFactory,
+    LLMUserSimulator,
+    SharedResource,
+    Turn,
+    register_env_factory,
+)
 from mtrl_jax.graders import BinaryJudgeGrader
 
-TOPICS = ("the weather in Paris", "a pasta recipe", "how tides work", "a name for a cat",
-          "the boiling point of water", "a short poem about trees", "how to tie a knot",
-          "the capital of Peru")
+TOPICS = (
+    "the weather in Paris",
+    "a pasta recipe",
+    "how tides work",
+    "a name for a cat",
+    "the boiling point of water",
+    "a short poem about trees",
+    "how to tie a knot",
+    "the capital of Peru",
+)
 PERSONA = "a curious person who writes short messages"
 CRITERIA = "The assistant answered the user's question helpfully and politely."
 
@@ -40,10 +53,12 @@ def thinking_conversation(task) -> list[tuple[str, str]]:
   """A golden conversation in a thinking model's format (`sft.conversations`): every
   assistant turn opens with a `<think>` block, which a Qwen3-style template
   (`tokenizer.strip_thinking`) hides once the next user turn arrives."""
-  return [("user", task["prompt"]),
-          ("assistant", "<think>ok</think>Sure."),
-          ("user", "Thanks, and more?"),
-          ("assistant", "<think>hm</think>More.")]
+  return [
+      ("user", task["prompt"]),
+      ("assistant", "<think>ok</think>Sure."),
+      ("user", "Thanks, and more?"),
+      ("assistant", "<think>hm</think>More."),
+  ]
 
 
 def make_task(split: str, index: int) -> dict:
@@ -64,8 +79,9 @@ def user_chat_tasks(split: str, size: Optional[int] = None) -> data.GeneratedTas
 class UserChatEnv(Environment):
   """One conversation: the simulator answers until done, then the judge grades."""
 
-  def __init__(self, metadata, simulator: LLMUserSimulator, judge: BinaryJudgeGrader,
-               user_turns: int):
+  def __init__(
+      self, metadata, simulator: LLMUserSimulator, judge: BinaryJudgeGrader, user_turns: int
+  ):
     super().__init__(metadata)
     self.simulator, self.judge, self.user_turns = simulator, judge, user_turns
 
@@ -80,14 +96,23 @@ class UserChatEnv(Environment):
 class _SharedModel(SharedResource):
   """The local model behind the simulator and the judge, built once per factory."""
 
-  def __init__(self, preset: str, model_path: str, seed: int, max_new_tokens: int,
-               temperature: float, batch_wait_s: float):
+  def __init__(
+      self,
+      preset: str,
+      model_path: str,
+      seed: int,
+      max_new_tokens: int,
+      temperature: float,
+      batch_wait_s: float,
+  ):
     from mtrl_jax import models, text  # model code only when a factory is built
     from mtrl_jax.sampling import SamplingConfig
     from mtrl_jax.sampling.batching import BatchingGenerator
     from mtrl_jax.sampling.generation import LocalLLM
+
     if model_path:
       from mtrl_jax.models.loading import from_pretrained
+
       model = from_pretrained(model_path)
       tokenizer = text.HFTokenizer.from_dir(model_path)
     else:
@@ -96,9 +121,13 @@ class _SharedModel(SharedResource):
       cfg = models.get_preset(preset).replace(vocab_size=tokenizer.vocab_size)
       model = models.create_model(cfg, seed=seed)
     # fixed_rows: a reply or score never depends on what shares its batch.
-    self.llm = LocalLLM(model, tokenizer, seed=seed, fixed_rows=4,
-                        sampling=SamplingConfig(temperature=temperature,
-                                                max_new_tokens=max_new_tokens))
+    self.llm = LocalLLM(
+        model,
+        tokenizer,
+        seed=seed,
+        fixed_rows=4,
+        sampling=SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens),
+    )
     self.generator = BatchingGenerator(self.llm, max_wait_s=batch_wait_s)
 
 
@@ -121,18 +150,26 @@ class UserChatFactory(EnvironmentFactory):
   outcome_range = (0.0, 1.0)
   num_agents = 1
 
-  def __init__(self, preset: str = "tiny", model_path: str = "", seed: int = 0,
-               user_turns: int = 2, max_new_tokens: int = 16, temperature: float = 1.0,
-               persona: str = PERSONA,
-               criteria: str = CRITERIA, batch_wait_s: float = 0.002):
+  def __init__(
+      self,
+      preset: str = "tiny",
+      model_path: str = "",
+      seed: int = 0,
+      user_turns: int = 2,
+      max_new_tokens: int = 16,
+      temperature: float = 1.0,
+      persona: str = PERSONA,
+      criteria: str = CRITERIA,
+      batch_wait_s: float = 0.002,
+  ):
     if user_turns < 1:
       raise ValueError(f"user_chat user_turns={user_turns}; allowed: an int >= 1")
-    self.model = _SharedModel(preset, model_path, seed, max_new_tokens, temperature,
-                              batch_wait_s)
+    self.model = _SharedModel(preset, model_path, seed, max_new_tokens, temperature, batch_wait_s)
     self.user_turns, self.persona = user_turns, persona
     self.judge = BinaryJudgeGrader(self.model.generator, criteria, name="judge")
 
   def create_environment(self, metadata) -> UserChatEnv:
-    simulator = LLMUserSimulator(self.model.generator, self.persona, metadata["goal"],
-                                 max_chars=200)
+    simulator = LLMUserSimulator(
+        self.model.generator, self.persona, metadata["goal"], max_chars=200
+    )
     return UserChatEnv(metadata, simulator, self.judge, self.user_turns)

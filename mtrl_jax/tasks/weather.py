@@ -75,11 +75,15 @@ class WeatherEnv(Environment):
   """One question about one city; the episode ends at the first non-tool reply."""
 
   def __init__(self, metadata):
-    super().__init__(metadata, tools=ToolSet([get_weather]),
-                     system="Answer with <answer>N</answer> (degrees Celsius).")
+    super().__init__(
+        metadata,
+        tools=ToolSet([get_weather]),
+        system="Answer with <answer>N</answer> (degrees Celsius).",
+    )
     self.turn_grader = FunctionGrader(tools_ok, scope="turn")
-    self.final_grader = CombinedGrader([(FunctionGrader(correct), 0.9),
-                                        (FunctionGrader(concise), 0.1)])
+    self.final_grader = CombinedGrader(
+        [(FunctionGrader(correct), 0.9), (FunctionGrader(concise), 0.1)]
+    )
 
   def react_to(self, thread):
     next_thread = self.run_tools(thread)

@@ -56,8 +56,10 @@ class ChatFormat:
 
   def __post_init__(self):
     if set(self.headers) != set(self.footers):
-      raise ValueError(f"ChatFormat {self.name}: header roles {sorted(self.headers)} differ "
-                       f"from footer roles {sorted(self.footers)}")
+      raise ValueError(
+          f"ChatFormat {self.name}: header roles {sorted(self.headers)} differ "
+          f"from footer roles {sorted(self.footers)}"
+      )
     if "assistant" not in self.headers:
       raise ValueError(f"ChatFormat {self.name}: needs an 'assistant' role")
     for role, header in self.headers.items():
@@ -68,8 +70,10 @@ class ChatFormat:
       raise ValueError(f"ChatFormat {self.name}: stop_ids must not be empty")
     want = (self.stop_ids[0],) + tuple(self.after_stop_ids)
     if tuple(self.footers["assistant"]) != want:
-      raise ValueError(f"ChatFormat {self.name}: assistant footer {self.footers['assistant']} "
-                       f"must equal (stop_ids[0],) + after_stop_ids = {want}")
+      raise ValueError(
+          f"ChatFormat {self.name}: assistant footer {self.footers['assistant']} "
+          f"must equal (stop_ids[0],) + after_stop_ids = {want}"
+      )
 
   @property
   def roles(self) -> tuple:
@@ -94,8 +98,10 @@ def _single_id(tokenizer: Tokenizer, token: str, fmt: str) -> int:
   except ValueError as e:
     raise ValueError(f"{fmt} format needs {token!r} as a single token: {e}") from e
   if tokenizer.encode(token) != [token_id]:
-    raise ValueError(f"{fmt} format: encode({token!r}) is {tokenizer.encode(token)}, "
-                     f"not the single id {token_id}")
+    raise ValueError(
+        f"{fmt} format: encode({token!r}) is {tokenizer.encode(token)}, "
+        f"not the single id {token_id}"
+    )
   return token_id
 
 
@@ -135,8 +141,10 @@ def _role_content(turn, content) -> tuple:
   elif content is None and isinstance(turn, (tuple, list)) and len(turn) == 2:
     role, content = turn
   else:
-    raise TypeError(f"expected a role string with content, a (role, content) pair or an "
-                    f"object with .role and .content; got {turn!r}")
+    raise TypeError(
+        f"expected a role string with content, a (role, content) pair or an "
+        f"object with .role and .content; got {turn!r}"
+    )
   if not isinstance(content, str):
     raise TypeError(f"turn content must be str, got {type(content).__name__} for role {role!r}")
   return role, content
@@ -186,16 +194,19 @@ class ChatRenderer:
     if not self.strip_thinking:
       return pairs
     last_user = max((i for i, (role, _) in enumerate(pairs) if role == "user"), default=-1)
-    return [(role, strip_thinking(content) if role == "assistant" and i < last_user else content)
-            for i, (role, content) in enumerate(pairs)]
+    return [
+        (role, strip_thinking(content) if role == "assistant" and i < last_user else content)
+        for i, (role, content) in enumerate(pairs)
+    ]
 
   def note_rewrite(self) -> None:
     """Counts one thread whose history was rendered anew (a history rewrite)."""
     with self._lock:
       self.history_rewrites += 1
 
-  def render_turn(self, ledger: TokenLedger, turn, content: Optional[str] = None, *,
-                  trainable: bool = False) -> None:
+  def render_turn(
+      self, ledger: TokenLedger, turn, content: Optional[str] = None, *, trainable: bool = False
+  ) -> None:
     """Appends header + encode(content) + footer as a new turn.
 
     Args:
@@ -208,8 +219,10 @@ class ChatRenderer:
     role, content = _role_content(turn, content)
     header, footer = self.fmt.header(role), self.fmt.footer(role)
     if ledger.open_turn is not None:
-      raise ValueError(f"render_turn({role!r}): assistant turn {ledger.open_turn} was begun "
-                       f"by begin_assistant and has no completion yet")
+      raise ValueError(
+          f"render_turn({role!r}): assistant turn {ledger.open_turn} was begun "
+          f"by begin_assistant and has no completion yet"
+      )
     if trainable and role != "assistant":
       raise ValueError(f"render_turn: trainable=True only for role 'assistant', got {role!r}")
     index = ledger.num_turns
@@ -229,9 +242,13 @@ class ChatRenderer:
     ledger.open_turn = index
     return list(ledger.ids)
 
-  def append_completion(self, ledger: TokenLedger, ids: Sequence[int],
-                        logprobs: Sequence[float],
-                        finished_by_stop: Optional[bool] = None) -> str:
+  def append_completion(
+      self,
+      ledger: TokenLedger,
+      ids: Sequence[int],
+      logprobs: Sequence[float],
+      finished_by_stop: Optional[bool] = None,
+  ) -> str:
     """Appends a sampled completion exactly as sampled and closes the turn.
 
     Args:
@@ -260,8 +277,10 @@ class ChatRenderer:
     if finished_by_stop is None:
       finished_by_stop = bool(ids) and ids[-1] in self.fmt.stop_ids
     if finished_by_stop and (not ids or ids[-1] not in self.fmt.stop_ids):
-      raise ValueError(f"append_completion: finished_by_stop=True but the last id "
-                       f"{ids[-1] if ids else None} is not a stop id {self.fmt.stop_ids}")
+      raise ValueError(
+          f"append_completion: finished_by_stop=True but the last id "
+          f"{ids[-1] if ids else None} is not a stop id {self.fmt.stop_ids}"
+      )
     index = ledger.open_turn
     ledger.extend(ids, role="assistant", turn=index, trainable=True, logprobs=logprobs)
     if finished_by_stop:
@@ -276,8 +295,9 @@ class ChatRenderer:
     content = ids[:-1] if finished_by_stop else ids
     return self.tokenizer.decode(content)
 
-  def render_conversation(self, messages: Iterable, ledger: Optional[TokenLedger] = None,
-                          train_assistant: bool = True) -> TokenLedger:
+  def render_conversation(
+      self, messages: Iterable, ledger: Optional[TokenLedger] = None, train_assistant: bool = True
+  ) -> TokenLedger:
     """Renders a whole conversation, e.g. SFT data.
 
     Args:
@@ -299,6 +319,9 @@ class ChatRenderer:
     with self._lock:
       checked, bad = self.completions_checked, self.retokenize_mismatches
       rewrites = self.history_rewrites
-    return {"text/completions_checked": checked, "text/retokenize_mismatches": bad,
-            "text/retokenize_mismatch_rate": bad / checked if checked else 0.0,
-            "text/history_rewrites": rewrites}
+    return {
+        "text/completions_checked": checked,
+        "text/retokenize_mismatches": bad,
+        "text/retokenize_mismatch_rate": bad / checked if checked else 0.0,
+        "text/history_rewrites": rewrites,
+    }

@@ -48,9 +48,15 @@ class TokenLedger:
       return self._tail[4][-1]
     return self._chunks[-1][4][-1] if self._chunks else -1
 
-  def extend(self, ids: Sequence[int], *, role: str, turn: int,
-             trainable: Union[bool, Sequence[bool]] = False,
-             logprobs: Optional[Sequence[float]] = None) -> None:
+  def extend(
+      self,
+      ids: Sequence[int],
+      *,
+      role: str,
+      turn: int,
+      trainable: Union[bool, Sequence[bool]] = False,
+      logprobs: Optional[Sequence[float]] = None,
+  ) -> None:
     """Appends tokens of one turn.
 
     Args:
@@ -68,14 +74,18 @@ class TokenLedger:
       flags = [bool(t) for t in trainable]
     lps = [0.0] * n if logprobs is None else [float(x) for x in logprobs]
     if len(flags) != n or len(lps) != n:
-      raise ValueError(f"TokenLedger.extend: {n} ids but {len(flags)} trainable flags and "
-                       f"{len(lps)} logprobs")
+      raise ValueError(
+          f"TokenLedger.extend: {n} ids but {len(flags)} trainable flags and "
+          f"{len(lps)} logprobs"
+      )
     if not isinstance(role, str) or not role:
       raise ValueError(f"TokenLedger.extend: role must be a non-empty string, got {role!r}")
     turn = int(turn)
     if turn < max(self._last_turn(), 0):
-      raise ValueError(f"TokenLedger.extend: turn={turn} is before the last turn "
-                       f"{self._last_turn()} (the ledger is append-only)")
+      raise ValueError(
+          f"TokenLedger.extend: turn={turn} is before the last turn "
+          f"{self._last_turn()} (the ledger is append-only)"
+      )
     if any(i < 0 for i in ids):
       raise ValueError(f"TokenLedger.extend: negative token id in {ids}")
     if not n:
@@ -149,5 +159,7 @@ class TokenLedger:
     }
 
   def __repr__(self) -> str:
-    return (f"TokenLedger(len={self._len}, turns={self.num_turns}, "
-            f"trainable={sum(self.trainable)}, open_turn={self.open_turn})")
+    return (
+        f"TokenLedger(len={self._len}, turns={self.num_turns}, "
+        f"trainable={sum(self.trainable)}, open_turn={self.open_turn})"
+    )

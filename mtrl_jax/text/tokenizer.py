@@ -15,9 +15,18 @@ from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 # Order fixes the ids (256, 257, ...); appending is safe, reordering breaks checkpoints.
 DEFAULT_SPECIALS = (
-    "<pad>", "<bos>", "<eos>",
-    "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>",
-    "<tool_call>", "</tool_call>", "<answer>", "</answer>",
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<answer>",
+    "</answer>",
 )
 NUM_BYTES = 256
 
@@ -47,8 +56,9 @@ class ByteTokenizer:
   specials keep demo episodes short (one id per role or tag).
   """
 
-  def __init__(self, extra_specials: Sequence[str] = (),
-               specials: Sequence[str] = DEFAULT_SPECIALS):
+  def __init__(
+      self, extra_specials: Sequence[str] = (), specials: Sequence[str] = DEFAULT_SPECIALS
+  ):
     """Builds the tokenizer.
 
     Args:
@@ -64,8 +74,9 @@ class ByteTokenizer:
       raise ValueError(f"ByteTokenizer special tokens repeated: {dupes}")
     for required in ("<pad>", "<eos>"):
       if required not in all_specials:
-        raise ValueError(f"ByteTokenizer specials must include {required!r}; "
-                         f"got {list(all_specials)}")
+        raise ValueError(
+            f"ByteTokenizer specials must include {required!r}; got {list(all_specials)}"
+        )
     self.special_tokens = all_specials
     self._special_to_id = {s: NUM_BYTES + i for i, s in enumerate(all_specials)}
     # Longest alternative first: Python's regex takes the first alternative that
@@ -88,7 +99,7 @@ class ByteTokenizer:
       ids.append(self.bos_id)
     pos = 0
     for m in self._special_re.finditer(text):
-      ids.extend(text[pos:m.start()].encode("utf-8"))
+      ids.extend(text[pos : m.start()].encode("utf-8"))
       ids.append(self._special_to_id[m.group()])
       pos = m.end()
     ids.extend(text[pos:].encode("utf-8"))
@@ -119,7 +130,8 @@ class ByteTokenizer:
     if len(raw) == 1:
       return raw[0]
     raise ValueError(
-        f"ByteTokenizer has no single token {token!r}; special tokens: {list(self.special_tokens)}")
+        f"ByteTokenizer has no single token {token!r}; special tokens: {list(self.special_tokens)}"
+    )
 
   def id_to_token(self, token_id: int) -> str:
     """The special string, or the byte as a latin-1 character (one char per id)."""
@@ -142,8 +154,14 @@ def _token_content(entry) -> Optional[str]:
 class HFTokenizer:
   """A `tokenizers.Tokenizer` (HF `tokenizer.json`) behind the `Tokenizer` protocol."""
 
-  def __init__(self, tokenizer, *, eos_token: Optional[str] = None,
-               pad_token: Optional[str] = None, bos_token: Optional[str] = None):
+  def __init__(
+      self,
+      tokenizer,
+      *,
+      eos_token: Optional[str] = None,
+      pad_token: Optional[str] = None,
+      bos_token: Optional[str] = None,
+  ):
     """Wraps a loaded tokenizer.
 
     Args:
@@ -196,15 +214,21 @@ class HFTokenizer:
       if have != want:
         raise ValueError(
             f"tokenizer_config.json added_tokens_decoder says {content!r} has id {want}, "
-            f"tokenizer.json gives {have}")
+            f"tokenizer.json gives {have}"
+        )
     for content in cfg.get("additional_special_tokens") or ():
       content = _token_content(content)
       if tok.token_to_id(content) is None:
-        raise ValueError(f"tokenizer_config.json additional_special_tokens: {content!r} "
-                         f"is not in tokenizer.json")
-    return cls(tok, eos_token=_token_content(cfg.get("eos_token")),
-               pad_token=_token_content(cfg.get("pad_token")),
-               bos_token=_token_content(cfg.get("bos_token")))
+        raise ValueError(
+            f"tokenizer_config.json additional_special_tokens: {content!r} "
+            f"is not in tokenizer.json"
+        )
+    return cls(
+        tok,
+        eos_token=_token_content(cfg.get("eos_token")),
+        pad_token=_token_content(cfg.get("pad_token")),
+        bos_token=_token_content(cfg.get("bos_token")),
+    )
 
   def _required_id(self, token: str, field: str) -> int:
     token_id = self._tok.token_to_id(token)

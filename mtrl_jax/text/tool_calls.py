@@ -29,15 +29,20 @@ class ToolCall:
   raw: str
 
 
-def render_tool_call(name: str, arguments: dict[str, Any], open_tag: str = TOOL_CALL_OPEN,
-                     close_tag: str = TOOL_CALL_CLOSE) -> str:
+def render_tool_call(
+    name: str,
+    arguments: dict[str, Any],
+    open_tag: str = TOOL_CALL_OPEN,
+    close_tag: str = TOOL_CALL_CLOSE,
+) -> str:
   """The tagged call in compact JSON (no spaces: demo episodes stay short)."""
   if not isinstance(name, str) or not name:
     raise ValueError(f"render_tool_call: name must be a non-empty string, got {name!r}")
   if not isinstance(arguments, dict):
     raise ValueError(f"render_tool_call: arguments must be a dict, got {type(arguments).__name__}")
-  body = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"),
-                    ensure_ascii=False)
+  body = json.dumps(
+      {"name": name, "arguments": arguments}, separators=(",", ":"), ensure_ascii=False
+  )
   return f"{open_tag}{body}{close_tag}"
 
 
@@ -48,12 +53,16 @@ def _parse_body(body: str, k: int) -> tuple:
   try:
     obj = json.loads(body)
   except json.JSONDecodeError as e:
-    near = body[max(0, e.pos - 12):e.pos + 12]
-    raise ToolCallError(f"{where}: invalid JSON at position {e.pos} (line {e.lineno}, "
-                        f"column {e.colno}): {e.msg}; near {near!r}") from None
+    near = body[max(0, e.pos - 12) : e.pos + 12]
+    raise ToolCallError(
+        f"{where}: invalid JSON at position {e.pos} (line {e.lineno}, "
+        f"column {e.colno}): {e.msg}; near {near!r}"
+    ) from None
   if not isinstance(obj, dict):
-    raise ToolCallError(f'{where}: JSON must be an object {{"name": ..., "arguments": {{...}}}}, '
-                        f"got {type(obj).__name__}")
+    raise ToolCallError(
+        f'{where}: JSON must be an object {{"name": ..., "arguments": {{...}}}}, '
+        f"got {type(obj).__name__}"
+    )
   if "name" not in obj:
     raise ToolCallError(f'{where}: missing "name"')
   if not isinstance(obj["name"], str) or not obj["name"]:
@@ -61,16 +70,19 @@ def _parse_body(body: str, k: int) -> tuple:
   if "arguments" not in obj:
     raise ToolCallError(f'{where}: missing "arguments" (use {{}} for a tool without arguments)')
   if not isinstance(obj["arguments"], dict):
-    raise ToolCallError(f'{where}: "arguments" must be a JSON object, got '
-                        f'{type(obj["arguments"]).__name__} {obj["arguments"]!r}')
+    raise ToolCallError(
+        f'{where}: "arguments" must be a JSON object, got '
+        f'{type(obj["arguments"]).__name__} {obj["arguments"]!r}'
+    )
   extra = sorted(set(obj) - {"name", "arguments"})
   if extra:
     raise ToolCallError(f'{where}: unexpected keys {extra}; allowed: ["name", "arguments"]')
   return obj["name"], obj["arguments"]
 
 
-def parse_tool_calls(text: str, open_tag: str = TOOL_CALL_OPEN,
-                     close_tag: str = TOOL_CALL_CLOSE) -> list[ToolCall]:
+def parse_tool_calls(
+    text: str, open_tag: str = TOOL_CALL_OPEN, close_tag: str = TOOL_CALL_CLOSE
+) -> list[ToolCall]:
   """All tool calls in `text`, in order (empty list when there are none).
 
   Raises:
@@ -84,19 +96,22 @@ def parse_tool_calls(text: str, open_tag: str = TOOL_CALL_OPEN,
   for m in tags.finditer(text):
     if m.group() == open_tag:
       if start is not None:
-        raise ToolCallError(f"tool call #{k}: {open_tag} at char {start} is not closed before "
-                            f"the next {open_tag} at char {m.start()}")
+        raise ToolCallError(
+            f"tool call #{k}: {open_tag} at char {start} is not closed before "
+            f"the next {open_tag} at char {m.start()}"
+        )
       k += 1
       start = m.start()
     else:
       if start is None:
         raise ToolCallError(f"{close_tag} at char {m.start()} has no matching {open_tag}")
-      name, arguments = _parse_body(text[start + len(open_tag):m.start()], k)
-      calls.append(ToolCall(name, arguments, text[start:m.end()]))
+      name, arguments = _parse_body(text[start + len(open_tag) : m.start()], k)
+      calls.append(ToolCall(name, arguments, text[start : m.end()]))
       start = None
   if start is not None:
-    raise ToolCallError(f"tool call #{k}: unclosed tag: {open_tag} at char {start} has no "
-                        f"{close_tag}")
+    raise ToolCallError(
+        f"tool call #{k}: unclosed tag: {open_tag} at char {start} has no {close_tag}"
+    )
   return calls
 
 
@@ -104,7 +119,9 @@ def extract_answer(text: str, tag: str = "answer") -> Optional[str]:
   """Content of the last complete `<tag>...</tag>`, whitespace-stripped; None if absent."""
   open_tag, close_tag = f"<{tag}>", f"</{tag}>"
   # Content may not contain another opening tag, so "<a>x<a>y</a>" yields "y".
-  pattern = re.compile(f"{re.escape(open_tag)}((?:(?!{re.escape(open_tag)}).)*?)"
-                       f"{re.escape(close_tag)}", re.DOTALL)
+  pattern = re.compile(
+      f"{re.escape(open_tag)}((?:(?!{re.escape(open_tag)}).)*?){re.escape(close_tag)}",
+      re.DOTALL,
+  )
   matches = pattern.findall(text)
   return matches[-1].strip() if matches else None

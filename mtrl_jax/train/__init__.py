@@ -6,7 +6,18 @@ from mtrl_jax.train.objectives import Objective, PolicyObjective, train_mask
 from mtrl_jax.train.step import NonFiniteError, StepConfig, TrainState, TrainStep
 
 __all__ = [
-    "NonFiniteError", "Objective", "OptimConfig", "PolicyObjective", "SFTBatcher",
-    "SFTObjective", "StepConfig", "TrainState", "TrainStep", "make_optimizer",
-    "make_schedule", "make_sft_step", "pack_sft_rows", "train_mask",
+    "NonFiniteError",
+    "Objective",
+    "OptimConfig",
+    "PolicyObjective",
+    "SFTBatcher",
+    "SFTObjective",
+    "StepConfig",
+    "TrainState",
+    "TrainStep",
+    "make_optimizer",
+    "make_schedule",
+    "make_sft_step",
+    "pack_sft_rows",
+    "train_mask",
 ]

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
   from mtrl_jax.train.experiment import Experiment
 
-GIB = 1024 ** 3
+GIB = 1024**3
 # The packed batch's arrays per token: tokens, positions, ends, and per trained token
 # prev, target, action, loss mask, old logprob, advantage (int32 / float32, K <= L).
 BATCH_BYTES_PER_TOKEN = 4 * 9
@@ -74,6 +74,7 @@ def estimate(exp: Experiment) -> TreeEstimate:
   import jax.numpy as jnp
   from mtrl_jax.rollout import plan_tree
   from mtrl_jax.train import shapes as shapes_lib
+
   n = jax.process_count()
   data, fsdp, _ = exp.mesh.shape(jax.device_count())
   rows = max(1, data * fsdp // n)  # this process's batch shards
@@ -88,17 +89,24 @@ def estimate(exp: Experiment) -> TreeEstimate:
   per_column = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim
   kv = slots * shapes.engine.capacity * per_column * jnp.dtype(arch.dtype).itemsize
   batch = max(shapes.train_rows) * max(shapes.train_lens) * BATCH_BYTES_PER_TOKEN
-  return TreeEstimate(roots=rl.roots_per_step, nodes=plan.nodes,
-                      joint_actions=actions, completions=plan.generations,
-                      sampled_tokens=plan.generations * exp.sampling.max_new_tokens,
-                      slots=slots, capacity=shapes.engine.capacity, kv_bytes=int(kv),
-                      batch_bytes=int(batch))
+  return TreeEstimate(
+      roots=rl.roots_per_step,
+      nodes=plan.nodes,
+      joint_actions=actions,
+      completions=plan.generations,
+      sampled_tokens=plan.generations * exp.sampling.max_new_tokens,
+      slots=slots,
+      capacity=shapes.engine.capacity,
+      kv_bytes=int(kv),
+      batch_bytes=int(batch),
+  )
 
 
 def available_memory() -> tuple[Optional[int], str]:
   """(bytes, where) this process can hold: its accelerators' memory, else the host's
   available RAM; (None, why) when neither is known."""
   import jax
+
   devices = jax.local_devices()
   if devices and devices[0].platform != "cpu":
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
@@ -116,15 +124,16 @@ def available_memory() -> tuple[Optional[int], str]:
 
 def describe(e: TreeEstimate) -> str:
   """One line: the step's tree and memory."""
-  return (f"tree per step ({e.roots} roots): {e.nodes} nodes ({e.per_root('nodes')} per root), "
-          f"{e.joint_actions} joint actions, {e.completions} completions, "
-          f"{e.sampled_tokens} sampled tokens ({e.per_root('sampled_tokens')} per root); "
-          f"memory: KV cache {e.kv_bytes / GIB:.2f} GiB ({e.slots} slots x {e.capacity}), "
-          f"packed batch {e.batch_bytes / GIB:.2f} GiB")
+  return (
+      f"tree per step ({e.roots} roots): {e.nodes} nodes ({e.per_root('nodes')} per root), "
+      f"{e.joint_actions} joint actions, {e.completions} completions, "
+      f"{e.sampled_tokens} sampled tokens ({e.per_root('sampled_tokens')} per root); "
+      f"memory: KV cache {e.kv_bytes / GIB:.2f} GiB ({e.slots} slots x {e.capacity}), "
+      f"packed batch {e.batch_bytes / GIB:.2f} GiB"
+  )
 
 
-def check_memory(exp: Experiment, available: Optional[int] = None,
-                 where: str = "") -> TreeEstimate:
+def check_memory(exp: Experiment, available: Optional[int] = None, where: str = "") -> TreeEstimate:
   """The step's estimate; refused when its KV cache and batch exceed the memory there is.
 
   Args:
@@ -144,13 +153,17 @@ def check_memory(exp: Experiment, available: Optional[int] = None,
   tree, roots = exp.tree, exp.rl.roots_per_step
   per_root = max(e.total_bytes - e.batch_bytes, 1) / roots  # the KV cache grows with roots
   fit = int((available - e.batch_bytes) // per_root) if available > e.batch_bytes else 0
-  fix = (f"rl.roots_per_step <= {fit}" if fit >= 1 else
-         "a narrower tree (tree.num_generations, tree.num_turns, tree.joint_mode='align' or "
-         "'marginal' instead of 'cross'), a shorter sampling.max_new_tokens or env.max_tokens")
+  fix = (
+      f"rl.roots_per_step <= {fit}"
+      if fit >= 1
+      else "a narrower tree (tree.num_generations, tree.num_turns, tree.joint_mode='align' or "
+      "'marginal' instead of 'cross'), a shorter sampling.max_new_tokens or env.max_tokens"
+  )
   raise ValueError(
       f"config tree (T={tree.num_turns}, G={tree.num_generations}, N={tree.num_agents}, "
       f"joint_mode={tree.joint_mode!r}) with rl.roots_per_step={roots} and "
       f"sampling.max_new_tokens={exp.sampling.max_new_tokens} needs "
       f"{e.total_bytes / GIB:.1f} GiB (KV cache {e.kv_bytes / GIB:.1f} GiB for {e.slots} slots "
       f"x {e.capacity} columns, packed batch {e.batch_bytes / GIB:.1f} GiB) over the "
-      f"{available / GIB:.1f} GiB of {where}; allowed: {fix}")
+      f"{available / GIB:.1f} GiB of {where}; allowed: {fix}"
+  )

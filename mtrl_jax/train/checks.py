@@ -61,8 +61,9 @@ class _Resolving:
     return self
 
   def __exit__(self, kind, err, tb):
-    if kind is None or not issubclass(kind, (ValueError, TypeError, ImportError,
-                                              AttributeError, LookupError, OSError)):
+    if kind is None or not issubclass(
+        kind, (ValueError, TypeError, ImportError, AttributeError, LookupError, OSError)
+    ):
       return False
     msg = str(err) if kind is ValueError else f"{kind.__name__}: {err}"
     if "allowed" not in msg and "registered" not in msg:
@@ -73,19 +74,24 @@ class _Resolving:
 def check_imports(exp: Experiment):
   """Resolves the import paths the run will call later (SFT data, tokenizer specials)."""
   if exp.sft.conversations:
-    with _Resolving(f"sft.conversations={exp.sft.conversations!r}",
-                    "'pkg.module:fn' with fn(task) -> [(role, content), ...]"):
+    with _Resolving(
+        f"sft.conversations={exp.sft.conversations!r}",
+        "'pkg.module:fn' with fn(task) -> [(role, content), ...]",
+    ):
       fn = import_object(exp.sft.conversations, "sft.conversations")
       if not callable(fn):
         raise TypeError(f"{fn!r} is not callable")
     kwargs = dict(exp.sft.conversation_kwargs)
-    with _Resolving(f"sft.conversation_kwargs={kwargs}",
-                    f"keyword arguments of {exp.sft.conversations}"):
+    with _Resolving(
+        f"sft.conversation_kwargs={kwargs}", f"keyword arguments of {exp.sft.conversations}"
+    ):
       inspect.signature(fn).bind(None, **kwargs)
   tok = exp.tokenizer
   if tok.kind == "byte" and tok.extra_specials:
-    with _Resolving(f"tokenizer.extra_specials={tok.extra_specials!r}",
-                    "'pkg.module:NAME' naming a tuple of strings"):
+    with _Resolving(
+        f"tokenizer.extra_specials={tok.extra_specials!r}",
+        "'pkg.module:NAME' naming a tuple of strings",
+    ):
       specials = import_object(tok.extra_specials, "tokenizer.extra_specials")
       if isinstance(specials, str) or not all(isinstance(x, str) for x in specials):
         raise TypeError(f"{specials!r} is not a tuple of strings")
@@ -94,8 +100,10 @@ def check_imports(exp: Experiment):
 def make_tokenizer(exp: Experiment):
   """The run's tokenizer (a checkpoint's tokenizer.json must load): built once here,
   for the prompt check and the vocabulary fit."""
-  with _Resolving(f"tokenizer.kind={exp.tokenizer.kind!r} with model.path={exp.model.path!r}",
-                  "a checkpoint directory holding its tokenizer.json"):
+  with _Resolving(
+      f"tokenizer.kind={exp.tokenizer.kind!r} with model.path={exp.model.path!r}",
+      "a checkpoint directory holding its tokenizer.json",
+  ):
     return components.make_tokenizer(exp.tokenizer, exp.model.path)
 
 
@@ -110,36 +118,49 @@ def check_environment(exp: Experiment, tokenizer):
   silently after) the first rollout.
   """
   env, tasks = exp.env, exp.tasks
-  with _Resolving(f"env.factory={env.factory!r} (env.kwargs={dict(env.kwargs)})",
-                  "a registered name or 'pkg.module:Factory' taking env.kwargs"):
+  with _Resolving(
+      f"env.factory={env.factory!r} (env.kwargs={dict(env.kwargs)})",
+      "a registered name or 'pkg.module:Factory' taking env.kwargs",
+  ):
     factory = resolve_factory(env.factory, **dict(env.kwargs))
   sources = {}
-  for field, split in (("tasks.train_split", tasks.train_split),
-                       ("tasks.eval_split", tasks.eval_split)):
-    with _Resolving(f"tasks.source={tasks.source!r} with {field}={split!r}",
-                    "a registered name or 'pkg.module:fn(split, **tasks.kwargs)' "
-                    "serving that split"):
+  for field, split in (
+      ("tasks.train_split", tasks.train_split),
+      ("tasks.eval_split", tasks.eval_split),
+  ):
+    with _Resolving(
+        f"tasks.source={tasks.source!r} with {field}={split!r}",
+        "a registered name or 'pkg.module:fn(split, **tasks.kwargs)' serving that split",
+    ):
       source = sources[field] = components.make_task_source(tasks, split)
       if len(source) == 0:
         raise ValueError("the split has no tasks")
       for i in range(min(SAMPLE_TASKS, len(source))):
         if not isinstance(source[i], Mapping):
-          raise TypeError(f"task {i} is a {type(source[i]).__name__}, not a mapping of "
-                          "task metadata (what the factory's create_environment takes)")
+          raise TypeError(
+              f"task {i} is a {type(source[i]).__name__}, not a mapping of "
+              "task metadata (what the factory's create_environment takes)"
+          )
   task = dict(sources["tasks.train_split"][0], task_index=0)
-  with _Resolving(f"env.factory={env.factory!r} on the first task of tasks.source="
-                  f"{tasks.source!r}", "a factory whose environments take these tasks"):
+  with _Resolving(
+      f"env.factory={env.factory!r} on the first task of tasks.source={tasks.source!r}",
+      "a factory whose environments take these tasks",
+  ):
     environment = factory.create_environment(task)
   try:
     n = getattr(environment, "num_agents", 1)
     declared = getattr(factory, "num_agents", None)
     if declared is not None and declared != n:
-      raise ValueError(f"config env.factory={env.factory!r}: the factory declares "
-                       f"num_agents={declared} but its environments have {n}; allowed: equal "
-                       "counts (fix the factory)")
+      raise ValueError(
+          f"config env.factory={env.factory!r}: the factory declares "
+          f"num_agents={declared} but its environments have {n}; allowed: equal "
+          "counts (fix the factory)"
+      )
     if n != exp.tree.num_agents:
-      raise ValueError(f"config tree.num_agents={exp.tree.num_agents}; the environments of "
-                       f"env.factory={env.factory!r} have {n} agent(s); allowed: {n}")
+      raise ValueError(
+          f"config tree.num_agents={exp.tree.num_agents}; the environments of "
+          f"env.factory={env.factory!r} have {n} agent(s); allowed: {n}"
+      )
     root = _check_first_prompt(exp, environment, tokenizer)
     _check_fork(exp, environment, root.threads)
   finally:
@@ -155,18 +176,22 @@ def _check_first_prompt(exp: Experiment, environment, tokenizer):
   limit, new = exp.env.max_tokens, exp.sampling.max_new_tokens
   renderer = components.make_renderer(exp.tokenizer, tokenizer)
   transition = EnvTransition(renderer, exp.tree.num_agents)
-  with _Resolving(f"env.factory={exp.env.factory!r}: the initial thread of the first task "
-                  f"of tasks.source={exp.tasks.source!r}",
-                  "initial_thread() / initial_threads() that render"):
+  with _Resolving(
+      f"env.factory={exp.env.factory!r}: the initial thread of the first task "
+      f"of tasks.source={exp.tasks.source!r}",
+      "initial_thread() / initial_threads() that render",
+  ):
     root = transition.root_state(environment)
     prompt = max(len(p) for p in transition.prompts(root))
   if prompt + new >= limit:
-    raise ValueError(f"config env.max_tokens={limit}: the first task's prompt (system prompt "
-                     f"with tool schemas, rendered) takes {prompt} tokens, plus "
-                     f"sampling.max_new_tokens={new} reaches {prompt + new}, so every "
-                     "trajectory is truncated after its first turn; allowed: env.max_tokens > "
-                     f"{prompt + new} (raise env.max_tokens, with rl.length_buckets to hold "
-                     "it, or shorten the prompt)")
+    raise ValueError(
+        f"config env.max_tokens={limit}: the first task's prompt (system prompt "
+        f"with tool schemas, rendered) takes {prompt} tokens, plus "
+        f"sampling.max_new_tokens={new} reaches {prompt + new}, so every "
+        "trajectory is truncated after its first turn; allowed: env.max_tokens > "
+        f"{prompt + new} (raise env.max_tokens, with rl.length_buckets to hold "
+        "it, or shorten the prompt)"
+    )
   return root
 
 
@@ -178,8 +203,9 @@ def _check_fork(exp: Experiment, environment, threads):
       child = obj.fork()
     except Exception as e:  # any failure of user code: reported, never a traceback
       cause = e.__cause__ if isinstance(e, ContractError) and e.__cause__ is not None else e
-      raise ValueError(f"config env.factory={exp.env.factory!r}: "
-                       f"{fork_error_message(obj, cause)}") from e
+      raise ValueError(
+          f"config env.factory={exp.env.factory!r}: {fork_error_message(obj, cause)}"
+      ) from e
     if child is not obj and hasattr(child, "close") and callable(child.close):
       child.close()
 
@@ -193,6 +219,7 @@ def check_microbatches(exp: Experiment):
     return
   import jax  # the mesh's row shards: the process count and devices decide the buckets
   from mtrl_jax.train import shapes as shapes_lib
+
   n = jax.process_count()
   data, fsdp, _ = exp.mesh.shape(jax.device_count())
   rows = max(1, data * fsdp // n)
@@ -201,13 +228,17 @@ def check_microbatches(exp: Experiment):
   bad = [b for b in batches if b % m]
   if bad:
     divisors = [d for d in range(1, min(batches) + 1) if all(b % d == 0 for b in batches)]
-    raise ValueError(f"config step.num_microbatches={m} does not divide the train batches of "
-                     f"{bad} rows (planned from rl.roots_per_step, the tree and the mesh: "
-                     f"{batches}); allowed: one of {divisors}")
+    raise ValueError(
+        f"config step.num_microbatches={m} does not divide the train batches of "
+        f"{bad} rows (planned from rl.roots_per_step, the tree and the mesh: "
+        f"{batches}); allowed: one of {divisors}"
+    )
   if (exp.sft.steps or exp.sft.mix_every) and exp.sft.batch_size % m:
-    raise ValueError(f"config step.num_microbatches={m} does not divide sft.batch_size="
-                     f"{exp.sft.batch_size}; allowed: a divisor of sft.batch_size and of the "
-                     f"train batches {batches}")
+    raise ValueError(
+        f"config step.num_microbatches={m} does not divide sft.batch_size="
+        f"{exp.sft.batch_size}; allowed: a divisor of sft.batch_size and of the "
+        f"train batches {batches}"
+    )
 
 
 def check_curriculum(exp: Experiment):
@@ -216,12 +247,16 @@ def check_curriculum(exp: Experiment):
   if not cur.enabled:
     return
   if cur.level_key in dict(tasks.kwargs):
-    raise ValueError(f"config curriculum.level_key={cur.level_key!r} is also set in "
-                     "tasks.kwargs; allowed: the curriculum alone sets it")
+    raise ValueError(
+        f"config curriculum.level_key={cur.level_key!r} is also set in "
+        "tasks.kwargs; allowed: the curriculum alone sets it"
+    )
   for level in range(cur.num_levels):
-    with _Resolving(f"curriculum.num_levels={cur.num_levels}: tasks.source="
-                    f"{tasks.source!r} with {cur.level_key}={level}",
-                    f"a task source taking {cur.level_key}=0 .. num_levels - 1"):
+    with _Resolving(
+        f"curriculum.num_levels={cur.num_levels}: tasks.source="
+        f"{tasks.source!r} with {cur.level_key}={level}",
+        f"a task source taking {cur.level_key}=0 .. num_levels - 1",
+    ):
       if len(components.make_level_source(tasks, cur, level)) == 0:
         raise ValueError("the level has no tasks")
 
@@ -233,8 +268,10 @@ def success_threshold(exp: Experiment, factory) -> float:
   threshold at or above the top outcome makes success impossible, one below the
   bottom makes every ended trajectory a success: both are refused.
   """
-  with _Resolving(f"env.factory={exp.env.factory!r}: its outcome_range",
-                  "a (lowest, highest) pair of finite numbers"):
+  with _Resolving(
+      f"env.factory={exp.env.factory!r}: its outcome_range",
+      "a (lowest, highest) pair of finite numbers",
+  ):
     lo, hi = (float(x) for x in factory.outcome_range)
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
       raise ValueError(f"outcome_range={factory.outcome_range!r}")
@@ -243,12 +280,14 @@ def success_threshold(exp: Experiment, factory) -> float:
   if t is None:
     return success_threshold_for((lo, hi), w)
   if not w * lo <= t < w * hi:
-    raise ValueError(f"config eval.success_threshold={t!r}: outcomes of env.factory="
-                     f"{exp.env.factory!r} span [{w * lo:g}, {w * hi:g}] (outcome_range "
-                     f"({lo:g}, {hi:g}) x reward.outcome_weight={w:g}), so "
-                     f"{'none' if t >= w * hi else 'every one'} would pass; allowed: a number "
-                     f"in [{w * lo:g}, {w * hi:g}), or None (a full score: "
-                     f"{success_threshold_for((lo, hi), w):g})")
+    raise ValueError(
+        f"config eval.success_threshold={t!r}: outcomes of env.factory="
+        f"{exp.env.factory!r} span [{w * lo:g}, {w * hi:g}] (outcome_range "
+        f"({lo:g}, {hi:g}) x reward.outcome_weight={w:g}), so "
+        f"{'none' if t >= w * hi else 'every one'} would pass; allowed: a number "
+        f"in [{w * lo:g}, {w * hi:g}), or None (a full score: "
+        f"{success_threshold_for((lo, hi), w):g})"
+    )
   return float(t)
 
 
@@ -267,22 +306,28 @@ def advisories(exp: Experiment) -> list[str]:
   """
   out = []
   if exp.rl.max_staleness >= 1 and exp.loss.is_correction == "none":
-    out.append(f"config rl.max_staleness={exp.rl.max_staleness} with loss.is_correction='none':"
-               " rollouts sample with parameters one update old and nothing reweights the "
-               "ratio to the policy being trained; 'tis', 'mis_token' or 'mis_action' "
-               "corrects for it")
+    out.append(
+        f"config rl.max_staleness={exp.rl.max_staleness} with loss.is_correction='none':"
+        " rollouts sample with parameters one update old and nothing reweights the "
+        "ratio to the policy being trained; 'tis', 'mis_token' or 'mis_action' "
+        "corrects for it"
+    )
   rank, width = exp.model.lora.rank, exp.model.arch.d_model
   if rank and rank >= width:
-    out.append(f"config model.lora.rank={rank} is at or above the model width d_model={width}: "
-               "the adapters are not low-rank (at least as many parameters as the weights "
-               "they adapt); a rank below d_model, or 0 (full fine-tuning), trains the same "
-               "directions for less")
+    out.append(
+        f"config model.lora.rank={rank} is at or above the model width d_model={width}: "
+        "the adapters are not low-rank (at least as many parameters as the weights "
+        "they adapt); a rank below d_model, or 0 (full fine-tuning), trains the same "
+        "directions for less"
+    )
   tree, roots = exp.tree, exp.rl.roots_per_step
   if tree.joint_mode == "cross" and tree.actions_per_node > CROSS_WIDTH_RATIO * roots:
-    out.append(f"config tree.joint_mode='cross' with tree.num_generations="
-               f"{tree.num_generations} and tree.num_agents={tree.num_agents}: "
-               f"{tree.actions_per_node} joint actions (G^N) per node against "
-               f"rl.roots_per_step={roots}, so a step's samples come from few tasks; "
-               "joint_mode='align' or 'marginal', a smaller G, or more roots per step "
-               "spread them")
+    out.append(
+        f"config tree.joint_mode='cross' with tree.num_generations="
+        f"{tree.num_generations} and tree.num_agents={tree.num_agents}: "
+        f"{tree.actions_per_node} joint actions (G^N) per node against "
+        f"rl.roots_per_step={roots}, so a step's samples come from few tasks; "
+        "joint_mode='align' or 'marginal', a smaller G, or more roots per step "
+        "spread them"
+    )
   return out

@@ -16,8 +16,9 @@ from flax import nnx
 from mtrl_jax.rollout.train_batch import TrainBatch
 
 
-def compile_step(step, batch: TrainBatch, with_ref: Optional[bool], rules,
-                 old_sharding, *extra_args) -> None:
+def compile_step(
+    step, batch: TrainBatch, with_ref: Optional[bool], rules, old_sharding, *extra_args
+) -> None:
   """The body of `TrainStep.precompile` and `StackedTrainStep.precompile`: lowers
   and compiles `step`'s update for `batch`'s shapes (arrays or ShapeDtypeStructs).
 
@@ -35,13 +36,14 @@ def compile_step(step, batch: TrainBatch, with_ref: Optional[bool], rules,
     batch = batch.replace(trainer_old_logp_BxK=old)
     fwd = jax.tree.map(sds, batch.forward_part())
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-      step._old_fn_for(fwd).lower(step.abstract_state().params, _abstract_base(step),
-                                  fwd).compile()
+      step._old_fn_for(fwd).lower(step.abstract_state().params, _abstract_base(step), fwd).compile()
   batch = step._select(batch)
   no_ref = not (step.objective.needs_ref if with_ref is None else with_ref)
   fn = step._fn_for(batch, no_ref)
-  abstract = jax.tree.map(lambda v: v if isinstance(v, jax.ShapeDtypeStruct)
-                          and v.sharding is not None else sds(v), batch)
+  abstract = jax.tree.map(
+      lambda v: v if isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None else sds(v),
+      batch,
+  )
   state = step.abstract_state()
   frozen = _abstract_base(step) if step.lora else None if no_ref else state.params
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
@@ -62,4 +64,3 @@ def compile_values(step, batch: TrainBatch, rules) -> None:
   fwd = jax.tree.map(sds, batch.forward_part().replace(value_pos_BxK=batch.value_pos_BxK))
   with jax.set_mesh(step.mesh), nnx.logical_axis_rules(rules):
     step._values_fn_for(fwd).lower(step.abstract_state().params, fwd).compile()
-

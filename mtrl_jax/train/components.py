@@ -74,6 +74,7 @@ def make_tokenizer(cfg: TokenizerConfig, model_path: str = ""):
   """The policy's tokenizer: `model_path`'s tokenizer.json ('hf') or the byte tokenizer
   with `cfg.extra_specials`."""
   from mtrl_jax import text
+
   if cfg.kind == "hf":
     return text.HFTokenizer.from_dir(model_path)
   extra = tuple(import_object(cfg.extra_specials)) if cfg.extra_specials else ()
@@ -83,6 +84,7 @@ def make_tokenizer(cfg: TokenizerConfig, model_path: str = ""):
 def make_renderer(cfg: TokenizerConfig, tokenizer):
   """The chat renderer of `tokenizer` in `cfg.chat_format`."""
   from mtrl_jax import text
+
   fmt = text.chatml(tokenizer) if cfg.chat_format == "chatml" else text.compact(tokenizer)
   return text.ChatRenderer(tokenizer, fmt, strip_thinking=cfg.strip_thinking)
 
@@ -90,10 +92,13 @@ def make_renderer(cfg: TokenizerConfig, tokenizer):
 def make_model(exp: Experiment, mesh, path: str = ""):
   """The policy model: from `path` (an agent's checkpoint), `model.path`, or the preset."""
   from mtrl_jax import models
+
   if path or exp.model.path:
     from mtrl_jax.models import loading
-    return loading.from_pretrained(path or exp.model.path, mesh=mesh,
-                                   value_head=exp.model.arch.value_head)
+
+    return loading.from_pretrained(
+        path or exp.model.path, mesh=mesh, value_head=exp.model.arch.value_head
+    )
   return models.create_model(exp.model.arch, seed=exp.seed, mesh=mesh)
 
 
@@ -106,9 +111,13 @@ def make_factory(exp: Experiment):
     warnings.simplefilter("always")
     # max_invalid=1: a success after one rejected call must beat failing fast
     # (a success with an invalid call on every step need not).
-    check_reward_dominance(exp.reward, max_steps=steps, max_invalid=1,
-                           outcome_range=factory.outcome_range,
-                           max_graded=factory.max_graded_turns(dict(exp.tasks.kwargs)))
+    check_reward_dominance(
+        exp.reward,
+        max_steps=steps,
+        max_invalid=1,
+        outcome_range=factory.outcome_range,
+        max_graded=factory.max_graded_turns(dict(exp.tasks.kwargs)),
+    )
   return factory
 
 
@@ -127,8 +136,10 @@ def make_train_stream(exp: Experiment, train_tasks):
   else a `data.TaskStream` over `train_tasks`. Both checkpoint via state()/restore()."""
   if exp.curriculum.enabled:
     return data.CurriculumStream(
-        lambda level: make_level_source(exp.tasks, exp.curriculum, level), exp.curriculum,
-        seed=exp.seed)
+        lambda level: make_level_source(exp.tasks, exp.curriculum, level),
+        exp.curriculum,
+        seed=exp.seed,
+    )
   return data.TaskStream(train_tasks, seed=exp.seed)
 
 
@@ -143,16 +154,21 @@ def check_lora(exp: Experiment) -> None:
   for field, value, why in (
       ("rl.ref_reset_every", exp.rl.ref_reset_every, "the reference is the frozen base"),
       ("sft.mix_every", exp.sft.mix_every, "SFT mix steps train every weight"),
-      ("agents.paths", exp.agents.paths, "the agents' adapters share one base")):
+      ("agents.paths", exp.agents.paths, "the agents' adapters share one base"),
+  ):
     if any(value) if isinstance(value, tuple) else value:
-      raise ValueError(f"config {field}={value!r} with model.lora.rank={lora.rank}: "
-                       f"{why}; allowed: 0 / empty, or model.lora.rank=0")
+      raise ValueError(
+          f"config {field}={value!r} with model.lora.rank={lora.rank}: "
+          f"{why}; allowed: 0 / empty, or model.lora.rank=0"
+      )
   if not lora.init_from:
     return
   if exp.sft.steps:
-    raise ValueError(f"config sft.steps={exp.sft.steps} with model.lora.init_from="
-                     f"{lora.init_from!r}: the warm-up trains the base the adapters were "
-                     "fitted to; allowed: sft.steps=0, or model.lora.init_from=''")
+    raise ValueError(
+        f"config sft.steps={exp.sft.steps} with model.lora.init_from="
+        f"{lora.init_from!r}: the warm-up trains the base the adapters were "
+        "fitted to; allowed: sft.steps=0, or model.lora.init_from=''"
+    )
   labels = [] if exp.agents.share_policy else agent_labels(exp.tree.num_agents)
   for path in dict.fromkeys(export_lora.init_dirs(lora.init_from, labels)):
     export_lora.check_adapters(path, exp.model.arch.replace(lora=lora))
@@ -166,14 +182,17 @@ def make_policies(exp: Experiment, model, mesh) -> Policies:
   # Several updates per batch, or rollouts a step behind: the clipped ratio uses
   # the trainer's own old logprobs (the loop adds them), the sampler's enter only
   # loss.is_correction.
-  objective = PolicyObjective(exp.loss, temperature=exp.sampling.temperature,
-                              recompute_old=exp.rl.updates_per_step > 1
-                              or exp.rl.max_staleness > 0,
-                              value_coef=exp.critic.value_coef if exp.critic.head else None,
-                              value_clip=exp.critic.value_clip)
+  objective = PolicyObjective(
+      exp.loss,
+      temperature=exp.sampling.temperature,
+      recompute_old=exp.rl.updates_per_step > 1 or exp.rl.max_staleness > 0,
+      value_coef=exp.critic.value_coef if exp.critic.head else None,
+      value_clip=exp.critic.value_clip,
+  )
   trained = model
   if exp.model.lora.enabled:
     from mtrl_jax.models import lora
+
     trained = lora.attach(model, exp.model.lora, seed=exp.seed)
   if exp.agents.share_policy:
     step = TrainStep(trained, objective, exp.optim, mesh=mesh, step_cfg=exp.step)
@@ -185,8 +204,9 @@ def make_policies(exp: Experiment, model, mesh) -> Policies:
   if all(exp.agents.trainable):  # every agent trains (empty: the default)
     step = StackedTrainStep(trained, objective, exp.optim, rates, mesh=mesh, step_cfg=exp.step)
   else:
-    step = PartlyFrozenTrainStep(trained, objective, exp.optim, rates, exp.agents.trainable,
-                                 mesh=mesh, step_cfg=exp.step)
+    step = PartlyFrozenTrainStep(
+        trained, objective, exp.optim, rates, exp.agents.trainable, mesh=mesh, step_cfg=exp.step
+    )
   return StackedPolicies(models, step, seed=exp.seed)
 
 
@@ -197,41 +217,79 @@ def build(exp: Experiment) -> Components:
   rows = distributed.local_batch_shards(mesh)
   tokenizer = make_tokenizer(exp.tokenizer, exp.model.path)
   if tokenizer.vocab_size > exp.model.arch.vocab_size:  # a checkpoint's own tokenizer
-    raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} exceeds the model's "
-                     f"vocab_size={exp.model.arch.vocab_size}")
+    raise ValueError(
+        f"tokenizer vocab_size={tokenizer.vocab_size} exceeds the model's "
+        f"vocab_size={exp.model.arch.vocab_size}"
+    )
   renderer = make_renderer(exp.tokenizer, tokenizer)
   model = make_model(exp, mesh)
   factory = make_factory(exp)
   policies = make_policies(exp, model, mesh)
-  shapes = shapes_lib.plan_shapes(shapes_lib.per_process(exp, distributed.process_count()),
-                                  rows, rows)
+  shapes = shapes_lib.plan_shapes(
+      shapes_lib.per_process(exp, distributed.process_count()), rows, rows
+  )
   batch_cfg = BatchConfig(
-      packing=exp.rl.packing, length_buckets=exp.rl.length_buckets,
-      row_buckets=shapes.train_rows, row_multiple=rows, pad_id=tokenizer.pad_id,
+      packing=exp.rl.packing,
+      length_buckets=exp.rl.length_buckets,
+      row_buckets=shapes.train_rows,
+      row_multiple=rows,
+      pad_id=tokenizer.pad_id,
       # With a critic every valid sample trains: its value target teaches the critic.
       zero_variance_filter=exp.rl.zero_variance_filter and not exp.critic.enabled,
-      keep_kl=exp.loss.kl_coef > 0, values=exp.critic.target if exp.critic.head else None)
-  engine = DecodeEngine(exp.model.arch, shapes.engine, mesh=mesh,
-                        num_agents=len(policies.models))
-  rollout_policy = EnginePolicy(engine, None, exp.sampling, stop_ids=renderer.fmt.stop_ids,
-                                pad_id=tokenizer.pad_id, fanout=shapes.fanout)
-  transition = EnvTransition(renderer, exp.tree.num_agents, limits=exp.env.limits,
-                             reward_cfg=exp.reward, outcome_range=factory.outcome_range)
-  evaluator = Evaluator(engine, renderer, transition, factory, exp.tree, exp.sampling,
-                        success_threshold=exp.eval.success_threshold)
+      keep_kl=exp.loss.kl_coef > 0,
+      values=exp.critic.target if exp.critic.head else None,
+  )
+  engine = DecodeEngine(exp.model.arch, shapes.engine, mesh=mesh, num_agents=len(policies.models))
+  rollout_policy = EnginePolicy(
+      engine,
+      None,
+      exp.sampling,
+      stop_ids=renderer.fmt.stop_ids,
+      pad_id=tokenizer.pad_id,
+      fanout=shapes.fanout,
+  )
+  transition = EnvTransition(
+      renderer,
+      exp.tree.num_agents,
+      limits=exp.env.limits,
+      reward_cfg=exp.reward,
+      outcome_range=factory.outcome_range,
+  )
+  evaluator = Evaluator(
+      engine,
+      renderer,
+      transition,
+      factory,
+      exp.tree,
+      exp.sampling,
+      success_threshold=exp.eval.success_threshold,
+  )
   census = metrics_lib.CompileCensus()
   census.register("engine", engine)
   census.register("train_step", policies.train_step)
   critic = None
   if exp.critic.separate:
-    critic = SeparateCritic(exp, make_critic_model(exp, mesh, tokenizer.vocab_size), mesh,
-                            batch_cfg)
+    critic = SeparateCritic(
+        exp, make_critic_model(exp, mesh, tokenizer.vocab_size), mesh, batch_cfg
+    )
     census.register("critic_step", critic.step)
   return Components(
-      exp=exp, mesh=mesh, tokenizer=tokenizer, renderer=renderer, model=model,
-      policies=policies, factory=factory,
+      exp=exp,
+      mesh=mesh,
+      tokenizer=tokenizer,
+      renderer=renderer,
+      model=model,
+      policies=policies,
+      factory=factory,
       train_tasks=make_task_source(exp.tasks, exp.tasks.train_split),
-      eval_tasks=make_task_source(exp.tasks, exp.tasks.eval_split), shapes=shapes,
-      batch_cfg=batch_cfg, engine=engine, rollout_policy=rollout_policy,
-      transition=transition, evaluator=evaluator, census=census,
-      key=jax.random.PRNGKey(exp.seed), critic=critic)
+      eval_tasks=make_task_source(exp.tasks, exp.tasks.eval_split),
+      shapes=shapes,
+      batch_cfg=batch_cfg,
+      engine=engine,
+      rollout_policy=rollout_policy,
+      transition=transition,
+      evaluator=evaluator,
+      census=census,
+      key=jax.random.PRNGKey(exp.seed),
+      critic=critic,
+  )

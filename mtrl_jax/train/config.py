@@ -30,10 +30,15 @@ def _int_at_least(group: str, obj, names, low: int):
 
 def _buckets(group: str, name: str, value, allow_empty: bool) -> tuple:
   b = tuple(value)
-  if (not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in b)
-      or list(b) != sorted(set(b)) or (not b and not allow_empty)):
-    raise ValueError(f"config {group}.{name}={b!r}; allowed: increasing positive integers"
-                     + ("" if allow_empty else ", at least one"))
+  if (
+      not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in b)
+      or list(b) != sorted(set(b))
+      or (not b and not allow_empty)
+  ):
+    raise ValueError(
+        f"config {group}.{name}={b!r}; allowed: increasing positive integers"
+        + ("" if allow_empty else ", at least one")
+    )
   return b
 
 
@@ -89,22 +94,26 @@ class RLConfig:
   masked_window: int = 5
 
   def __post_init__(self):
-    _int_at_least("rl", self, ("steps", "ref_reset_every", "dump_every", "halt_if_idle_steps"),
-                  0)
+    _int_at_least("rl", self, ("steps", "ref_reset_every", "dump_every", "halt_if_idle_steps"), 0)
     _int_at_least("rl", self, ("masked_window",), 1)
     f = self.max_masked_fraction
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
-      raise ValueError(f"config rl.max_masked_fraction={f!r}; allowed: a number in [0, 1] "
-                       "(1.0: never halt)")
+      raise ValueError(
+          f"config rl.max_masked_fraction={f!r}; allowed: a number in [0, 1] (1.0: never halt)"
+      )
     if self.max_staleness not in (0, 1) or isinstance(self.max_staleness, bool):
-      raise ValueError(f"config rl.max_staleness={self.max_staleness!r}; allowed: 0 (on-policy) "
-                       "or 1 (the next rollout samples during the update)")
+      raise ValueError(
+          f"config rl.max_staleness={self.max_staleness!r}; allowed: 0 (on-policy) "
+          "or 1 (the next rollout samples during the update)"
+      )
     _int_at_least("rl", self, ("roots_per_step", "max_generations"), 1)
     _int_at_least("rl", self, ("updates_per_step",), 0)  # 0: a control without RL updates
-    object.__setattr__(self, "length_buckets",
-                       _buckets("rl", "length_buckets", self.length_buckets, False))
-    object.__setattr__(self, "prompt_buckets",
-                       _buckets("rl", "prompt_buckets", self.prompt_buckets, True))
+    object.__setattr__(
+        self, "length_buckets", _buckets("rl", "length_buckets", self.length_buckets, False)
+    )
+    object.__setattr__(
+        self, "prompt_buckets", _buckets("rl", "prompt_buckets", self.prompt_buckets, True)
+    )
     if self.packing not in PACKINGS:
       raise ValueError(f"config rl.packing={self.packing!r}; allowed: {list(PACKINGS)}")
 
@@ -156,18 +165,24 @@ class SFTConfig:
     _int_at_least("sft", self, ("batch_size", "check_every", "check_tasks"), 1)
     for name in ("learning_rate", "mix_learning_rate"):
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-          v > 0 and math.isfinite(v)):
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
         raise ValueError(f"config sft.{name}={v!r}; allowed: a finite number > 0")
     if not 0.0 <= self.until_success <= 1.0:
-      raise ValueError(f"config sft.until_success={self.until_success!r}; allowed: a number in "
-                       "[0, 1] (0: run every step)")
+      raise ValueError(
+          f"config sft.until_success={self.until_success!r}; allowed: a number in "
+          "[0, 1] (0: run every step)"
+      )
     kwargs = dict(self.conversation_kwargs)
-    for name, value in (("steps", self.steps), ("mix_every", self.mix_every),
-                        ("conversation_kwargs", kwargs)):
+    for name, value in (
+        ("steps", self.steps),
+        ("mix_every", self.mix_every),
+        ("conversation_kwargs", kwargs),
+    ):
       if value and not self.conversations:
-        raise ValueError(f"config sft.{name}={value!r} needs sft.conversations; allowed: "
-                         "'pkg.module:fn' with fn(task) -> [(role, content), ...]")
+        raise ValueError(
+            f"config sft.{name}={value!r} needs sft.conversations; allowed: "
+            "'pkg.module:fn' with fn(task) -> [(role, content), ...]"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,10 +213,13 @@ class EvalConfig:
   def __post_init__(self):
     _int_at_least("eval", self, ("every", "num_tasks"), 1)
     t = self.success_threshold
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
-                          or not math.isfinite(t)):
-      raise ValueError(f"config eval.success_threshold={t!r}; allowed: a finite number, or "
-                       "None (the top of env.factory's outcome_range)")
+    if t is not None and (
+        isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)
+    ):
+      raise ValueError(
+          f"config eval.success_threshold={t!r}; allowed: a finite number, or "
+          "None (the top of env.factory's outcome_range)"
+      )
 
   @property
   def modes(self) -> tuple[tuple[str, bool], ...]:
@@ -271,48 +289,70 @@ class AgentsConfig:
   def __post_init__(self):
     w = self.team_weight
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
-      raise ValueError(f"config agents.team_weight={w!r}; allowed: a number in [0, 1] "
-                       "(1: the team reward only)")
+      raise ValueError(
+          f"config agents.team_weight={w!r}; allowed: a number in [0, 1] "
+          "(1: the team reward only)"
+      )
     if not isinstance(self.trainable, (tuple, list)):
-      raise ValueError(f"config agents.trainable={self.trainable!r}; allowed: a tuple of True "
-                       "or False, one per agent (or empty)")
+      raise ValueError(
+          f"config agents.trainable={self.trainable!r}; allowed: a tuple of True "
+          "or False, one per agent (or empty)"
+      )
     object.__setattr__(self, "trainable", tuple(self.trainable))
     if not all(isinstance(t, bool) for t in self.trainable):
-      raise ValueError(f"config agents.trainable={self.trainable!r}; allowed: True or False, "
-                       "one per agent (or empty)")
+      raise ValueError(
+          f"config agents.trainable={self.trainable!r}; allowed: True or False, "
+          "one per agent (or empty)"
+      )
     if self.trainable and not any(self.trainable):
-      raise ValueError(f"config agents.trainable={self.trainable!r} freezes every agent: a run "
-                       "that trains nothing; allowed: at least one True")
+      raise ValueError(
+          f"config agents.trainable={self.trainable!r} freezes every agent: a run "
+          "that trains nothing; allowed: at least one True"
+      )
     if self.share_policy and not all(self.trainable):
-      raise ValueError(f"config agents.trainable={self.trainable!r} with agents.share_policy="
-                       "True: the one policy acts for every agent; allowed: all True or empty, "
-                       "or agents.share_policy=False")
+      raise ValueError(
+          f"config agents.trainable={self.trainable!r} with agents.share_policy="
+          "True: the one policy acts for every agent; allowed: all True or empty, "
+          "or agents.share_policy=False"
+      )
     object.__setattr__(self, "learning_rates", tuple(self.learning_rates))
     object.__setattr__(self, "paths", tuple(self.paths))
     object.__setattr__(self, "presets", tuple(self.presets))
-    if any(isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0
-           for r in self.learning_rates):
-      raise ValueError(f"config agents.learning_rates={self.learning_rates!r}; allowed: "
-                       "positive numbers, one per agent (or empty); agents.trainable "
-                       "freezes an agent")
+    if any(
+        isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0
+        for r in self.learning_rates
+    ):
+      raise ValueError(
+          f"config agents.learning_rates={self.learning_rates!r}; allowed: "
+          "positive numbers, one per agent (or empty); agents.trainable "
+          "freezes an agent"
+      )
     for name in ("paths", "presets"):
       if not all(isinstance(p, str) for p in getattr(self, name)):
-        raise ValueError(f"config agents.{name}={getattr(self, name)!r}; allowed: strings, one "
-                         "per agent (or empty)")
+        raise ValueError(
+            f"config agents.{name}={getattr(self, name)!r}; allowed: strings, one "
+            "per agent (or empty)"
+        )
     if self.share_policy and (self.learning_rates or any(self.paths) or any(self.presets)):
-      raise ValueError("config agents.learning_rates / agents.paths / agents.presets need "
-                       "agents.share_policy=False; allowed: empty with a shared policy")
+      raise ValueError(
+          "config agents.learning_rates / agents.paths / agents.presets need "
+          "agents.share_policy=False; allowed: empty with a shared policy"
+      )
     for a, (path, preset) in enumerate(zip(self.paths, self.presets)):
       if path and preset:
-        raise ValueError(f"config agents.paths[{a}]={path!r} and agents.presets[{a}]="
-                         f"{preset!r}; allowed: at most one of them per agent")
+        raise ValueError(
+            f"config agents.paths[{a}]={path!r} and agents.presets[{a}]="
+            f"{preset!r}; allowed: at most one of them per agent"
+        )
 
   def check(self, num_agents: int):
     for name in ("learning_rates", "paths", "presets", "trainable"):
       v = getattr(self, name)
       if v and len(v) != num_agents:
-        raise ValueError(f"config agents.{name}={v!r} has {len(v)} entries; allowed: "
-                         f"{num_agents} (tree.num_agents) or none")
+        raise ValueError(
+            f"config agents.{name}={v!r} has {len(v)} entries; allowed: "
+            f"{num_agents} (tree.num_agents) or none"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

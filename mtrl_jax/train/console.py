@@ -53,12 +53,16 @@ def _num(value, digits: int = 2) -> str:
 
 def format_sft_start(sft) -> str:
   """The warm-up's first line: its size and its stop rule (`SFTConfig` fields)."""
-  line = (f"sft: up to {sft.steps} steps of {sft.batch_size} rows from {sft.num_examples} "
-          "golden conversations; ")
+  line = (
+      f"sft: up to {sft.steps} steps of {sft.batch_size} rows from {sft.num_examples} "
+      "golden conversations; "
+  )
   if sft.until_success > 0 and sft.check_tasks:
-    return line + (f"stops early once greedy success on {sft.check_tasks} held-back train "
-                   f"tasks reaches {sft.until_success:g} (checked every {sft.check_every} "
-                   "steps)")
+    return line + (
+        f"stops early once greedy success on {sft.check_tasks} held-back train "
+        f"tasks reaches {sft.until_success:g} (checked every {sft.check_every} "
+        "steps)"
+    )
   return line + "no early stop"
 
 
@@ -70,8 +74,9 @@ def format_sft_row(row: Mapping, steps: int, seconds: float) -> str:
   return f"{line} ({duration(seconds)})"
 
 
-def format_sft_end(history: Sequence[Mapping], steps: int, until_success: float,
-                   seconds: float) -> str:
+def format_sft_end(
+    history: Sequence[Mapping], steps: int, until_success: float, seconds: float
+) -> str:
   """The warm-up's last line: where it stopped, why, and its last loss."""
   if not history:
     return f"sft: done, no step run ({duration(seconds)})"
@@ -103,9 +108,12 @@ def format_eval(step: int, metrics: Mapping, best: Optional[tuple[float, int]]) 
   """One held-out evaluation: success, return and turns per mode (`eval/<mode>/*`),
   and the best success so far as (success, step)."""
   modes = [k.split("/")[1] for k in metrics if k.startswith("eval/") and k.endswith("/success")]
-  parts = [f"{mode} success {_num(metrics[f'eval/{mode}/success'])} return "
-           f"{_num(metrics.get(f'eval/{mode}/return'))} turns "
-           f"{_num(metrics.get(f'eval/{mode}/turns'), 1)}" for mode in modes]
+  parts = [
+      f"{mode} success {_num(metrics[f'eval/{mode}/success'])} return "
+      f"{_num(metrics.get(f'eval/{mode}/return'))} turns "
+      f"{_num(metrics.get(f'eval/{mode}/turns'), 1)}"
+      for mode in modes
+  ]
   line = f"eval at step {step}: " + ("; ".join(parts) or "no metrics")
   if best is not None:
     line += f" | best success {_num(best[0])} at step {best[1]}"
@@ -114,8 +122,10 @@ def format_eval(step: int, metrics: Mapping, best: Optional[tuple[float, int]]) 
 
 def format_postfix(metrics: Mapping) -> dict[str, str]:
   """The progress bar's postfix: the step's training rollouts (docs/metrics.md)."""
-  return {"root_return": _num(metrics.get("rollout/return")),
-          "train_success": _num(metrics.get("rollout/path_success"))}
+  return {
+      "root_return": _num(metrics.get("rollout/return")),
+      "train_success": _num(metrics.get("rollout/path_success")),
+  }
 
 
 def format_rl_start(first: int, last: int, eval_every: int, precompiled: bool) -> str:
@@ -126,19 +136,24 @@ def format_rl_start(first: int, last: int, eval_every: int, precompiled: bool) -
   return line if precompiled else line + "; programs compile on first use"
 
 
-def format_end(first: int, last: int, seconds: float, best: Optional[tuple[float, int]],
-               workdir: str, halted: bool = False) -> str:
+def format_end(
+    first: int,
+    last: int,
+    seconds: float,
+    best: Optional[tuple[float, int]],
+    workdir: str,
+    halted: bool = False,
+) -> str:
   """The run's last line: steps run, best held-out success and its step, time (from the
   start of `rl.train`), files."""
   ran = last - first + 1
-  line = (f"done: {ran} RL steps ({first}-{last})" if ran > 0 else "done: no RL step run")
+  line = f"done: {ran} RL steps ({first}-{last})" if ran > 0 else "done: no RL step run"
   line += f" in {duration(seconds)}"
   if halted:
     line += f", halted at step {last}"
   if best is not None:
     line += f"; best eval success {_num(best[0])} at step {best[1]}"
-  return (f"{line}; files in {workdir} (summary.json, metrics.jsonl, curves.png, ckpt/, "
-          "best/)")
+  return f"{line}; files in {workdir} (summary.json, metrics.jsonl, curves.png, ckpt/, best/)"
 
 
 class Console:
@@ -153,8 +168,14 @@ class Console:
     every_s: the least seconds between two compile-progress lines of one kind.
   """
 
-  def __init__(self, enabled: bool, history: Sequence[Mapping] = (), stream=None,
-               clock: Callable[[], float] = time.perf_counter, every_s: float = 15.0):
+  def __init__(
+      self,
+      enabled: bool,
+      history: Sequence[Mapping] = (),
+      stream=None,
+      clock: Callable[[], float] = time.perf_counter,
+      every_s: float = 15.0,
+  ):
     self.enabled, self.stream, self.clock, self.every_s = enabled, stream, clock, every_s
     self.bar = None
     self.best: Optional[tuple[float, int]] = None
@@ -224,6 +245,7 @@ class Console:
     """The RL progress bar (tqdm), where `progress` and this process writes."""
     if progress and self.enabled:
       from tqdm import tqdm
+
       self.bar = tqdm(total=total, initial=initial, desc="RL", dynamic_ncols=True)
 
   def step_done(self, metrics: Mapping):

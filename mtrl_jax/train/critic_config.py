@@ -76,14 +76,18 @@ class CriticGroup:
     if self.target not in TARGETS:
       raise ValueError(f"config critic.target={self.target!r}; allowed: {list(TARGETS)}")
     if self.estimator not in ESTIMATORS:
-      raise ValueError(f"config critic.estimator={self.estimator!r}; allowed: "
-                       f"{list(ESTIMATORS)}")
+      raise ValueError(f"config critic.estimator={self.estimator!r}; allowed: {list(ESTIMATORS)}")
     for name, low in (("value_coef", 0.0), ("value_clip", 0.0)):
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-          v > low if name == "value_coef" else v >= low):
-        raise ValueError(f"config critic.{name}={v!r}; allowed: a number "
-                         f"{'>' if name == 'value_coef' else '>='} {low:g}")
+      if (
+          isinstance(v, bool)
+          or not isinstance(v, (int, float))
+          or not (v > low if name == "value_coef" else v >= low)
+      ):
+        raise ValueError(
+            f"config critic.{name}={v!r}; allowed: a number "
+            f"{'>' if name == 'value_coef' else '>='} {low:g}"
+        )
     if not 0.0 <= self.gae_lambda <= 1.0:
       raise ValueError(f"config critic.gae_lambda={self.gae_lambda!r}; allowed: [0, 1]")
     if self.model not in MODELS:
@@ -92,17 +96,24 @@ class CriticGroup:
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
       raise ValueError(f"config critic.learning_rate={lr!r}; allowed: a number > 0")
     if self.preset and self.path:
-      raise ValueError(f"config critic.preset={self.preset!r} and critic.path={self.path!r}; "
-                       "allowed: at most one of them")
+      raise ValueError(
+          f"config critic.preset={self.preset!r} and critic.path={self.path!r}; "
+          "allowed: at most one of them"
+      )
     if (self.preset or self.path) and self.model != "separate":
-      raise ValueError(f"config critic.preset / critic.path with critic.model={self.model!r}: "
-                       "a head critic is the policy's; allowed: critic.model='separate'")
+      raise ValueError(
+          f"config critic.preset / critic.path with critic.model={self.model!r}: "
+          "a head critic is the policy's; allowed: critic.model='separate'"
+      )
     if self.kind == "centralized" and self.model != "separate":
-      raise ValueError("config critic.kind='centralized' with critic.model='head': one critic "
-                       "over the joint history is its own model; allowed: "
-                       "critic.model='separate'")
+      raise ValueError(
+          "config critic.kind='centralized' with critic.model='head': one critic "
+          "over the joint history is its own model; allowed: "
+          "critic.model='separate'"
+      )
     if self.preset:
       from mtrl_jax.models import PRESETS
+
       if self.preset not in PRESETS:
         raise ValueError(f"config critic.preset={self.preset!r}; allowed: {sorted(PRESETS)}")
 
@@ -122,37 +133,64 @@ class CriticGroup:
 
   def advantage_config(self) -> CriticConfig:
     """What `rollout.critic.critic_advantages` reads."""
-    return CriticConfig(target=self.target, estimator=self.estimator,
-                        gae_lambda=self.gae_lambda, normalize=self.normalize)
+    return CriticConfig(
+        target=self.target,
+        estimator=self.estimator,
+        gae_lambda=self.gae_lambda,
+        normalize=self.normalize,
+    )
 
   def check(self, exp) -> None:
     """Refuses what the critic cannot run with, in one line each (before compute)."""
     if not self.enabled:
       return
     refuse = [
-        (self.head and exp.model.lora.enabled,
-         "model.lora.rank > 0 (the value head is not an adapter)"),
-        (exp.rl.max_staleness > 0, "rl.max_staleness > 0 (the value pass reads the "
-         "parameters the rollout sampled with)"),
+        (
+            self.head and exp.model.lora.enabled,
+            "model.lora.rank > 0 (the value head is not an adapter)",
+        ),
+        (
+            exp.rl.max_staleness > 0,
+            "rl.max_staleness > 0 (the value pass reads the "
+            "parameters the rollout sampled with)",
+        ),
         (exp.distributed.mode != "off", "several processes (distributed.mode)"),
-        (self.head and not all(exp.agents.trainable),
-         "a head on frozen agents (agents.trainable; a separate critic trains beside them)"),
+        (
+            self.head and not all(exp.agents.trainable),
+            "a head on frozen agents (agents.trainable; a separate critic trains beside them)",
+        ),
     ]
     for bad, what in refuse:
       if bad:
-        raise ValueError(f"config critic.kind={self.kind!r} with {what}: not supported; "
-                         "allowed: critic.kind='none' there")
+        raise ValueError(
+            f"config critic.kind={self.kind!r} with {what}: not supported; "
+            "allowed: critic.kind='none' there"
+        )
     if self.kind != "centralized":
       return
     tree = exp.tree
     for bad, field, value, allowed in (
-        (tree.num_agents < 2, "tree.num_agents", tree.num_agents,
-         "2 or more (with one agent: critic.kind='independent')"),
-        (self.target == "q" and tree.joint_mode != "align", "tree.joint_mode",
-         tree.joint_mode, "'align' for a centralized Q critic (one value per joint action), "
-         "or critic.target='v'"),
-        (exp.agents.team_weight != 1.0, "agents.team_weight", exp.agents.team_weight,
-         "1.0 (a centralized critic values the team's reward)")):
+        (
+            tree.num_agents < 2,
+            "tree.num_agents",
+            tree.num_agents,
+            "2 or more (with one agent: critic.kind='independent')",
+        ),
+        (
+            self.target == "q" and tree.joint_mode != "align",
+            "tree.joint_mode",
+            tree.joint_mode,
+            "'align' for a centralized Q critic (one value per joint action), "
+            "or critic.target='v'",
+        ),
+        (
+            exp.agents.team_weight != 1.0,
+            "agents.team_weight",
+            exp.agents.team_weight,
+            "1.0 (a centralized critic values the team's reward)",
+        ),
+    ):
       if bad:
-        raise ValueError(f"config {field}={value!r} with critic.kind='centralized'; "
-                         f"allowed: {allowed}")
+        raise ValueError(
+            f"config {field}={value!r} with critic.kind='centralized'; allowed: {allowed}"
+        )

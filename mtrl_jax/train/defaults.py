@@ -24,8 +24,14 @@ from mtrl_jax.envs.reward import RewardConfig
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.rollout import TreeConfig
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EngineGroup, EvalConfig,
-                                   RLConfig, SFTConfig)
+from mtrl_jax.train.config import (
+    AgentsConfig,
+    CheckpointConfig,
+    EngineGroup,
+    EvalConfig,
+    RLConfig,
+    SFTConfig,
+)
 from mtrl_jax.train.critic_config import CriticGroup
 from mtrl_jax.train.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
 from mtrl_jax.train.optim import OptimConfig
@@ -96,8 +102,11 @@ def group_defaults(name: str) -> dict:
   cls, internal = GROUPS[name]
   hints = typing.get_type_hints(cls)
   choices = RUN_CHOICES.get(name, {})
-  return {f.name: choices[f.name] if f.name in choices else _default(f, hints)
-          for f in dataclasses.fields(cls) if f.init and f.name not in internal}
+  return {
+      f.name: choices[f.name] if f.name in choices else _default(f, hints)
+      for f in dataclasses.fields(cls)
+      if f.init and f.name not in internal
+  }
 
 
 def base_config() -> ml_collections.ConfigDict:

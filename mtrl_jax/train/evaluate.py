@@ -40,8 +40,9 @@ class Evaluator:
   sampling: SamplingConfig
   success_threshold: float  # the run's resolved `eval.success_threshold`
 
-  def __call__(self, params, tasks: Sequence[dict], *, greedy: bool, key,
-               samples: int = 1) -> dict[str, float]:
+  def __call__(
+      self, params, tasks: Sequence[dict], *, greedy: bool, key, samples: int = 1
+  ) -> dict[str, float]:
     """Mean success, outcome, return, turns, masked and cut fraction over `tasks`.
 
     `cut_fraction`: the share of episodes the tree cut at its last turn (the
@@ -54,14 +55,24 @@ class Evaluator:
     """
     if samples < 1:
       raise ValueError(f"evaluate samples={samples}; allowed: an int >= 1")
-    tree_cfg = dataclasses.replace(self.tree, num_generations=1, termination_threshold=None,
-                                   advantage_mode="mean", advantage_std_norm=False)
+    tree_cfg = dataclasses.replace(
+        self.tree,
+        num_generations=1,
+        termination_threshold=None,
+        advantage_mode="mean",
+        advantage_std_norm=False,
+    )
     sampling = dataclasses.replace(self.sampling, greedy=greedy)
     if not greedy:
       sampling = dataclasses.replace(sampling, temperature=1.0, top_p=1.0, top_k=0)
-    policy = EnginePolicy(self.engine, params, sampling, stop_ids=self.renderer.fmt.stop_ids,
-                          pad_id=self.renderer.tokenizer.pad_id,
-                          fanout=self.tree.num_generations)
+    policy = EnginePolicy(
+        self.engine,
+        params,
+        sampling,
+        stop_ids=self.renderer.fmt.stop_ids,
+        pad_id=self.renderer.tokenizer.pad_id,
+        fanout=self.tree.num_generations,
+    )
     # Several processes: each rolls its own block of tasks, the per-root results
     # come back in process order (the single-process order) and every process
     # computes the same means.
@@ -70,15 +81,18 @@ class Evaluator:
     tree = expand_tree(tree_cfg, policy, self.transition, roots, key)
     res = distributed.gather_lists(path_results(tree))
     solved = [r["ended"] and r["outcome"] > self.success_threshold for r in res]
-    out = {"success": float(np.mean(solved)),
-           "outcome": float(np.mean([r["outcome"] for r in res])),
-           "return": float(np.mean([r["return"] for r in res])),
-           "turns": float(np.mean([r["turns"] for r in res])),
-           "masked": float(np.mean([r["masked"] for r in res])),
-           "cut_fraction": float(np.mean([r["cut"] for r in res]))}
+    out = {
+        "success": float(np.mean(solved)),
+        "outcome": float(np.mean([r["outcome"] for r in res])),
+        "return": float(np.mean([r["return"] for r in res])),
+        "turns": float(np.mean([r["turns"] for r in res])),
+        "masked": float(np.mean([r["masked"] for r in res])),
+        "cut_fraction": float(np.mean([r["cut"] for r in res])),
+    }
     if samples > 1:
-      out[f"pass@{samples}"] = float(np.mean([any(solved[i:i + samples])
-                                              for i in range(0, len(solved), samples)]))
+      out[f"pass@{samples}"] = float(
+          np.mean([any(solved[i : i + samples]) for i in range(0, len(solved), samples)])
+      )
     return out
 
 
@@ -86,5 +100,6 @@ def indexed(source, count: int, start: int = 0) -> list[dict]:
   """Tasks `start .. start+count-1` of a task source (clipped to its length), each with
   its `task_index` (a task that is not a mapping is passed on: its root is masked)."""
   tasks = [source[i] for i in range(start, min(start + count, len(source)))]
-  return [dict(t, task_index=start + k) if isinstance(t, Mapping) else t
-          for k, t in enumerate(tasks)]
+  return [
+      dict(t, task_index=start + k) if isinstance(t, Mapping) else t for k, t in enumerate(tasks)
+  ]

@@ -29,8 +29,14 @@ from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.train import budget, checks, components
-from mtrl_jax.train.config import (AgentsConfig, CheckpointConfig, EngineGroup, EvalConfig,
-                                   RLConfig, SFTConfig)
+from mtrl_jax.train.config import (
+    AgentsConfig,
+    CheckpointConfig,
+    EngineGroup,
+    EvalConfig,
+    RLConfig,
+    SFTConfig,
+)
 from mtrl_jax.train.critic_config import CriticGroup
 from mtrl_jax.train.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
 from mtrl_jax.train.optim import OptimConfig
@@ -101,40 +107,69 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   buckets = rl.length_buckets
   loss = _fields(c.loss, LossConfig, max_len=int(c.loss.max_len) or rl.max_length)
   total = max(rl.steps * rl.updates_per_step, 1)
-  optim = OptimConfig(learning_rate=c.optim.learning_rate, warmup_steps=c.optim.warmup_steps,
-                      total_steps=max(total, c.optim.warmup_steps + 1),
-                      schedule=c.optim.schedule, weight_decay=c.optim.weight_decay,
-                      grad_clip_norm=c.optim.grad_clip_norm)
+  optim = OptimConfig(
+      learning_rate=c.optim.learning_rate,
+      warmup_steps=c.optim.warmup_steps,
+      total_steps=max(total, c.optim.warmup_steps + 1),
+      schedule=c.optim.schedule,
+      weight_decay=c.optim.weight_decay,
+      grad_clip_norm=c.optim.grad_clip_norm,
+  )
   env = _fields(c.env, EnvConfig)
   limits = env.limits
   if limits.max_tokens and limits.max_tokens + sampling.max_new_tokens > max(buckets):
-    raise ValueError(f"config env.max_tokens={limits.max_tokens} + sampling.max_new_tokens="
-                     f"{sampling.max_new_tokens} exceeds the largest rl.length_buckets "
-                     f"entry {max(buckets)}: rows would not fit")
+    raise ValueError(
+        f"config env.max_tokens={limits.max_tokens} + sampling.max_new_tokens="
+        f"{sampling.max_new_tokens} exceeds the largest rl.length_buckets "
+        f"entry {max(buckets)}: rows would not fit"
+    )
   reward = _fields(c.reward, RewardConfig)
   exp = Experiment(
-      seed=c.seed, model=model, tokenizer=tokenizer, mesh=_fields(c.mesh, sharding.MeshConfig),
-      env=env, tasks=_fields(c.tasks, TasksConfig), tree=tree, sampling=sampling,
-      engine=_fields(c.get("engine"), EngineGroup), reward=reward, loss=loss, optim=optim,
-      step=_fields(c.step, StepConfig), sft=sft, rl=rl, eval=_fields(c.eval, EvalConfig),
-      agents=_fields(c.agents, AgentsConfig), critic=_fields(c.get("critic"), CriticGroup),
+      seed=c.seed,
+      model=model,
+      tokenizer=tokenizer,
+      mesh=_fields(c.mesh, sharding.MeshConfig),
+      env=env,
+      tasks=_fields(c.tasks, TasksConfig),
+      tree=tree,
+      sampling=sampling,
+      engine=_fields(c.get("engine"), EngineGroup),
+      reward=reward,
+      loss=loss,
+      optim=optim,
+      step=_fields(c.step, StepConfig),
+      sft=sft,
+      rl=rl,
+      eval=_fields(c.eval, EvalConfig),
+      agents=_fields(c.agents, AgentsConfig),
+      critic=_fields(c.get("critic"), CriticGroup),
       curriculum=_fields(c.get("curriculum"), data.CurriculumConfig),
-      checkpoint=_fields(c.checkpoint, CheckpointConfig), distributed=distributed_config(c))
+      checkpoint=_fields(c.checkpoint, CheckpointConfig),
+      distributed=distributed_config(c),
+  )
   check_agents(exp)
   exp.critic.check(exp)
   if exp.critic.head:  # the critic is a value head on each policy
-    exp = dataclasses.replace(exp, model=dataclasses.replace(
-        exp.model, arch=exp.model.arch.replace(value_head=True)))
+    exp = dataclasses.replace(
+        exp, model=dataclasses.replace(exp.model, arch=exp.model.arch.replace(value_head=True))
+    )
   components.check_lora(exp)  # what adapters cannot be combined with; init_from fits the base
   check_processes(exp)
   # Size the tree before launch: a config that cannot fit fails here.
-  plan_tree(tree, rl.roots_per_step, max_prompt_len=limits.max_tokens or max(buckets),
-            max_new_tokens=sampling.max_new_tokens, max_generations=rl.max_generations)
+  plan_tree(
+      tree,
+      rl.roots_per_step,
+      max_prompt_len=limits.max_tokens or max(buckets),
+      max_new_tokens=sampling.max_new_tokens,
+      max_generations=rl.max_generations,
+  )
   checks.check_imports(exp)
   tokenizer = checks.make_tokenizer(exp)
   factory = checks.check_environment(exp, tokenizer)
-  exp = dataclasses.replace(exp, eval=dataclasses.replace(
-      exp.eval, success_threshold=checks.success_threshold(exp, factory)))
+  exp = dataclasses.replace(
+      exp,
+      eval=dataclasses.replace(exp.eval, success_threshold=checks.success_threshold(exp, factory)),
+  )
   checks.check_microbatches(exp)
   checks.check_curriculum(exp)
   return fit_vocab(exp, tokenizer)
@@ -200,23 +235,29 @@ def check_fields(c: ml_collections.ConfigDict):
   """Single-field and cross-field checks that need nothing but the config (the model
   group checks its own fields: `train.inputs.ModelGroup`)."""
   if c.loss.is_correction not in CORRECTIONS:
-    raise ValueError(f"config loss.is_correction={c.loss.is_correction!r}; allowed: "
-                     f"{list(CORRECTIONS)}")
+    raise ValueError(
+        f"config loss.is_correction={c.loss.is_correction!r}; allowed: {list(CORRECTIONS)}"
+    )
   cap = c.loss.is_cap
   if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 1 < cap < float("inf"):
-    raise ValueError(f"config loss.is_cap={cap!r}; allowed: a finite number > 1 (ratios are "
-                     "kept in [1/is_cap, is_cap])")
+    raise ValueError(
+        f"config loss.is_cap={cap!r}; allowed: a finite number > 1 (ratios are "
+        "kept in [1/is_cap, is_cap])"
+    )
   if c.tree.joint_mode == "marginal" and c.tree.num_agents < 2:
-    raise ValueError(f"config tree.joint_mode='marginal' with tree.num_agents="
-                     f"{c.tree.num_agents}: marginal credit averages over partners; allowed: "
-                     "tree.num_agents >= 2, or joint_mode 'align', 'cross'")
+    raise ValueError(
+        f"config tree.joint_mode='marginal' with tree.num_agents="
+        f"{c.tree.num_agents}: marginal credit averages over partners; allowed: "
+        "tree.num_agents >= 2, or joint_mode 'align', 'cross'"
+    )
   critic = c.get("critic", {}).get("kind", "none") != "none"  # its value is the baseline
-  if (c.tree.num_generations == 1 and c.tree.advantage_mode in _SIBLING_BASELINES
-      and not critic):
-    raise ValueError(f"config tree.num_generations=1 with tree.advantage_mode="
-                     f"{c.tree.advantage_mode!r}: a sibling baseline of one sample makes every "
-                     f"advantage 0; allowed: num_generations >= 2, advantage_mode='raw', or a "
-                     f"critic (critic.kind)")
+  if c.tree.num_generations == 1 and c.tree.advantage_mode in _SIBLING_BASELINES and not critic:
+    raise ValueError(
+        f"config tree.num_generations=1 with tree.advantage_mode="
+        f"{c.tree.advantage_mode!r}: a sibling baseline of one sample makes every "
+        f"advantage 0; allowed: num_generations >= 2, advantage_mode='raw', or a "
+        f"critic (critic.kind)"
+    )
 
 
 def distributed_config(c: ml_collections.ConfigDict) -> distributed.DistributedConfig:
@@ -232,43 +273,63 @@ def check_processes(exp: Experiment):
   if exp.distributed.mode == "off":
     return
   import jax
+
   n = jax.process_count()
   if exp.rl.roots_per_step % n:
-    raise ValueError(f"config rl.roots_per_step={exp.rl.roots_per_step} with {n} processes; "
-                     f"allowed: a multiple of {n} (every process takes an equal share)")
+    raise ValueError(
+        f"config rl.roots_per_step={exp.rl.roots_per_step} with {n} processes; "
+        f"allowed: a multiple of {n} (every process takes an equal share)"
+    )
   data_shards = exp.mesh.shape(jax.device_count())
   if (data_shards[0] * data_shards[1]) % n:
-    raise ValueError(f"config mesh data x fsdp={data_shards[0] * data_shards[1]} with {n} "
-                     f"processes; allowed: a multiple of {n} (each process holds a block of rows)")
-  if ((exp.sft.steps or exp.sft.mix_every)
-      and exp.sft.batch_size % (data_shards[0] * data_shards[1])):
-    raise ValueError(f"config sft.batch_size={exp.sft.batch_size} with {n} processes; allowed: "
-                     f"a multiple of data x fsdp={data_shards[0] * data_shards[1]}")
+    raise ValueError(
+        f"config mesh data x fsdp={data_shards[0] * data_shards[1]} with {n} "
+        f"processes; allowed: a multiple of {n} (each process holds a block of rows)"
+    )
+  if (exp.sft.steps or exp.sft.mix_every) and exp.sft.batch_size % (
+      data_shards[0] * data_shards[1]
+  ):
+    raise ValueError(
+        f"config sft.batch_size={exp.sft.batch_size} with {n} processes; allowed: "
+        f"a multiple of data x fsdp={data_shards[0] * data_shards[1]}"
+    )
   if not exp.agents.share_policy:
-    raise ValueError(f"config agents.share_policy=False with {n} processes; allowed: True "
-                     "(stacked per-agent batches are not assembled across processes yet)")
+    raise ValueError(
+        f"config agents.share_policy=False with {n} processes; allowed: True "
+        "(stacked per-agent batches are not assembled across processes yet)"
+    )
   if exp.rl.max_staleness:
-    raise ValueError(f"config rl.max_staleness={exp.rl.max_staleness} with {n} processes; "
-                     "allowed: 0 (a rollout's collectives must not interleave with the update's)")
+    raise ValueError(
+        f"config rl.max_staleness={exp.rl.max_staleness} with {n} processes; "
+        "allowed: 0 (a rollout's collectives must not interleave with the update's)"
+    )
 
 
 def check_agents(exp: Experiment):
   """Separate policies: one entry per agent, every agent of the top-level architecture."""
   exp.agents.check(exp.tree.num_agents)
   if exp.tree.num_agents == 1 and not exp.agents.share_policy:
-    raise ValueError("config agents.share_policy=False with tree.num_agents=1; allowed: True "
-                     "(one agent has one policy)")
+    raise ValueError(
+        "config agents.share_policy=False with tree.num_agents=1; allowed: True "
+        "(one agent has one policy)"
+    )
   if exp.tree.num_agents == 1 and exp.agents.team_weight != 1.0:
-    raise ValueError(f"config agents.team_weight={exp.agents.team_weight!r} with tree.num_agents"
-                     "=1; allowed: 1.0 (one agent has no team to weigh its own grade against)")
+    raise ValueError(
+        f"config agents.team_weight={exp.agents.team_weight!r} with tree.num_agents"
+        "=1; allowed: 1.0 (one agent has no team to weigh its own grade against)"
+    )
   if exp.sft.mix_every and not exp.agents.share_policy:
-    raise ValueError(f"config sft.mix_every={exp.sft.mix_every} with agents.share_policy=False; "
-                     "allowed: 0 (SFT steps mixed into RL are built for one shared policy)")
+    raise ValueError(
+        f"config sft.mix_every={exp.sft.mix_every} with agents.share_policy=False; "
+        "allowed: 0 (SFT steps mixed into RL are built for one shared policy)"
+    )
   if not all(exp.agents.trainable) and exp.model.lora.enabled and exp.sft.steps:
-    raise ValueError(f"config agents.trainable={exp.agents.trainable!r} with model.lora.rank="
-                     f"{exp.model.lora.rank} and sft.steps={exp.sft.steps}: the warm-up trains "
-                     "the base every agent's adapters share, a frozen agent's too; allowed: "
-                     "sft.steps=0, every agent trainable, or model.lora.rank=0")
+    raise ValueError(
+        f"config agents.trainable={exp.agents.trainable!r} with model.lora.rank="
+        f"{exp.model.lora.rank} and sft.steps={exp.sft.steps}: the warm-up trains "
+        "the base every agent's adapters share, a frozen agent's too; allowed: "
+        "sft.steps=0, every agent trainable, or model.lora.rank=0"
+    )
   m = exp.model.arch
   same = dict(remat=m.remat, attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype)
   for a, preset in enumerate(exp.agents.presets):
@@ -278,22 +339,28 @@ def check_agents(exp: Experiment):
     if not exp.model.path:  # a from-scratch model's vocabulary is fitted to the tokenizer
       cfg = cfg.replace(vocab_size=m.vocab_size)
     if cfg != m:
-      raise ValueError(f"config agents.presets[{a}]={preset!r}: its architecture differs from "
-                       "the top-level model's; allowed: '' or a preset of the same architecture "
-                       "(agents are stacked in one program; one program per agent for "
-                       "different architectures is not built)")
+      raise ValueError(
+          f"config agents.presets[{a}]={preset!r}: its architecture differs from "
+          "the top-level model's; allowed: '' or a preset of the same architecture "
+          "(agents are stacked in one program; one program per agent for "
+          "different architectures is not built)"
+      )
   for a, path in enumerate(exp.agents.paths):
     if not path:
       continue
     if not os.path.isfile(os.path.join(path, "config.json")):
-      raise ValueError(f"config agents.paths[{a}]={path!r} has no config.json; allowed: a local "
-                       "HF-format checkpoint directory, or '' for the top-level model")
+      raise ValueError(
+          f"config agents.paths[{a}]={path!r} has no config.json; allowed: a local "
+          "HF-format checkpoint directory, or '' for the top-level model"
+      )
     cfg = ModelConfig.from_hf_json(path).replace(**same)
     if cfg != m:
-      raise ValueError(f"config agents.paths[{a}]={path!r}: its architecture differs from the "
-                       "top-level model's; allowed: the same architecture for every agent (agents "
-                       "are stacked in one program; one program per agent for different "
-                       "architectures is not built)")
+      raise ValueError(
+          f"config agents.paths[{a}]={path!r}: its architecture differs from the "
+          "top-level model's; allowed: the same architecture for every agent (agents "
+          "are stacked in one program; one program per agent for different "
+          "architectures is not built)"
+      )
 
 
 def fit_vocab(exp: Experiment, tokenizer) -> Experiment:
@@ -309,22 +376,28 @@ def fit_vocab(exp: Experiment, tokenizer) -> Experiment:
   arch = exp.model.arch
   vocab = tokenizer.vocab_size
   if vocab > arch.vocab_size:
-    raise ValueError(f"config model.preset={exp.model.preset!r}: its vocab_size="
-                     f"{arch.vocab_size} is smaller than the tokenizer's {vocab}; allowed: a "
-                     "preset whose vocabulary holds the tokenizer's")
+    raise ValueError(
+        f"config model.preset={exp.model.preset!r}: its vocab_size="
+        f"{arch.vocab_size} is smaller than the tokenizer's {vocab}; allowed: a "
+        "preset whose vocabulary holds the tokenizer's"
+    )
   if arch.vocab_size == vocab:
     return exp
   return dataclasses.replace(
-      exp, model=dataclasses.replace(exp.model, arch=arch.replace(vocab_size=vocab)))
+      exp, model=dataclasses.replace(exp.model, arch=arch.replace(vocab_size=vocab))
+  )
 
 
 def describe(exp: Experiment) -> str:
   """A one-screen summary printed at start."""
   m = exp.model.arch
-  d = {"model": f"{m.family} L{m.num_layers} D{m.d_model} "
-                f"V{m.vocab_size} ({m.num_params() / 1e6:.2f}M params)",
-       "tree": f"T={exp.tree.num_turns} G={exp.tree.num_generations} N={exp.tree.num_agents} "
-               f"{exp.tree.joint_mode} branch_on={exp.tree.branch_on}",
-       "loss": f"{exp.loss.algorithm} {exp.loss.aggregation} kl={exp.loss.kl_coef}",
-       "env": exp.env.factory, "tasks": exp.tasks.source}
+  d = {
+      "model": f"{m.family} L{m.num_layers} D{m.d_model} "
+      f"V{m.vocab_size} ({m.num_params() / 1e6:.2f}M params)",
+      "tree": f"T={exp.tree.num_turns} G={exp.tree.num_generations} N={exp.tree.num_agents} "
+      f"{exp.tree.joint_mode} branch_on={exp.tree.branch_on}",
+      "loss": f"{exp.loss.algorithm} {exp.loss.aggregation} kl={exp.loss.kl_coef}",
+      "env": exp.env.factory,
+      "tasks": exp.tasks.source,
+  }
   return json.dumps(d, indent=1)

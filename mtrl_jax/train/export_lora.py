@@ -34,9 +34,15 @@ from mtrl_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Our target -> its Hugging Face module inside a decoder layer.
-HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-             "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-             "down": "mlp.down_proj"}
+HF_MODULE = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
 
 
 def _key(layer: int, target: str, ab: str) -> str:
@@ -54,17 +60,28 @@ def peft_tensors(adapters) -> dict[str, np.ndarray]:
 
 def adapter_config(lora: LoraConfig, base_path: str = "") -> dict:
   """PEFT's `adapter_config.json` of `lora`."""
-  return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
-          "lora_alpha": float(lora.alpha), "lora_dropout": 0.0, "bias": "none",
-          "target_modules": sorted(HF_MODULE[t].split(".")[-1] for t in lora.targets),
-          "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-          "init_lora_weights": True, "modules_to_save": None,
-          "base_model_name_or_path": base_path or None, "inference_mode": True}
+  return {
+      "peft_type": "LORA",
+      "task_type": "CAUSAL_LM",
+      "r": lora.rank,
+      "lora_alpha": float(lora.alpha),
+      "lora_dropout": 0.0,
+      "bias": "none",
+      "target_modules": sorted(HF_MODULE[t].split(".")[-1] for t in lora.targets),
+      "fan_in_fan_out": False,
+      "use_rslora": False,
+      "use_dora": False,
+      "init_lora_weights": True,
+      "modules_to_save": None,
+      "base_model_name_or_path": base_path or None,
+      "inference_mode": True,
+  }
 
 
 def write_adapters(adapters, lora: LoraConfig, out_dir: str, base_path: str = "") -> str:
   """One PEFT adapter directory of one policy's `adapters` (an adapter state); returns it."""
   from safetensors.numpy import save_file
+
   os.makedirs(out_dir, exist_ok=True)
   tensors = peft_tensors(jax.device_get(adapters))
   save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
@@ -78,8 +95,10 @@ def _per_agent(policies, params, out_dir: str) -> list[tuple[str, object]]:
   if not policies.per_agent:
     return [(out_dir, params)]
   n = len(policies.models)
-  return [(os.path.join(out_dir, label), jax.tree.map(lambda x, a=a: x[a], params))
-          for a, label in zip(range(n), policies.labels)]
+  return [
+      (os.path.join(out_dir, label), jax.tree.map(lambda x, a=a: x[a], params))
+      for a, label in zip(range(n), policies.labels)
+  ]
 
 
 def save_adapters(policies, params, out_dir: str, base_path: str = "") -> list[str]:
@@ -87,10 +106,13 @@ def save_adapters(policies, params, out_dir: str, base_path: str = "") -> list[s
   `out_dir/agent_<a>` per agent. Returns the directories written."""
   step = policies.train_step
   if step.lora is None:
-    raise ValueError("export --format=peft: the run has no adapters (model.lora.rank=0); "
-                     "allowed: a run with model.lora.rank > 0")
-  return [write_adapters(p, step.lora, d, base_path)
-          for d, p in _per_agent(policies, params, out_dir)]
+    raise ValueError(
+        "export --format=peft: the run has no adapters (model.lora.rank=0); "
+        "allowed: a run with model.lora.rank > 0"
+    )
+  return [
+      write_adapters(p, step.lora, d, base_path) for d, p in _per_agent(policies, params, out_dir)
+  ]
 
 
 def save_merged(policies, params, out_dir: str) -> list[str]:
@@ -105,10 +127,20 @@ def save_merged(policies, params, out_dir: str) -> list[str]:
 
 # adapter_config.json fields that must equal the run's config (their config field), and
 # those whose non-default values would change what the tensors mean (must be off).
-_MATCH = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha",
-          "target_modules": "model.lora.targets"}
-_OFF = ("use_rslora", "use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern",
-        "alpha_pattern", "layers_to_transform")
+_MATCH = {
+    "r": "model.lora.rank",
+    "lora_alpha": "model.lora.alpha",
+    "target_modules": "model.lora.targets",
+}
+_OFF = (
+    "use_rslora",
+    "use_dora",
+    "fan_in_fan_out",
+    "modules_to_save",
+    "rank_pattern",
+    "alpha_pattern",
+    "layers_to_transform",
+)
 _OURS = {hf.split(".")[-1]: ours for ours, hf in HF_MODULE.items()}
 
 
@@ -132,8 +164,10 @@ def _read_config(path: str) -> dict:
       raise ValueError("not a JSON object")
     return got
   except (OSError, ValueError) as e:
-    raise ValueError(f"model.lora.init_from: {file} does not read ({' '.join(str(e).split())});"
-                     " allowed: a PEFT adapter_config.json") from None
+    raise ValueError(
+        f"model.lora.init_from: {file} does not read ({' '.join(str(e).split())});"
+        " allowed: a PEFT adapter_config.json"
+    ) from None
 
 
 def _wanted(field: str, lora: LoraConfig):
@@ -145,7 +179,8 @@ def _wanted(field: str, lora: LoraConfig):
 def _given(field: str, value):
   if field == "target_modules" and isinstance(value, list):
     return tuple(t for t in LORA_TARGETS if t in {_OURS.get(v, v) for v in value}) + tuple(
-        sorted(v for v in value if v not in _OURS))
+        sorted(v for v in value if v not in _OURS)
+    )
   return value
 
 
@@ -160,25 +195,34 @@ def check_adapters(path: str, cfg: ModelConfig) -> dict[str, tuple]:
     ValueError (one line) naming the directory, file, field or tensor that does not fit.
   """
   from safetensors import safe_open
+
   files = [os.path.join(path, n) for n in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)]
   missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
   if missing:
-    raise ValueError(f"model.lora.init_from={path!r} lacks {missing}; allowed: a PEFT LoRA "
-                     f"directory ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}), or one per agent "
-                     "(agent_<a>/) with agents.share_policy=False")
+    raise ValueError(
+        f"model.lora.init_from={path!r} lacks {missing}; allowed: a PEFT LoRA "
+        f"directory ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}), or one per agent "
+        "(agent_<a>/) with agents.share_policy=False"
+    )
   got = _read_config(path)
   if got.get("peft_type", "LORA") != "LORA" or got.get("bias", "none") != "none":
-    raise ValueError(f"model.lora.init_from: {files[0]} has peft_type={got.get('peft_type')!r}"
-                     f", bias={got.get('bias')!r}; allowed: peft_type='LORA', bias='none'")
+    raise ValueError(
+        f"model.lora.init_from: {files[0]} has peft_type={got.get('peft_type')!r}"
+        f", bias={got.get('bias')!r}; allowed: peft_type='LORA', bias='none'"
+    )
   for field in _OFF:
     if got.get(field):
-      raise ValueError(f"model.lora.init_from: {files[0]} has {field}={got[field]!r}; "
-                       "allowed: unset / false (plain LoRA, one rank and scale for all)")
+      raise ValueError(
+          f"model.lora.init_from: {files[0]} has {field}={got[field]!r}; "
+          "allowed: unset / false (plain LoRA, one rank and scale for all)"
+      )
   for field, name in _MATCH.items():
     given, want = _given(field, got.get(field)), _wanted(field, cfg.lora)
     if given != want:
-      raise ValueError(f"model.lora.init_from: {files[0]} has {field}={got.get(field)!r} but "
-                       f"{name}={want!r}; allowed: {name}={given!r} (the adapters' own)")
+      raise ValueError(
+          f"model.lora.init_from: {files[0]} has {field}={got.get(field)!r} but "
+          f"{name}={want!r}; allowed: {name}={given!r} (the adapters' own)"
+      )
   expected = {}
   for (i, target), (a, b) in lora_lib.pairs(lora_lib.abstract_adapters(cfg)).items():
     expected[_key(i, target, "A")], expected[_key(i, target, "B")] = a.shape, b.shape
@@ -186,18 +230,24 @@ def check_adapters(path: str, cfg: ModelConfig) -> dict[str, tuple]:
     with safe_open(files[1], framework="numpy") as f:
       shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
   except Exception as e:  # a truncated or foreign file: safetensors' own error types
-    raise ValueError(f"model.lora.init_from: {files[1]} does not read "
-                     f"({' '.join(str(e).split())}); allowed: a safetensors file") from None
+    raise ValueError(
+        f"model.lora.init_from: {files[1]} does not read "
+        f"({' '.join(str(e).split())}); allowed: a safetensors file"
+    ) from None
   for key, like in expected.items():
     if shapes.get(key) != like[::-1]:
-      raise ValueError(f"model.lora.init_from: {files[1]}: tensor {key} is "
-                       f"{shapes.get(key, 'missing')}; allowed: {like[::-1]} (the base's layer "
-                       f"with rank {cfg.lora.rank})")
+      raise ValueError(
+          f"model.lora.init_from: {files[1]}: tensor {key} is "
+          f"{shapes.get(key, 'missing')}; allowed: {like[::-1]} (the base's layer "
+          f"with rank {cfg.lora.rank})"
+      )
   extra = sorted(set(shapes) - set(expected))
   if extra:
-    raise ValueError(f"model.lora.init_from: {files[1]}: tensor {extra[0]} is no adapter of "
-                     f"this base ({len(extra)} such); allowed: the {len(expected)} adapter "
-                     f"tensors of {cfg.num_layers} layers")
+    raise ValueError(
+        f"model.lora.init_from: {files[1]}: tensor {extra[0]} is no adapter of "
+        f"this base ({len(extra)} such); allowed: the {len(expected)} adapter "
+        f"tensors of {cfg.num_layers} layers"
+    )
   return expected
 
 
@@ -209,6 +259,7 @@ def load_adapters(path: str, cfg: ModelConfig):
     ValueError (one line) naming the file, field or tensor that does not fit.
   """
   from safetensors.numpy import load_file
+
   check_adapters(path, cfg)
   tensors = load_file(os.path.join(path, ADAPTER_WEIGHTS))
   out = jax.tree.map(lambda x: x, lora_lib.abstract_adapters(cfg))

@@ -26,8 +26,9 @@ def forward_values(graphdef, params, batch):
   return model.values_at(hidden, batch.value_pos_BxK)
 
 
-def forward_logprobs(graphdef, params, batch, chunk_size: int, want_entropy: bool,
-                     temperature: float):
+def forward_logprobs(
+    graphdef, params, batch, chunk_size: int, want_entropy: bool, temperature: float
+):
   """Per-token logprobs [B, K] (and entropies, without gradient) of one parameter state.
 
   Args:
@@ -49,13 +50,13 @@ def forward_logprobs(graphdef, params, batch, chunk_size: int, want_entropy: boo
     values = model.values_at(hidden, batch.value_pos_BxK)
   if chunk_size:
     h = jnp.take_along_axis(hidden, batch.prev_BxK[..., None].astype(jnp.int32), axis=1)
-    logp = losses.chunked_target_logprobs(h, model.head_weight(), batch.target_BxK,
-                                          chunk_size, temperature=temperature)
+    logp = losses.chunked_target_logprobs(
+        h, model.head_weight(), batch.target_BxK, chunk_size, temperature=temperature
+    )
     return logp, None, values
   logits_BxKxV = model.logits_at(hidden, batch.prev_BxK)
   logp = losses.target_logprobs(logits_BxKxV, batch.target_BxK, temperature=temperature)
   entropy = None
   if want_entropy:
-    entropy = losses.target_entropy(jax.lax.stop_gradient(logits_BxKxV),
-                                    temperature=temperature)
+    entropy = losses.target_entropy(jax.lax.stop_gradient(logits_BxKxV), temperature=temperature)
   return logp, entropy, values

@@ -46,11 +46,14 @@ def check_trainable(trainable: Sequence[bool], num_agents: int) -> tuple[bool, .
   ValueError otherwise."""
   trainable = tuple(trainable)
   if len(trainable) != num_agents or not all(isinstance(t, bool) for t in trainable):
-    raise ValueError(f"agents.trainable={trainable!r}; allowed: True or False, one per agent "
-                     f"({num_agents})")
+    raise ValueError(
+        f"agents.trainable={trainable!r}; allowed: True or False, one per agent ({num_agents})"
+    )
   if not any(trainable):
-    raise ValueError(f"agents.trainable={trainable!r} freezes every agent: a run that trains "
-                     "nothing; allowed: at least one True")
+    raise ValueError(
+        f"agents.trainable={trainable!r} freezes every agent: a run that trains "
+        "nothing; allowed: at least one True"
+    )
   return trainable
 
 
@@ -63,35 +66,48 @@ class PartlyFrozenTrainStep(StackedTrainStep):
     trainable: one bool per agent, at least one True.
   """
 
-  def __init__(self, model, objective, optim_cfg, learning_rates: Sequence[float],
-               trainable: Sequence[bool], mesh=None, step_cfg: StepConfig = StepConfig(),
-               rules=sharding.TRAIN_RULES):
-    super().__init__(model, objective, optim_cfg, learning_rates, mesh=mesh,
-                     step_cfg=step_cfg, rules=rules)
+  def __init__(
+      self,
+      model,
+      objective,
+      optim_cfg,
+      learning_rates: Sequence[float],
+      trainable: Sequence[bool],
+      mesh=None,
+      step_cfg: StepConfig = StepConfig(),
+      rules=sharding.TRAIN_RULES,
+  ):
+    super().__init__(
+        model, objective, optim_cfg, learning_rates, mesh=mesh, step_cfg=step_cfg, rules=rules
+    )
     self.trainable = check_trainable(trainable, self.num_agents)
     self.trained = tuple(a for a, t in enumerate(self.trainable) if t)
     self._trained_T = np.asarray(self.trained, np.int32)
 
   # ------------------------------------------------------------ state
-  def init_state(self, models_or_params: Sequence[Any], seed: int = 0,
-                 adapters: Sequence[Any] = None) -> TrainState:
+  def init_state(
+      self, models_or_params: Sequence[Any], seed: int = 0, adapters: Sequence[Any] = None
+  ) -> TrainState:
     """As `StackedTrainStep.init_state`; a frozen agent gets its parameters (with
     adapters: its start adapters) and no optimizer state."""
     if len(models_or_params) != self.num_agents:
-      raise ValueError(f"init_state: {len(models_or_params)} models for "
-                       f"{self.num_agents} agents")
+      raise ValueError(f"init_state: {len(models_or_params)} models for {self.num_agents} agents")
     adapters = [None] * self.num_agents if adapters is None else adapters
-    states = [self.inner.init_state(m, seed=seed, adapters=ad) if t
-              else self._frozen_state(m, seed, ad)
-              for m, ad, t in zip(models_or_params, adapters, self.trainable)]
+    states = [
+        self.inner.init_state(m, seed=seed, adapters=ad) if t else self._frozen_state(m, seed, ad)
+        for m, ad, t in zip(models_or_params, adapters, self.trainable)
+    ]
     return self.stack(states)
 
   def _frozen_state(self, model_or_params, seed: int, adapters) -> TrainState:
     # `TrainStep.init_state` without the optimizer state.
-    return TrainState(step=jnp.zeros((), jnp.int32),
-                      params=self.inner.start_params(model_or_params, adapters),
-                      opt_state=None, rng=jax.random.PRNGKey(seed),
-                      num_skipped=jnp.zeros((), jnp.int32))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=self.inner.start_params(model_or_params, adapters),
+        opt_state=None,
+        rng=jax.random.PRNGKey(seed),
+        num_skipped=jnp.zeros((), jnp.int32),
+    )
 
   def stack(self, states: Sequence[TrainState]) -> TrainState:
     """Per-agent states (a frozen agent's opt_state None or ignored) -> one state:
@@ -112,17 +128,24 @@ class PartlyFrozenTrainStep(StackedTrainStep):
     def stacked(n):
       return lambda x, s: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype, sharding=s)
 
-    every = jax.tree.map(stacked(self.num_agents), one.replace(opt_state=None),
-                         shardings.replace(opt_state=None))
-    return every.replace(opt_state=jax.tree.map(stacked(len(self.trained)), one.opt_state,
-                                                shardings.opt_state))
+    every = jax.tree.map(
+        stacked(self.num_agents), one.replace(opt_state=None), shardings.replace(opt_state=None)
+    )
+    return every.replace(
+        opt_state=jax.tree.map(stacked(len(self.trained)), one.opt_state, shardings.opt_state)
+    )
 
   def agent_state(self, state: TrainState, a: int) -> TrainState:
     """Agent `a`'s state of a stacked one (a frozen agent's opt_state: None)."""
     take = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
     opt = take(state.opt_state, self.trained.index(a)) if self.trainable[a] else None
-    return TrainState(step=state.step[a], params=take(state.params, a), opt_state=opt,
-                      rng=state.rng[a], num_skipped=state.num_skipped[a])
+    return TrainState(
+        step=state.step[a],
+        params=take(state.params, a),
+        opt_state=opt,
+        rng=state.rng[a],
+        num_skipped=state.num_skipped[a],
+    )
 
   # ------------------------------------------------------------ step
   def _take(self, tree):
@@ -131,20 +154,34 @@ class PartlyFrozenTrainStep(StackedTrainStep):
 
   def _put(self, full, part):
     # `full` with the trained agents' rows replaced by `part`'s; other rows untouched.
-    return jax.tree.map(lambda f, p: f.at[self._trained_T].set(
-        p, indices_are_sorted=True, unique_indices=True), full, part)
+    return jax.tree.map(
+        lambda f, p: f.at[self._trained_T].set(p, indices_are_sorted=True, unique_indices=True),
+        full,
+        part,
+    )
 
   def _stacked_step(self, state, frozen, batch, schedule_args, scales, *, with_ref: bool):
-    sub = TrainState(step=self._take(state.step), params=self._take(state.params),
-                     opt_state=state.opt_state, rng=self._take(state.rng),
-                     num_skipped=self._take(state.num_skipped))
+    sub = TrainState(
+        step=self._take(state.step),
+        params=self._take(state.params),
+        opt_state=state.opt_state,
+        rng=self._take(state.rng),
+        num_skipped=self._take(state.num_skipped),
+    )
     ref = frozen if frozen is None or self.lora else self._take(frozen)  # the base is shared
-    new, metrics_T = super()._stacked_step(sub, ref, self._take(batch), schedule_args,
-                                           self._take(scales), with_ref=with_ref)
-    return TrainState(step=self._put(state.step, new.step),
-                      params=self._put(state.params, new.params), opt_state=new.opt_state,
-                      rng=self._put(state.rng, new.rng),
-                      num_skipped=self._put(state.num_skipped, new.num_skipped)), metrics_T
+    new, metrics_T = super()._stacked_step(
+        sub, ref, self._take(batch), schedule_args, self._take(scales), with_ref=with_ref
+    )
+    return (
+        TrainState(
+            step=self._put(state.step, new.step),
+            params=self._put(state.params, new.params),
+            opt_state=new.opt_state,
+            rng=self._put(state.rng, new.rng),
+            num_skipped=self._put(state.num_skipped, new.num_skipped),
+        ),
+        metrics_T,
+    )
 
   def _mapped_old_logp(self, params, base, fwd):
     old_T = super()._mapped_old_logp(self._take(params), base, self._take(fwd))
@@ -155,5 +192,7 @@ class PartlyFrozenTrainStep(StackedTrainStep):
     """Host floats per trained agent, in agent order (raises NonFiniteError under
     'halt' for any of them)."""
     host = jax.device_get(dict(metrics))
-    return [self.inner.fetch_metrics({k: v[i] for k, v in host.items()})
-            for i in range(len(self.trained))]
+    return [
+        self.inner.fetch_metrics({k: v[i] for k, v in host.items()})
+        for i in range(len(self.trained))
+    ]

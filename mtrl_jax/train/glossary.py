@@ -17,8 +17,12 @@ import re
 from typing import Iterable, Optional
 
 # A pattern's placeholder -> (the regular expression it stands for, what it names).
-PLACEHOLDERS = {"a": (r"\d+", "an agent index"), "t": (r"\d+", "a tree turn"),
-                "mode": ("greedy|sampled", "an evaluation pass"), "name": (r"[^/]+", "any name")}
+PLACEHOLDERS = {
+    "a": (r"\d+", "an agent index"),
+    "t": (r"\d+", "a tree turn"),
+    "mode": ("greedy|sampled", "an evaluation pass"),
+    "name": (r"[^/]+", "any name"),
+}
 
 # (section title, what the section's keys describe, ((pattern, meaning, unit), ...)).
 # A table, one row per key as docs/metrics.md shows it: the formatter leaves it alone.
@@ -261,8 +265,9 @@ METRICS = {p: (meaning, unit) for _, _, rows in SECTIONS for p, meaning, unit in
 def pattern_regex(pattern: str) -> re.Pattern:
   """The regular expression of a key pattern: each `<x>` stands for `PLACEHOLDERS[x]`'s."""
   parts = re.split(r"<(\w+)>", pattern)
-  body = "".join(re.escape(p) if i % 2 == 0 else f"(?:{PLACEHOLDERS[p][0]})"
-                 for i, p in enumerate(parts))
+  body = "".join(
+      re.escape(p) if i % 2 == 0 else f"(?:{PLACEHOLDERS[p][0]})" for i, p in enumerate(parts)
+  )
   return re.compile(body + r"\Z")
 
 

@@ -52,8 +52,7 @@ class ModelGroup:
   dtype: str = ""
   remat: bool = ModelConfig.remat
   attention: str = ModelConfig.attention
-  lora: LoraConfig = dataclasses.field(
-      default_factory=lambda: dataclasses.asdict(LoraConfig()))
+  lora: LoraConfig = dataclasses.field(default_factory=lambda: dataclasses.asdict(LoraConfig()))
   arch: Optional[ModelConfig] = None
 
   def __post_init__(self):
@@ -61,19 +60,29 @@ class ModelGroup:
       names = [f.name for f in dataclasses.fields(LoraConfig)]
       given = dict(self.lora.items()) if hasattr(self.lora, "items") else None
       if given is None or set(given) - set(names):
-        raise ValueError(f"config model.lora has keys {sorted(given or ())}; allowed: a group "
-                         f"of {names}")
+        raise ValueError(
+            f"config model.lora has keys {sorted(given or ())}; allowed: a group of {names}"
+        )
       object.__setattr__(self, "lora", LoraConfig(**given))
     if self.dtype not in _MODEL_DTYPES:
-      raise ValueError(f"config model.dtype={self.dtype!r}; allowed: {list(_MODEL_DTYPES)} "
-                       "('' keeps the preset's / checkpoint's dtype)")
-    if not isinstance(self.num_layers, int) or self.num_layers < 0 or (
-        self.num_layers and self.path):
-      raise ValueError(f"config model.num_layers={self.num_layers!r}; allowed: 0 (the preset's "
-                       "or checkpoint's depth) or a positive int with model.path=''")
+      raise ValueError(
+          f"config model.dtype={self.dtype!r}; allowed: {list(_MODEL_DTYPES)} "
+          "('' keeps the preset's / checkpoint's dtype)"
+      )
+    if (
+        not isinstance(self.num_layers, int)
+        or self.num_layers < 0
+        or (self.num_layers and self.path)
+    ):
+      raise ValueError(
+          f"config model.num_layers={self.num_layers!r}; allowed: 0 (the preset's "
+          "or checkpoint's depth) or a positive int with model.path=''"
+      )
     if self.path and not os.path.isfile(os.path.join(self.path, "config.json")):
-      raise ValueError(f"config model.path={self.path!r} has no config.json; allowed: a local "
-                       "HF-format checkpoint directory, or '' for model.preset")
+      raise ValueError(
+          f"config model.path={self.path!r} has no config.json; allowed: a local "
+          "HF-format checkpoint directory, or '' for model.preset"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +109,13 @@ class TokenizerConfig:
     if self.kind not in ("byte", "hf"):
       raise ValueError(f"config tokenizer.kind={self.kind!r}; allowed: ['byte', 'hf']")
     if self.chat_format not in ("compact", "chatml"):
-      raise ValueError(f"config tokenizer.chat_format={self.chat_format!r}; "
-                       "allowed: ['compact', 'chatml']")
+      raise ValueError(
+          f"config tokenizer.chat_format={self.chat_format!r}; allowed: ['compact', 'chatml']"
+      )
     if not isinstance(self.strip_thinking, bool):
-      raise ValueError(f"config tokenizer.strip_thinking={self.strip_thinking!r}; "
-                       "allowed: True or False")
+      raise ValueError(
+          f"config tokenizer.strip_thinking={self.strip_thinking!r}; allowed: True or False"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,11 +149,17 @@ class EnvConfig:
 
   def __post_init__(self):
     object.__setattr__(self, "kwargs", kwargs_pairs(self.kwargs))
-    object.__setattr__(self, "limits", StepLimits(
-        max_turns=self.max_turns, max_tokens=self.max_tokens,
-        react_timeout_s=self.react_timeout_s,
-        faults=FaultPolicy(max_retries=self.max_retries, tool_timeout=self.tool_timeout),
-        max_tool_output_chars=self.max_tool_output_chars))
+    object.__setattr__(
+        self,
+        "limits",
+        StepLimits(
+            max_turns=self.max_turns,
+            max_tokens=self.max_tokens,
+            react_timeout_s=self.react_timeout_s,
+            faults=FaultPolicy(max_retries=self.max_retries, tool_timeout=self.tool_timeout),
+            max_tool_output_chars=self.max_tool_output_chars,
+        ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,8 +97,10 @@ class PolicyObjective:
   def check(self, batch) -> None:
     """Refuses a batch this objective cannot read (before tracing)."""
     if self.recompute_old and batch.trainer_old_logp_BxK is None:
-      raise ValueError("PolicyObjective(recompute_old=True) needs the batch's "
-                       "trainer_old_logp_BxK (TrainStep.old_logprobs)")
+      raise ValueError(
+          "PolicyObjective(recompute_old=True) needs the batch's "
+          "trainer_old_logp_BxK (TrainStep.old_logprobs)"
+      )
 
   def _old_and_sampler(self, logp, batch):
     """(old_logp for the clipped ratio, sampler logp for the correction or None)."""
@@ -110,15 +112,24 @@ class PolicyObjective:
 
   def terms(self, logp_BxK, ref_logp_BxK, entropy_BxK, batch):
     old, sampler = self._old_and_sampler(logp_BxK, batch)
-    return losses.policy_loss_terms(logp_BxK, old, ref_logp_BxK, batch.adv_BxK,
-                                    train_mask(batch), self.loss_cfg, entropy=entropy_BxK,
-                                    action_ids=batch.action_BxK, sampler_logp=sampler)
+    return losses.policy_loss_terms(
+        logp_BxK,
+        old,
+        ref_logp_BxK,
+        batch.adv_BxK,
+        train_mask(batch),
+        self.loss_cfg,
+        entropy=entropy_BxK,
+        action_ids=batch.action_BxK,
+        sampler_logp=sampler,
+    )
 
   def den(self, batch):
     """The policy term's denominator over `batch` (a count: its masks alone decide it)."""
     zeros = jnp.zeros(batch.target_BxK.shape, jnp.float32)
-    return losses.aggregate(zeros, train_mask(batch), self.loss_cfg.aggregation,
-                            self.loss_cfg.max_len, batch.action_BxK)[1]
+    return losses.aggregate(
+        zeros, train_mask(batch), self.loss_cfg.aggregation, self.loss_cfg.max_len, batch.action_BxK
+    )[1]
 
   def value_den(self, batch):
     """The value term's denominator over `batch`: its value slots."""
@@ -134,11 +145,14 @@ class PolicyObjective:
       err = jnp.maximum(err, jnp.square(clipped - y))
     num = 0.5 * jnp.sum(jnp.where(mask, err, 0.0))
     v = jax.lax.stop_gradient(jnp.where(mask, values_BxK, 0.0))
-    return num, {"value_loss_sum": jax.lax.stop_gradient(num),
-                 "value_count": mask.astype(jnp.float32).sum(), "value_sum": v.sum(),
-                 "value_target_sum": jnp.where(mask, y, 0.0).sum(),
-                 "value_target_sq_sum": jnp.where(mask, y * y, 0.0).sum(),
-                 "value_sq_err_sum": jnp.where(mask, jnp.square(v - y), 0.0).sum()}
+    return num, {
+        "value_loss_sum": jax.lax.stop_gradient(num),
+        "value_count": mask.astype(jnp.float32).sum(),
+        "value_sum": v.sum(),
+        "value_target_sum": jnp.where(mask, y, 0.0).sum(),
+        "value_target_sq_sum": jnp.where(mask, y * y, 0.0).sum(),
+        "value_sq_err_sum": jnp.where(mask, jnp.square(v - y), 0.0).sum(),
+    }
 
   def merge(self, a, b):
     return losses.merge_metric_sums(a, b)
@@ -157,10 +171,13 @@ def value_metrics(sums) -> dict:
   mean_y = losses.safe_divide(sums["value_target_sum"], n)
   var_y = losses.safe_divide(sums["value_target_sq_sum"], n) - mean_y * mean_y
   mse = losses.safe_divide(sums["value_sq_err_sum"], n)
-  return dict(value_loss=losses.safe_divide(sums["value_loss_sum"], n),
-              value_mean=losses.safe_divide(sums["value_sum"], n), value_target_mean=mean_y,
-              value_explained_var=jnp.where(var_y > 0, 1.0 - mse / jnp.where(
-                  var_y > 0, var_y, 1.0), 0.0), value_slots=n)
+  return dict(
+      value_loss=losses.safe_divide(sums["value_loss_sum"], n),
+      value_mean=losses.safe_divide(sums["value_sum"], n),
+      value_target_mean=mean_y,
+      value_explained_var=jnp.where(var_y > 0, 1.0 - mse / jnp.where(var_y > 0, var_y, 1.0), 0.0),
+      value_slots=n,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +197,9 @@ class ValueObjective:
 
   def check(self, batch) -> None:
     if batch.value_mask_BxK is None:
-      raise ValueError("ValueObjective needs a batch with the value fields "
-                       "(rollout.train_batch.VALUE_FIELDS)")
+      raise ValueError(
+          "ValueObjective needs a batch with the value fields (rollout.train_batch.VALUE_FIELDS)"
+      )
 
   def terms(self, logp_BxK, ref_logp_BxK, entropy_BxK, batch):
     """No policy term: (0, value slots, {}); the value term is `value_terms`'."""
@@ -196,4 +214,3 @@ class ValueObjective:
 
   def finalize(self, sums):
     return value_metrics(sums)
-

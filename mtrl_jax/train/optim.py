@@ -69,21 +69,41 @@ class OptimConfig:
   def __post_init__(self):
     if self.schedule not in _SCHEDULES:
       raise ValueError(f"OptimConfig.schedule={self.schedule!r}; allowed: {list(_SCHEDULES)}")
-    _check(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
-           self.learning_rate, "a finite number > 0")
-    _check(int(self.warmup_steps) == self.warmup_steps and self.warmup_steps >= 0,
-           "warmup_steps", self.warmup_steps, "an integer >= 0")
-    _check(int(self.total_steps) == self.total_steps and self.total_steps >= 1,
-           "total_steps", self.total_steps, "an integer >= 1")
+    _check(
+        self.learning_rate > 0 and math.isfinite(self.learning_rate),
+        "learning_rate",
+        self.learning_rate,
+        "a finite number > 0",
+    )
+    _check(
+        int(self.warmup_steps) == self.warmup_steps and self.warmup_steps >= 0,
+        "warmup_steps",
+        self.warmup_steps,
+        "an integer >= 0",
+    )
+    _check(
+        int(self.total_steps) == self.total_steps and self.total_steps >= 1,
+        "total_steps",
+        self.total_steps,
+        "an integer >= 1",
+    )
     if self.schedule == "cosine":
-      _check(self.warmup_steps < self.total_steps, "warmup_steps", self.warmup_steps,
-             f"< total_steps={self.total_steps} with the cosine schedule")
+      _check(
+          self.warmup_steps < self.total_steps,
+          "warmup_steps",
+          self.warmup_steps,
+          f"< total_steps={self.total_steps} with the cosine schedule",
+      )
     _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
     _check(0 <= self.b1 < 1, "b1", self.b1, "in [0, 1)")
     _check(0 <= self.b2 < 1, "b2", self.b2, "in [0, 1)")
     _check(self.eps > 0, "eps", self.eps, "> 0")
-    _check(self.grad_clip_norm >= 0, "grad_clip_norm", self.grad_clip_norm,
-           ">= 0 (0 disables clipping)")
+    _check(
+        self.grad_clip_norm >= 0,
+        "grad_clip_norm",
+        self.grad_clip_norm,
+        ">= 0 (0 disables clipping)",
+    )
 
 
 def _check(ok: bool, name: str, value, allowed: str):
@@ -96,13 +116,21 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
   keeps its total (what `make_optimizer`'s updates apply until a resume changes it)."""
   if cfg.schedule == "cosine":
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        decay_steps=cfg.total_steps, end_value=0.0)
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.total_steps,
+        end_value=0.0,
+    )
   if cfg.warmup_steps == 0:
     return optax.constant_schedule(cfg.learning_rate)
   return optax.join_schedules(
-      [optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
-       optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+      [
+          optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
+          optax.constant_schedule(cfg.learning_rate),
+      ],
+      [cfg.warmup_steps],
+  )
 
 
 class ScheduleArgs(NamedTuple):
@@ -121,8 +149,9 @@ class ScheduleArgs(NamedTuple):
 
 def schedule_args(cfg: OptimConfig) -> ScheduleArgs:
   """`cfg`'s schedule numbers as host scalars (the update's arguments)."""
-  return ScheduleArgs(np.float32(cfg.learning_rate), np.int32(cfg.warmup_steps),
-                      np.int32(cfg.total_steps))
+  return ScheduleArgs(
+      np.float32(cfg.learning_rate), np.int32(cfg.warmup_steps), np.int32(cfg.total_steps)
+  )
 
 
 class ScheduleState(NamedTuple):
@@ -146,8 +175,10 @@ def _angle(s: ScheduleState, c):
   t = jnp.clip(c - s.anchor_count, 0, jnp.maximum(span, 0)).astype(jnp.float32)
   run = jnp.pi * (1 - s.anchor_phase)
   # (pi * t) / span when phi = 0: optax's cosine, rounding included.
-  return jnp.where(span > 0, run * t / jnp.maximum(span, 1).astype(jnp.float32),
-                   run) + jnp.pi * s.anchor_phase
+  return (
+      jnp.where(span > 0, run * t / jnp.maximum(span, 1).astype(jnp.float32), run)
+      + jnp.pi * s.anchor_phase
+  )
 
 
 def anchored(s: ScheduleState, args: ScheduleArgs) -> ScheduleState:
@@ -160,7 +191,8 @@ def anchored(s: ScheduleState, args: ScheduleArgs) -> ScheduleState:
   return s._replace(
       anchor_count=jnp.where(same, s.anchor_count, jnp.where(under_way, c, w)),
       anchor_phase=jnp.where(same, s.anchor_phase, jnp.where(under_way, phase, 0.0)),
-      anchor_total=total)
+      anchor_total=total,
+  )
 
 
 def schedule_value(s: ScheduleState, args: ScheduleArgs, cosine: bool):
@@ -173,8 +205,9 @@ def schedule_value(s: ScheduleState, args: ScheduleArgs, cosine: bool):
   return jnp.where(c < w, warm, after)
 
 
-def scale_by_run_schedule(cfg: OptimConfig,
-                          args: ScheduleArgs = None) -> optax.GradientTransformation:
+def scale_by_run_schedule(
+    cfg: OptimConfig, args: ScheduleArgs = None
+) -> optax.GradientTransformation:
   """Scales updates by minus the rate (optax's `scale_by_learning_rate`), re-anchoring
   the schedule for `args` (default `cfg`'s numbers; traced arguments in the step)."""
   args = schedule_args(cfg) if args is None else args
@@ -198,10 +231,14 @@ def scale_by_run_schedule(cfg: OptimConfig,
 def learning_rate(opt_state, cfg: OptimConfig, args: ScheduleArgs = None):
   """The rate the next update of `opt_state` applies (for `args`; default `cfg`'s)."""
   args = schedule_args(cfg) if args is None else args
-  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScheduleState))
-           if isinstance(x, ScheduleState)]
-  return (schedule_value(anchored(found[0], args), args, cfg.schedule == "cosine") if found
-          else jnp.nan)
+  found = [
+      x
+      for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScheduleState))
+      if isinstance(x, ScheduleState)
+  ]
+  return (
+      schedule_value(anchored(found[0], args), args, cfg.schedule == "cosine") if found else jnp.nan
+  )
 
 
 def _decay_mask(params):
@@ -220,9 +257,11 @@ def make_optimizer(cfg: OptimConfig, args: ScheduleArgs = None) -> optax.Gradien
     An optax transformation for a parameter pytree (e.g. an `nnx.State`); its
     updates equal `optax.adamw(make_schedule(cfg), ...)`'s while the total stays.
   """
-  adamw = optax.chain(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
-                      optax.add_decayed_weights(cfg.weight_decay, _decay_mask),
-                      scale_by_run_schedule(cfg, args))
+  adamw = optax.chain(
+      optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+      optax.add_decayed_weights(cfg.weight_decay, _decay_mask),
+      scale_by_run_schedule(cfg, args),
+  )
   if cfg.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
   return adamw

@@ -47,8 +47,12 @@ import numpy as np
 from flax import nnx
 
 from mtrl_jax import distributed
-from mtrl_jax.rollout.batching import (critic_values, global_batch, make_agent_batches,
-                                      make_train_batch)
+from mtrl_jax.rollout.batching import (
+    critic_values,
+    global_batch,
+    make_agent_batches,
+    make_train_batch,
+)
 from mtrl_jax.rollout.policy import StackedStates
 from mtrl_jax.train import export_lora
 from mtrl_jax.train.stacked import agent_slice, stack_trees
@@ -67,8 +71,9 @@ def without_agents(tree, trainable):
   metrics and dumps still see every sample)."""
   frozen_Nx1 = ~np.asarray(trainable, bool)[:, None]
   view = copy.copy(tree)
-  view.nodes = [dataclasses.replace(n, weight_NxG=np.where(frozen_Nx1, 0.0, n.weight_NxG))
-                for n in tree.nodes]
+  view.nodes = [
+      dataclasses.replace(n, weight_NxG=np.where(frozen_Nx1, 0.0, n.weight_NxG)) for n in tree.nodes
+  ]
   return view
 
 
@@ -104,14 +109,19 @@ class Policies:
 
   def saved_params_target(self):
     """The abstract saved parameters (the reference and behaviour trees of a checkpoint)."""
-    return jax.tree.map(lambda s: s.params, self.saved_state_target(),
-                        is_leaf=lambda x: hasattr(x, "opt_state"))
+    return jax.tree.map(
+        lambda s: s.params, self.saved_state_target(), is_leaf=lambda x: hasattr(x, "opt_state")
+    )
 
   def critic_values(self, params, tree, cfg) -> list:
     """A value critic's value of every sampled action of `tree` at `params`, per node
     [N, G] (one value pass: `rollout.batching.critic_values`)."""
-    return critic_values(tree, cfg, lambda b: jax.device_get(self.train_step.values(params, b)),
-                         per_agent=self.per_agent)
+    return critic_values(
+        tree,
+        cfg,
+        lambda b: jax.device_get(self.train_step.values(params, b)),
+        per_agent=self.per_agent,
+    )
 
   def _batch(self, tree, cfg, critic):
     raise NotImplementedError
@@ -122,8 +132,9 @@ class SharedPolicy(Policies):
 
   def init_state(self, params=None):
     start = self.start_adapters()
-    return self.train_step.init_state(self.models[0] if params is None else params,
-                                      seed=self.seed, adapters=start and start[0])
+    return self.train_step.init_state(
+        self.models[0] if params is None else params, seed=self.seed, adapters=start and start[0]
+    )
 
   def sampler_states(self, params):
     return self.train_step.merged(params)
@@ -171,8 +182,11 @@ class StackedPolicies(Policies):
   def init_state(self, params=None):
     """A fresh state from every agent's model, or (after the SFT warm-up) from `params`
     for the trained agents and their own model for the frozen ones."""
-    starts = self.models if params is None else [
-        params if t else m for m, t in zip(self.models, self.trainable)]
+    starts = (
+        self.models
+        if params is None
+        else [params if t else m for m, t in zip(self.models, self.trainable)]
+    )
     return self.train_step.init_state(starts, seed=self.seed, adapters=self.start_adapters())
 
   def sampler_states(self, params):
@@ -182,8 +196,7 @@ class StackedPolicies(Policies):
   def one_for_all(self, params):
     """One policy's params as every trained agent's, a frozen agent keeping its own (the
     SFT warm-up's check, before the agents part ways)."""
-    trees = [params if t else nnx.state(m, nnx.Param)
-             for m, t in zip(self.models, self.trainable)]
+    trees = [params if t else nnx.state(m, nnx.Param) for m, t in zip(self.models, self.trainable)]
     return StackedStates(stack_trees(trees), len(self.models))
 
   def _batch(self, tree, cfg, critic):
@@ -220,10 +233,11 @@ class StackedPolicies(Policies):
 
   def saved_state_target(self):
     one = self.train_step.inner.abstract_state()
-    return {label: one if t else one.replace(opt_state=None)
-            for label, t in zip(self.labels, self.trainable)}
+    return {
+        label: one if t else one.replace(opt_state=None)
+        for label, t in zip(self.labels, self.trainable)
+    }
 
   def per_policy(self, params) -> list:
     merged = self.train_step.merged(params)
     return [agent_slice(merged, a) for a in range(len(self.models))]
-

@@ -41,9 +41,12 @@ from mtrl_jax.train.defaults import base_config
 _SHORTCUTS = {"factory": "env.factory", "tasks": "tasks.source", "seed": "seed"}
 # Fields that take user code: the registry that stores an object given for them.
 _CODE_FIELDS = {
-    "env.factory": (ENV_FACTORIES, lambda obj: callable(obj) or hasattr(obj, "create_environment"),
-                    "an EnvironmentFactory class or instance, an Environment class, a callable "
-                    "metadata -> Environment"),
+    "env.factory": (
+        ENV_FACTORIES,
+        lambda obj: callable(obj) or hasattr(obj, "create_environment"),
+        "an EnvironmentFactory class or instance, an Environment class, a callable "
+        "metadata -> Environment",
+    ),
     "tasks.source": (TASK_SOURCES, callable, "a callable (split, **tasks.kwargs) -> tasks"),
 }
 
@@ -58,21 +61,25 @@ def check_workdir(workdir: str, field: str = "workdir") -> None:
     experiment.ConfigError naming `field` (e.g. '--workdir').
   """
   if not isinstance(workdir, (str, os.PathLike)) or not str(workdir):
-    raise experiment.ConfigError(f"{field}={workdir!r}; allowed: a directory path (created "
-                                 "if missing)")
+    raise experiment.ConfigError(
+        f"{field}={workdir!r}; allowed: a directory path (created if missing)"
+    )
   target = os.path.abspath(workdir)
   if os.path.exists(target) and not os.path.isdir(target):
-    raise experiment.ConfigError(f"{field}={str(workdir)!r} is a file; allowed: a directory "
-                                 "(created if missing)")
+    raise experiment.ConfigError(
+        f"{field}={str(workdir)!r} is a file; allowed: a directory (created if missing)"
+    )
   existing = target
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
-    raise experiment.ConfigError(f"{field}={str(workdir)!r}: {existing!r} is a file; "
-                                 "allowed: a path under a directory")
+    raise experiment.ConfigError(
+        f"{field}={str(workdir)!r}: {existing!r} is a file; allowed: a path under a directory"
+    )
   if not os.access(existing, os.W_OK | os.X_OK):
-    raise experiment.ConfigError(f"{field}={str(workdir)!r}: {existing!r} is read-only; "
-                                 "allowed: a writable directory")
+    raise experiment.ConfigError(
+        f"{field}={str(workdir)!r}: {existing!r} is read-only; allowed: a writable directory"
+    )
 
 
 class ENVGRPO:
@@ -92,8 +99,9 @@ class ENVGRPO:
   algorithm = "grpo"
   loss_defaults: dict = {}
 
-  def __init__(self, config: Optional[ml_collections.ConfigDict] = None, *,
-               model: Any = None, **fields):
+  def __init__(
+      self, config: Optional[ml_collections.ConfigDict] = None, *, model: Any = None, **fields
+  ):
     c = copy.deepcopy(config) if config is not None else base_config()
     c.loss.algorithm = self.algorithm
     for k, v in self.loss_defaults.items():
@@ -121,19 +129,23 @@ class ENVGRPO:
       node = node[p]
     if leaf not in node:
       raise experiment.ConfigError(
-          f"recipe field {dotted!r}: unknown; allowed: {sorted(node.keys())}")
+          f"recipe field {dotted!r}: unknown; allowed: {sorted(node.keys())}"
+      )
     if dotted in _CODE_FIELDS and not isinstance(value, str):
       registry, accepts, allowed = _CODE_FIELDS[dotted]
       if not accepts(value):
-        raise experiment.ConfigError(f"recipe field {dotted!r}={value!r}; allowed: a registered "
-                                     f"name, 'pkg.module:name', or {allowed}")
+        raise experiment.ConfigError(
+            f"recipe field {dotted!r}={value!r}; allowed: a registered "
+            f"name, 'pkg.module:name', or {allowed}"
+        )
       value = registry.spec(value)
     try:
       node[leaf] = value
     except (TypeError, ValueError) as e:  # ml_collections refuses a value of another type
       raise experiment.ConfigError(
           f"recipe field {dotted!r}={value!r}: {' '.join(str(e).split())}; allowed: a "
-          f"{type(node[leaf]).__name__}") from None
+          f"{type(node[leaf]).__name__}"
+      ) from None
 
   def run(self, workdir: str, *, progress: bool = False) -> dict:
     """Trains (or resumes) in `workdir`; returns the run's summary dict.
@@ -149,5 +161,8 @@ class ENVGSPO(ENVGRPO):
   """GSPO (sequence-level ratio) over environment tree rollouts; GSPO's small clip range."""
 
   algorithm = "gspo"
-  loss_defaults = {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4,
-                   "aggregation": "seq-mean-token-mean"}
+  loss_defaults = {
+      "clip_eps_low": 3e-4,
+      "clip_eps_high": 4e-4,
+      "aggregation": "seq-mean-token-mean",
+  }

@@ -17,6 +17,7 @@ SUCCESS_KEY = "eval/greedy/success"
 def run_seeds(config, parent: str, seeds: Sequence[int]) -> list[str]:
   """Runs `config` once per seed under `parent/seed_<k>` (resuming finished ones)."""
   from mtrl_jax.train import rl
+
   workdirs = []
   for seed in seeds:
     c = config.copy_and_resolve_references()
@@ -29,8 +30,10 @@ def run_seeds(config, parent: str, seeds: Sequence[int]) -> list[str]:
 
 def eval_curve(workdir: str, key: str = SUCCESS_KEY) -> tuple[np.ndarray, np.ndarray]:
   rows = [r for r in metrics_lib.read_metrics(workdir) if key in r]
-  return (np.array([r["step"] for r in rows], np.int64),
-          np.array([r[key] for r in rows], np.float64))
+  return (
+      np.array([r["step"] for r in rows], np.int64),
+      np.array([r[key] for r in rows], np.float64),
+  )
 
 
 def run_summary(workdir: str, key: str = SUCCESS_KEY) -> dict:
@@ -38,24 +41,31 @@ def run_summary(workdir: str, key: str = SUCCESS_KEY) -> dict:
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   best = summary.get("best") or {}
-  return {"workdir": workdir, "after_sft": float(values[0]) if len(values) else float("nan"),
-          "after_rl": float(values[-1]) if len(values) else float("nan"),
-          "best_step": best.get("step"), "best": best.get("score"),
-          "steps": int(steps[-1]) if len(steps) else 0}
+  return {
+      "workdir": workdir,
+      "after_sft": float(values[0]) if len(values) else float("nan"),
+      "after_rl": float(values[-1]) if len(values) else float("nan"),
+      "best_step": best.get("step"),
+      "best": best.get("score"),
+      "steps": int(steps[-1]) if len(steps) else 0,
+  }
 
 
 def summary_table(workdirs: Sequence[str], key: str = SUCCESS_KEY) -> str:
   """Markdown table: held-out success after SFT, after RL and at the best step, per seed."""
   rows = [run_summary(w, key) for w in workdirs]
-  lines = ["| run | held-out success after SFT | after RL | best (step) |",
-           "|---|---|---|---|"]
+  lines = ["| run | held-out success after SFT | after RL | best (step) |", "|---|---|---|---|"]
   for r in rows:
-    lines.append(f"| {os.path.basename(r['workdir'])} | {r['after_sft']:.3f} | "
-                 f"{r['after_rl']:.3f} | {r['best'] or float('nan'):.3f} ({r['best_step']}) |")
+    lines.append(
+        f"| {os.path.basename(r['workdir'])} | {r['after_sft']:.3f} | "
+        f"{r['after_rl']:.3f} | {r['best'] or float('nan'):.3f} ({r['best_step']}) |"
+    )
   if len(rows) > 1:
+
     def ms(name):
       v = np.array([r[name] or np.nan for r in rows], np.float64)
       return f"{np.nanmean(v):.3f} +- {np.nanstd(v):.3f}"
+
     lines.append(f"| mean +- std | {ms('after_sft')} | {ms('after_rl')} | {ms('best')} |")
   return "\n".join(lines)
 
@@ -63,14 +73,22 @@ def summary_table(workdirs: Sequence[str], key: str = SUCCESS_KEY) -> str:
 def plot_learning_curves(workdirs: Sequence[str], out_png: str, key: str = SUCCESS_KEY) -> str:
   """Held-out success vs RL step: each seed thin, mean +- std band thick."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots(figsize=(6, 4))
   curves = [eval_curve(w, key) for w in workdirs]
   alone = len(curves) == 1
   for w, (s, v) in zip(workdirs, curves):
-    ax.plot(s, v, lw=2 if alone else 0.8, alpha=1 if alone else 0.5, marker="o" if alone else None,
-            label=os.path.basename(w))
+    ax.plot(
+        s,
+        v,
+        lw=2 if alone else 0.8,
+        alpha=1 if alone else 0.5,
+        marker="o" if alone else None,
+        label=os.path.basename(w),
+    )
   common = min((len(s) for s, _ in curves), default=0)
   if len(curves) > 1 and common:
     vals = np.stack([v[:common] for _, v in curves])
@@ -93,6 +111,7 @@ def plot_learning_curves(workdirs: Sequence[str], out_png: str, key: str = SUCCE
 # ------------------------------------------------------------------ sweeps and ablations
 def _load_config_module(config_path: str):
   import importlib.util
+
   spec = importlib.util.spec_from_file_location("sweep_config", config_path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -169,8 +188,10 @@ def default_level(workdirs: Sequence[str], key: str = SUCCESS_KEY) -> tuple[floa
 def ablation_table(workdirs: Sequence[str], level: float, key: str = SUCCESS_KEY) -> str:
   """Markdown: per group (overrides minus seed) mean +- std over seeds."""
   groups = _groups(workdirs)
-  lines = [f"| setting | seeds | after SFT | final | best | steps to {level:g} |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+      f"| setting | seeds | after SFT | final | best | steps to {level:g} |",
+      "|---|---|---|---|---|---|",
+  ]
   for name, runs in groups.items():
     rows = [run_summary(w, key) for w in runs]
 
@@ -180,18 +201,25 @@ def ablation_table(workdirs: Sequence[str], level: float, key: str = SUCCESS_KEY
 
     reach = [steps_to_reach(w, level, key) for w in runs]
     reached = [s for s in reach if s is not None]
-    reach_txt = (f"{np.mean(reached):.0f} ({len(reached)}/{len(runs)} reached)" if reached
-                 else f"never (0/{len(runs)})")
-    lines.append(f"| {name} | {len(runs)} | {ms('after_sft')} | {ms('after_rl')} | "
-                 f"{ms('best')} | {reach_txt} |")
+    reach_txt = (
+        f"{np.mean(reached):.0f} ({len(reached)}/{len(runs)} reached)"
+        if reached
+        else f"never (0/{len(runs)})"
+    )
+    lines.append(
+        f"| {name} | {len(runs)} | {ms('after_sft')} | {ms('after_rl')} | "
+        f"{ms('best')} | {reach_txt} |"
+    )
   return "\n".join(lines)
 
 
 def plot_groups(workdirs: Sequence[str], out_png: str, key: str = SUCCESS_KEY) -> str:
   """Mean held-out success vs step, one line per group."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   groups = _groups(workdirs)
   fig, ax = plt.subplots(figsize=(6, 4))
   for name, runs in groups.items():
@@ -220,14 +248,19 @@ def budget_curve(workdir: str, key: str = SUCCESS_KEY) -> dict:
     tokens += r.get("tree/sampled_tokens", 0.0)
     seconds += r.get("time/step", 0.0) - r.get("time/eval", 0.0)
     if key in r:
-      for name, v in (("step", r["step"]), ("tokens", tokens), ("seconds", seconds),
-                      ("success", r[key])):
+      for name, v in (
+          ("step", r["step"]),
+          ("tokens", tokens),
+          ("seconds", seconds),
+          ("success", r[key]),
+      ):
         out[name].append(v)
   return {k: np.asarray(v, np.float64) for k, v in out.items()}
 
 
-def budget_table(workdirs: Sequence[str], key: str = SUCCESS_KEY,
-                 tokens: Optional[float] = None) -> str:
+def budget_table(
+    workdirs: Sequence[str], key: str = SUCCESS_KEY, tokens: Optional[float] = None
+) -> str:
   """Markdown: per group, mean over seeds of the final held-out success, the tokens
   sampled and the RL seconds spent to get there, and the success at a token
   budget.
@@ -242,14 +275,19 @@ def budget_table(workdirs: Sequence[str], key: str = SUCCESS_KEY,
   curves = {name: [budget_curve(w, key) for w in runs] for name, runs in _groups(workdirs).items()}
   if tokens is None:
     tokens = min(c["tokens"][-1] for cs in curves.values() for c in cs)
-  lines = ["| setting | seeds | final | sampled tokens | RL seconds (eval excluded) | "
-           f"at {tokens / 1e3:.0f}k tokens |", "|---|---|---|---|---|---|"]
+  lines = [
+      "| setting | seeds | final | sampled tokens | RL seconds (eval excluded) | "
+      f"at {tokens / 1e3:.0f}k tokens |",
+      "|---|---|---|---|---|---|",
+  ]
   for name, cs in curves.items():
     mean = lambda f: float(np.mean([c[f][-1] for c in cs]))
     at_budget = [np.interp(tokens, c["tokens"], c["success"]) for c in cs]
-    lines.append(f"| {name} | {len(cs)} | {mean('success'):.3f} | "
-                 f"{mean('tokens') / 1e3:.0f}k | {mean('seconds'):.0f} | "
-                 f"{np.mean(at_budget):.3f} +- {np.std(at_budget):.3f} |")
+    lines.append(
+        f"| {name} | {len(cs)} | {mean('success'):.3f} | "
+        f"{mean('tokens') / 1e3:.0f}k | {mean('seconds'):.0f} | "
+        f"{np.mean(at_budget):.3f} +- {np.std(at_budget):.3f} |"
+    )
   return "\n".join(lines)
 
 
@@ -257,15 +295,23 @@ def plot_budget(workdirs: Sequence[str], out_png: str, key: str = SUCCESS_KEY) -
   """Held-out success against sampled tokens and against RL seconds, one line per
   run, one colour per group (seeds reach different budgets, so they are not averaged)."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
   for i, (name, runs) in enumerate(_groups(workdirs).items()):
     for j, w in enumerate(runs):
       c = budget_curve(w, key)
       for ax, x, scale in ((axes[0], "tokens", 1e3), (axes[1], "seconds", 1.0)):
-        ax.plot(c[x] / scale, c["success"], color=f"C{i}", marker=".", alpha=0.8,
-                label=f"{name} (n={len(runs)})" if j == 0 else None)
+        ax.plot(
+            c[x] / scale,
+            c["success"],
+            color=f"C{i}",
+            marker=".",
+            alpha=0.8,
+            label=f"{name} (n={len(runs)})" if j == 0 else None,
+        )
   axes[0].set_xlabel("sampled tokens (thousands)")
   axes[1].set_xlabel("RL wall seconds (eval excluded)")
   axes[0].set_ylabel("held-out success (greedy)")

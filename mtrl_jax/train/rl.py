@@ -60,8 +60,9 @@ from mtrl_jax.train.watch import LearningWatch
 
 def add_counts(a: dict, b: dict) -> dict:
   out = {k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b) if not k.endswith("_rate")}
-  out["text/retokenize_mismatch_rate"] = (out.get("text/retokenize_mismatches", 0)
-                                          / max(out.get("text/completions_checked", 0), 1))
+  out["text/retokenize_mismatch_rate"] = out.get("text/retokenize_mismatches", 0) / max(
+      out.get("text/completions_checked", 0), 1
+  )
   return out
 
 
@@ -77,8 +78,9 @@ def across_processes(text: dict, times: dict, engine: dict = None) -> dict:
   for k in engine:
     vals = [e[k] for _, _, e in parts]
     out[k] = sum(vals) if k.endswith(("tokens", "evictions")) else sum(vals) / len(vals)
-  out["text/retokenize_mismatch_rate"] = (out.get("text/retokenize_mismatches", 0)
-                                          / max(out.get("text/completions_checked", 0), 1))
+  out["text/retokenize_mismatch_rate"] = out.get("text/retokenize_mismatches", 0) / max(
+      out.get("text/completions_checked", 0), 1
+  )
   out.update({k: max(tm[k] for _, tm, _ in parts) for k in times})
   return out
 
@@ -105,8 +107,11 @@ def _first_state(parts: components_lib.Components, console: Console, summary: di
   console.sft_start(sft)
   state, history = sft_lib.warm_up(parts, lambda row: console.sft_row(row, sft.steps))
   console.sft_end(history, sft)
-  summary.update(sft_history=history, sft_steps_run=history[-1]["sft_step"] if history else 0,
-                 sft_seconds=round(time.time() - t0, 1))
+  summary.update(
+      sft_history=history,
+      sft_steps_run=history[-1]["sft_step"] if history else 0,
+      sft_seconds=round(time.time() - t0, 1),
+  )
   return state
 
 
@@ -115,8 +120,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
   return train(exp_lib.start(config), config, workdir, progress=progress)
 
 
-def train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: str, *,
-          progress: bool = True) -> dict:
+def train(
+    exp: exp_lib.Experiment,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    progress: bool = True,
+) -> dict:
   """Runs (or resumes) the job of `exp`, validated from `config` by `experiment.start`
   (config.json keeps `config`); returns a summary dict.
 
@@ -147,8 +157,14 @@ def _close_on_the_way_out(ckpt: checkpoint.Checkpointer) -> None:
     pass
 
 
-def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: str,
-           launched: float, progress: bool, closing: contextlib.ExitStack) -> dict:
+def _train(
+    exp: exp_lib.Experiment,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    launched: float,
+    progress: bool,
+    closing: contextlib.ExitStack,
+) -> dict:
   writes = distributed.is_writer()  # process 0 alone writes files
   saved.check_resume(config, workdir)  # another run's workdir: refused before any compute
   if writes:
@@ -162,8 +178,9 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
   run_state = RunState.of(exp, policies, stream, mix, critic_model=parts.critic)
   # With several processes Orbax's background commit runs collectives of its own,
   # which must not interleave with the engine's lockstep calls: saves block there.
-  ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep,
-                                 async_save=distributed.process_count() == 1)
+  ckpt = checkpoint.Checkpointer(
+      workdir, keep=exp.checkpoint.keep, async_save=distributed.process_count() == 1
+  )
   closing.callback(_close_on_the_way_out, ckpt)  # every way out; then a no-op
   summary: dict[str, Any] = {"workdir": os.path.abspath(workdir)}
 
@@ -171,8 +188,9 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
   try:  # the newest checkpoint that reads back (a warning line names each one skipped)
     latest = ckpt.restore_latest(run_state.target())
   except checkpoint.CheckpointError as e:
-    raise exp_lib.ConfigError(f"{e}; allowed: repair them, or move {workdir}/ckpt away to "
-                              "start afresh") from None
+    raise exp_lib.ConfigError(
+        f"{e}; allowed: repair them, or move {workdir}/ckpt away to start afresh"
+    ) from None
   resumed = latest is not None
   if resumed:
     start, restored, meta = latest
@@ -200,13 +218,21 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
     console.evaluated(step, m)
     return m
 
-  writer = (metrics_lib.MetricsWriter(workdir, resume_step=start if resumed else None)
-            if writes else metrics_lib.NullWriter())
+  writer = (
+      metrics_lib.MetricsWriter(workdir, resume_step=start if resumed else None)
+      if writes
+      else metrics_lib.NullWriter()
+  )
   if exp.rl.precompile:
-    info = shapes_lib.precompile(parts.shapes, parts.engine,
-                                 policies.sampler_states(run_state.state.params), train_step,
-                                 len(parts.renderer.fmt.stop_ids), critic=parts.critic,
-                                 progress=console.compiled)
+    info = shapes_lib.precompile(
+        parts.shapes,
+        parts.engine,
+        policies.sampler_states(run_state.state.params),
+        train_step,
+        len(parts.renderer.fmt.stop_ids),
+        critic=parts.critic,
+        progress=console.compiled,
+    )
     if mix is not None:
       mix.precompile(exp.sft.batch_size)
     summary["precompile"] = info
@@ -253,8 +279,7 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
           run_state.state, dm = train_step(run_state.state, run_state.ref, batch)
         train_m = policies.train_metrics(dm)
         if rollout.critic_batch is not None:  # a separate critic's own updates
-          run_state.critic, critic_m = parts.critic.update(run_state.critic,
-                                                           rollout.critic_batch)
+          run_state.critic, critic_m = parts.critic.update(run_state.critic, rollout.critic_batch)
           train_m.update(critic_m)
       if mix is not None and mix.due(step):
         run_state.state, mix_m = mix(run_state.state)
@@ -262,15 +287,19 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
     first_step = time.perf_counter() - launched if step == start + 1 else None
     if exp.rl.ref_reset_every and step % exp.rl.ref_reset_every == 0:
       run_state.reset_ref()
-    m = {**tree.metrics(), **rollout_metrics(tree, exp.eval.success_threshold),
-         **batch_m, **train_m, **parts.census.counts(),
-         "rollout/staleness": float(rollout.staleness)}
+    m = {
+        **tree.metrics(),
+        **rollout_metrics(tree, exp.eval.success_threshold),
+        **batch_m,
+        **train_m,
+        **parts.census.counts(),
+        "rollout/staleness": float(rollout.staleness),
+    }
     summary["faults"] = add_fault_totals(summary.get("faults"), tree)  # run totals per kind
     if exp.curriculum.enabled:  # may move the level of the next step's tasks
       m.update(stream.observe(m["rollout/success"]))
     if writes and exp.rl.dump_every and step % exp.rl.dump_every == 0:
-      dump_lib.write_rollout_dump(tree, dump_lib.dump_path(workdir, step),
-                                  parts.transition.decode)
+      dump_lib.write_rollout_dump(tree, dump_lib.dump_path(workdir, step), parts.transition.decode)
     text = rollout.text_counts  # the rollout's own, counted while it ran
     if step % exp.eval.every == 0 or step == exp.rl.steps:
       with timer.section("eval"):
@@ -286,8 +315,9 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
     engine_m = {k: v for k, v in engine_m.items() if k.startswith("engine/")}
     m.update(across_processes(text, times, engine_m))
     writer.write(step, m)
-    warning, halt = watch.observe(step, tree, batch_m, success=m.get("rollout/success"),
-                                  metrics=m, last=step == exp.rl.steps)
+    warning, halt = watch.observe(
+        step, tree, batch_m, success=m.get("rollout/success"), metrics=m, last=step == exp.rl.steps
+    )
     summary["learning"] = watch.state()
     for line in warning.splitlines():  # one line per warning
       say(f"warning: {line}")
@@ -317,6 +347,11 @@ def _train(exp: exp_lib.Experiment, config: ml_collections.ConfigDict, workdir: 
       json.dump(summary, f, indent=1, default=float)
     metrics_lib.plot_metrics(workdir, out_png=os.path.join(workdir, "curves.png"))
   ckpt.close()
-  console.end(start + 1, step, time.perf_counter() - launched, summary["workdir"],
-              halted="halted" in summary)
+  console.end(
+      start + 1,
+      step,
+      time.perf_counter() - launched,
+      summary["workdir"],
+      halted="halted" in summary,
+  )
   return summary

@@ -119,8 +119,16 @@ class RolloutProducer:
         else:
           critic = (values, targets)
       batch, batch_m = parts.policies.make_batch(tree, parts.batch_cfg, critic)
-      return Rollout(step, tree, batch, batch_m, engine_metrics(tree), staleness,
-                     text_counts(parts.renderer, before), critic_batch)
+      return Rollout(
+          step,
+          tree,
+          batch,
+          batch_m,
+          engine_metrics(tree),
+          staleness,
+          text_counts(parts.renderer, before),
+          critic_batch,
+      )
 
     future = concurrent.futures.Future()
     if self._pool is None:

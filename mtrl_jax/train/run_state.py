@@ -46,8 +46,18 @@ class RunState:
     critic_model: a `train.separate_critic.SeparateCritic`, or None.
   """
 
-  def __init__(self, policies, stream, mix=None, *, keep_ref: bool, keep_behaviour: bool,
-               base_path: str = "", keep_base: bool = False, critic_model=None):
+  def __init__(
+      self,
+      policies,
+      stream,
+      mix=None,
+      *,
+      keep_ref: bool,
+      keep_behaviour: bool,
+      base_path: str = "",
+      keep_base: bool = False,
+      critic_model=None,
+  ):
     self.policies, self.stream, self.mix = policies, stream, mix
     self.critic_model = critic_model
     self.critic: Any = None  # the separate critic's train state
@@ -65,10 +75,16 @@ class RunState:
     """The state `exp`'s run keeps: a reference when the loss has a KL term (none with
     adapters: the frozen base is the reference), behaviour parameters with
     `rl.max_staleness=1`, a separate critic's state (no stream: a restore target only)."""
-    return cls(policies, stream, mix,
-               keep_ref=exp.loss.kl_coef > 0 and not exp.model.lora.enabled,
-               keep_behaviour=exp.rl.max_staleness > 0, base_path=exp.model.path,
-               keep_base=exp.sft.steps > 0, critic_model=critic_model)
+    return cls(
+        policies,
+        stream,
+        mix,
+        keep_ref=exp.loss.kl_coef > 0 and not exp.model.lora.enabled,
+        keep_behaviour=exp.rl.max_staleness > 0,
+        base_path=exp.model.path,
+        keep_base=exp.sft.steps > 0,
+        critic_model=critic_model,
+    )
 
   @property
   def _param_trees(self) -> list[str]:
@@ -111,9 +127,11 @@ class RunState:
       target["critic"] = self.critic_model.abstract_state()
     if self.keep_base:
       step = self.policies.train_step
-      target["base"] = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                      sharding=s),
-                                    step.base, step.base_shardings)
+      target["base"] = jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          step.base,
+          step.base_shardings,
+      )
     return target
 
   def checkpoint_tree(self, in_flight: bool) -> tuple[dict, dict]:
@@ -122,8 +140,7 @@ class RunState:
     tree = {"train": self.policies.to_saved(self.state)}
     for name in self._param_trees:
       tree[name] = self.policies.to_saved(getattr(self, name))
-    meta = {"stream": (self.stream.rewound(self.stream_mark) if in_flight
-                       else self.stream.state())}
+    meta = {"stream": (self.stream.rewound(self.stream_mark) if in_flight else self.stream.state())}
     if self.mix is not None:
       tree["sft_mix"], meta["sft_mix"] = self.mix.opt_state, self.mix.stream_state()
     if self.critic_model is not None:
@@ -151,11 +168,11 @@ class RunState:
         raise ConfigError(
             f"checkpoint adapters were trained over the base {saved.get('path') or 'preset'!r} "
             f"with sha256 {str(saved.get('sha256'))[:12]}; model.path={self.base_path!r} gives "
-            f"{self.base_sha[:12]}; allowed: the base the adapters were trained over")
+            f"{self.base_sha[:12]}; allowed: the base the adapters were trained over"
+        )
     self.state = p.state_from_saved(restored["train"])
     self.ref = p.params_from_saved(restored["ref"]) if self.keep_ref else None
-    self.behaviour = (p.params_from_saved(restored["behaviour"]) if self.keep_behaviour
-                      else None)
+    self.behaviour = p.params_from_saved(restored["behaviour"]) if self.keep_behaviour else None
     self.stream.restore(meta["stream"])
     if self.mix is not None:
       self.mix.restore(restored["sft_mix"], meta["sft_mix"])

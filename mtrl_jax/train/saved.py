@@ -39,19 +39,38 @@ from mtrl_jax.train.components import Components
 from mtrl_jax.train.run_state import RunState
 
 # Files of an HF tokenizer copied next to the exported weights when the run has them.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 # What a byte-tokenizer run writes instead (transformers has no byte tokenizer).
 BYTE_TOKENIZER_FILE = "mtrl_byte_tokenizer.json"
 EXPORT_FILE = "mtrl_export.json"  # which run and step an export holds
 # The config fields a resumed run may change: how long it trains, how often it
 # evaluates, dumps and saves, and where and in how many pieces it computes (the
 # same values either way). Any other difference makes it another run.
-RESUME_MAY_CHANGE = ("rl.steps", "eval.every", "eval.num_tasks", "rl.dump_every",
-                     "checkpoint.every", "checkpoint.keep", "rl.precompile",
-                     "rl.halt_if_idle_steps", "rl.max_masked_fraction", "rl.masked_window",
-                     "step.num_microbatches", "model.remat", "mesh.*", "distributed.*",
-                     "compile_cache")
+RESUME_MAY_CHANGE = (
+    "rl.steps",
+    "eval.every",
+    "eval.num_tasks",
+    "rl.dump_every",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "rl.precompile",
+    "rl.halt_if_idle_steps",
+    "rl.max_masked_fraction",
+    "rl.masked_window",
+    "step.num_microbatches",
+    "model.remat",
+    "mesh.*",
+    "distributed.*",
+    "compile_cache",
+)
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -70,15 +89,18 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   added since the run was saved takes its default (the saved fields keep their values)."""
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
-    raise exp_lib.ConfigError(f"--workdir={workdir!r} has no config.json; allowed: the "
-                              "workdir of an experiments/train.py run")
+    raise exp_lib.ConfigError(
+        f"--workdir={workdir!r} has no config.json; allowed: the "
+        "workdir of an experiments/train.py run"
+    )
   try:
     with open(path) as f:
       saved = json.load(f)
   except ValueError as e:
-    raise exp_lib.ConfigError(f"{path} is not valid JSON ({' '.join(str(e).split())}); "
-                              "allowed: the config.json an experiments/train.py run wrote"
-                              ) from None
+    raise exp_lib.ConfigError(
+        f"{path} is not valid JSON ({' '.join(str(e).split())}); "
+        "allowed: the config.json an experiments/train.py run wrote"
+    ) from None
   config = defaults.base_config()
   config.update(saved)
   return config
@@ -107,26 +129,33 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str) -> None:
     ConfigError (one line) listing each differing field with both values, or for
     checkpoints without a config.json.
   """
-  has_ckpt = any(checkpoint.step_dirs(os.path.join(workdir, d))
-                 for d in (checkpoint.CKPT_DIR, checkpoint.BEST_DIR))
+  has_ckpt = any(
+      checkpoint.step_dirs(os.path.join(workdir, d))
+      for d in (checkpoint.CKPT_DIR, checkpoint.BEST_DIR)
+  )
   if not os.path.isfile(os.path.join(workdir, "config.json")):
     if has_ckpt:
       raise exp_lib.ConfigError(
           f"workdir {workdir} holds checkpoints but no config.json, so its run cannot be "
           "compared with this one; allowed: the workdir of an experiments/train.py run "
-          "(its config.json restored), or another --workdir")
+          "(its config.json restored), or another --workdir"
+      )
     return
   before, now = _flat(_as_json(load_config(workdir))), _flat(_as_json(config))
   missing = object()
-  differ = [k for k in sorted(now) if before.get(k, missing) != now[k]
-            and not any(fnmatch.fnmatchcase(k, pat) for pat in RESUME_MAY_CHANGE)]
+  differ = [
+      k
+      for k in sorted(now)
+      if before.get(k, missing) != now[k]
+      and not any(fnmatch.fnmatchcase(k, pat) for pat in RESUME_MAY_CHANGE)
+  ]
   if differ:
     show = lambda v: "(unset)" if v is missing else json.dumps(v)
-    listed = ", ".join(f"{k} ({show(before.get(k, missing))} -> {show(now[k])})"
-                       for k in differ)
+    listed = ", ".join(f"{k} ({show(before.get(k, missing))} -> {show(now[k])})" for k in differ)
     raise exp_lib.ConfigError(
         f"workdir {workdir} holds another run: differs in {listed}; allowed to change on "
-        f"resume: {', '.join(RESUME_MAY_CHANGE)}; or use another --workdir")
+        f"resume: {', '.join(RESUME_MAY_CHANGE)}; or use another --workdir"
+    )
 
 
 def parse_checkpoint(value: Union[str, int]) -> Union[str, int]:
@@ -136,8 +165,7 @@ def parse_checkpoint(value: Union[str, int]) -> Union[str, int]:
     return text
   if text.isdigit():
     return int(text)
-  raise exp_lib.ConfigError(f"--checkpoint={value!r}; allowed: 'best', 'latest' or a step "
-                            "number")
+  raise exp_lib.ConfigError(f"--checkpoint={value!r}; allowed: 'best', 'latest' or a step number")
 
 
 @dataclasses.dataclass
@@ -196,8 +224,10 @@ class SavedPolicy:
     """One line when the best checkpoint is the untrained step 0, else ''."""
     if self.checkpoint != "best" or self.step != 0:
       return ""
-    return ("the best checkpoint is step 0, saved before any RL update: no later held-out "
-            "evaluation beat it")
+    return (
+        "the best checkpoint is step 0, saved before any RL update: no later held-out "
+        "evaluation beat it"
+    )
 
 
 def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
@@ -221,21 +251,29 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
     compile_cache.setup(config.get("compile_cache", compile_cache.AUTO))
   except ValueError as e:
     raise exp_lib.ConfigError(str(e)) from None
-  if not any(os.path.isdir(os.path.join(workdir, d))
-             for d in (checkpoint.CKPT_DIR, checkpoint.BEST_DIR)):
-    raise exp_lib.ConfigError(f"--workdir={workdir!r} has no checkpoints; allowed: the workdir "
-                              "of a run that saved one (ckpt/ or best/)")
-  ckpt = checkpoint.Checkpointer(workdir, keep=exp.checkpoint.keep, async_save=False,
-                                 read_only=True)
+  if not any(
+      os.path.isdir(os.path.join(workdir, d)) for d in (checkpoint.CKPT_DIR, checkpoint.BEST_DIR)
+  ):
+    raise exp_lib.ConfigError(
+        f"--workdir={workdir!r} has no checkpoints; allowed: the workdir "
+        "of a run that saved one (ckpt/ or best/)"
+    )
+  ckpt = checkpoint.Checkpointer(
+      workdir, keep=exp.checkpoint.keep, async_save=False, read_only=True
+  )
   try:
     steps = ckpt.all_steps()
     best = ckpt.best()  # an unreadable one: a warning line names it, then None
     if which == "best" and best is None:
-      raise exp_lib.ConfigError(f"--checkpoint=best: {workdir} has no readable best "
-                                f"checkpoint; allowed: 'latest' or a saved step {steps}")
+      raise exp_lib.ConfigError(
+          f"--checkpoint=best: {workdir} has no readable best "
+          f"checkpoint; allowed: 'latest' or a saved step {steps}"
+      )
     if (which == "latest" and not steps) or (isinstance(which, int) and which not in steps):
-      raise exp_lib.ConfigError(f"--checkpoint={which}: not saved under {workdir}/ckpt; "
-                                f"allowed: 'best', 'latest' or a saved step {steps}")
+      raise exp_lib.ConfigError(
+          f"--checkpoint={which}: not saved under {workdir}/ckpt; "
+          f"allowed: 'best', 'latest' or a saved step {steps}"
+      )
     parts = components.build(exp)
     policies = parts.policies
     run_state = RunState.of(exp, policies, critic_model=parts.critic)
@@ -245,8 +283,10 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
       saved, meta = ckpt.restore_best(policies.saved_state_target())
       step = best["step"]
       evals = meta.get("eval", {})
-      name = next((k for k in ("eval/greedy/success", "eval/sampled/success") if k in evals),
-                  "held-out score")
+      name = next(
+          (k for k in ("eval/greedy/success", "eval/sampled/success") if k in evals),
+          "held-out score",
+      )
       score = (name, best["score"])
     elif which == "latest":
       step, restored, _ = ckpt.restore_latest(run_state.target())
@@ -262,16 +302,18 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
     state = policies.state_from_saved(saved)
   except checkpoint.CheckpointError as e:
     others = "'latest'" if which == "best" else "'best', 'latest'"
-    raise exp_lib.ConfigError(f"--checkpoint={which}: {e}; allowed: {others} or a saved step "
-                              f"{steps}") from None
+    raise exp_lib.ConfigError(
+        f"--checkpoint={which}: {e}; allowed: {others} or a saved step {steps}"
+    ) from None
   finally:
     ckpt.close()
   kind = "step" if isinstance(which, int) else which
   return SavedPolicy(os.path.abspath(workdir), parts, int(step), kind, state.params, score)
 
 
-def evaluate_policy(policy: SavedPolicy, *, num_tasks: int = 0, samples: int = 1,
-                    greedy: bool = True, seed: int = 0) -> list[dict]:
+def evaluate_policy(
+    policy: SavedPolicy, *, num_tasks: int = 0, samples: int = 1, greedy: bool = True, seed: int = 0
+) -> list[dict]:
   """Held-out rollouts of the policy, as `train.rl` evaluates during training.
 
   Args:
@@ -287,18 +329,21 @@ def evaluate_policy(policy: SavedPolicy, *, num_tasks: int = 0, samples: int = 1
   """
   exp = policy.exp
   if num_tasks < 0 or samples < 1:
-    raise exp_lib.ConfigError(f"--num_tasks={num_tasks}, --samples={samples}; allowed: "
-                              "num_tasks >= 0 (0: the run's eval.num_tasks), samples >= 1")
+    raise exp_lib.ConfigError(
+        f"--num_tasks={num_tasks}, --samples={samples}; allowed: "
+        "num_tasks >= 0 (0: the run's eval.num_tasks), samples >= 1"
+    )
   tasks = eval_lib.indexed(policy.parts.eval_tasks, num_tasks or exp.eval.num_tasks)
   modes = ([("greedy", True, 1)] if greedy else []) + (
-      [("sampled", False, samples)] if samples > 1 or not greedy else [])
+      [("sampled", False, samples)] if samples > 1 or not greedy else []
+  )
   rows = []
   for mode, is_greedy, attempts in modes:
     key = jax.random.fold_in(jax.random.PRNGKey(seed), len(rows))
-    res = policy.parts.evaluator(policy.params, tasks, greedy=is_greedy, key=key,
-                                 samples=attempts)
-    rows.append({"checkpoint": policy.label, "mode": mode, "tasks": len(tasks),
-                 "attempts": attempts, **res})
+    res = policy.parts.evaluator(policy.params, tasks, greedy=is_greedy, key=key, samples=attempts)
+    rows.append(
+        {"checkpoint": policy.label, "mode": mode, "tasks": len(tasks), "attempts": attempts, **res}
+    )
   return rows
 
 
@@ -332,8 +377,10 @@ def export_policy(policy: SavedPolicy, out_dir: str) -> dict:
     policies: {'out': dir, 'agents': [that dict per agent]}.
   """
   if policy.parts.policies.per_agent:
-    agents = [_export_one(policy, model, os.path.join(out_dir, f"agent_{a}"))
-              for a, model in enumerate(policy.models())]
+    agents = [
+        _export_one(policy, model, os.path.join(out_dir, f"agent_{a}"))
+        for a, model in enumerate(policy.models())
+    ]
     return {"out": os.path.abspath(out_dir), "agents": agents}
   return _export_one(policy, policy.model, out_dir)
 
@@ -343,15 +390,23 @@ def clear_export(out_dir: str) -> list[str]:
   tokenizer files, mtrl_*.json, agent_<a>/ of separate policies), so no stale shard
   stays beside the next export; other files stay. Returns the removed names."""
   from mtrl_jax.models import loading
-  names = {"config.json", loading.SINGLE_FILE, loading.INDEX_FILE, BYTE_TOKENIZER_FILE,
-           EXPORT_FILE, *TOKENIZER_FILES}
+
+  names = {
+      "config.json",
+      loading.SINGLE_FILE,
+      loading.INDEX_FILE,
+      BYTE_TOKENIZER_FILE,
+      EXPORT_FILE,
+      *TOKENIZER_FILES,
+  }
   removed = []
   for name in sorted(os.listdir(out_dir)):
     path = os.path.join(out_dir, name)
     if os.path.isdir(path) and name.startswith("agent_") and name[6:].isdigit():
       shutil.rmtree(path)
-    elif os.path.isfile(path) and (name in names or re.fullmatch(r"model-\d+-of-\d+\."
-                                                                  r"safetensors", name)):
+    elif os.path.isfile(path) and (
+        name in names or re.fullmatch(r"model-\d+-of-\d+\.safetensors", name)
+    ):
       os.remove(path)
     else:
       continue
@@ -361,6 +416,7 @@ def clear_export(out_dir: str) -> list[str]:
 
 def _export_one(policy: SavedPolicy, model, out_dir: str) -> dict:
   from mtrl_jax.models import loading
+
   weights = loading.save_pretrained(model, out_dir)  # every process gathers
   exp, tok = policy.exp, policy.tokenizer
   if jax.process_index() != 0:
@@ -368,8 +424,17 @@ def _export_one(policy: SavedPolicy, model, out_dir: str) -> dict:
   # The special ids generation needs (config.json from ModelConfig has none).
   with open(os.path.join(out_dir, "config.json")) as f:
     hf = json.load(f)
-  hf.update({k: v for k, v in (("pad_token_id", tok.pad_id), ("eos_token_id", tok.eos_id),
-                               ("bos_token_id", getattr(tok, "bos_id", None))) if v is not None})
+  hf.update(
+      {
+          k: v
+          for k, v in (
+              ("pad_token_id", tok.pad_id),
+              ("eos_token_id", tok.eos_id),
+              ("bos_token_id", getattr(tok, "bos_id", None)),
+          )
+          if v is not None
+      }
+  )
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
   if exp.tokenizer.kind == "hf":
@@ -379,19 +444,30 @@ def _export_one(policy: SavedPolicy, model, out_dir: str) -> dict:
       shutil.copyfile(os.path.join(path, f), os.path.join(out_dir, f))
     note = f"tokenizer files copied from {path}"
   else:
-    desc = {"kind": "byte", "num_bytes": 256, "vocab_size": tok.vocab_size,
-            "special_tokens": list(tok.special_tokens),
-            "special_ids": {s: 256 + i for i, s in enumerate(tok.special_tokens)},
-            "pad_id": tok.pad_id, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
-            "chat_format": exp.tokenizer.chat_format,
-            "how_to_load": "mtrl_jax.text.ByteTokenizer(specials=special_tokens): ids 0-255 "
-                           "are UTF-8 bytes, special tokens follow in this order"}
+    desc = {
+        "kind": "byte",
+        "num_bytes": 256,
+        "vocab_size": tok.vocab_size,
+        "special_tokens": list(tok.special_tokens),
+        "special_ids": {s: 256 + i for i, s in enumerate(tok.special_tokens)},
+        "pad_id": tok.pad_id,
+        "eos_id": tok.eos_id,
+        "bos_id": tok.bos_id,
+        "chat_format": exp.tokenizer.chat_format,
+        "how_to_load": "mtrl_jax.text.ByteTokenizer(specials=special_tokens): ids 0-255 "
+        "are UTF-8 bytes, special tokens follow in this order",
+    }
     with open(os.path.join(out_dir, BYTE_TOKENIZER_FILE), "w") as f:
       json.dump(desc, f, indent=2)
     copied = [BYTE_TOKENIZER_FILE]
-    note = ("byte-level tokenizer: transformers has no tokenizer for it, so no tokenizer.json "
-            f"was written; {BYTE_TOKENIZER_FILE} describes it")
+    note = (
+        "byte-level tokenizer: transformers has no tokenizer for it, so no tokenizer.json "
+        f"was written; {BYTE_TOKENIZER_FILE} describes it"
+    )
   with open(os.path.join(out_dir, EXPORT_FILE), "w") as f:
-    json.dump({"workdir": policy.workdir, "checkpoint": policy.checkpoint, "step": policy.step},
-              f, indent=2)
+    json.dump(
+        {"workdir": policy.workdir, "checkpoint": policy.checkpoint, "step": policy.step},
+        f,
+        indent=2,
+    )
   return {"out": os.path.abspath(out_dir), "weights": weights, "tokenizer": copied, "note": note}

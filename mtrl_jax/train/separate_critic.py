@@ -42,19 +42,24 @@ def make_critic_model(exp, mesh, tokenizer_vocab: int):
   """
   from mtrl_jax import models
   from mtrl_jax.models import loading
+
   c = exp.critic
   path = c.path or ("" if c.preset else exp.model.path)
   if path:
     model = loading.from_pretrained(path, mesh=mesh, value_head=True)
   else:
-    arch = (models.get_preset(c.preset).replace(vocab_size=exp.model.arch.vocab_size)
-            if c.preset else exp.model.arch)
-    model = models.create_model(arch.replace(value_head=True, lora=None), seed=exp.seed,
-                                mesh=mesh)
+    arch = (
+        models.get_preset(c.preset).replace(vocab_size=exp.model.arch.vocab_size)
+        if c.preset
+        else exp.model.arch
+    )
+    model = models.create_model(arch.replace(value_head=True, lora=None), seed=exp.seed, mesh=mesh)
   if model.cfg.vocab_size < tokenizer_vocab:
-    raise ValueError(f"config critic.path={c.path!r}: vocab_size={model.cfg.vocab_size} cannot "
-                     f"hold the tokenizer's {tokenizer_vocab} ids; allowed: a model whose "
-                     "vocabulary holds the policies' tokenizer")
+    raise ValueError(
+        f"config critic.path={c.path!r}: vocab_size={model.cfg.vocab_size} cannot "
+        f"hold the tokenizer's {tokenizer_vocab} ids; allowed: a model whose "
+        "vocabulary holds the policies' tokenizer"
+    )
   return model
 
 
@@ -73,13 +78,18 @@ class SeparateCritic:
     self.kind, self.target, self.seed, self.model = c.kind, c.target, exp.seed, model
     self.updates = exp.rl.updates_per_step
     self.step = TrainStep(
-        model, ValueObjective(value_coef=c.value_coef, value_clip=c.value_clip),
-        dataclasses.replace(exp.optim, learning_rate=c.learning_rate), mesh=mesh,
-        step_cfg=StepConfig(nonfinite=exp.step.nonfinite,
-                            compiler_options=exp.step.compiler_options))
+        model,
+        ValueObjective(value_coef=c.value_coef, value_clip=c.value_clip),
+        dataclasses.replace(exp.optim, learning_rate=c.learning_rate),
+        mesh=mesh,
+        step_cfg=StepConfig(
+            nonfinite=exp.step.nonfinite, compiler_options=exp.step.compiler_options
+        ),
+    )
     # Every valid action teaches the critic; the value fields of the critic's target.
-    self.batch_cfg = dataclasses.replace(batch_cfg, zero_variance_filter=False, keep_kl=False,
-                                         values=c.target)
+    self.batch_cfg = dataclasses.replace(
+        batch_cfg, zero_variance_filter=False, keep_kl=False, values=c.target
+    )
 
   def init_state(self):
     """A fresh train state of the critic (step 0, zero moments)."""
@@ -94,8 +104,13 @@ class SeparateCritic:
     from: joint rows, or None for the packed tree); one forward, no gradient."""
     fn = lambda b: jax.device_get(self.step.values(params, b))
     if self.kind == "centralized":
-      return joint_rows.joint_values(tree, self.target, fn, pad_id=self.batch_cfg.pad_id,
-                                     row_multiple=self.batch_cfg.row_multiple)
+      return joint_rows.joint_values(
+          tree,
+          self.target,
+          fn,
+          pad_id=self.batch_cfg.pad_id,
+          row_multiple=self.batch_cfg.row_multiple,
+      )
     return critic_values(tree, self.batch_cfg, fn, per_agent=False), None
 
   def batch(self, tree, values: list, targets: list, rows) -> Optional[Any]:
@@ -105,9 +120,12 @@ class SeparateCritic:
       if not rows:
         return None
       return joint_rows.rows_batch(
-          rows, pad_id=self.batch_cfg.pad_id, row_multiple=self.batch_cfg.row_multiple,
+          rows,
+          pad_id=self.batch_cfg.pad_id,
+          row_multiple=self.batch_cfg.row_multiple,
           targets_R=joint_rows.row_targets(tree, rows, targets),
-          old_values_R=joint_rows.row_targets(tree, rows, values))
+          old_values_R=joint_rows.row_targets(tree, rows, values),
+      )
     batch, _ = make_train_batch(tree, self.batch_cfg, (values, targets))
     return batch
 

@@ -35,6 +35,7 @@ from mtrl_jax.train.evaluate import indexed
 from mtrl_jax.train.objectives import train_mask
 from mtrl_jax.train.step import StepConfig, TrainStep
 
+
 @dataclasses.dataclass(frozen=True)
 class SFTObjective:
   """Token-mean negative log-likelihood of the trainable tokens.
@@ -53,8 +54,11 @@ class SFTObjective:
     maskf = mask_BxK.astype(jnp.float32)
     # where, not multiply: masked positions never reach the loss or its gradient.
     num = -jnp.sum(jnp.where(mask_BxK, logp_BxK, 0.0))
-    sums = {"nll_sum": jax.lax.stop_gradient(num), "tokens": maskf.sum(),
-            "rows": jnp.any(mask_BxK, axis=-1).astype(jnp.float32).sum()}
+    sums = {
+        "nll_sum": jax.lax.stop_gradient(num),
+        "tokens": maskf.sum(),
+        "rows": jnp.any(mask_BxK, axis=-1).astype(jnp.float32).sum(),
+    }
     if entropy_BxK is not None:
       sums["entropy_sum"] = jnp.sum(jnp.where(mask_BxK, entropy_BxK, 0.0))
     return num, maskf.sum(), sums
@@ -71,8 +75,13 @@ class SFTObjective:
     return out
 
 
-def make_sft_step(model, optim_cfg: optim.OptimConfig, mesh=None,
-                  step_cfg: StepConfig = StepConfig(), rules=sharding.TRAIN_RULES) -> TrainStep:
+def make_sft_step(
+    model,
+    optim_cfg: optim.OptimConfig,
+    mesh=None,
+    step_cfg: StepConfig = StepConfig(),
+    rules=sharding.TRAIN_RULES,
+) -> TrainStep:
   """A `TrainStep` minimising `SFTObjective`; call it as `step(state, None, batch)`."""
   return TrainStep(model, SFTObjective(), optim_cfg, mesh=mesh, step_cfg=step_cfg, rules=rules)
 
@@ -85,8 +94,14 @@ def _row(example) -> tuple[np.ndarray, np.ndarray]:
   return np.asarray(ids, np.int64), np.asarray(trainable, bool)
 
 
-def pack_sft_rows(rows: Sequence, length_buckets: Sequence[int], *, pad_id: int = 0,
-                  num_rows: Optional[int] = None, row_multiple: int = 1) -> TrainBatch:
+def pack_sft_rows(
+    rows: Sequence,
+    length_buckets: Sequence[int],
+    *,
+    pad_id: int = 0,
+    num_rows: Optional[int] = None,
+    row_multiple: int = 1,
+) -> TrainBatch:
   """Right-pads example rows into one fixed-shape SFT batch (each row a single-path tree,
   `rollout.train_batch.from_rows`, with one trained-token slot per position).
 
@@ -104,24 +119,30 @@ def pack_sft_rows(rows: Sequence, length_buckets: Sequence[int], *, pad_id: int 
   parsed = [_row(r) for r in rows]
   for i, (ids, trainable) in enumerate(parsed):
     if ids.ndim != 1 or ids.shape != trainable.shape or ids.size == 0:
-      raise ValueError(f"SFT row {i}: ids {ids.shape} and trainable {trainable.shape} must be "
-                       "equal-length, non-empty 1-D sequences")
+      raise ValueError(
+          f"SFT row {i}: ids {ids.shape} and trainable {trainable.shape} must be "
+          "equal-length, non-empty 1-D sequences"
+      )
     if trainable[0]:
-      raise ValueError(f"SFT row {i}: position 0 is trainable, but it has no prediction "
-                       "(it must be context, e.g. a role header)")
+      raise ValueError(
+          f"SFT row {i}: position 0 is trainable, but it has no prediction "
+          "(it must be context, e.g. a role header)"
+      )
   longest = max((ids.size for ids, _ in parsed), default=1)
   length = bucket(longest, length_buckets, "SFT row length")
   if num_rows is None:
     num_rows = round_up(max(len(parsed), 1), row_multiple)
   elif num_rows < len(parsed) or num_rows % row_multiple:
-    raise ValueError(f"pack_sft_rows num_rows={num_rows}: must be >= len(rows)={len(parsed)} "
-                     f"and a multiple of row_multiple={row_multiple}")
+    raise ValueError(
+        f"pack_sft_rows num_rows={num_rows}: must be >= len(rows)={len(parsed)} "
+        f"and a multiple of row_multiple={row_multiple}"
+    )
   tokens_BxL = np.full((num_rows, length), pad_id, np.int32)
   loss_mask_BxL = np.zeros((num_rows, length), bool)
   row_weight_B = np.zeros((num_rows,), np.float32)
   for b, (ids, trainable) in enumerate(parsed):
-    tokens_BxL[b, :ids.size] = ids
-    loss_mask_BxL[b, :ids.size] = trainable
+    tokens_BxL[b, : ids.size] = ids
+    loss_mask_BxL[b, : ids.size] = trainable
     row_weight_B[b] = 1.0
   # K = L: one SFT program per (rows, length), whatever the rows' trained counts.
   return from_rows(tokens_BxL, loss_mask_BxL, row_weight_B=row_weight_B, num_logits=length)
@@ -144,8 +165,16 @@ class SFTBatcher:
     pad_id: id of padding tokens.
   """
 
-  def __init__(self, source, batch_size: int, length_buckets: Sequence[int], *, seed: int = 0,
-               shuffle: bool = True, pad_id: int = 0):
+  def __init__(
+      self,
+      source,
+      batch_size: int,
+      length_buckets: Sequence[int],
+      *,
+      seed: int = 0,
+      shuffle: bool = True,
+      pad_id: int = 0,
+  ):
     if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
       source = list(source)
     if len(source) == 0:
@@ -173,8 +202,7 @@ class SFTBatcher:
       epoch, i = divmod(pos, n)
       rows.append(self.source[int(self._order(epoch)[i])])
     self.position += self.batch_size
-    return pack_sft_rows(rows, self.length_buckets, pad_id=self.pad_id,
-                         num_rows=self.batch_size)
+    return pack_sft_rows(rows, self.length_buckets, pad_id=self.pad_id, num_rows=self.batch_size)
 
   def get_state(self) -> dict:
     return {"position": self.position, "seed": self.seed}
@@ -196,8 +224,9 @@ def conversation_rows(make_conversation: Callable, renderer, tasks, count: int) 
 
 def conversation_maker(cfg) -> Callable:
   """task -> [(role, content), ...]: `sft.conversations` with `sft.conversation_kwargs`."""
-  return functools.partial(import_object(cfg.conversations, "sft.conversations"),
-                           **dict(cfg.conversation_kwargs))
+  return functools.partial(
+      import_object(cfg.conversations, "sft.conversations"), **dict(cfg.conversation_kwargs)
+  )
 
 
 @functools.lru_cache(maxsize=8)
@@ -225,10 +254,12 @@ def golden_batcher(parts, seed: int) -> SFTBatcher:
   """Batches of the golden conversations of the first `sft.num_examples` train tasks,
   shuffled with `seed` (the warm-up's stream, or `SFTMix`'s with another seed)."""
   exp, cfg = parts.exp, parts.exp.sft
-  rows = conversation_rows(conversation_maker(cfg), parts.renderer, parts.train_tasks,
-                           cfg.num_examples)
-  return SFTBatcher(rows, cfg.batch_size, exp.rl.length_buckets, seed=seed,
-                    pad_id=parts.tokenizer.pad_id)
+  rows = conversation_rows(
+      conversation_maker(cfg), parts.renderer, parts.train_tasks, cfg.num_examples
+  )
+  return SFTBatcher(
+      rows, cfg.batch_size, exp.rl.length_buckets, seed=seed, pad_id=parts.tokenizer.pad_id
+  )
 
 
 class SFTMix:
@@ -251,8 +282,9 @@ class SFTMix:
     exp = parts.exp
     self.every, self.mesh = exp.sft.mix_every, parts.mesh
     self.batcher = golden_batcher(parts, seed=exp.seed + 1)
-    cfg = optim.OptimConfig(learning_rate=exp.sft.mix_learning_rate,
-                            grad_clip_norm=exp.optim.grad_clip_norm)
+    cfg = optim.OptimConfig(
+        learning_rate=exp.sft.mix_learning_rate, grad_clip_norm=exp.optim.grad_clip_norm
+    )
     self.step_fn = make_sft_step(parts.model, cfg, mesh=parts.mesh, step_cfg=exp.step)
     parts.census.register("sft_mix_step", self.step_fn)
     self.opt_state = None  # `init` or `restore` sets it
@@ -278,8 +310,11 @@ class SFTMix:
   def __call__(self, state):
     """One SFT step of the RL `state` (donated): returns (new state, host metrics)."""
     rl_opt = state.opt_state
-    new, m = self.step_fn(dataclasses.replace(state, opt_state=self.opt_state), None,
-                          distributed.take_rows(next(self.batcher), self.mesh))
+    new, m = self.step_fn(
+        dataclasses.replace(state, opt_state=self.opt_state),
+        None,
+        distributed.take_rows(next(self.batcher), self.mesh),
+    )
     self.opt_state = new.opt_state
     return dataclasses.replace(new, opt_state=rl_opt), self.step_fn.fetch_metrics(m)
 
@@ -303,8 +338,11 @@ def warm_up(parts, report: Optional[Callable[[dict], None]] = None) -> tuple[Any
   exp, cfg = parts.exp, parts.exp.sft
   batcher = golden_batcher(parts, seed=exp.seed)
   rows = batcher.source
-  optim_cfg = optim.OptimConfig(learning_rate=cfg.learning_rate, total_steps=max(cfg.steps, 1),
-                                grad_clip_norm=exp.optim.grad_clip_norm)
+  optim_cfg = optim.OptimConfig(
+      learning_rate=cfg.learning_rate,
+      total_steps=max(cfg.steps, 1),
+      grad_clip_norm=exp.optim.grad_clip_norm,
+  )
   step_fn = make_sft_step(parts.model, optim_cfg, mesh=parts.mesh, step_cfg=exp.step)
   parts.census.register("sft_step", step_fn)
   state = step_fn.init_state(nnx.state(parts.model, nnx.Param), seed=exp.seed)
@@ -316,8 +354,9 @@ def warm_up(parts, report: Optional[Callable[[dict], None]] = None) -> tuple[Any
       continue
     row = {"sft_step": i, **step_fn.fetch_metrics(m)}
     if cfg.until_success > 0 and check:
-      row["check_success"] = parts.evaluator(parts.policies.one_for_all(state.params), check,
-                                             greedy=True, key=parts.key)["success"]
+      row["check_success"] = parts.evaluator(
+          parts.policies.one_for_all(state.params), check, greedy=True, key=parts.key
+      )["success"]
     history.append(row)
     if report is not None:
       report(row)

@@ -71,31 +71,46 @@ def plan_shapes(exp, row_multiple: int, local_shards: int) -> ShapePlan:
   plan = plan_tree(tree, rl.roots_per_step, rl.max_length, exp.sampling.max_new_tokens)
   # Samples in flight at once, per parameter set: a level's, or an evaluation's roots.
   agents_per_set = n if exp.agents.share_policy else 1
-  widest = max(plan.max_level_generations * agents_per_set // n, ev.num_tasks * agents_per_set,
-               sft.check_tasks * agents_per_set if sft.steps else 0)
+  widest = max(
+      plan.max_level_generations * agents_per_set // n,
+      ev.num_tasks * agents_per_set,
+      sft.check_tasks * agents_per_set if sft.steps else 0,
+  )
   slots = exp.engine.slots or round_up(-(-widest // local_shards), 8)
   slots = max(slots, tree.num_generations)
   prompt = max(rl.prompt_buckets or rl.length_buckets)
   capacity = exp.engine.capacity or round_up(prompt + exp.sampling.max_new_tokens + 1, 16)
-  engine = EngineConfig(slots=slots, capacity=capacity, chunk=exp.engine.chunk,
-                        decode_rows=exp.engine.decode_rows, admit_rows=exp.engine.admit_rows,
-                        reuse=exp.engine.reuse)
+  engine = EngineConfig(
+      slots=slots,
+      capacity=capacity,
+      chunk=exp.engine.chunk,
+      decode_rows=exp.engine.decode_rows,
+      admit_rows=exp.engine.admit_rows,
+      reuse=exp.engine.reuse,
+  )
   greedy = dataclasses.replace(exp.sampling, greedy=True)
   samplings = [exp.sampling]
   if ev.greedy or (sft.steps and sft.until_success > 0):
     samplings.append(greedy)
   if ev.sampled:
-    samplings.append(dataclasses.replace(exp.sampling, greedy=False, temperature=1.0,
-                                         top_p=1.0, top_k=0))
+    samplings.append(
+        dataclasses.replace(exp.sampling, greedy=False, temperature=1.0, top_p=1.0, top_k=0)
+    )
   total = plan.rows
   if rl.packing == "tree":
     fractions, train_lens = (32, 16, 8, 4, 2, 1), (rl.max_length,)
   else:
     fractions, train_lens = (4, 2, 1), tuple(rl.length_buckets)
   train_rows = tuple(sorted({round_up(max(total // d, 1), row_multiple) for d in fractions}))
-  return ShapePlan(engine=engine, samplings=tuple(samplings), fanout=tree.num_generations,
-                   train_rows=train_rows, train_lens=train_lens, packing=rl.packing,
-                   values=exp.critic.head)
+  return ShapePlan(
+      engine=engine,
+      samplings=tuple(samplings),
+      fanout=tree.num_generations,
+      train_rows=train_rows,
+      train_lens=train_lens,
+      packing=rl.packing,
+      values=exp.critic.head,
+  )
 
 
 def per_process(exp, num_processes: int):
@@ -105,13 +120,23 @@ def per_process(exp, num_processes: int):
     return exp
   share = lambda n: -(-n // num_processes)
   return dataclasses.replace(
-      exp, rl=dataclasses.replace(exp.rl, roots_per_step=share(exp.rl.roots_per_step)),
+      exp,
+      rl=dataclasses.replace(exp.rl, roots_per_step=share(exp.rl.roots_per_step)),
       eval=dataclasses.replace(exp.eval, num_tasks=share(exp.eval.num_tasks)),
-      sft=dataclasses.replace(exp.sft, check_tasks=share(exp.sft.check_tasks)))
+      sft=dataclasses.replace(exp.sft, check_tasks=share(exp.sft.check_tasks)),
+  )
 
 
-def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids: int,
-               threads: int = 2, critic=None, progress=None) -> dict:
+def precompile(
+    shapes: ShapePlan,
+    engine,
+    policy_state,
+    train_step,
+    num_stop_ids: int,
+    threads: int = 2,
+    critic=None,
+    progress=None,
+) -> dict:
   """Compiles every engine and train-step program of `shapes`; returns counts and seconds.
 
   The engine compiles `threads` programs at a time (XLA compiles off the Python
@@ -129,19 +154,22 @@ def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids
   t0 = time.perf_counter()
   params = policy_state.params if isinstance(policy_state, StackedStates) else policy_state
   kw = {} if progress is None else {"progress": lambda d, n: progress("engine", d, n)}
-  engine_programs = engine.precompile(params, shapes.samplings, num_stop_ids, shapes.fanout,
-                                      threads=threads, **kw)
+  engine_programs = engine.precompile(
+      params, shapes.samplings, num_stop_ids, shapes.fanout, threads=threads, **kw
+  )
   t1 = time.perf_counter()
   agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
   specs = shapes.train_specs()
   critic_specs = specs if critic is not None and critic.kind == "independent" else []
   total = len(specs) * (2 if shapes.values else 1) + 2 * len(critic_specs)
   programs = 0
+
   def done(n: int = 1):
     nonlocal programs
     programs += n
     if progress is not None:
       progress("train-step", programs, total)
+
   done(0)
   for spec in specs:
     if agents is not None:
@@ -149,14 +177,19 @@ def precompile(shapes: ShapePlan, engine, policy_state, train_step, num_stop_ids
     train_step.precompile(spec)
     done()
     if shapes.values:  # a value head: the rollout's value pass
-      compile_values(train_step, spec, train_step.rules if agents is None
-                     else train_step.inner.rules)
+      compile_values(
+          train_step, spec, train_step.rules if agents is None else train_step.inner.rules
+      )
       done()
   if critic is not None:
     precompile_critic(shapes, critic, done)
   t2 = time.perf_counter()
-  return {"engine_programs": engine_programs, "engine_seconds": round(t1 - t0, 1),
-          "train_programs": programs, "train_seconds": round(t2 - t1, 1)}
+  return {
+      "engine_programs": engine_programs,
+      "engine_seconds": round(t1 - t0, 1),
+      "train_programs": programs,
+      "train_seconds": round(t2 - t1, 1),
+  }
 
 
 def precompile_critic(shapes: ShapePlan, critic, done=lambda n=1: None) -> int:
@@ -173,4 +206,3 @@ def precompile_critic(shapes: ShapePlan, critic, done=lambda n=1: None) -> int:
     compile_values(critic.step, spec, critic.step.rules)
     done()
   return 2 * len(specs)
-

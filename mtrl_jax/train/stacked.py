@@ -69,18 +69,26 @@ class StackedTrainStep:
     mesh, step_cfg, rules: as for `TrainStep`.
   """
 
-  def __init__(self, model, objective, optim_cfg, learning_rates: Sequence[float], mesh=None,
-               step_cfg: StepConfig = StepConfig(), rules=sharding.TRAIN_RULES):
+  def __init__(
+      self,
+      model,
+      objective,
+      optim_cfg,
+      learning_rates: Sequence[float],
+      mesh=None,
+      step_cfg: StepConfig = StepConfig(),
+      rules=sharding.TRAIN_RULES,
+  ):
     if len(learning_rates) < 1:
       raise ValueError("StackedTrainStep: learning_rates is empty; allowed: one rate per agent")
     if optim_cfg.learning_rate <= 0 or any(lr <= 0 for lr in learning_rates):
-      raise ValueError(f"StackedTrainStep learning_rates={list(learning_rates)} (base "
-                       f"{optim_cfg.learning_rate}); allowed: positive rates")
-    self.inner = TrainStep(model, objective, optim_cfg, mesh=mesh, step_cfg=step_cfg,
-                           rules=rules)
+      raise ValueError(
+          f"StackedTrainStep learning_rates={list(learning_rates)} (base "
+          f"{optim_cfg.learning_rate}); allowed: positive rates"
+      )
+    self.inner = TrainStep(model, objective, optim_cfg, mesh=mesh, step_cfg=step_cfg, rules=rules)
     self.num_agents = len(learning_rates)
-    self.scales = np.asarray([lr / optim_cfg.learning_rate for lr in learning_rates],
-                             np.float32)
+    self.scales = np.asarray([lr / optim_cfg.learning_rate for lr in learning_rates], np.float32)
     self.mesh, self.step_cfg, self.objective = self.inner.mesh, step_cfg, self.inner.objective
     self.model_cfg = self.inner.model_cfg
     self.lora, self.base_shardings = self.inner.lora, self.inner.base_shardings
@@ -102,16 +110,17 @@ class StackedTrainStep:
     self.inner.set_base(base)
 
   # ------------------------------------------------------------ state
-  def init_state(self, models_or_params: Sequence[Any], seed: int = 0,
-                 adapters: Sequence[Any] = None) -> TrainState:
+  def init_state(
+      self, models_or_params: Sequence[Any], seed: int = 0, adapters: Sequence[Any] = None
+  ) -> TrainState:
     """Stacked fresh states, one per agent's model (or parameter state); with adapters,
     agent a's start from `adapters[a]` (None: fresh)."""
     if len(models_or_params) != self.num_agents:
-      raise ValueError(f"init_state: {len(models_or_params)} models for "
-                       f"{self.num_agents} agents")
+      raise ValueError(f"init_state: {len(models_or_params)} models for {self.num_agents} agents")
     adapters = [None] * self.num_agents if adapters is None else adapters
-    states = [self.inner.init_state(m, seed=seed, adapters=a)
-              for m, a in zip(models_or_params, adapters)]
+    states = [
+        self.inner.init_state(m, seed=seed, adapters=a) for m, a in zip(models_or_params, adapters)
+    ]
     return self.stack(states)
 
   def stack(self, states: Sequence[TrainState]) -> TrainState:
@@ -123,14 +132,18 @@ class StackedTrainStep:
   def abstract_state(self) -> TrainState:
     """Stacked ShapeDtypeStructs with shardings (a checkpoint restore target)."""
     a = self.num_agents
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct((a,) + x.shape, x.dtype, sharding=s),
-                        self.inner.abstract_state(), self.state_shardings)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct((a,) + x.shape, x.dtype, sharding=s),
+        self.inner.abstract_state(),
+        self.state_shardings,
+    )
 
   def copy_params(self, params):
     """A separate copy of stacked parameters (the frozen references)."""
     if self._copy_fn is None:
-      self._copy_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                              out_shardings=self.param_shardings)
+      self._copy_fn = jax.jit(
+          lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings
+      )
     return self._copy_fn(params)
 
   def merged(self, params):
@@ -139,8 +152,10 @@ class StackedTrainStep:
       return params
     if self._merge_fn is None:
       merge = lambda b, a: lora_lib.merge(b, a, self.lora)
-      self._merge_fn = jax.jit(jax.vmap(merge, in_axes=(None, 0)),
-                               out_shardings=jax.tree.map(_stack_sharding, self.base_shardings))
+      self._merge_fn = jax.jit(
+          jax.vmap(merge, in_axes=(None, 0)),
+          out_shardings=jax.tree.map(_stack_sharding, self.base_shardings),
+      )
     return self._merge_fn(self.base, params)
 
   # ------------------------------------------------------------ step
@@ -148,8 +163,10 @@ class StackedTrainStep:
     out = self.inner._select(batch_A, rows_axis=1)
     for k, v in as_arrays(out).items():
       if np.shape(v)[0] != self.num_agents:
-        raise ValueError(f"stacked batch {k} has leading size {np.shape(v)[0]}; expected "
-                         f"{self.num_agents} agents")
+        raise ValueError(
+            f"stacked batch {k} has leading size {np.shape(v)[0]}; expected "
+            f"{self.num_agents} agents"
+        )
     return out
 
   def __call__(self, state: TrainState, ref_params, batch: TrainBatch):
@@ -183,7 +200,8 @@ class StackedTrainStep:
       self._jitted[key] = jax.jit(
           jax.vmap(self.inner._values),
           in_shardings=(self.param_shardings, self._batch_shardings(fwd)),
-          out_shardings=self._logp_sharding(fwd.tokens_BxL.shape[1]))
+          out_shardings=self._logp_sharding(fwd.tokens_BxL.shape[1]),
+      )
     return self._jitted[key]
 
   def _logp_sharding(self, rows: int) -> NamedSharding:
@@ -191,17 +209,20 @@ class StackedTrainStep:
     return _stack_sharding(sharding.batch_sharding(self.mesh, 2, rows))
 
   def _batch_shardings(self, batch_A):
-    return jax.tree.map(lambda v: _stack_sharding(
-        sharding.batch_sharding(self.mesh, len(v.shape) - 1, v.shape[1])), batch_A)
+    return jax.tree.map(
+        lambda v: _stack_sharding(sharding.batch_sharding(self.mesh, len(v.shape) - 1, v.shape[1])),
+        batch_A,
+    )
 
   def _old_fn_for(self, fwd):
     key = ("old_logprobs",) + fwd.program_key(rows_axis=1)
     fn = self._jitted.get(key)
     if fn is None:
-      fn = jax.jit(self._mapped_old_logp,
-                   in_shardings=(self.param_shardings, self.base_shardings,
-                                 self._batch_shardings(fwd)),
-                   out_shardings=self._logp_sharding(fwd.tokens_BxL.shape[1]))
+      fn = jax.jit(
+          self._mapped_old_logp,
+          in_shardings=(self.param_shardings, self.base_shardings, self._batch_shardings(fwd)),
+          out_shardings=self._logp_sharding(fwd.tokens_BxL.shape[1]),
+      )
       self._jitted[key] = fn
     return fn
 
@@ -211,19 +232,22 @@ class StackedTrainStep:
     if fn is None:
       rep = sharding.replicated(self.mesh)
       frozen = self.base_shardings if self.lora else None if no_ref else self.param_shardings
-      fn = jax.jit(functools.partial(self._stacked_step, with_ref=not no_ref),
-                   in_shardings=(self.state_shardings, frozen, self._batch_shardings(batch), rep,
-                                 rep),
-                   out_shardings=(self.state_shardings, rep), donate_argnums=(0,),
-                   compiler_options=dict(self.step_cfg.compiler_options) or None)
+      fn = jax.jit(
+          functools.partial(self._stacked_step, with_ref=not no_ref),
+          in_shardings=(self.state_shardings, frozen, self._batch_shardings(batch), rep, rep),
+          out_shardings=(self.state_shardings, rep),
+          donate_argnums=(0,),
+          compiler_options=dict(self.step_cfg.compiler_options) or None,
+      )
       self._jitted[key] = fn
     return fn
 
   def _stacked_step(self, state, frozen, batch, schedule_args, scales, *, with_ref: bool):
     one = lambda s, r, b, h, c: self.inner._step(s, r, b, h, update_scale=c, with_ref=with_ref)
     frozen_axis = None if frozen is None or self.lora else 0  # the base is shared
-    return jax.vmap(one, in_axes=(0, frozen_axis, 0, None, 0))(state, frozen, batch,
-                                                               schedule_args, scales)
+    return jax.vmap(one, in_axes=(0, frozen_axis, 0, None, 0))(
+        state, frozen, batch, schedule_args, scales
+    )
 
   def _mapped_old_logp(self, params, base, fwd):
     # Traced body of `old_logprobs`: the single-agent forward mapped over the agent axis.
@@ -232,12 +256,19 @@ class StackedTrainStep:
   def precompile(self, batch: TrainBatch, with_ref=None) -> None:
     """Compiles the step for this stacked batch's shapes (arrays or ShapeDtypeStructs);
     with several updates per batch also the old-logprob forward (as `TrainStep`)."""
-    compile_step(self, batch, with_ref, self.inner.rules,
-                 lambda shape: self._logp_sharding(shape[1]),
-                 self.inner.schedule_args, self.scales)
+    compile_step(
+        self,
+        batch,
+        with_ref,
+        self.inner.rules,
+        lambda shape: self._logp_sharding(shape[1]),
+        self.inner.schedule_args,
+        self.scales,
+    )
 
   def fetch_metrics(self, metrics: Mapping[str, Any]) -> list[dict[str, float]]:
     """Host floats per agent (raises NonFiniteError under 'halt' for any agent)."""
     host = jax.device_get(dict(metrics))
-    return [self.inner.fetch_metrics({k: v[a] for k, v in host.items()})
-            for a in range(self.num_agents)]
+    return [
+        self.inner.fetch_metrics({k: v[a] for k, v in host.items()}) for a in range(self.num_agents)
+    ]

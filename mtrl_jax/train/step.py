@@ -95,20 +95,31 @@ class StepConfig:
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
-    if (not isinstance(self.num_microbatches, int) or isinstance(self.num_microbatches, bool)
-        or self.num_microbatches < 1):
-      raise ValueError(f"StepConfig.num_microbatches={self.num_microbatches!r}; "
-                       "allowed: an integer >= 1")
+    if (
+        not isinstance(self.num_microbatches, int)
+        or isinstance(self.num_microbatches, bool)
+        or self.num_microbatches < 1
+    ):
+      raise ValueError(
+          f"StepConfig.num_microbatches={self.num_microbatches!r}; allowed: an integer >= 1"
+      )
     if self.nonfinite not in _NONFINITE:
       raise ValueError(f"StepConfig.nonfinite={self.nonfinite!r}; allowed: {list(_NONFINITE)}")
     if self.logprob_chunk_size is not None and (
-        not isinstance(self.logprob_chunk_size, int) or self.logprob_chunk_size < 1):
-      raise ValueError(f"StepConfig.logprob_chunk_size={self.logprob_chunk_size!r}; "
-                       "allowed: None or an integer >= 1")
-    if not all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
-               for o in self.compiler_options):
-      raise ValueError(f"StepConfig.compiler_options={self.compiler_options!r}; allowed: a "
-                       "tuple of (xla_option_name, value) pairs")
+        not isinstance(self.logprob_chunk_size, int) or self.logprob_chunk_size < 1
+    ):
+      raise ValueError(
+          f"StepConfig.logprob_chunk_size={self.logprob_chunk_size!r}; "
+          "allowed: None or an integer >= 1"
+      )
+    if not all(
+        isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
+        for o in self.compiler_options
+    ):
+      raise ValueError(
+          f"StepConfig.compiler_options={self.compiler_options!r}; allowed: a "
+          "tuple of (xla_option_name, value) pairs"
+      )
 
 
 class NonFiniteError(FloatingPointError):
@@ -129,8 +140,15 @@ class TrainStep:
     rules: logical-axis rules for the parameters.
   """
 
-  def __init__(self, model: models.Transformer, objective, optim_cfg: optim.OptimConfig,
-               mesh=None, step_cfg: StepConfig = StepConfig(), rules=sharding.TRAIN_RULES):
+  def __init__(
+      self,
+      model: models.Transformer,
+      objective,
+      optim_cfg: optim.OptimConfig,
+      mesh=None,
+      step_cfg: StepConfig = StepConfig(),
+      rules=sharding.TRAIN_RULES,
+  ):
     if isinstance(objective, losses.LossConfig):
       objective = PolicyObjective(objective)
     self.objective = objective
@@ -142,13 +160,16 @@ class TrainStep:
     lora = self.model_cfg.lora
     self.lora = lora if lora is not None and lora.enabled else None
     self.base = self.base_shardings = None  # with adapters: the frozen base and its layout
-    self.graphdef, params, *base = (lora_lib.split(model) if self.lora
-                                    else nnx.split(model, nnx.Param))
-    self.ref_graphdef = (lora_lib.base_graphdef(self.model_cfg, rules) if self.lora
-                         else self.graphdef)
+    self.graphdef, params, *base = (
+        lora_lib.split(model) if self.lora else nnx.split(model, nnx.Param)
+    )
+    self.ref_graphdef = (
+        lora_lib.base_graphdef(self.model_cfg, rules) if self.lora else self.graphdef
+    )
     if self.lora:
-      self.base_shardings = models.state_shardings(base[0], lora_lib.plain(self.model_cfg),
-                                                   self.mesh, rules)
+      self.base_shardings = models.state_shardings(
+          base[0], lora_lib.plain(self.model_cfg), self.mesh, rules
+      )
       self.base, self._fresh_adapters = jax.device_put(base[0], self.base_shardings), params
     self.tx = optim.make_optimizer(optim_cfg)  # the state's layout; the programs build their own
     self.schedule_args = optim.schedule_args(optim_cfg)  # an argument of every update program
@@ -156,10 +177,15 @@ class TrainStep:
     rep = sharding.replicated(self.mesh)
     abstract_opt = jax.eval_shape(self._init_opt, params)
     opt_shardings = optax.tree_utils.tree_map_params(
-        self.tx, lambda _, s: s, abstract_opt, self.param_shardings,
-        transform_non_params=lambda _: rep)
-    self.state_shardings = TrainState(step=rep, params=self.param_shardings,
-                                      opt_state=opt_shardings, rng=rep, num_skipped=rep)
+        self.tx,
+        lambda _, s: s,
+        abstract_opt,
+        self.param_shardings,
+        transform_non_params=lambda _: rep,
+    )
+    self.state_shardings = TrainState(
+        step=rep, params=self.param_shardings, opt_state=opt_shardings, rng=rep, num_skipped=rep
+    )
     self._abstract_params = jax.eval_shape(lambda p: p, params)
     self._abstract_opt = abstract_opt
     self._jitted: dict[Any, Any] = {}
@@ -171,8 +197,11 @@ class TrainStep:
     # Optimizer moments are float32 whatever the parameter dtype (bf16 moments
     # lose small updates, and updates arrive in float32 anyway, so bf16 moments
     # would also change dtype after the first step and force a recompile).
-    return self.tx.init(jax.tree.map(lambda p: p.astype(jnp.float32)
-                                     if jnp.issubdtype(p.dtype, jnp.floating) else p, params))
+    return self.tx.init(
+        jax.tree.map(
+            lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p, params
+        )
+    )
 
   def init_state(self, model_or_params, seed: int = 0, adapters=None) -> TrainState:
     """A fresh TrainState (step 0, zero Adam moments) born sharded; with adapters the
@@ -182,9 +211,13 @@ class TrainStep:
     if self._init_fn is None:
 
       def init(params, key):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=self._init_opt(params), rng=key,
-                          num_skipped=jnp.zeros((), jnp.int32))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self._init_opt(params),
+            rng=key,
+            num_skipped=jnp.zeros((), jnp.int32),
+        )
 
       self._init_fn = jax.jit(init, out_shardings=self.state_shardings)
     return self._init_fn(params, jax.random.PRNGKey(seed))
@@ -196,7 +229,8 @@ class TrainStep:
     params = model_or_params
     if self.lora is not None:
       params, base = lora_lib.adapters_and_base(
-          model_or_params, self._fresh_adapters if adapters is None else adapters)
+          model_or_params, self._fresh_adapters if adapters is None else adapters
+      )
       self.set_base(base)
     elif isinstance(model_or_params, nnx.Module):
       params = nnx.state(model_or_params, nnx.Param)
@@ -208,17 +242,21 @@ class TrainStep:
     def sds(x, s):
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
-    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32),
-                          params=self._abstract_params, opt_state=self._abstract_opt,
-                          rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
-                          num_skipped=jax.ShapeDtypeStruct((), jnp.int32))
+    abstract = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=self._abstract_params,
+        opt_state=self._abstract_opt,
+        rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+        num_skipped=jax.ShapeDtypeStruct((), jnp.int32),
+    )
     return jax.tree.map(sds, abstract, self.state_shardings)
 
   def copy_params(self, params):
     """A separate sharded copy (e.g. the frozen reference: state.params is donated)."""
     if self._copy_fn is None:
-      self._copy_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                              out_shardings=self.param_shardings)
+      self._copy_fn = jax.jit(
+          lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings
+      )
     return self._copy_fn(params)
 
   def set_base(self, base) -> None:
@@ -231,8 +269,9 @@ class TrainStep:
     if self.lora is None:
       return params
     if self._merge_fn is None:
-      self._merge_fn = jax.jit(lambda b, a: lora_lib.merge(b, a, self.lora),
-                               out_shardings=self.base_shardings)
+      self._merge_fn = jax.jit(
+          lambda b, a: lora_lib.merge(b, a, self.lora), out_shardings=self.base_shardings
+      )
     return self._merge_fn(self.base, params)
 
   def frozen_arg(self, ref_params, needs_ref: bool):
@@ -241,8 +280,9 @@ class TrainStep:
     if self.lora is not None:
       return self.base
     if needs_ref and ref_params is None:
-      raise ValueError("the objective needs reference logprobs (kl_coef > 0) but "
-                       "ref_params is None")
+      raise ValueError(
+          "the objective needs reference logprobs (kl_coef > 0) but ref_params is None"
+      )
     return ref_params if needs_ref else None
 
   # ------------------------------------------------------------ step
@@ -252,27 +292,34 @@ class TrainStep:
     return self._num_traces
 
   def _batch_shardings(self, batch: TrainBatch):
-    return jax.tree.map(lambda v: sharding.batch_sharding(self.mesh, len(v.shape), v.shape[0]),
-                        batch)
+    return jax.tree.map(
+        lambda v: sharding.batch_sharding(self.mesh, len(v.shape), v.shape[0]), batch
+    )
 
   def _select(self, batch: TrainBatch, rows_axis: int = 0) -> TrainBatch:
     """`batch` checked (token ids, micro-batch rows, what the objective reads), without
     the fields the objective does not read; `rows_axis` 1 for agent-stacked batches
     (`train.stacked`)."""
     if not isinstance(batch, TrainBatch):
-      raise TypeError(f"train batch is a {type(batch).__name__}; allowed: "
-                      "rollout.train_batch.TrainBatch")
+      raise TypeError(
+          f"train batch is a {type(batch).__name__}; allowed: rollout.train_batch.TrainBatch"
+      )
     check = getattr(self.objective, "check", None)
     if check is not None:
       check(batch)
     if not getattr(self.objective, "recompute_old", False):
       batch = batch.replace(trainer_old_logp_BxK=None)
     tokens = batch.tokens_BxL
-    if isinstance(tokens, np.ndarray) and tokens.size and (
-        tokens.min() < 0 or tokens.max() >= self.model_cfg.vocab_size):
+    if (
+        isinstance(tokens, np.ndarray)
+        and tokens.size
+        and (tokens.min() < 0 or tokens.max() >= self.model_cfg.vocab_size)
+    ):
       # jnp.take would silently return NaN rows for out-of-range ids.
-      raise ValueError(f"tokens_BxL ids span [{tokens.min()}, {tokens.max()}]; allowed: "
-                       f"[0, vocab_size={self.model_cfg.vocab_size})")
+      raise ValueError(
+          f"tokens_BxL ids span [{tokens.min()}, {tokens.max()}]; allowed: "
+          f"[0, vocab_size={self.model_cfg.vocab_size})"
+      )
     b = np.shape(tokens)[rows_axis]
     m = self.step_cfg.num_microbatches
     if b % m:
@@ -316,8 +363,10 @@ class TrainStep:
     key = ("values",) + fwd.program_key()
     if key not in self._jitted:
       self._jitted[key] = jax.jit(
-          self._values, in_shardings=(self.param_shardings, self._batch_shardings(fwd)),
-          out_shardings=sharding.batch_sharding(self.mesh, 2, fwd.tokens_BxL.shape[0]))
+          self._values,
+          in_shardings=(self.param_shardings, self._batch_shardings(fwd)),
+          out_shardings=sharding.batch_sharding(self.mesh, 2, fwd.tokens_BxL.shape[0]),
+      )
     return self._jitted[key]
 
   def _values(self, params, fwd):
@@ -329,9 +378,11 @@ class TrainStep:
     fn = self._jitted.get(key)
     if fn is None:
       rows = fwd.tokens_BxL.shape[0]
-      fn = jax.jit(self._old_logp, in_shardings=(self.param_shardings, self.base_shardings,
-                                                 self._batch_shardings(fwd)),
-                   out_shardings=sharding.batch_sharding(self.mesh, 2, rows))
+      fn = jax.jit(
+          self._old_logp,
+          in_shardings=(self.param_shardings, self.base_shardings, self._batch_shardings(fwd)),
+          out_shardings=sharding.batch_sharding(self.mesh, 2, rows),
+      )
       self._jitted[key] = fn
     return fn
 
@@ -340,8 +391,14 @@ class TrainStep:
     `base` the frozen base with adapters, else None."""
     self._num_traces += 1
     full = params if base is None else nnx.merge_state(params, base)
-    logp, _, _ = forward_logprobs(self.graphdef, full, fwd, self.step_cfg.logprob_chunk_size,
-                                  False, getattr(self.objective, "temperature", 1.0))
+    logp, _, _ = forward_logprobs(
+        self.graphdef,
+        full,
+        fwd,
+        self.step_cfg.logprob_chunk_size,
+        False,
+        getattr(self.objective, "temperature", 1.0),
+    )
     return jax.lax.stop_gradient(logp)
 
   def _fn_for(self, batch: TrainBatch, no_ref: bool):
@@ -351,12 +408,19 @@ class TrainStep:
     fn = self._jitted.get(key)
     if fn is None:
       frozen = self.base_shardings if self.lora else None if no_ref else self.param_shardings
-      in_sh = (self.state_shardings, frozen, self._batch_shardings(batch),
-               sharding.replicated(self.mesh))
-      fn = jax.jit(functools.partial(self._step, with_ref=not no_ref), in_shardings=in_sh,
-                   out_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
-                   donate_argnums=(0,),
-                   compiler_options=dict(self.step_cfg.compiler_options) or None)
+      in_sh = (
+          self.state_shardings,
+          frozen,
+          self._batch_shardings(batch),
+          sharding.replicated(self.mesh),
+      )
+      fn = jax.jit(
+          functools.partial(self._step, with_ref=not no_ref),
+          in_shardings=in_sh,
+          out_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
+          donate_argnums=(0,),
+          compiler_options=dict(self.step_cfg.compiler_options) or None,
+      )
       self._jitted[key] = fn
     return fn
 
@@ -369,12 +433,18 @@ class TrainStep:
     can compile all its shape buckets before the first step.
     `with_ref` defaults to whether the objective needs reference logprobs.
     """
-    compile_step(self, batch, with_ref, self.rules,
-                 lambda shape: sharding.batch_sharding(self.mesh, 2, shape[0]),
-                 self.schedule_args)
+    compile_step(
+        self,
+        batch,
+        with_ref,
+        self.rules,
+        lambda shape: sharding.batch_sharding(self.mesh, 2, shape[0]),
+        self.schedule_args,
+    )
 
-  def _step(self, state: TrainState, frozen, batch, schedule_args, update_scale=None, *,
-            with_ref: bool):
+  def _step(
+      self, state: TrainState, frozen, batch, schedule_args, update_scale=None, *, with_ref: bool
+  ):
     """One update, traced (`train.update.one_update`); `frozen` is `frozen_arg`'s
     (the base with adapters, else the reference or None); `schedule_args` the
     schedule's numbers (`optim.ScheduleArgs`); `update_scale` (a scalar, default 1)
@@ -382,11 +452,21 @@ class TrainStep:
     self._num_traces += 1  # runs once per trace, i.e. per compilation
     base = frozen if self.lora else None
     ref = frozen if with_ref else None
-    return one_update(state, ref, batch, graphdef=self.graphdef,
-                      objective=self.objective, step_cfg=self.step_cfg,
-                      optim_cfg=self.optim_cfg, schedule_args=schedule_args, mesh=self.mesh,
-                      param_shardings=self.param_shardings, update_scale=update_scale,
-                      frozen=base, ref_graphdef=self.ref_graphdef)
+    return one_update(
+        state,
+        ref,
+        batch,
+        graphdef=self.graphdef,
+        objective=self.objective,
+        step_cfg=self.step_cfg,
+        optim_cfg=self.optim_cfg,
+        schedule_args=schedule_args,
+        mesh=self.mesh,
+        param_shardings=self.param_shardings,
+        update_scale=update_scale,
+        frozen=base,
+        ref_graphdef=self.ref_graphdef,
+    )
 
   def fetch_metrics(self, metrics: Mapping[str, Any]) -> dict[str, float]:
     """Host floats of a step's metrics; raises NonFiniteError under 'halt'."""
@@ -395,5 +475,6 @@ class TrainStep:
       raise NonFiniteError(
           f"train step {int(out.get('step', -1))}: non-finite loss={out.get('loss')} or "
           f"grad_norm={out.get('grad_norm')}; the update was skipped and "
-          "StepConfig.nonfinite='halt' stops the run (use 'skip' to continue)")
+          "StepConfig.nonfinite='halt' stops the run (use 'skip' to continue)"
+      )
     return out

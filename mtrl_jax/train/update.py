@@ -39,9 +39,22 @@ def split_microbatches(batch, num: int, mesh, batch_axes):
   return jax.tree.map(one, batch)
 
 
-def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, optim_cfg,
-               schedule_args, mesh, param_shardings, update_scale=None, frozen=None,
-               ref_graphdef=None):
+def one_update(
+    state,
+    ref_params,
+    batch,
+    *,
+    graphdef,
+    objective,
+    step_cfg,
+    optim_cfg,
+    schedule_args,
+    mesh,
+    param_shardings,
+    update_scale=None,
+    frozen=None,
+    ref_graphdef=None,
+):
   """One update of `state` (a `train.step.TrainState`) on `batch`; traced, not jitted.
 
   Args:
@@ -75,8 +88,10 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, optim
   critic = getattr(obj, "value_coef", None) is not None
   values_only = getattr(obj, "values_only", False)  # `objectives.ValueObjective`
   if critic:
-    inv_dens = (1.0 / jnp.maximum(obj.den(batch), 1.0),
-                1.0 / jnp.maximum(obj.value_den(batch), 1.0))
+    inv_dens = (
+        1.0 / jnp.maximum(obj.den(batch), 1.0),
+        1.0 / jnp.maximum(obj.value_den(batch), 1.0),
+    )
 
   def num_fn(params, mb, ref_logp):
     full = params if frozen is None else nnx.merge_state(params, frozen)
@@ -84,8 +99,9 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, optim
       logp = entropy = None
       values = forward_values(graphdef, full, mb)
     else:
-      logp, entropy, values = forward_logprobs(graphdef, full, mb, cfg.logprob_chunk_size,
-                                               want_entropy, temperature)
+      logp, entropy, values = forward_logprobs(
+          graphdef, full, mb, cfg.logprob_chunk_size, want_entropy, temperature
+      )
     num, den, sums = obj.terms(logp, ref_logp, entropy, mb)
     if critic:
       vnum, vsums = obj.value_terms(values, mb)
@@ -99,9 +115,14 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, optim
     # refuses variables captured from an outer trace).
     ref_logp = None
     if ref_params is not None:
-      ref_logp, _, _ = forward_logprobs(ref_graphdef or graphdef, ref_params,
-                                        mb.replace(value_pos_BxK=None),
-                                        cfg.logprob_chunk_size, False, temperature)
+      ref_logp, _, _ = forward_logprobs(
+          ref_graphdef or graphdef,
+          ref_params,
+          mb.replace(value_pos_BxK=None),
+          cfg.logprob_chunk_size,
+          False,
+          temperature,
+      )
       ref_logp = jax.lax.stop_gradient(ref_logp)
     return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
 
@@ -122,8 +143,9 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, optim
     zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     (grads, num, den), sums_M = jax.lax.scan(body, init, mbs)
-    sums = functools.reduce(obj.merge, [jax.tree.map(lambda x, i=i: x[i], sums_M)
-                                        for i in range(m)])
+    sums = functools.reduce(
+        obj.merge, [jax.tree.map(lambda x, i=i: x[i], sums_M) for i in range(m)]
+    )
 
   if critic:  # each micro-batch's num is already divided (above)
     loss = num
@@ -144,14 +166,21 @@ def one_update(state, ref_params, batch, *, graphdef, objective, step_cfg, optim
   new_params = optax.apply_updates(state.params, updates)
   pick = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
   new_state = state.replace(
-      step=state.step + 1, params=pick(new_params, state.params),
+      step=state.step + 1,
+      params=pick(new_params, state.params),
       opt_state=pick(new_opt, state.opt_state),
-      num_skipped=state.num_skipped + (~finite).astype(jnp.int32))
+      num_skipped=state.num_skipped + (~finite).astype(jnp.int32),
+  )
 
   metrics = dict(obj.finalize(sums))
-  metrics.update(loss=loss, grad_norm=grad_norm,
-                 learning_rate=lr,
-                 skipped=(~finite).astype(jnp.float32), empty_batch=(den <= 0).astype(
-                     jnp.float32), num_skipped=new_state.num_skipped, step=state.step)
+  metrics.update(
+      loss=loss,
+      grad_norm=grad_norm,
+      learning_rate=lr,
+      skipped=(~finite).astype(jnp.float32),
+      empty_batch=(den <= 0).astype(jnp.float32),
+      num_skipped=new_state.num_skipped,
+      step=state.step,
+  )
   metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
   return new_state, metrics

@@ -45,15 +45,17 @@ from mtrl_jax.envs.faults import FaultKind
 # without an episode past its first turn (a tree with room for more), before a warning.
 STALL_STEPS = 3
 # What to try when the samples of each group score alike (every config field named exists).
-IDLE_HINT = ("try: raise sampling.temperature or tree.num_generations (G) for samples that "
-             "differ; raise optim.learning_rate if the policy barely moves; add a KL term "
-             "(loss.kl_coef > 0) if it collapsed onto one answer, or lower loss.kl_coef if it "
-             "holds the policy at its reference")
+IDLE_HINT = (
+    "try: raise sampling.temperature or tree.num_generations (G) for samples that "
+    "differ; raise optim.learning_rate if the policy barely moves; add a KL term "
+    "(loss.kl_coef > 0) if it collapsed onto one answer, or lower loss.kl_coef if it "
+    "holds the policy at its reference"
+)
 
 
 def _line(text: str, limit: int = 300) -> str:
   text = " ".join(str(text).split())
-  return text if len(text) <= limit else text[:limit - 3] + "..."
+  return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _fault_text(fault) -> str:
@@ -87,15 +89,20 @@ def idle_reason(tree, batch_metrics: dict) -> str:
   truncated = [a for a in ended if a.steps[-1].truncated or a.limit_reached]
   dropped = int(batch_metrics.get("batch/zero_variance_groups", 0))
   if ended and len(truncated) == len(ended):
-    cause = next((f.message for a in truncated for f in a.faults
-                  if f.kind == FaultKind.TRUNCATION), "")
-    return (f"every trajectory was truncated ({len(truncated)}; first: {_line(cause, 120)}), "
-            f"so every group scored alike ({dropped} dropped by rl.zero_variance_filter); "
-            "raise env.max_tokens or env.max_turns")
+    cause = next(
+        (f.message for a in truncated for f in a.faults if f.kind == FaultKind.TRUNCATION), ""
+    )
+    return (
+        f"every trajectory was truncated ({len(truncated)}; first: {_line(cause, 120)}), "
+        f"so every group scored alike ({dropped} dropped by rl.zero_variance_filter); "
+        "raise env.max_tokens or env.max_turns"
+    )
   if dropped:
-    return (f"every group's advantages were 0 ({dropped} groups dropped by "
-            f"rl.zero_variance_filter): the policy's samples of each task scored alike; "
-            f"{IDLE_HINT}")
+    return (
+        f"every group's advantages were 0 ({dropped} groups dropped by "
+        f"rl.zero_variance_filter): the policy's samples of each task scored alike; "
+        f"{IDLE_HINT}"
+    )
   return f"no sample was left to train on; {IDLE_HINT}"
 
 
@@ -127,16 +134,23 @@ class LearningWatch:
     self.solved_steps = int(state.get("solved_steps", 0))
     self.toolless_steps = int(state.get("toolless_steps", 0))
     self.first_turn_steps = int(state.get("first_turn_steps", 0))
-    self.window = collections.deque((tuple(w) for w in state.get("window", ())),
-                                    maxlen=rl.masked_window)
+    self.window = collections.deque(
+        (tuple(w) for w in state.get("window", ())), maxlen=rl.masked_window
+    )
 
   def state(self) -> dict:
     """JSON counters: the run's summary keeps them (resumes go on from them)."""
-    return {"steps": self.steps, "trained_steps": self.trained_steps,
-            "idle_steps": self.idle_steps, "idle_since": self.idle_since,
-            "last_reason": self.last_reason, "solved_steps": self.solved_steps,
-            "toolless_steps": self.toolless_steps, "first_turn_steps": self.first_turn_steps,
-            "window": [list(w) for w in self.window]}
+    return {
+        "steps": self.steps,
+        "trained_steps": self.trained_steps,
+        "idle_steps": self.idle_steps,
+        "idle_since": self.idle_since,
+        "last_reason": self.last_reason,
+        "solved_steps": self.solved_steps,
+        "toolless_steps": self.toolless_steps,
+        "first_turn_steps": self.first_turn_steps,
+        "window": [list(w) for w in self.window],
+    }
 
   def stalls(self, step: int, tree, metrics: dict) -> list[str]:
     """The warnings of `STALL_STEPS` consecutive steps without a valid tool call or without
@@ -154,7 +168,8 @@ class LearningWatch:
             f"tools/parse_failures_per_call "
             f"{metrics.get('tools/parse_failures_per_call', 0.0):.2f}); check that the "
             "prompt shows the tools and the call syntax the parser reads, or warm up on "
-            "tool-calling conversations (sft.steps)")
+            "tool-calling conversations (sft.steps)"
+        )
     if "rollout/past_first_turn" in metrics and _allows_turns(tree):
       past = metrics["rollout/past_first_turn"] > 0
       self.first_turn_steps = 0 if past else self.first_turn_steps + 1
@@ -164,11 +179,20 @@ class LearningWatch:
             f"({step - k + 1}-{step}; rollout/past_first_turn 0): the environment ends every "
             "episode at the policy's first message, so the multi-turn tree trains single-turn "
             "episodes; see why in a rollout dump (rl.dump_every), or set tree.num_turns=1 if "
-            "the environment is single-turn by design")
+            "the environment is single-turn by design"
+        )
     return out
 
-  def observe(self, step: int, tree, batch_metrics: dict, *, success: Optional[float] = None,
-              metrics: Optional[dict] = None, last: bool = False) -> tuple[str, str]:
+  def observe(
+      self,
+      step: int,
+      tree,
+      batch_metrics: dict,
+      *,
+      success: Optional[float] = None,
+      metrics: Optional[dict] = None,
+      last: bool = False,
+  ) -> tuple[str, str]:
     """(warning, halt reason) of RL step `step` ('' for none; several warnings joined by
     newlines, one line each); `success`: the step's `rollout/success` (1.0: every ended
     sample succeeded); `metrics`: the step's metrics row (`tools/*`,
@@ -185,11 +209,15 @@ class LearningWatch:
       elif success is not None and success >= 1.0 and masked < total:
         self.idle_steps = 0
         self.solved_steps += 1
-        self.last_reason = ("every sample succeeded, so every group's rewards were alike "
-                            "(nothing left to learn from these tasks)")
+        self.last_reason = (
+            "every sample succeeded, so every group's rewards were alike "
+            "(nothing left to learn from these tasks)"
+        )
         if self.solved_steps == 1:  # once per run of such steps
-          warning = (f"step {step} trained no sample: {self.last_reason}; not counted by "
-                     "rl.halt_if_idle_steps")
+          warning = (
+              f"step {step} trained no sample: {self.last_reason}; not counted by "
+              "rl.halt_if_idle_steps"
+          )
       else:
         self.solved_steps = 0
         self.idle_since = self.idle_since if self.idle_steps else step
@@ -198,16 +226,20 @@ class LearningWatch:
         warning = f"step {step} trained no sample: {self.last_reason}"
         k = self.rl.halt_if_idle_steps
         if k and self.idle_steps >= k:
-          halt = (f"rl.halt_if_idle_steps={k}: no sample trained in {self.idle_steps} "
-                  f"consecutive steps ({self.idle_since}-{step}); last: {self.last_reason}")
+          halt = (
+              f"rl.halt_if_idle_steps={k}: no sample trained in {self.idle_steps} "
+              f"consecutive steps ({self.idle_since}-{step}); last: {self.last_reason}"
+          )
     limit = self.rl.max_masked_fraction
     if not halt and limit < 1.0 and (last or len(self.window) == self.window.maxlen):
       m, n = sum(w[1] for w in self.window), sum(w[2] for w in self.window)
       if n and m / n > limit:
         fault = next((w[3] for w in self.window if w[3]), "none recorded")
-        halt = (f"rl.max_masked_fraction={limit:g}: {m} of {n} joint actions "
-                f"({m / n:.0%}) were masked in steps {self.window[0][0]}-{step}; first fault: "
-                f"{fault}")
+        halt = (
+            f"rl.max_masked_fraction={limit:g}: {m} of {n} joint actions "
+            f"({m / n:.0%}) were masked in steps {self.window[0][0]}-{step}; first fault: "
+            f"{fault}"
+        )
     warnings = ([warning] if warning else []) + self.stalls(step, tree, metrics or {})
     return "\n".join(_line(w, 600) for w in warnings), _line(halt, 700)
 
@@ -216,5 +248,6 @@ class LearningWatch:
     trained nothing ('' otherwise)."""
     if not self.rl.updates_per_step or self.trained_steps or not self.steps:
       return ""
-    return _line(f"the run trained no sample in {self.steps} RL steps; last: "
-                 f"{self.last_reason}", 500)
+    return _line(
+        f"the run trained no sample in {self.steps} RL steps; last: {self.last_reason}", 500
+    )

@@ -50,13 +50,19 @@ def smoke_runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("smoke")
   jobs = [(module, arg, str(root / f"run_{i}")) for i, (module, arg) in enumerate(SMOKE_RUNS)]
   env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags = [
+      f
+      for f in env.get("XLA_FLAGS", "").split()
+      if not f.startswith("--xla_force_host_platform_device_count")
+  ]
   env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
-  done = subprocess.run([sys.executable, "-c", _RUN_CONFIGS, json.dumps(jobs)], env=env,
-                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-                            os.path.abspath(__file__)))),
-                        capture_output=True, text=True)
+  done = subprocess.run(
+      [sys.executable, "-c", _RUN_CONFIGS, json.dumps(jobs)],
+      env=env,
+      cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+      capture_output=True,
+      text=True,
+  )
   assert done.returncode == 0, done.stderr[-5000:]
   return {(module, arg): workdir for module, arg, workdir in jobs}
 
@@ -84,28 +90,47 @@ def test_smoke_config_runs_an_rl_step(smoke_runs, module, arg):
   assert all((f"agent_{a}/batch/actions" in rows[1]) != share_policy for a in (0, 1))
 
 
-@pytest.mark.parametrize("module", [calculator_config, coop_config, guess_config,
-                                    humaneval_config, refine_config])
+@pytest.mark.parametrize(
+    "module", [calculator_config, coop_config, guess_config, humaneval_config, refine_config]
+)
 def test_every_smoke_config_applies_the_common_overlay(module):
   """`smoke=True` is `configs.common.apply_smoke` plus what the task changes after it."""
   config = module.get_config("smoke=True")
-  overlay = common.apply_smoke(module.get_config(None), rl_steps=config.rl.steps,
-                               sft_steps=config.sft.steps,
-                               roots_per_step=config.rl.roots_per_step,
-                               eval_tasks=config.eval.num_tasks)
-  for key in ("rl.precompile", "model.preset", "tree.num_generations", "rl.dump_every",
-              "eval.every", "checkpoint.every", "sft.batch_size", "sft.num_examples"):
+  overlay = common.apply_smoke(
+      module.get_config(None),
+      rl_steps=config.rl.steps,
+      sft_steps=config.sft.steps,
+      roots_per_step=config.rl.roots_per_step,
+      eval_tasks=config.eval.num_tasks,
+  )
+  for key in (
+      "rl.precompile",
+      "model.preset",
+      "tree.num_generations",
+      "rl.dump_every",
+      "eval.every",
+      "checkpoint.every",
+      "sft.batch_size",
+      "sft.num_examples",
+  ):
     group, field = key.split(".")
     assert config[group][field] == overlay[group][field], key
   assert (config.model.preset, config.tree.num_generations, config.rl.precompile) == (
-      "tiny", 2, False)
+      "tiny",
+      2,
+      False,
+  )
 
 
 def test_multi_agent_configs_default_to_one_policy_per_agent():
   """CoMLRL trains one LLM per agent: coop and HumanEval (aux + main) default to it."""
-  for config in (coop_config.get_config(None), coop_config.get_config("smoke=True"),
-                 refine_config.get_config(None),
-                 humaneval_config.get_config(None), humaneval_config.get_config("smoke=True")):
+  for config in (
+      coop_config.get_config(None),
+      coop_config.get_config("smoke=True"),
+      refine_config.get_config(None),
+      humaneval_config.get_config(None),
+      humaneval_config.get_config("smoke=True"),
+  ):
     assert config.tree.num_agents == 2 and not config.agents.share_policy
   assert coop_config.get_config("share_policy=True").agents.share_policy
   assert humaneval_config.get_config("agents=1").agents.share_policy  # GRPO: one agent

@@ -7,9 +7,21 @@ import time
 
 import pytest
 
-from mtrl_jax.envs import (ContractError, Environment, Fault, FaultCounter, FaultKind,
-                           FaultPolicy, StepLimits, Thread, ToolSet, Turn, rollout_scripted,
-                           step_environment, tool)
+from mtrl_jax.envs import (
+    ContractError,
+    Environment,
+    Fault,
+    FaultCounter,
+    FaultKind,
+    FaultPolicy,
+    StepLimits,
+    Thread,
+    ToolSet,
+    Turn,
+    rollout_scripted,
+    step_environment,
+    tool,
+)
 from mtrl_jax.envs.fault_report import FAULT_CONSOLE, FaultConsole
 from mtrl_jax.graders import Grader
 from mtrl_jax.testing import byte_renderer
@@ -32,6 +44,7 @@ class _Breaks(Environment):
 
 
 class _KeyErrorGrader(Grader):
+
   def grade(self, thread):
     return {}["expected"]  # a bug in the grader
 
@@ -39,22 +52,38 @@ class _KeyErrorGrader(Grader):
 def _raise(exc):
   def answer(thread):
     raise exc
+
   return answer
 
 
-@pytest.mark.parametrize("answer,needle,where", [
-    (lambda t: (t, None, None), "must return a 2-tuple (next_thread | None, grades), "
-     "got a 3-tuple", "_Breaks.react_to"),
-    (lambda t: None, "got NoneType", "_Breaks.react_to"),
-    (lambda t: ("next", None), "react_to returned str as next thread", "_Breaks.react_to"),
-    (lambda t: (None, {"g": math.nan}), "invalid grades: Grade.score must be finite, got nan",
-     "_Breaks.react_to"),
-    (lambda t: (None, math.inf), "Grade.score must be finite, got inf", "_Breaks.react_to"),
-    (_raise(TypeError("unsupported operand")), "TypeError: unsupported operand",
-     "_Breaks.react_to (test_contract_faults.py:"),
-    (lambda t: (None, {"g": _KeyErrorGrader("g").grade(t)}), "KeyError: 'expected'",
-     "_KeyErrorGrader.grade"),
-])
+@pytest.mark.parametrize(
+    "answer,needle,where",
+    [
+        (
+            lambda t: (t, None, None),
+            "must return a 2-tuple (next_thread | None, grades), got a 3-tuple",
+            "_Breaks.react_to",
+        ),
+        (lambda t: None, "got NoneType", "_Breaks.react_to"),
+        (lambda t: ("next", None), "react_to returned str as next thread", "_Breaks.react_to"),
+        (
+            lambda t: (None, {"g": math.nan}),
+            "invalid grades: Grade.score must be finite, got nan",
+            "_Breaks.react_to",
+        ),
+        (lambda t: (None, math.inf), "Grade.score must be finite, got inf", "_Breaks.react_to"),
+        (
+            _raise(TypeError("unsupported operand")),
+            "TypeError: unsupported operand",
+            "_Breaks.react_to (test_contract_faults.py:",
+        ),
+        (
+            lambda t: (None, {"g": _KeyErrorGrader("g").grade(t)}),
+            "KeyError: 'expected'",
+            "_KeyErrorGrader.grade",
+        ),
+    ],
+)
 def test_api_breaks_are_masked_contract_faults_never_retried(answer, needle, where):
   env = _Breaks(answer)
   outs, _ = rollout_scripted(env, ["a", "b"], RETRY_TWICE)
@@ -79,13 +108,16 @@ def test_grader_bug_is_attributed_to_the_grader():
   assert fault.source == "grader" and fault.where.startswith("_KeyErrorGrader.grade (")
 
 
-@pytest.mark.parametrize("exc,kind,calls", [
-    (ConnectionError("refused"), FaultKind.INFRASTRUCTURE, 1 + 1 + 2),  # retried twice
-    (OSError("disk"), FaultKind.INFRASTRUCTURE, 1 + 1 + 2),
-    (RuntimeError("unknown"), FaultKind.INFRASTRUCTURE, 1 + 1 + 2),
-    (TimeoutError("slow"), FaultKind.TIMEOUT, 1 + 1),
-    (ContractError("declared"), FaultKind.CONTRACT, 1 + 1),
-])
+@pytest.mark.parametrize(
+    "exc,kind,calls",
+    [
+        (ConnectionError("refused"), FaultKind.INFRASTRUCTURE, 1 + 1 + 2),  # retried twice
+        (OSError("disk"), FaultKind.INFRASTRUCTURE, 1 + 1 + 2),
+        (RuntimeError("unknown"), FaultKind.INFRASTRUCTURE, 1 + 1 + 2),
+        (TimeoutError("slow"), FaultKind.TIMEOUT, 1 + 1),
+        (ContractError("declared"), FaultKind.CONTRACT, 1 + 1),
+    ],
+)
 def test_outside_failures_stay_infrastructure_or_timeout(exc, kind, calls):
   env = _Breaks(_raise(exc))
   out = rollout_scripted(env, ["a", "b"], RETRY_TWICE)[0][1]
@@ -102,6 +134,7 @@ def test_a_buggy_tool_is_a_contract_fault_not_retried():
     return {"paris": "12C"}[city]  # KeyError for any other city: a bug in the tool
 
   class Tools(Environment):
+
     def react_to(self, thread):
       nxt = self.run_tools(thread)
       return (nxt, None) if nxt is not None else (None, 1.0)
@@ -113,22 +146,27 @@ def test_a_buggy_tool_is_a_contract_fault_not_retried():
   (fault,) = out.faults
   assert (fault.kind, fault.source) == (FaultKind.CONTRACT, "tool:lookup")
   assert "KeyError: 'rome'" in fault.message
-  assert fault.where.startswith("test_a_buggy_tool_is_a_contract_fault_not_retried.<locals>"
-                                ".lookup (test_contract_faults.py:")
+  assert fault.where.startswith(
+      "test_a_buggy_tool_is_a_contract_fault_not_retried.<locals>"
+      ".lookup (test_contract_faults.py:"
+  )
 
 
 def test_first_fault_of_each_kind_and_source_is_shown_once_in_one_line():
   console = FaultConsole(io.StringIO())
-  boom = Fault.from_exception(TypeError("boom\nsecond line"), "environment",
-                              where="MyEnv.react_to (my_env.py:3)")
+  boom = Fault.from_exception(
+      TypeError("boom\nsecond line"), "environment", where="MyEnv.react_to (my_env.py:3)"
+  )
   assert console.show(boom) and not console.show(boom)  # once per (kind, source)
   assert not console.show(Fault(FaultKind.CONTRACT, "environment", "another message"))
   assert console.show(Fault(FaultKind.CONTRACT, "grader", "g"))  # another source
   assert console.show(Fault(FaultKind.INFRASTRUCTURE, "environment", "db down"))
   assert not console.show(Fault(FaultKind.TRUNCATION, "framework", "turn cap"))  # routine
   lines = console.stream.getvalue().splitlines()
-  assert lines[0] == ("fault contract from environment in MyEnv.react_to (my_env.py:3): "
-                      "TypeError: boom second line  (shown once; counted in faults/contract)")
+  assert lines[0] == (
+      "fault contract from environment in MyEnv.react_to (my_env.py:3): "
+      "TypeError: boom second line  (shown once; counted in faults/contract)"
+  )
   assert len(lines) == 3 and lines[2].startswith("fault infrastructure from environment: db")
   console.reset()
   assert console.show(boom)
@@ -176,8 +214,11 @@ def test_tool_output_cap_defaults_from_the_token_budget_and_is_validated():
   assert StepLimits(max_tokens=256).tool_output_chars == 16 * 256
   assert StepLimits().tool_output_chars == 65_536
   assert StepLimits(max_tokens=256, max_tool_output_chars=100).tool_output_chars == 100
-  out = step_environment(_Floods(5000), Thread((Turn("user", "go"), Turn("assistant", "a"))),
-                         StepLimits(max_tokens=100))
+  out = step_environment(
+      _Floods(5000),
+      Thread((Turn("user", "go"), Turn("assistant", "a"))),
+      StepLimits(max_tokens=100),
+  )
   assert len(out.next_thread.turns[-1].content) < 1700 and not out.masked
   short = step_environment(_Floods(50), Thread((Turn("assistant", "a"),)), StepLimits())
   assert short.next_thread.turns[-1].content == "y" * 50  # under the cap: unchanged
@@ -185,12 +226,15 @@ def test_tool_output_cap_defaults_from_the_token_budget_and_is_validated():
     with pytest.raises(ValueError) as info:
       StepLimits(max_tool_output_chars=bad)
     msg = str(info.value)
-    assert msg.startswith(f"StepLimits.max_tool_output_chars={bad!r} (config "
-                          "env.max_tool_output_chars); must be a positive int or None")
+    assert msg.startswith(
+        f"StepLimits.max_tool_output_chars={bad!r} (config "
+        "env.max_tool_output_chars); must be a positive int or None"
+    )
     assert "\n" not in msg
 
 
 def test_tool_output_cap_config_field():
   from mtrl_jax.train.inputs import EnvConfig
+
   assert EnvConfig(max_tool_output_chars=8000).limits.tool_output_chars == 8000
   assert EnvConfig(max_tokens=64).limits.tool_output_chars == 16 * 64

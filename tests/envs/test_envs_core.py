@@ -6,15 +6,24 @@ import textwrap
 
 import pytest
 
-from mtrl_jax.envs import (Environment, EnvironmentFactory, SharedResource, Thread, ToolSet, Turn,
-                           register_env_factory, registered_env_factories, resolve_factory, tool)
+from mtrl_jax.envs import (
+    Environment,
+    EnvironmentFactory,
+    SharedResource,
+    Thread,
+    ToolSet,
+    Turn,
+    register_env_factory,
+    registered_env_factories,
+    resolve_factory,
+    tool,
+)
 from mtrl_jax.tasks.weather import WeatherEnv, WeatherFactory
 
 
 def test_turn_validation_and_immutability():
   t = Turn("tool", "42", name="calc", metadata={"ok": True})
-  assert t.to_dict() == {"role": "tool", "content": "42", "name": "calc",
-                         "metadata": {"ok": True}}
+  assert t.to_dict() == {"role": "tool", "content": "42", "name": "calc", "metadata": {"ok": True}}
   with pytest.raises(ValueError, match=r"Turn.role='robot'; allowed: \['system', 'user'"):
     Turn("robot", "x")
   with pytest.raises(TypeError, match="content must be str"):
@@ -72,6 +81,7 @@ class _Judge(SharedResource):
 
 
 class _Counting(Environment):
+
   def __init__(self, metadata):
     super().__init__(metadata)
     self.history = []
@@ -139,6 +149,7 @@ def test_registry_and_resolution_by_name():
 def test_register_conflicts_and_bad_names():
   @register_env_factory("test-core-dummy")
   class Dummy(EnvironmentFactory):
+
     def __init__(self, scale=1):
       self.scale = scale
 
@@ -175,8 +186,12 @@ def test_resolution_by_import_path(tmp_path, monkeypatch):
   """))
   monkeypatch.syspath_prepend(str(tmp_path))
   try:
-    for spec in ("my_pkg.my_env:MyFactory", "my_pkg.my_env:make", "my_pkg.my_env:INSTANCE",
-                 "my_pkg.my_env:MyEnv"):
+    for spec in (
+        "my_pkg.my_env:MyFactory",
+        "my_pkg.my_env:make",
+        "my_pkg.my_env:INSTANCE",
+        "my_pkg.my_env:MyEnv",
+    ):
       env = resolve_factory(spec).create_environment({"prompt": "p"})
       assert type(env).__name__ == "MyEnv" and env.metadata == {"prompt": "p"}
     with pytest.raises(ValueError, match="has no 'Missing'"):

@@ -5,9 +5,19 @@ import time
 
 import pytest
 
-from mtrl_jax.envs import (ContractError, Fault, FaultCounter, FaultKind, FaultPolicy, FaultTimeoutError,
-                           InfrastructureError, ModelFormatError, ToolError, call_with_timeout,
-                           classify)
+from mtrl_jax.envs import (
+    ContractError,
+    Fault,
+    FaultCounter,
+    FaultKind,
+    FaultPolicy,
+    FaultTimeoutError,
+    InfrastructureError,
+    ModelFormatError,
+    ToolError,
+    call_with_timeout,
+    classify,
+)
 from mtrl_jax.text import ToolCallError, parse_tool_calls
 
 
@@ -22,19 +32,37 @@ def test_classification():
   assert classify(info.value) == FaultKind.MODEL_FORMAT
   # Programming errors are contract faults; outside failures and unknown
   # exceptions are infrastructure. Neither is ever reward.
-  for exc in (ValueError("x"), KeyError("k"), ZeroDivisionError(), TypeError(),
-              AttributeError(), IndexError(), NotImplementedError(), ContractError("x")):
+  for exc in (
+      ValueError("x"),
+      KeyError("k"),
+      ZeroDivisionError(),
+      TypeError(),
+      AttributeError(),
+      IndexError(),
+      NotImplementedError(),
+      ContractError("x"),
+  ):
     assert classify(exc) == FaultKind.CONTRACT, exc
-  for exc in (RuntimeError(), ConnectionError(), OSError(), BrokenPipeError(),
-              MemoryError(), Exception()):
+  for exc in (
+      RuntimeError(),
+      ConnectionError(),
+      OSError(),
+      BrokenPipeError(),
+      MemoryError(),
+      Exception(),
+  ):
     assert classify(exc) == FaultKind.INFRASTRUCTURE, exc
 
 
 def test_fault_record_and_counter():
   f = Fault.from_exception(ConnectionError("db"), "environment", retries=2)
   assert f.kind == FaultKind.INFRASTRUCTURE and f.message == "ConnectionError: db"
-  assert f.to_dict() == {"kind": "infrastructure", "source": "environment",
-                         "message": "ConnectionError: db", "retries": 2}
+  assert f.to_dict() == {
+      "kind": "infrastructure",
+      "source": "environment",
+      "message": "ConnectionError: db",
+      "retries": 2,
+  }
   assert Fault.from_exception(ToolError("bad city"), "tool:w").message == "bad city"
   a, b = FaultCounter(), FaultCounter()
   a.add_all([f, Fault("timeout", "tool:w", "slow")])
@@ -42,9 +70,15 @@ def test_fault_record_and_counter():
   a.merge(b)
   assert a.count() == 3 and a.count("timeout") == 2 and a.by_source["tool:w"] == 2
   m = a.metrics()
-  assert m == {"faults/model_format": 0, "faults/tool_error": 0, "faults/contract": 0,
-               "faults/infrastructure": 1, "faults/timeout": 2, "faults/truncation": 0,
-               "faults/total": 3}
+  assert m == {
+      "faults/model_format": 0,
+      "faults/tool_error": 0,
+      "faults/contract": 0,
+      "faults/infrastructure": 1,
+      "faults/timeout": 2,
+      "faults/truncation": 0,
+      "faults/total": 3,
+  }
   a.reset()
   assert a.count() == 0
   with pytest.raises(ValueError, match="fault kind 'bug'; allowed: \\['model_format'"):
@@ -81,10 +115,12 @@ def test_call_with_timeout():
 
 def test_timed_calls_reuse_workers_and_skip_a_stuck_one():
   from mtrl_jax.envs.faults import _WORKERS
+
   call_with_timeout(lambda: None, 1.0, "warm")
   started = _WORKERS.started
-  assert [call_with_timeout(lambda i=i: i * i, 1.0, "sq") for i in range(200)] == \
-      [i * i for i in range(200)]
+  assert [call_with_timeout(lambda i=i: i * i, 1.0, "sq") for i in range(200)] == [
+      i * i for i in range(200)
+  ]
   assert _WORKERS.started == started  # one idle worker served them all
   # A stuck worker is not handed the next call: that one gets a fresh worker
   # and finishes at once. Nested timed calls (a tool inside react_to) work too.

@@ -15,14 +15,32 @@ import pytest
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.testing import FakePolicy
-from mtrl_jax.envs import (Environment, FaultCounter, FaultKind, FaultPolicy, Grade,
-                           InfrastructureError, ModelFormatError, RewardConfig, StepLimits, Thread,
-                           ToolError, ToolSet, Turn, fault_source, resolve_factory,
-                           render_thread, rollout_scripted, step_environment, tool)
+from mtrl_jax.envs import (
+    Environment,
+    FaultCounter,
+    FaultKind,
+    FaultPolicy,
+    Grade,
+    InfrastructureError,
+    ModelFormatError,
+    RewardConfig,
+    StepLimits,
+    Thread,
+    ToolError,
+    ToolSet,
+    Turn,
+    fault_source,
+    resolve_factory,
+    render_thread,
+    rollout_scripted,
+    step_environment,
+    tool,
+)
 from mtrl_jax.tasks import weather  # noqa: F401  (registers "weather")
 
-REWARD = RewardConfig(outcome_weight=1.0, step_penalty=-0.01, tool_penalty=-0.1,
-                      shaping_weight=0.05)
+REWARD = RewardConfig(
+    outcome_weight=1.0, step_penalty=-0.01, tool_penalty=-0.1, shaping_weight=0.05
+)
 
 
 def call(name, **arguments):
@@ -32,8 +50,12 @@ def call(name, **arguments):
 def test_weather_example_end_to_end(renderer):
   env = resolve_factory("weather").create_environment({"city": "oslo"})
   outs, seen = rollout_scripted(
-      env, [call("get_weather", city="Oslo"), "It is <answer>4</answer>"],
-      StepLimits(max_turns=5), reward_cfg=REWARD, renderer=renderer)
+      env,
+      [call("get_weather", city="Oslo"), "It is <answer>4</answer>"],
+      StepLimits(max_turns=5),
+      reward_cfg=REWARD,
+      renderer=renderer,
+  )
   assert len(outs) == 2 and outs[1].done and not outs[0].done
   first, last = outs
   # Step 1: tool result appended, per-turn grade 1.0 -> shaping 0.05, step -0.01.
@@ -58,14 +80,19 @@ def test_weather_example_end_to_end(renderer):
 
 def test_invalid_tool_call_is_recoverable_and_penalised():
   env = resolve_factory("weather").create_environment({"city": "paris"})
-  outs, _ = rollout_scripted(env, [call("get_weather", town="Paris"),
-                                   '<tool_call>{"name": "get_weather"</tool_call>',
-                                   call("get_weather", city="Atlantis"),
-                                   call("get_weather", city="Paris"),
-                                   "<answer>18</answer>"], reward_cfg=REWARD)
+  outs, _ = rollout_scripted(
+      env,
+      [
+          call("get_weather", town="Paris"),
+          '<tool_call>{"name": "get_weather"</tool_call>',
+          call("get_weather", city="Atlantis"),
+          call("get_weather", city="Paris"),
+          "<answer>18</answer>",
+      ],
+      reward_cfg=REWARD,
+  )
   kinds = [[f.kind for f in o.faults] for o in outs]
-  assert kinds == [[FaultKind.TOOL_ERROR], [FaultKind.MODEL_FORMAT], [FaultKind.TOOL_ERROR],
-                   [], []]
+  assert kinds == [[FaultKind.TOOL_ERROR], [FaultKind.MODEL_FORMAT], [FaultKind.TOOL_ERROR], [], []]
   assert [o.invalid_calls for o in outs] == [1, 1, 1, 0, 0]
   assert "unknown argument 'town'" in outs[0].next_thread.turns[-1].content
   assert "unknown city 'Atlantis'" in outs[2].next_thread.turns[-1].content
@@ -93,19 +120,23 @@ class _Raising(Environment):
     return None, {"ok": Grade(1.0)}
 
 
-@pytest.mark.parametrize("exc,kind,masked,invalid", [
-    (ModelFormatError("no <answer> tag"), FaultKind.MODEL_FORMAT, False, 1),
-    (ToolError("bad"), FaultKind.TOOL_ERROR, False, 1),
-    (InfrastructureError("db down"), FaultKind.INFRASTRUCTURE, True, 0),
-    (KeyError("metadata key"), FaultKind.CONTRACT, True, 0),  # a bug: masked, not retried
-    (ConnectionError("refused"), FaultKind.INFRASTRUCTURE, True, 0),
-    (RuntimeError("unknown"), FaultKind.INFRASTRUCTURE, True, 0),
-    (TimeoutError("slow"), FaultKind.TIMEOUT, True, 0),
-])
+@pytest.mark.parametrize(
+    "exc,kind,masked,invalid",
+    [
+        (ModelFormatError("no <answer> tag"), FaultKind.MODEL_FORMAT, False, 1),
+        (ToolError("bad"), FaultKind.TOOL_ERROR, False, 1),
+        (InfrastructureError("db down"), FaultKind.INFRASTRUCTURE, True, 0),
+        (KeyError("metadata key"), FaultKind.CONTRACT, True, 0),  # a bug: masked, not retried
+        (ConnectionError("refused"), FaultKind.INFRASTRUCTURE, True, 0),
+        (RuntimeError("unknown"), FaultKind.INFRASTRUCTURE, True, 0),
+        (TimeoutError("slow"), FaultKind.TIMEOUT, True, 0),
+    ],
+)
 def test_exception_kinds(exc, kind, masked, invalid):
   env = _Raising(exc)
-  outs, _ = rollout_scripted(env, ["a", "b", "c"], StepLimits(faults=FaultPolicy(max_retries=2)),
-                             reward_cfg=REWARD)
+  outs, _ = rollout_scripted(
+      env, ["a", "b", "c"], StepLimits(faults=FaultPolicy(max_retries=2)), reward_cfg=REWARD
+  )
   assert len(outs) == 2 and outs[1].done  # the run goes on; this trajectory ends
   fault = outs[1].faults[0]
   assert fault.kind == kind and fault.source == "environment"
@@ -133,6 +164,7 @@ def test_infrastructure_retry_succeeds():
 
 
 class _ToolEnv(Environment):
+
   def __init__(self, tools):
     super().__init__({"prompt": "go"}, tools=tools)
 
@@ -147,8 +179,9 @@ def test_tool_infrastructure_fault_masks_but_continues():
     """Always crashes."""
     raise ConnectionError("refused")
 
-  outs, _ = rollout_scripted(_ToolEnv(ToolSet([broken], max_retries=1)),
-                             [call("broken"), "done"], reward_cfg=REWARD)
+  outs, _ = rollout_scripted(
+      _ToolEnv(ToolSet([broken], max_retries=1)), [call("broken"), "done"], reward_cfg=REWARD
+  )
   assert outs[0].masked and not outs[0].done and outs[0].reward.total == 0.0
   assert outs[0].faults[0].kind == FaultKind.INFRASTRUCTURE
   assert outs[0].faults[0].source == "tool:broken" and outs[0].faults[0].retries == 1
@@ -172,8 +205,9 @@ def slow_tool():
 
 def test_tool_timeout_masks_the_step_by_default(slow_tool):
   assert FaultKind.TIMEOUT in FaultPolicy().mask
-  outs, _ = rollout_scripted(_ToolEnv(ToolSet([slow_tool])), [call("slow"), "done"],
-                             reward_cfg=REWARD)
+  outs, _ = rollout_scripted(
+      _ToolEnv(ToolSet([slow_tool])), [call("slow"), "done"], reward_cfg=REWARD
+  )
   first = outs[0]
   assert [f.kind for f in first.faults] == [FaultKind.TIMEOUT]
   assert first.faults[0].source == "tool:slow"
@@ -185,8 +219,9 @@ def test_tool_timeout_masks_the_step_by_default(slow_tool):
 
 def test_tool_timeout_tell_mode_shows_the_policy_and_goes_on(slow_tool):
   limits = StepLimits(faults=FaultPolicy(tool_timeout="tell"))
-  outs, seen = rollout_scripted(_ToolEnv(ToolSet([slow_tool])), [call("slow"), "done"], limits,
-                                reward_cfg=REWARD)
+  outs, seen = rollout_scripted(
+      _ToolEnv(ToolSet([slow_tool])), [call("slow"), "done"], limits, reward_cfg=REWARD
+  )
   first = outs[0]
   assert [f.kind for f in first.faults] == [FaultKind.TIMEOUT]
   assert not first.masked and not first.done and first.invalid_calls == 0
@@ -216,8 +251,9 @@ def test_tool_timeout_in_the_tree_engine(renderer, slow_tool, mode):
   transition = EnvTransition(renderer, limits=limits, reward_cfg=REWARD)
   root = transition.root_state(_ToolEnv(ToolSet([slow_tool])))
   policy = _ScriptedPolicy(renderer, [call("slow"), "done"])
-  tree = expand_tree(TreeConfig(num_turns=2, num_generations=2), policy, transition, [root],
-                     jax.random.key(0))
+  tree = expand_tree(
+      TreeConfig(num_turns=2, num_generations=2), policy, transition, [root], jax.random.key(0)
+  )
   node = tree.nodes[0]
   assert [f.kind.value for f in node.actions[0].faults] == ["timeout"]
   assert node.actions[0].valid == (mode == "tell")
@@ -233,6 +269,7 @@ def test_tool_timeout_in_the_tree_engine(renderer, slow_tool, mode):
 def test_tool_timeout_config_switch():
   from configs import calculator as calc_config
   from mtrl_jax.train import experiment
+
   c = calc_config.get_config("smoke=True")
   assert experiment.build(c).env.limits.faults.tool_timeout == "mask"
   c.env.tool_timeout = "tell"
@@ -246,6 +283,7 @@ def test_react_timeout_masks_and_ends():
   release = threading.Event()
 
   class Slow(Environment):
+
     def react_to(self, thread):
       release.wait(5)
       return None, 1.0
@@ -268,8 +306,9 @@ class _Echo(Environment):
 
 
 def test_turn_cap_truncates_with_finalize_grades():
-  outs, _ = rollout_scripted(_Echo({"prompt": "x"}), ["a"] * 10, StepLimits(max_turns=3),
-                             reward_cfg=REWARD)
+  outs, _ = rollout_scripted(
+      _Echo({"prompt": "x"}), ["a"] * 10, StepLimits(max_turns=3), reward_cfg=REWARD
+  )
   assert len(outs) == 3 and outs[-1].done and outs[-1].truncated
   assert [f.kind for f in outs[-1].faults] == [FaultKind.TRUNCATION]
   assert "turn cap reached (3 policy turns)" in outs[-1].faults[0].message
@@ -280,8 +319,9 @@ def test_turn_cap_truncates_with_finalize_grades():
 
 
 def test_token_budget_truncates(renderer):
-  outs, seen = rollout_scripted(_Echo({"prompt": "x"}), ["abc"] * 50,
-                                StepLimits(max_tokens=120), renderer=renderer)
+  outs, seen = rollout_scripted(
+      _Echo({"prompt": "x"}), ["abc"] * 50, StepLimits(max_tokens=120), renderer=renderer
+  )
   assert outs[-1].truncated and "token budget reached" in outs[-1].faults[0].message
   assert all(len(t.ledger) < 120 for t in seen)
   assert len(outs) < 50
@@ -289,18 +329,22 @@ def test_token_budget_truncates(renderer):
 
 def test_environment_misuse_is_a_contract_fault():
   class ReturnsNothing(Environment):
+
     def react_to(self, thread):
       return None, None
 
   class BadGrade(Environment):
+
     def react_to(self, thread):
       return None, {"g": "great"}
 
-  for cls, needle in [(ReturnsNothing, "(None, None)"),
-                      (BadGrade, "grade 'g' returned 'great'")]:
+  for cls, needle in [(ReturnsNothing, "(None, None)"), (BadGrade, "grade 'g' returned 'great'")]:
     env = cls({"prompt": "x"})
-    out = step_environment(env, env.initial_thread().append(Turn("assistant", "a")),
-                           StepLimits(faults=FaultPolicy(max_retries=0)))
+    out = step_environment(
+        env,
+        env.initial_thread().append(Turn("assistant", "a")),
+        StepLimits(faults=FaultPolicy(max_retries=0)),
+    )
     assert out.masked and out.done and needle in out.faults[0].message
     assert out.faults[0].kind == FaultKind.CONTRACT
 
@@ -310,6 +354,7 @@ def test_environment_rewriting_earlier_turns_is_a_history_rewrite_not_misuse(ren
   counted, never masked."""
 
   class Rewrites(Environment):
+
     def react_to(self, thread):
       return Thread(thread.turns[1:]).append(Turn("user", "again")), None
 
@@ -317,16 +362,18 @@ def test_environment_rewriting_earlier_turns_is_a_history_rewrite_not_misuse(ren
   thread = render_thread(env.initial_thread(), renderer)
   ledger = thread.ledger.copy()
   renderer.begin_assistant(ledger)
-  renderer.append_completion(ledger, renderer.tokenizer.encode("a") + [renderer.fmt.stop_ids[0]],
-                             [0.0, 0.0])
+  renderer.append_completion(
+      ledger, renderer.tokenizer.encode("a") + [renderer.fmt.stop_ids[0]], [0.0, 0.0]
+  )
   acted = thread.replace(ledger=ledger).append(Turn("assistant", "a"))
   out = step_environment(env, acted, renderer=renderer)
   assert not out.masked and not out.done and not out.faults
   assert out.history_rewrites == 1 and out.to_dict()["history_rewrites"] == 1
   nxt = out.next_thread
   assert [t.role for t in nxt.turns] == ["user", "assistant", "user"]
-  expected = renderer.render_conversation([(t.role, t.content) for t in nxt.turns],
-                                          train_assistant=False)
+  expected = renderer.render_conversation(
+      [(t.role, t.content) for t in nxt.turns], train_assistant=False
+  )
   assert list(nxt.ledger.ids) == list(expected.ids) and not any(nxt.ledger.trainable)
   assert renderer.metrics()["text/history_rewrites"] == 1
 
@@ -348,15 +395,22 @@ def test_fault_source_is_the_innermost_object_declaring_one():
     def call(self):
       raise RuntimeError("inner down")
 
-  for service, inner, want in [(Service(), None, "my_service"),
-                               (Service(), Inner(), "inner_service")]:
+  for service, inner, want in [
+      (Service(), None, "my_service"),
+      (Service(), Inner(), "inner_service"),
+  ]:
+
     class Calls(Environment):
+
       def react_to(self, thread):
         return None, {"g": service.call(inner)}
 
     env = Calls({"prompt": "x"})
-    out = step_environment(env, env.initial_thread().append(Turn("assistant", "a")),
-                           StepLimits(faults=FaultPolicy(max_retries=0)))
+    out = step_environment(
+        env,
+        env.initial_thread().append(Turn("assistant", "a")),
+        StepLimits(faults=FaultPolicy(max_retries=0)),
+    )
     assert out.masked and out.faults[0].source == want
   explicit = InfrastructureError("tagged")
   explicit.source = "explicit"
@@ -373,6 +427,7 @@ def test_grader_fault_source_is_traced():
   judge = BinaryJudgeGrader(ScriptedGenerator(scores=broken_scores), "is it good?")
 
   class Judged(Environment):
+
     def react_to(self, thread):
       return None, {"judge": judge.grade(thread)}
 
@@ -384,14 +439,16 @@ def test_grader_fault_source_is_traced():
 
 def test_masked_env_recorded_fault_and_env_reported_format_fault():
   class Reports(Environment):
+
     def react_to(self, thread):
       if "<answer>" not in thread.last_assistant:
         self.report_fault("model_format", "no answer tag")
         return thread.append(Turn("user", "Use <answer>.")), None
       return None, 1.0
 
-  outs, _ = rollout_scripted(Reports({"prompt": "x"}), ["hm", "<answer>1</answer>"],
-                             reward_cfg=REWARD)
+  outs, _ = rollout_scripted(
+      Reports({"prompt": "x"}), ["hm", "<answer>1</answer>"], reward_cfg=REWARD
+  )
   assert outs[0].invalid_calls == 1 and outs[0].reward.tool == pytest.approx(-0.1)
   assert outs[1].reward.outcome == 1.0
 

@@ -7,14 +7,29 @@ from typing import Literal, Optional
 
 import pytest
 
-from mtrl_jax.envs import (FaultKind, InfrastructureError, ToolCache, ToolError, ToolSet, Turn,
-                           canonical_arguments, tool)
+from mtrl_jax.envs import (
+    FaultKind,
+    InfrastructureError,
+    ToolCache,
+    ToolError,
+    ToolSet,
+    Turn,
+    canonical_arguments,
+    tool,
+)
 from mtrl_jax.envs.tool_schema import parse_docstring, validate_arguments
 
 
-def search(query: str, limit: int = 3, scale: float = 1.0, exact: bool = False,
-           tags: list[str] = [], filters: dict[str, int] = {},  # noqa: B006
-           lang: Optional[str] = None, mode: Literal["fast", "slow"] = "fast") -> str:
+def search(
+    query: str,
+    limit: int = 3,
+    scale: float = 1.0,
+    exact: bool = False,
+    tags: list[str] = [],
+    filters: dict[str, int] = {},  # noqa: B006
+    lang: Optional[str] = None,
+    mode: Literal["fast", "slow"] = "fast",
+) -> str:
   """Search the index.
 
   Longer explanation that is part of the summary.
@@ -44,8 +59,10 @@ def test_schema_from_annotations_and_docstring():
   assert p["required"] == ["query"]
   assert p["additionalProperties"] is False
   props = p["properties"]
-  assert props["query"] == {"type": "string",
-                            "description": "what to look for; may span two lines."}
+  assert props["query"] == {
+      "type": "string",
+      "description": "what to look for; may span two lines.",
+  }
   assert props["limit"] == {"type": "integer", "description": "how many hits.", "default": 3}
   assert props["scale"]["type"] == "number" and props["scale"]["description"] == "score scale."
   assert props["exact"]["type"] == "boolean"
@@ -60,16 +77,19 @@ def test_schema_from_annotations_and_docstring():
 def test_schema_rejects_untyped_and_unsupported():
   def untyped(x):
     """Doc."""
+
   with pytest.raises(TypeError, match="argument 'x': missing type annotation"):
     tool(untyped)
 
   def weird(x: set) -> str:
     return ""
+
   with pytest.raises(TypeError, match="unsupported type"):
     tool(weird)
 
   def star(*xs: int) -> str:
     return ""
+
   with pytest.raises(TypeError, match=r"\*args"):
     tool(star)
 
@@ -96,9 +116,10 @@ def test_validate_arguments_reports_every_problem():
   assert args["scale"] == 3.0 and isinstance(args["scale"], float)  # int widened
   assert args["mode"] == "fast" and args["tags"] == []  # defaults filled
 
-  _, problems = validate_arguments(params, {"limit": "2", "colour": 1, "exact": 1,
-                                            "mode": "medium", "tags": ["a", 3],
-                                            "lang": None})
+  _, problems = validate_arguments(
+      params,
+      {"limit": "2", "colour": 1, "exact": 1, "mode": "medium", "tags": ["a", 3], "lang": None},
+  )
   text = " | ".join(problems)
   assert "missing required argument 'query'" in text
   assert "unknown argument 'colour'" in text
@@ -116,7 +137,8 @@ def test_validate_arguments_reports_every_problem():
 
 def _calls(*calls):
   return "thinking " + "".join(
-      "<tool_call>" + json.dumps({"name": n, "arguments": a}) + "</tool_call>" for n, a in calls)
+      "<tool_call>" + json.dumps({"name": n, "arguments": a}) + "</tool_call>" for n, a in calls
+  )
 
 
 @tool
@@ -139,15 +161,24 @@ def test_execute_valid_calls_in_order():
   assert tools.execute("no calls here").turns == ()
 
 
-@pytest.mark.parametrize("text,kind,needle", [
-    ('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', FaultKind.MODEL_FORMAT,
-     "malformed tool call"),
-    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', FaultKind.MODEL_FORMAT,
-     "unclosed"),
-    (_calls(("mul", {"a": 1})), FaultKind.TOOL_ERROR, "unknown tool 'mul'; available: ['add']"),
-    (_calls(("add", {"a": 1})), FaultKind.TOOL_ERROR, "missing required argument 'b'"),
-    (_calls(("add", {"a": 1, "b": "2"})), FaultKind.TOOL_ERROR, "b: expected integer"),
-])
+@pytest.mark.parametrize(
+    "text,kind,needle",
+    [
+        (
+            '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>',
+            FaultKind.MODEL_FORMAT,
+            "malformed tool call",
+        ),
+        (
+            '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}',
+            FaultKind.MODEL_FORMAT,
+            "unclosed",
+        ),
+        (_calls(("mul", {"a": 1})), FaultKind.TOOL_ERROR, "unknown tool 'mul'; available: ['add']"),
+        (_calls(("add", {"a": 1})), FaultKind.TOOL_ERROR, "missing required argument 'b'"),
+        (_calls(("add", {"a": 1, "b": "2"})), FaultKind.TOOL_ERROR, "b: expected integer"),
+    ],
+)
 def test_invalid_calls_become_error_turns(text, kind, needle):
   res = ToolSet([add]).execute(text)
   assert len(res.turns) == 1 and len(res.faults) == 1
@@ -292,8 +323,9 @@ def test_system_prompt_lists_schemas_and_syntax():
 def test_toolset_options():
   with pytest.raises(ValueError, match="duplicate tool name 'add'"):
     ToolSet([add, add])
-  res = ToolSet([add], max_calls=1).execute(_calls(("add", {"a": 1, "b": 1}),
-                                                   ("add", {"a": 2, "b": 2})))
+  res = ToolSet([add], max_calls=1).execute(
+      _calls(("add", {"a": 1, "b": 1}), ("add", {"a": 2, "b": 2}))
+  )
   assert [t.metadata["ok"] for t in res.turns] == [True, False]
   assert "too many tool calls" in res.turns[1].content
 
@@ -312,6 +344,7 @@ def test_plain_function_is_wrapped_and_turns_are_turns():
   def mul(a: int, b: int) -> int:
     """Multiplies."""
     return a * b
+
   tools = ToolSet([mul])
   assert "mul" in tools and tools["mul"].description == "Multiplies."
   res = tools.execute(_calls(("mul", {"a": 3, "b": 4})))

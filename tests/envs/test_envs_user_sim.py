@@ -2,8 +2,16 @@
 
 import pytest
 
-from mtrl_jax.envs import (Environment, FaultKind, InfrastructureError, LLMUserSimulator,
-                           ScriptedUserSimulator, Thread, Turn, rollout_scripted)
+from mtrl_jax.envs import (
+    Environment,
+    FaultKind,
+    InfrastructureError,
+    LLMUserSimulator,
+    ScriptedUserSimulator,
+    Thread,
+    Turn,
+    rollout_scripted,
+)
 from mtrl_jax.graders import ScriptedGenerator
 
 
@@ -50,8 +58,10 @@ def test_llm_user_simulator_prompt_done_marker_and_masking(renderer):
 def test_llm_user_simulator_batch_and_failures():
   gen = ScriptedGenerator(replies=lambda p: "[DONE]" if "bye" in p else "more")
   sim = LLMUserSimulator(gen, "p", "g")
-  threads = [Thread.from_messages([("assistant", "bye")]),
-             Thread.from_messages([("assistant", "hi")])]
+  threads = [
+      Thread.from_messages([("assistant", "bye")]),
+      Thread.from_messages([("assistant", "hi")]),
+  ]
   replies = sim.reply_batch(threads)
   assert [(r.text, r.done) for r in replies] == [("", True), ("more", False)]
   assert gen.calls == 1

@@ -1,4 +1,5 @@
 """Sandbox tests with hostile programs: none may hang, crash the caller or leak."""
+
 import os
 import secrets
 import socket
@@ -11,8 +12,14 @@ from mtrl_jax.envs import sandbox, sandbox_procs
 DROP = sandbox.isolation_mode() in ("drop_uid", "drop_uid_read")
 CONFINED = sandbox.confinement()
 # The kernel layers alone (audit hook off), where this machine has them.
-HOOK_MODES = [True] + [pytest.param(False, marks=pytest.mark.skipif(
-    not (CONFINED["net"] and CONFINED["files"]), reason="no network/mount namespaces here"))]
+HOOK_MODES = [True] + [
+    pytest.param(
+        False,
+        marks=pytest.mark.skipif(
+            not (CONFINED["net"] and CONFINED["files"]), reason="no network/mount namespaces here"
+        ),
+    )
+]
 
 
 def _alive(pid: int) -> bool:
@@ -45,12 +52,15 @@ def test_program_runs_to_its_end_and_output_is_captured():
   assert 0.0 < r.duration_s < 2.0
 
 
-@pytest.mark.parametrize("program,status,error_type", [
-    ("assert 1 + 1 == 3, 'bad sum'", "failed", "AssertionError"),
-    ("1 / 0", "error", "ZeroDivisionError"),
-    ("def f(:\n  pass", "error", "SyntaxError"),
-    ("def f():\n  return f()\nf()", "error", "RecursionError"),
-])
+@pytest.mark.parametrize(
+    "program,status,error_type",
+    [
+        ("assert 1 + 1 == 3, 'bad sum'", "failed", "AssertionError"),
+        ("1 / 0", "error", "ZeroDivisionError"),
+        ("def f(:\n  pass", "error", "SyntaxError"),
+        ("def f():\n  return f()\nf()", "error", "RecursionError"),
+    ],
+)
 def test_exceptions_are_classified(program, status, error_type):
   r = sandbox.run_python(program, 2.0)
   assert (r.status, r.error_type, r.passed) == (status, error_type, False)
@@ -58,12 +68,15 @@ def test_exceptions_are_classified(program, status, error_type):
     assert r.error_message == "bad sum"
 
 
-@pytest.mark.parametrize("program,error_type", [
-    ("import os\nprint('partial')\nos._exit(0)\nprint('never')", "EarlyExit"),
-    ("import sys\nsys.exit(0)", "SystemExit"),
-    ("exit()", "SystemExit"),
-    ("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)", "SIGTERM"),
-])
+@pytest.mark.parametrize(
+    "program,error_type",
+    [
+        ("import os\nprint('partial')\nos._exit(0)\nprint('never')", "EarlyExit"),
+        ("import sys\nsys.exit(0)", "SystemExit"),
+        ("exit()", "SystemExit"),
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)", "SIGTERM"),
+    ],
+)
 def test_early_exit_is_not_a_pass(program, error_type):
   r = sandbox.run_python(program, 2.0)
   assert not r.passed and r.error_type == error_type
@@ -93,8 +106,9 @@ def test_huge_allocation_fails_without_hurting_the_caller():
 def test_deep_c_recursion_does_not_crash_the_caller():
   # sorted() -> key -> f() recurses through C frames; the raised limit lets
   # it overflow the C stack (SIGSEGV) or the memory limit.
-  program = ("import sys\nsys.setrecursionlimit(10 ** 8)\n"
-             "def f(x):\n  return sorted([x], key=f)\nf(0)")
+  program = (
+      "import sys\nsys.setrecursionlimit(10 ** 8)\ndef f(x):\n  return sorted([x], key=f)\nf(0)"
+  )
   r = sandbox.run_python(program, 2.0, memory_mb=512)
   assert not r.passed and r.status in ("killed", "error", "timeout")
 
@@ -129,8 +143,10 @@ print(len(children), *children, flush=True)
 
 
 def test_true_fork_bomb_returns_on_time_and_leaves_nothing():
-  program = ("import os\nprint(os.getuid(), os.getpgid(0), flush=True)\n"
-             "while True:\n  try:\n    os.fork()\n  except OSError:\n    pass\n")
+  program = (
+      "import os\nprint(os.getuid(), os.getpgid(0), flush=True)\n"
+      "while True:\n  try:\n    os.fork()\n  except OSError:\n    pass\n"
+  )
   t0 = time.monotonic()
   r = sandbox.run_python(program, 1.0, max_processes=16)
   assert r.status == "timeout" and time.monotonic() - t0 < 4.0
@@ -140,16 +156,19 @@ def test_true_fork_bomb_returns_on_time_and_leaves_nothing():
     assert sandbox_procs.live(uid=uid) == []
 
 
-@pytest.mark.parametrize("attack", [
-    "open({target!r}, 'w').write('x')",
-    "import os\nos.close(os.open({target!r}, os.O_CREAT | os.O_WRONLY))",
-    "import pathlib\npathlib.Path({target!r}).write_text('x')",
-    "import os\nos.symlink({outside!r}, 'link')\nopen('link/pwned.txt', 'w').write('x')",
-    "import os\nos.remove({keep!r})",
-    "import os\nos.rename({keep!r}, 'stolen.txt')",
-    "import shutil\nshutil.rmtree({outside!r})",
-    "import subprocess\nsubprocess.run(['sh', '-c', 'echo x > {target}'])",
-])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "open({target!r}, 'w').write('x')",
+        "import os\nos.close(os.open({target!r}, os.O_CREAT | os.O_WRONLY))",
+        "import pathlib\npathlib.Path({target!r}).write_text('x')",
+        "import os\nos.symlink({outside!r}, 'link')\nopen('link/pwned.txt', 'w').write('x')",
+        "import os\nos.remove({keep!r})",
+        "import os\nos.rename({keep!r}, 'stolen.txt')",
+        "import shutil\nshutil.rmtree({outside!r})",
+        "import subprocess\nsubprocess.run(['sh', '-c', 'echo x > {target}'])",
+    ],
+)
 def test_writes_outside_the_working_directory_are_blocked(tmp_path, attack):
   target, keep = tmp_path / "pwned.txt", tmp_path / "keep.txt"
   keep.write_text("precious")
@@ -163,8 +182,7 @@ def test_writes_outside_the_working_directory_are_blocked(tmp_path, attack):
 @pytest.mark.skipif(not (DROP or CONFINED["files"]), reason="needs its own uid or root")
 def test_writes_are_blocked_even_without_the_audit_hook(tmp_path):
   target = tmp_path / "pwned.txt"
-  r = sandbox.run_python(f"open({str(target)!r}, 'w').write('x')", 2.0,
-                         block_outside_writes=False)
+  r = sandbox.run_python(f"open({str(target)!r}, 'w').write('x')", 2.0, block_outside_writes=False)
   # Not in the sandbox's root (FileNotFoundError), or not its file (PermissionError).
   assert r.error_type in ("FileNotFoundError", "PermissionError") and not target.exists()
 
@@ -172,6 +190,7 @@ def test_writes_are_blocked_even_without_the_audit_hook(tmp_path):
 # ------------------------------------------------------------------ escapes
 # Each escape is tried with the audit hook (the default) and, where the
 # machine has the namespaces, without it: the kernel layers must hold alone.
+
 
 @pytest.fixture
 def listener():
@@ -195,15 +214,18 @@ def _connections(server) -> int:
 
 
 @pytest.mark.parametrize("hook", HOOK_MODES)
-@pytest.mark.parametrize("attack", [
-    "import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-    "s.sendall(b'leak')",
-    "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', "
-    "('127.0.0.1', {port}))\nimport urllib.request\n"
-    "urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=1)",
-    "import asyncio\nasync def go():\n  await asyncio.open_connection('127.0.0.1', {port})\n"
-    "asyncio.run(go())",
-])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "s.sendall(b'leak')",
+        "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', "
+        "('127.0.0.1', {port}))\nimport urllib.request\n"
+        "urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=1)",
+        "import asyncio\nasync def go():\n  await asyncio.open_connection('127.0.0.1', {port})\n"
+        "asyncio.run(go())",
+    ],
+)
 def test_no_network(listener, attack, hook):
   program = attack.format(port=listener.getsockname()[1])
   r = sandbox.run_python(program, 2.0, block_outside_writes=hook)
@@ -228,15 +250,18 @@ def secrets_outside(tmp_path):
 
 
 @pytest.mark.parametrize("hook", HOOK_MODES)
-@pytest.mark.parametrize("attack", [
-    "print(open({path!r}).read())",
-    "import os\nprint(os.read(os.open({path!r}, os.O_RDONLY), 100))",
-    "import os\nprint(os.listdir(os.path.dirname({path!r})))",
-    "import shutil\nshutil.copy({path!r}, 'copy.txt')\nprint(open('copy.txt').read())",
-    # Patching what the hook might use must not help: it holds its own references.
-    "import os, posixpath\nos.path.realpath = posixpath.realpath = lambda p: os.getcwd()\n"
-    "print(open({path!r}).read())",
-])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "print(open({path!r}).read())",
+        "import os\nprint(os.read(os.open({path!r}, os.O_RDONLY), 100))",
+        "import os\nprint(os.listdir(os.path.dirname({path!r})))",
+        "import shutil\nshutil.copy({path!r}, 'copy.txt')\nprint(open('copy.txt').read())",
+        # Patching what the hook might use must not help: it holds its own references.
+        "import os, posixpath\nos.path.realpath = posixpath.realpath = lambda p: os.getcwd()\n"
+        "print(open({path!r}).read())",
+    ],
+)
 def test_no_reads_outside_the_working_directory(secrets_outside, attack, hook):
   paths, secret = secrets_outside
   for path in paths:
@@ -249,19 +274,22 @@ def test_no_reads_outside_the_working_directory(secrets_outside, attack, hook):
 
 
 @pytest.mark.parametrize("hook", HOOK_MODES)
-@pytest.mark.parametrize("attack", [
-    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-    "fd = libc.open({target!r}.encode(), 0o101, 0o644)\n"
-    "assert fd >= 0, ctypes.get_errno()\nlibc.write(fd, b'pwned', 5)",
-    "import ctypes\nlibc = ctypes.CDLL('libc.so.6')\nlibc.fopen.restype = ctypes.c_void_p\n"
-    "f = libc.fopen({target!r}.encode(), b'w')\nassert f, 'fopen failed'\n"
-    "libc.fputs(b'pwned', ctypes.c_void_p(f))\nlibc.fclose(ctypes.c_void_p(f))",
-    # Loaded past the import machinery's audit event ('import').
-    "import sys, importlib.util as u\nfor name in ('_ctypes', 'ctypes'):\n"
-    "  spec = u.find_spec(name)\n  sys.modules[name] = m = u.module_from_spec(spec)\n"
-    "  spec.loader.exec_module(m)\nlibc = m.CDLL(None)\n"
-    "assert libc.open({target!r}.encode(), 0o101, 0o644) >= 0",
-])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "fd = libc.open({target!r}.encode(), 0o101, 0o644)\n"
+        "assert fd >= 0, ctypes.get_errno()\nlibc.write(fd, b'pwned', 5)",
+        "import ctypes\nlibc = ctypes.CDLL('libc.so.6')\nlibc.fopen.restype = ctypes.c_void_p\n"
+        "f = libc.fopen({target!r}.encode(), b'w')\nassert f, 'fopen failed'\n"
+        "libc.fputs(b'pwned', ctypes.c_void_p(f))\nlibc.fclose(ctypes.c_void_p(f))",
+        # Loaded past the import machinery's audit event ('import').
+        "import sys, importlib.util as u\nfor name in ('_ctypes', 'ctypes'):\n"
+        "  spec = u.find_spec(name)\n  sys.modules[name] = m = u.module_from_spec(spec)\n"
+        "  spec.loader.exec_module(m)\nlibc = m.CDLL(None)\n"
+        "assert libc.open({target!r}.encode(), 0o101, 0o644) >= 0",
+    ],
+)
 def test_no_writes_through_ctypes(tmp_path, attack, hook):
   outside = tmp_path / "open"
   outside.mkdir()
@@ -277,9 +305,11 @@ def test_no_writes_through_ctypes(tmp_path, attack, hook):
 def test_no_writes_into_the_python_installation(hook):
   # A .pth file in site-packages would run in every later interpreter, the trainer's too.
   import site
+
   target = os.path.join(site.getsitepackages()[0], f"zz_sandbox_{secrets.token_hex(4)}.pth")
-  r = sandbox.run_python(f"open({target!r}, 'w').write('import os')", 2.0,
-                         block_outside_writes=hook)
+  r = sandbox.run_python(
+      f"open({target!r}, 'w').write('import os')", 2.0, block_outside_writes=hook
+  )
   planted = os.path.exists(target)
   if planted:  # never leave it behind in the shared installation
     os.remove(target)
@@ -292,8 +322,10 @@ def test_the_view_cannot_be_left(secrets_outside):
   # The classic chroot break (chroot into a subdirectory, walk up, chroot '.')
   # needs CAP_SYS_CHROOT, which no sandboxed process holds.
   (path, home), secret = secrets_outside
-  program = ("import os\nos.mkdir('d')\nos.chroot('d')\nfor _ in range(32):\n"
-             "  os.chdir('..')\nos.chroot('.')\nprint(open({home!r}).read())").format(home=home)
+  program = (
+      "import os\nos.mkdir('d')\nos.chroot('d')\nfor _ in range(32):\n"
+      "  os.chdir('..')\nos.chroot('.')\nprint(open({home!r}).read())"
+  ).format(home=home)
   r = sandbox.run_python(program, 2.0, block_outside_writes=False)
   assert r.error_type == "PermissionError" and secret not in r.stdout, r
 
@@ -307,7 +339,9 @@ def test_confinement_is_reported():
 def test_working_directory_is_private_and_removed():
   r = sandbox.run_python(
       "import os, tempfile\nopen('local.txt', 'w').write('ok')\n"
-      "print(os.getcwd(), tempfile.gettempdir() == os.getcwd(), open('local.txt').read())", 2.0)
+      "print(os.getcwd(), tempfile.gettempdir() == os.getcwd(), open('local.txt').read())",
+      2.0,
+  )
   assert r.passed, r
   cwd, same_tmp, content = r.stdout.split()
   assert same_tmp == "True" and content == "ok"
@@ -335,8 +369,10 @@ except OSError as e:
 def test_signals_reach_only_the_sandbox_itself():
   r = sandbox.run_python("import os, signal\nos.kill(os.getppid(), signal.SIGTERM)", 2.0)
   assert r.error_type == "PermissionError"  # the caller (this test) is still alive
-  program = ("import os, signal, time\npid = os.fork()\nif pid == 0:\n  time.sleep(30)\n"
-             "os.kill(pid, signal.SIGKILL)\nprint(os.waitpid(pid, 0)[1])")
+  program = (
+      "import os, signal, time\npid = os.fork()\nif pid == 0:\n  time.sleep(30)\n"
+      "os.kill(pid, signal.SIGKILL)\nprint(os.waitpid(pid, 0)[1])"
+  )
   r = sandbox.run_python(program, 2.0)
   assert r.passed and r.stdout.strip() == str(int(__import__("signal").SIGKILL))
 
@@ -351,22 +387,40 @@ def test_output_and_file_sizes_are_capped():
 
 def test_run_tests_per_assert_results_and_timeout_cap():
   setup = "def f(x):\n  if x == 3:\n    while True:\n      pass\n  return 2 * x"
-  asserts = ["assert f(1) == 2", "assert f(2) == 5", "assert f(3) == 6", "assert g(1)",
-             "assert f(3) == 6", "assert f(3) == 6", "assert f(1) == 2"]
+  asserts = [
+      "assert f(1) == 2",
+      "assert f(2) == 5",
+      "assert f(3) == 6",
+      "assert g(1)",
+      "assert f(3) == 6",
+      "assert f(3) == 6",
+      "assert f(1) == 2",
+  ]
   t0 = time.monotonic()
   rs = sandbox.run_tests(setup, asserts, 0.3, prelude="import math")
   assert time.monotonic() - t0 < 3.0
   assert [r.assertion for r in rs] == asserts
-  assert [r.status for r in rs] == ["passed", "failed", "timeout", "error", "timeout", "timeout",
-                                    "skipped"]
-  assert (rs[2].error_type, rs[2].error_message) == (sandbox.TIMEOUT_TYPE,
-                                                     "Code execution timed out")
+  assert [r.status for r in rs] == [
+      "passed",
+      "failed",
+      "timeout",
+      "error",
+      "timeout",
+      "timeout",
+      "skipped",
+  ]
+  assert (rs[2].error_type, rs[2].error_message) == (
+      sandbox.TIMEOUT_TYPE,
+      "Code execution timed out",
+  )
   assert rs[3].error_type == "NameError" and not rs[6].passed
 
 
 def test_run_tests_timeout_is_not_swallowed_by_except_exception():
-  setup = ("def f():\n  while True:\n    try:\n      sum(range(10 ** 5))\n"
-           "    except Exception:\n      pass")
+  setup = (
+      "def f():\n  while True:\n    try:\n      sum(range(10 ** 5))\n"
+      "    except Exception:\n      pass"
+  )
   rs = sandbox.run_tests(setup, ["assert f()", "assert 1 == 1"], 0.3)
   assert [r.status for r in rs] == ["timeout", "passed"]
 
@@ -380,12 +434,17 @@ def test_run_tests_process_death_mid_suite():
   setup = "import os\ndef f(x):\n  if x < 0:\n    os._exit(0)\n  return x"
   rs = sandbox.run_tests(setup, ["assert f(1) == 1", "assert f(-1) == -1", "assert f(2) == 2"], 1.0)
   assert [(r.status, r.error_type) for r in rs] == [
-      ("passed", None), ("error", "EarlyExit"), ("skipped", "EarlyExit")]
+      ("passed", None),
+      ("error", "EarlyExit"),
+      ("skipped", "EarlyExit"),
+  ]
 
 
 def test_run_tests_wall_clock_when_the_alarm_is_defeated():
-  setup = ("def f():\n  while True:\n    try:\n      while True:\n        pass\n"
-           "    except BaseException:\n      pass")
+  setup = (
+      "def f():\n  while True:\n    try:\n      while True:\n        pass\n"
+      "    except BaseException:\n      pass"
+  )
   t0 = time.monotonic()
   rs = sandbox.run_tests(setup, ["assert 1", "assert f()", "assert 1"], 0.2, total_timeout_s=1.0)
   assert time.monotonic() - t0 < 3.0
@@ -397,8 +456,10 @@ def test_process_group_mode_used_without_root(monkeypatch):
   # group is killed after the run (RLIMIT_NPROC cannot be shown here as root).
   monkeypatch.setattr(sandbox, "_isolation", "process_group")
   assert sandbox.run_python("print(1)", 2.0).stdout == "1\n"
-  program = ("import os, time\nprint(os.getpgid(0), flush=True)\n"
-             "if os.fork() == 0:\n  time.sleep(60)\nwhile True:\n  pass")
+  program = (
+      "import os, time\nprint(os.getpgid(0), flush=True)\n"
+      "if os.fork() == 0:\n  time.sleep(60)\nwhile True:\n  pass"
+  )
   r = sandbox.run_python(program, 1.0)
   assert r.status == "timeout" and _group_members(int(r.stdout.split()[0])) == []
   rs = sandbox.run_tests("def f(x):\n  return x", ["assert f(1) == 1", "assert f(1) == 2"], 1.0)
@@ -410,14 +471,18 @@ def test_process_group_mode_confines_in_a_user_namespace(monkeypatch, listener, 
   # Without root the namespaces come from a new user namespace; kernel layers only.
   monkeypatch.setattr(sandbox, "_isolation", "process_group")
   port = listener.getsockname()[1]
-  r = sandbox.run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 1)",
-                         2.0, block_outside_writes=False)
+  r = sandbox.run_python(
+      f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 1)",
+      2.0,
+      block_outside_writes=False,
+  )
   assert r.status == "error" and _connections(listener) == 0, r
   (path, home), secret = secrets_outside
   r = sandbox.run_python(f"print(open({home!r}).read())", 2.0, block_outside_writes=False)
   assert r.error_type == "FileNotFoundError" and secret not in r.stdout, r
-  r = sandbox.run_python("import os\nos.mkdir('d')\nos.chroot('d')", 2.0,
-                         block_outside_writes=False)
+  r = sandbox.run_python(
+      "import os\nos.mkdir('d')\nos.chroot('d')", 2.0, block_outside_writes=False
+  )
   assert r.error_type == "PermissionError", r  # no capability left to undo the chroot
 
 

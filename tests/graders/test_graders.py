@@ -6,14 +6,29 @@ import numpy as np
 import pytest
 
 from mtrl_jax.envs import InfrastructureError, Thread, Turn
-from mtrl_jax.graders import (BinaryJudgeGrader, CombinedGrader, FunctionGrader, Grade,
-                              RangeJudgeGrader, ScriptedGenerator, TextGenerator,
-                              normalize_grades, register_grader, render_transcript,
-                              resolve_grader)
+from mtrl_jax.graders import (
+    BinaryJudgeGrader,
+    CombinedGrader,
+    FunctionGrader,
+    Grade,
+    RangeJudgeGrader,
+    ScriptedGenerator,
+    TextGenerator,
+    normalize_grades,
+    register_grader,
+    render_transcript,
+    resolve_grader,
+)
 
-THREAD = Thread.from_messages([("system", "sys"), ("user", "2+2?"), ("assistant", "4"),
-                               Turn("tool", "ok", name="calc"),
-                               ("assistant", "<answer>4</answer>")])
+THREAD = Thread.from_messages(
+    [
+        ("system", "sys"),
+        ("user", "2+2?"),
+        ("assistant", "4"),
+        Turn("tool", "ok", name="calc"),
+        ("assistant", "<answer>4</answer>"),
+    ]
+)
 
 
 def test_grade_coercion_and_validation():
@@ -48,8 +63,11 @@ def test_combined_grader_weighted_mean_and_components():
   assert g.components == {"a": 1.0, "a/x": 2.0, "b": 0.4}
   assert g.reason == "a=1 (yes); b=0.4"
   raw = CombinedGrader({"first": (a, 0.5), "second": b}, normalize=False).grade(THREAD)
-  assert raw.score == pytest.approx(0.5 + 0.4) and set(raw.components) == {"first", "first/x",
-                                                                          "second"}
+  assert raw.score == pytest.approx(0.5 + 0.4) and set(raw.components) == {
+      "first",
+      "first/x",
+      "second",
+  }
   with pytest.raises(ValueError, match="duplicate component names"):
     CombinedGrader([a, a])
   with pytest.raises(ValueError, match="weight of 'a' is -1.0"):
@@ -87,13 +105,17 @@ def test_range_judge_expected_rating():
   assert g.components["p_3"] == pytest.approx(0.3 / 0.9)
   assert "Judge only the last [ASSISTANT] message." in gen.prompts[-1]
   # All mass on '5' -> 1.0; on '1' -> 0.0.
-  assert RangeJudgeGrader(_table(**{"1": -50., "2": -50., "3": -50., "4": -50., "5": 0.}),
-                          "c").grade(THREAD).score == pytest.approx(1.0, abs=1e-12)
+  assert RangeJudgeGrader(
+      _table(**{"1": -50.0, "2": -50.0, "3": -50.0, "4": -50.0, "5": 0.0}), "c"
+  ).grade(THREAD).score == pytest.approx(1.0, abs=1e-12)
 
 
 def test_judges_batch_in_one_call_and_combine():
-  gen = ScriptedGenerator(scores=lambda prompt, choices: (
-      [0.0, -1.0] if len(choices) == 2 else [-9.0, -9.0, -9.0, -9.0, 0.0]))
+  gen = ScriptedGenerator(
+      scores=lambda prompt, choices: (
+          [0.0, -1.0] if len(choices) == 2 else [-9.0, -9.0, -9.0, -9.0, 0.0]
+      )
+  )
   binary = BinaryJudgeGrader(gen, "correct", name="correct")
   rng = RangeJudgeGrader(gen, "helpful", name="helpful")
   combined = CombinedGrader([(binary, 1.0), (rng, 1.0)])

@@ -67,9 +67,14 @@ def _ref_weights(mask, old, sampler, actions, mode):
 @pytest.mark.parametrize("mode", ["none", "tis", "mis_token", "mis_action"])
 def test_importance_weights_match_the_reference(mode):
   mask, _, old, sampler, actions, _ = _batch()
-  w, sums = importance_weights(jnp.asarray(old, jnp.float32), jnp.asarray(sampler, jnp.float32),
-                               jnp.asarray(mask), mode, CAP, Sequences(jnp.asarray(mask),
-                                                                       jnp.asarray(actions)))
+  w, sums = importance_weights(
+      jnp.asarray(old, jnp.float32),
+      jnp.asarray(sampler, jnp.float32),
+      jnp.asarray(mask),
+      mode,
+      CAP,
+      Sequences(jnp.asarray(mask), jnp.asarray(actions)),
+  )
   ref = _ref_weights(mask, old, sampler, actions, mode)
   np.testing.assert_allclose(np.asarray(w), ref, rtol=2e-6, atol=1e-7)
   rho = np.exp(old - sampler)
@@ -79,8 +84,9 @@ def test_importance_weights_match_the_reference(mode):
   assert float(sums["is_masked_sum"]) == n_masked
   assert (n_trunc > 0) == (mode == "tis") and (n_masked > 0) == mode.startswith("mis")
   np.testing.assert_allclose(float(sums["is_weight_sum"]), ref.sum(), rtol=2e-6)
-  np.testing.assert_allclose(float(sums["sampler_gap_sum"]),
-                             np.abs(old - sampler)[mask].sum(), rtol=2e-6)
+  np.testing.assert_allclose(
+      float(sums["sampler_gap_sum"]), np.abs(old - sampler)[mask].sum(), rtol=2e-6
+  )
   np.testing.assert_allclose(float(sums["is_ratio_max"]), rho[mask].max(), rtol=2e-6)
 
 
@@ -110,16 +116,30 @@ def _ref_loss(alg, mode, mask, logp, old, sampler, actions, adv, aggregation):
   return sum(per_action) / len(per_action)
 
 
-@pytest.mark.parametrize("alg,mode,aggregation", [
-    ("grpo", "tis", "token-mean"), ("grpo", "mis_token", "token-mean"),
-    ("grpo", "mis_action", "seq-mean-token-mean"), ("reinforce", "tis", "seq-mean-token-mean"),
-    ("grpo", "none", "token-mean")])
+@pytest.mark.parametrize(
+    "alg,mode,aggregation",
+    [
+        ("grpo", "tis", "token-mean"),
+        ("grpo", "mis_token", "token-mean"),
+        ("grpo", "mis_action", "seq-mean-token-mean"),
+        ("reinforce", "tis", "seq-mean-token-mean"),
+        ("grpo", "none", "token-mean"),
+    ],
+)
 def test_corrected_loss_and_metrics_match_the_reference(alg, mode, aggregation):
   mask, logp, old, sampler, actions, adv = _batch(1)
   cfg = LossConfig(alg, 0.2, 0.28, aggregation=aggregation, is_correction=mode, is_cap=CAP)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  loss, m = policy_loss(f32(logp), f32(old), None, f32(adv), jnp.asarray(mask), cfg,
-                        action_ids=jnp.asarray(actions), sampler_logp=f32(sampler))
+  loss, m = policy_loss(
+      f32(logp),
+      f32(old),
+      None,
+      f32(adv),
+      jnp.asarray(mask),
+      cfg,
+      action_ids=jnp.asarray(actions),
+      sampler_logp=f32(sampler),
+  )
   ref = _ref_loss(alg, mode, mask, logp, old, sampler, actions, adv, aggregation)
   np.testing.assert_allclose(float(loss), ref, rtol=2e-5, atol=1e-6)
   w = _ref_weights(mask, old, sampler, actions, mode)
@@ -136,12 +156,16 @@ def test_correction_gradient_is_the_weighted_policy_gradient_and_zero_off_the_ma
   sampler = np.where(mask, sampler, np.nan)  # masked positions may hold anything
   cfg = LossConfig("reinforce", is_correction="tis", is_cap=CAP)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  grad = jax.grad(lambda lp: policy_loss(lp, f32(old), None, f32(adv), jnp.asarray(mask), cfg,
-                                         sampler_logp=f32(sampler))[0])(f32(logp))
+  grad = jax.grad(
+      lambda lp: policy_loss(
+          lp, f32(old), None, f32(adv), jnp.asarray(mask), cfg, sampler_logp=f32(sampler)
+      )[0]
+  )(f32(logp))
   w = _ref_weights(mask, old, np.where(mask, sampler, 0.0), actions, "tis")
   # REINFORCE token-mean: d/dlogp_t = -A_t w_t / (number of masked tokens).
-  np.testing.assert_allclose(np.asarray(grad), np.where(mask, -adv * w / mask.sum(), 0.0),
-                             rtol=2e-5, atol=1e-7)
+  np.testing.assert_allclose(
+      np.asarray(grad), np.where(mask, -adv * w / mask.sum(), 0.0), rtol=2e-5, atol=1e-7
+  )
   assert np.all(np.asarray(grad)[~mask] == 0)
 
 
@@ -154,15 +178,21 @@ def test_without_sampler_logprobs_the_loss_is_unchanged():
   b, mb = policy_loss(f32(logp), f32(old), None, f32(adv), jnp.asarray(mask), corrected)
   assert float(a) == float(b) and "is_weight_mean" not in mb and set(ma) == set(mb)
   # Sampler == trainer: every ratio is 1, so 'tis' changes nothing either.
-  c, mc = policy_loss(f32(logp), f32(old), None, f32(adv), jnp.asarray(mask), corrected,
-                      sampler_logp=f32(old))
+  c, mc = policy_loss(
+      f32(logp), f32(old), None, f32(adv), jnp.asarray(mask), corrected, sampler_logp=f32(old)
+  )
   assert float(c) == float(a) and float(mc["is_truncated"]) == 0
   assert float(mc["is_weight_mean"]) == 1.0
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("is_correction", "clip", "is_correction"), ("is_cap", 1.0, "is_cap"),
-    ("is_cap", float("inf"), "is_cap")])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("is_correction", "clip", "is_correction"),
+        ("is_cap", 1.0, "is_cap"),
+        ("is_cap", float("inf"), "is_cap"),
+    ],
+)
 def test_loss_config_rejects_bad_corrections(field, value, needle):
   with pytest.raises(ValueError, match=needle):
     LossConfig(**{field: value})

@@ -9,8 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrl_jax.losses import (AGGREGATIONS, LossConfig, finalize_metrics, merge_metric_sums,
-                             policy_loss, policy_loss_terms, safe_divide)
+from mtrl_jax.losses import (
+    AGGREGATIONS,
+    LossConfig,
+    finalize_metrics,
+    merge_metric_sums,
+    policy_loss,
+    policy_loss_terms,
+    safe_divide,
+)
 
 ALGS = ("grpo", "gspo", "reinforce")
 EPS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "reinforce": (0.2, 0.2)}
@@ -25,8 +32,11 @@ def _cfg(alg, aggr, est="k3", kl_coef=0.1):
   return LossConfig(alg, *EPS[alg], kl_coef, est, aggr, max_len=L)
 
 
-ALL = [(a, g, e) for a, g, e in itertools.product(ALGS, AGGREGATIONS, ("k1", "k2", "k3"))
-       if _valid(a, g)]
+ALL = [
+    (a, g, e)
+    for a, g, e in itertools.product(ALGS, AGGREGATIONS, ("k1", "k2", "k3"))
+    if _valid(a, g)
+]
 
 
 def _batch(seed=0, per_token_adv=False):
@@ -88,8 +98,7 @@ def test_overflowing_clipped_ratio_stays_finite(alg):
     assert g[b, t] == 0.0
 
 
-@pytest.mark.parametrize("alg,aggr", [(a, g) for a in ALGS for g in AGGREGATIONS
-                                      if _valid(a, g)])
+@pytest.mark.parametrize("alg,aggr", [(a, g) for a in ALGS for g in AGGREGATIONS if _valid(a, g)])
 def test_zero_advantage_without_kl_gives_zero_gradient(alg, aggr):
   logp, old, _, adv, mask = _batch(2)
   g = _grad(_cfg(alg, aggr, kl_coef=0.0), logp, old, None, jnp.zeros_like(adv), mask)
@@ -114,8 +123,7 @@ def test_gspo_gradient_reaches_every_masked_token(per_token_adv):
   # Within 1e-4 of the behaviour policy: no row's sequence ratio is clipped.
   old = logp + 1e-4 * jnp.asarray(np.random.default_rng(5).normal(size=(B, L)), jnp.float32)
   adv = jnp.where(jnp.abs(adv) < 1e-3, 1.0, adv)  # no accidental zero advantages
-  g = np.asarray(_grad(_cfg("gspo", "seq-mean-token-mean", kl_coef=0.0),
-                       logp, old, ref, adv, mask))
+  g = np.asarray(_grad(_cfg("gspo", "seq-mean-token-mean", kl_coef=0.0), logp, old, ref, adv, mask))
   m = np.asarray(mask)
   assert np.all(g[m] != 0.0) and np.all(g[~m] == 0.0)
 
@@ -149,8 +157,7 @@ def test_gspo_token_form_equals_sequence_form():
 
 
 # ------------------------------------------------ micro-batch accumulation
-@pytest.mark.parametrize("alg,aggr", [(a, g) for a in ALGS for g in AGGREGATIONS
-                                      if _valid(a, g)])
+@pytest.mark.parametrize("alg,aggr", [(a, g) for a in ALGS for g in AGGREGATIONS if _valid(a, g)])
 def test_micro_batch_accumulation_is_exact(alg, aggr):
   cfg = _cfg(alg, aggr, "k2")
   logp, old, ref, adv, mask = _batch(7)
@@ -159,8 +166,7 @@ def test_micro_batch_accumulation_is_exact(alg, aggr):
   full_g = _grad(cfg, logp, old, ref, adv, mask)
 
   def terms(lp, sl):
-    return policy_loss_terms(lp, old[sl], ref[sl], adv[sl], mask[sl], cfg,
-                             entropy=entropy[sl])
+    return policy_loss_terms(lp, old[sl], ref[sl], adv[sl], mask[sl], cfg, entropy=entropy[sl])
 
   num = den = 0.0
   grad_num, sums = [], None
@@ -172,15 +178,13 @@ def test_micro_batch_accumulation_is_exact(alg, aggr):
   # Same terms summed in another order: float32 rounding of O(1) summands
   # (a few 1e-7 absolute) is all that may differ, also when the loss cancels
   # to near 0.
-  np.testing.assert_allclose(float(safe_divide(num, den)), float(full_loss), rtol=1e-6,
-                             atol=1e-6)
+  np.testing.assert_allclose(float(safe_divide(num, den)), float(full_loss), rtol=1e-6, atol=1e-6)
   acc_g = jnp.concatenate(grad_num) / den
   np.testing.assert_allclose(np.asarray(acc_g), np.asarray(full_g), rtol=1e-6, atol=1e-9)
   acc_m = finalize_metrics(sums)
   assert set(acc_m) == set(full_m)
   for k in full_m:
-    np.testing.assert_allclose(float(acc_m[k]), float(full_m[k]), rtol=1e-5, atol=1e-7,
-                               err_msg=k)
+    np.testing.assert_allclose(float(acc_m[k]), float(full_m[k]), rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 # --------------------------------------------------------- input checking
@@ -197,25 +201,32 @@ def test_bad_shapes_and_missing_reference_are_rejected():
     policy_loss(logp, old, ref, adv, mask[:2], cfg)
 
 
-@pytest.mark.parametrize("kwargs,needles", [
-    (dict(algorithm="ppo"), ["algorithm", "grpo", "gspo", "reinforce"]),
-    (dict(aggregation="mean"), ["aggregation", "token-mean", "seq-mean-token-sum-norm"]),
-    (dict(kl_estimator="k4"), ["kl_estimator", "k1", "k2", "k3"]),
-    (dict(algorithm="gspo", aggregation="seq-mean-token-sum"), ["algorithm", "gspo",
-                                                                "aggregation", "unsafe"]),
-    (dict(algorithm="gspo", aggregation="seq-mean-token-sum-norm", max_len=8),
-     ["algorithm", "gspo", "aggregation", "seq-mean-token-sum-norm"]),
-    (dict(aggregation="seq-mean-token-sum-norm"), ["max_len", "seq-mean-token-sum-norm"]),
-    (dict(aggregation="seq-mean-token-sum-norm", max_len=0), ["max_len"]),
-    (dict(aggregation="seq-mean-token-sum-norm", max_len=8.5), ["max_len"]),
-    (dict(clip_eps_low=-0.1), ["clip_eps_low", ">= 0"]),
-    (dict(clip_eps_high=float("nan")), ["clip_eps_high"]),
-    (dict(clip_eps_high=0.0), ["clip_eps_high", "grpo"]),
-    (dict(clip_eps_low=1.0), ["clip_eps_low", "< 1"]),
-    (dict(kl_coef=-0.01), ["kl_coef", ">= 0"]),
-    (dict(kl_coef=float("inf")), ["kl_coef"]),
-    (dict(kl_coef=True), ["kl_coef"]),
-])
+@pytest.mark.parametrize(
+    "kwargs,needles",
+    [
+        (dict(algorithm="ppo"), ["algorithm", "grpo", "gspo", "reinforce"]),
+        (dict(aggregation="mean"), ["aggregation", "token-mean", "seq-mean-token-sum-norm"]),
+        (dict(kl_estimator="k4"), ["kl_estimator", "k1", "k2", "k3"]),
+        (
+            dict(algorithm="gspo", aggregation="seq-mean-token-sum"),
+            ["algorithm", "gspo", "aggregation", "unsafe"],
+        ),
+        (
+            dict(algorithm="gspo", aggregation="seq-mean-token-sum-norm", max_len=8),
+            ["algorithm", "gspo", "aggregation", "seq-mean-token-sum-norm"],
+        ),
+        (dict(aggregation="seq-mean-token-sum-norm"), ["max_len", "seq-mean-token-sum-norm"]),
+        (dict(aggregation="seq-mean-token-sum-norm", max_len=0), ["max_len"]),
+        (dict(aggregation="seq-mean-token-sum-norm", max_len=8.5), ["max_len"]),
+        (dict(clip_eps_low=-0.1), ["clip_eps_low", ">= 0"]),
+        (dict(clip_eps_high=float("nan")), ["clip_eps_high"]),
+        (dict(clip_eps_high=0.0), ["clip_eps_high", "grpo"]),
+        (dict(clip_eps_low=1.0), ["clip_eps_low", "< 1"]),
+        (dict(kl_coef=-0.01), ["kl_coef", ">= 0"]),
+        (dict(kl_coef=float("inf")), ["kl_coef"]),
+        (dict(kl_coef=True), ["kl_coef"]),
+    ],
+)
 def test_config_rejects_unsafe_or_unknown_settings(kwargs, needles):
   with pytest.raises(ValueError) as err:
     LossConfig(**kwargs)

@@ -46,22 +46,26 @@ def _cfg(alg, aggr, est="k3", kl_coef=0.05):
 #   row 0: +0.30 (r=1.3499 > 1.28: clipped high for A>0), -0.40 (r=0.6703), +0.05
 #   row 1: -0.30 (r=0.7408 < 0.8: clipped low for A<0), +0.10
 #   row 3: +0.02, -0.01
-MASK = np.array([[0, 1, 1, 1],
-                 [0, 0, 1, 1],
-                 [0, 0, 0, 0],
-                 [0, 1, 0, 1]], bool)
-LOGP = np.array([[0.0, -0.5, -1.2, -0.3],
-                 [0.0, -2.0, -0.8, -1.5],
-                 [0.0, -0.7, -0.9, -1.1],
-                 [0.0, -0.2, -3.0, -0.6]])
-OLD = LOGP - np.array([[0.0, 0.30, -0.40, 0.05],
-                       [0.0, 0.00, -0.30, 0.10],
-                       [0.0, 0.00, 0.00, 0.00],
-                       [0.0, 0.02, 0.00, -0.01]])
-REF = LOGP + np.array([[0.0, 0.1, -0.2, 0.3],
-                       [0.0, 0.0, 0.25, -0.15],
-                       [0.0, 0.0, 0.0, 0.0],
-                       [0.0, -0.05, 0.0, 0.4]])
+MASK = np.array([[0, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0], [0, 1, 0, 1]], bool)
+LOGP = np.array(
+    [
+        [0.0, -0.5, -1.2, -0.3],
+        [0.0, -2.0, -0.8, -1.5],
+        [0.0, -0.7, -0.9, -1.1],
+        [0.0, -0.2, -3.0, -0.6],
+    ]
+)
+OLD = LOGP - np.array(
+    [
+        [0.0, 0.30, -0.40, 0.05],
+        [0.0, 0.00, -0.30, 0.10],
+        [0.0, 0.00, 0.00, 0.00],
+        [0.0, 0.02, 0.00, -0.01],
+    ]
+)
+REF = LOGP + np.array(
+    [[0.0, 0.1, -0.2, 0.3], [0.0, 0.0, 0.25, -0.15], [0.0, 0.0, 0.0, 0.0], [0.0, -0.05, 0.0, 0.4]]
+)
 ADV_B = np.array([1.5, -0.7, 2.0, -1.2])
 # GSPO row log-ratios: row 0 mean(-0.05/3) -> s=0.9835, A>0: unclipped;
 # row 1 mean(-0.1) -> s=0.905 < 1-3e-4 with A<0: clipped; row 3 mean(0.005)
@@ -83,8 +87,9 @@ def _kl_and_dkl(logp, ref, est):
   return math.exp(d) - d - 1.0, 1.0 - math.exp(d)
 
 
-def ref_loss_and_grad(logp, old, ref, adv, mask, alg, aggr, est, kl_coef, eps_lo, eps_hi,
-                      max_len=MAX_LEN):
+def ref_loss_and_grad(
+    logp, old, ref, adv, mask, alg, aggr, est, kl_coef, eps_lo, eps_hi, max_len=MAX_LEN
+):
   """Returns (loss, dloss/dlogp) in float64."""
   B, L = logp.shape
   adv = np.broadcast_to(adv[:, None], (B, L)) if adv.ndim == 1 else adv
@@ -145,8 +150,9 @@ def test_hand_worked_grpo_token_mean():
 def test_matches_numpy_reference(alg, aggr, est):
   cfg = _cfg(alg, aggr, est)
   for adv in (ADV_B, _adv_BxL()):
-    want_loss, want_grad = ref_loss_and_grad(LOGP, OLD, REF, adv, MASK, alg, aggr, est,
-                                             cfg.kl_coef, *EPS[alg])
+    want_loss, want_grad = ref_loss_and_grad(
+        LOGP, OLD, REF, adv, MASK, alg, aggr, est, cfg.kl_coef, *EPS[alg]
+    )
     loss, grad, _ = _jax_loss_and_grad(cfg, adv=adv)
     np.testing.assert_allclose(loss, want_loss, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(grad, want_grad, rtol=RTOL, atol=ATOL)
@@ -155,8 +161,9 @@ def test_matches_numpy_reference(alg, aggr, est):
 @pytest.mark.parametrize("alg", ALGS)
 def test_no_reference_without_kl(alg):
   cfg = _cfg(alg, "seq-mean-token-mean", kl_coef=0.0)
-  want_loss, want_grad = ref_loss_and_grad(LOGP, OLD, REF, ADV_B, MASK, alg,
-                                           "seq-mean-token-mean", "k3", 0.0, *EPS[alg])
+  want_loss, want_grad = ref_loss_and_grad(
+      LOGP, OLD, REF, ADV_B, MASK, alg, "seq-mean-token-mean", "k3", 0.0, *EPS[alg]
+  )
   loss, grad, m = _jax_loss_and_grad(cfg, ref=None)
   np.testing.assert_allclose(loss, want_loss, rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(grad, want_grad, rtol=RTOL, atol=ATOL)
@@ -174,39 +181,60 @@ def test_metrics_match_numpy():
   d = (REF - LOGP)[MASK]
   adv_rows = ADV_B[MASK.any(1)]  # the padding row's advantage is not counted
   want = {
-      "tokens": 7, "rows": 3,
+      "tokens": 7,
+      "rows": 3,
       # clipped: row 0 t1 (A>0, r=1.35>1.28) and row 1 t2 (A<0, r=0.74<0.8).
-      "clip_frac": 2 / 7, "clip_frac_high": 1 / 7, "clip_frac_low": 1 / 7,
-      "ratio_mean": r.mean(), "ratio_min": r.min(), "ratio_max": r.max(),
-      "logp_gap": np.abs(lr).mean(), "logp_gap_max": np.abs(lr).max(),
-      "kl": (0.5 * d * d).mean(), "kl_k3": (np.exp(d) - d - 1).mean(),
+      "clip_frac": 2 / 7,
+      "clip_frac_high": 1 / 7,
+      "clip_frac_low": 1 / 7,
+      "ratio_mean": r.mean(),
+      "ratio_min": r.min(),
+      "ratio_max": r.max(),
+      "logp_gap": np.abs(lr).mean(),
+      "logp_gap_max": np.abs(lr).max(),
+      "kl": (0.5 * d * d).mean(),
+      "kl_k3": (np.exp(d) - d - 1).mean(),
       "entropy": ent[MASK].mean(),
-      "adv_mean": adv_rows.mean(), "adv_std": adv_rows.std(),
-      "adv_min": adv_rows.min(), "adv_max": adv_rows.max(),
+      "adv_mean": adv_rows.mean(),
+      "adv_std": adv_rows.std(),
+      "adv_min": adv_rows.min(),
+      "adv_max": adv_rows.max(),
   }
   for k, v in want.items():
     np.testing.assert_allclose(float(m[k]), v, rtol=2e-6, atol=1e-6, err_msg=k)
-  loss, _ = ref_loss_and_grad(LOGP, OLD, REF, ADV_B, MASK, "grpo", "token-mean", "k2",
-                              0.05, *EPS["grpo"])
+  loss, _ = ref_loss_and_grad(
+      LOGP, OLD, REF, ADV_B, MASK, "grpo", "token-mean", "k2", 0.05, *EPS["grpo"]
+  )
   np.testing.assert_allclose(float(m["loss"]), loss, rtol=RTOL)
-  pg, _ = ref_loss_and_grad(LOGP, OLD, REF, ADV_B, MASK, "grpo", "token-mean", "k2",
-                            0.0, *EPS["grpo"])
+  pg, _ = ref_loss_and_grad(
+      LOGP, OLD, REF, ADV_B, MASK, "grpo", "token-mean", "k2", 0.0, *EPS["grpo"]
+  )
   np.testing.assert_allclose(float(m["pg_loss"]), pg, rtol=RTOL)
 
 
 def test_per_token_advantage_metrics_use_masked_tokens_only():
   adv = np.random.default_rng(2).uniform(0.5, 2.0, size=MASK.shape)  # all > 0
-  _, m = policy_loss(*[jnp.asarray(x, jnp.float32) for x in (LOGP, OLD, REF, adv)],
-                     jnp.asarray(MASK), _cfg("reinforce", "token-mean"))
+  _, m = policy_loss(
+      *[jnp.asarray(x, jnp.float32) for x in (LOGP, OLD, REF, adv)],
+      jnp.asarray(MASK),
+      _cfg("reinforce", "token-mean")
+  )
   a = adv[MASK]
-  for k, v in {"adv_mean": a.mean(), "adv_std": a.std(), "adv_min": a.min(),
-               "adv_max": a.max()}.items():
+  for k, v in {
+      "adv_mean": a.mean(),
+      "adv_std": a.std(),
+      "adv_min": a.min(),
+      "adv_max": a.max(),
+  }.items():
     np.testing.assert_allclose(float(m[k]), v, rtol=2e-6, err_msg=k)
 
 
 def test_gspo_ratio_metrics_are_sequence_ratios():
-  _, m = policy_loss(*[jnp.asarray(x, jnp.float32) for x in (LOGP, OLD, REF, ADV_B)],
-                     jnp.asarray(MASK), _cfg("gspo", "token-mean"))
+  _, m = policy_loss(
+      *[jnp.asarray(x, jnp.float32) for x in (LOGP, OLD, REF, ADV_B)],
+      jnp.asarray(MASK),
+      _cfg("gspo", "token-mean")
+  )
   s = [math.exp(np.mean((LOGP - OLD)[b][MASK[b]])) for b in (0, 1, 3)]
   np.testing.assert_allclose(float(m["ratio_min"]), min(s), rtol=1e-6)
   np.testing.assert_allclose(float(m["ratio_max"]), max(s), rtol=1e-6)

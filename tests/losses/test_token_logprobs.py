@@ -37,8 +37,9 @@ def test_hand_worked_alignment():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_matches_numpy_log_softmax(temperature):
   logits, tokens = _data()
-  got = np.asarray(token_logprobs(jnp.asarray(logits), jnp.asarray(tokens),
-                                  temperature=temperature))
+  got = np.asarray(
+      token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), temperature=temperature)
+  )
   ls = _np_log_softmax(logits / temperature)
   want = np.zeros((B, L))
   for b in range(B):
@@ -68,8 +69,9 @@ def test_entropy_matches_numpy_and_handles_minus_inf():
   assert np.all(np.isfinite(got)) and np.all(got[:, 0] == 0.0)
   np.testing.assert_allclose(got[:, 1:], ent[:, :-1], rtol=1e-6, atol=1e-5)
   # Uniform logits: entropy log V exactly.
-  np.testing.assert_allclose(np.asarray(token_entropy(jnp.zeros((1, 3, V))))[0, 1:],
-                             np.log(V), rtol=1e-6)
+  np.testing.assert_allclose(
+      np.asarray(token_entropy(jnp.zeros((1, 3, V))))[0, 1:], np.log(V), rtol=1e-6
+  )
 
 
 @pytest.mark.parametrize("chunk", [3, 11, 16])

@@ -36,8 +36,15 @@ _ARCH = {
 
 def _hf_model(family, seed=0, **kw):
   """A tiny transformers model with every parameter randomised."""
-  base = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
+  base = dict(
+      vocab_size=101,
+      hidden_size=32,
+      intermediate_size=48,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      rms_norm_eps=1e-6,
+  )
   base.update(kw)
   config_cls, model_cls = _ARCH[family]
   torch.manual_seed(seed)
@@ -70,8 +77,10 @@ def _logits(model, tokens, mask=None, positions=None):
 def _hf_logits(model, tokens, mask=None, positions=None):
   kw = {}
   if mask is not None:
-    kw = dict(attention_mask=torch.tensor(mask, dtype=torch.long),
-              position_ids=torch.tensor(positions, dtype=torch.long))
+    kw = dict(
+        attention_mask=torch.tensor(mask, dtype=torch.long),
+        position_ids=torch.tensor(positions, dtype=torch.long),
+    )
   with torch.no_grad():
     return model(torch.tensor(tokens, dtype=torch.long), **kw).logits.numpy()
 
@@ -97,21 +106,44 @@ def _state_arrays(model):
 CASES = {
     # name: (family, transformers config kwargs, save_pretrained kwargs)
     "llama-mha-untied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=False), {}),
-    "llama-gqa2-tied-bias": ("llama", dict(tie_word_embeddings=True, attention_bias=True,
-                                           rope_theta=500000.0), {}),
-    "llama3-rope-gqa4": ("llama", dict(
-        hidden_size=64, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
-        rope_theta=10000.0, max_position_embeddings=1024,
-        # wavelengths 6..19869 straddle both bands (64 and 256): every branch of
-        # the llama3 formula (kept, smoothed, divided by factor) is exercised.
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                          high_freq_factor=4.0, original_max_position_embeddings=256)), {}),
+    "llama-gqa2-tied-bias": (
+        "llama",
+        dict(tie_word_embeddings=True, attention_bias=True, rope_theta=500000.0),
+        {},
+    ),
+    "llama3-rope-gqa4": (
+        "llama",
+        dict(
+            hidden_size=64,
+            num_key_value_heads=1,
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            max_position_embeddings=1024,
+            # wavelengths 6..19869 straddle both bands (64 and 256): every branch of
+            # the llama3 formula (kept, smoothed, divided by factor) is exercised.
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=256,
+            ),
+        ),
+        {},
+    ),
     "qwen2-gqa2-tied": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1e6), {}),
     "qwen2-gqa4-untied": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=False), {}),
-    "qwen3-mha-tied-headdim": ("qwen3", dict(num_key_value_heads=4, head_dim=16,
-                                             tie_word_embeddings=True), {}),
-    "qwen3-gqa2-untied-sharded": ("qwen3", dict(tie_word_embeddings=False, rope_theta=5e5),
-                                  dict(max_shard_size="10KB")),
+    "qwen3-mha-tied-headdim": (
+        "qwen3",
+        dict(num_key_value_heads=4, head_dim=16, tie_word_embeddings=True),
+        {},
+    ),
+    "qwen3-gqa2-untied-sharded": (
+        "qwen3",
+        dict(tie_word_embeddings=False, rope_theta=5e5),
+        dict(max_shard_size="10KB"),
+    ),
     "qwen3-attention-bias": ("qwen3", dict(attention_bias=True, num_key_value_heads=1), {}),
 }
 
@@ -149,8 +181,15 @@ def test_from_pretrained_matches_transformers(case, tmp_path):
 def test_round_trip_exact_and_transformers_loads_it(family, tmp_path):
   kw = dict(tie_word_embeddings=family != "qwen2")
   if family == "llama":
-    kw.update(rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0,
-                                high_freq_factor=4.0, original_max_position_embeddings=128))
+    kw.update(
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=4.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=128,
+        )
+    )
   hf = _hf_model(family, **kw)
   hf.save_pretrained(tmp_path / "hf")
   model = loading.from_pretrained(str(tmp_path / "hf"))
@@ -170,27 +209,27 @@ def test_round_trip_exact_and_transformers_loads_it(family, tmp_path):
 
   # Ours -> transformers: the reference implementation loads it, same logits.
   ref = transformers.AutoModelForCausalLM.from_pretrained(
-      str(tmp_path / "sharded"), attn_implementation="eager").eval()
+      str(tmp_path / "sharded"), attn_implementation="eager"
+  ).eval()
   assert type(ref) is type(hf)
   tokens = _tokens(hf.config.vocab_size)
-  np.testing.assert_allclose(_hf_logits(ref, tokens), _hf_logits(hf, tokens), atol=TOL,
-                             rtol=0)
-  np.testing.assert_allclose(_logits(model, tokens), _hf_logits(ref, tokens),
-                             atol=TOL, rtol=0)
+  np.testing.assert_allclose(_hf_logits(ref, tokens), _hf_logits(hf, tokens), atol=TOL, rtol=0)
+  np.testing.assert_allclose(_logits(model, tokens), _hf_logits(ref, tokens), atol=TOL, rtol=0)
 
 
 def test_native_model_saves_for_transformers(tmp_path):
   """A model created here (not imported) is readable by transformers."""
   # Shapes of the transformers cases above, so compilations are shared.
-  cfg = models.get_preset("tiny", vocab_size=101, mlp_dim=48, tie_embeddings=False,
-                          rope_theta=20000.0)
+  cfg = models.get_preset(
+      "tiny", vocab_size=101, mlp_dim=48, tie_embeddings=False, rope_theta=20000.0
+  )
   model = models.create_model(cfg, seed=3)
   loading.save_pretrained(model, str(tmp_path))
   ref = transformers.AutoModelForCausalLM.from_pretrained(
-      str(tmp_path), attn_implementation="eager").eval()
+      str(tmp_path), attn_implementation="eager"
+  ).eval()
   tokens = _tokens(cfg.vocab_size)
-  np.testing.assert_allclose(_logits(model, tokens), _hf_logits(ref, tokens),
-                             atol=TOL, rtol=0)
+  np.testing.assert_allclose(_logits(model, tokens), _hf_logits(ref, tokens), atol=TOL, rtol=0)
 
 
 def test_bfloat16_checkpoint(tmp_path):
@@ -202,7 +241,8 @@ def test_bfloat16_checkpoint(tmp_path):
   assert model.blocks[0].attn.q[...].dtype == jnp.bfloat16
   want = hf.state_dict()["model.layers.0.self_attn.q_proj.weight"].float().numpy()
   np.testing.assert_array_equal(
-      np.asarray(model.blocks[0].attn.q[...], np.float32).reshape(32, -1).T, want)
+      np.asarray(model.blocks[0].attn.q[...], np.float32).reshape(32, -1).T, want
+  )
 
   loading.save_pretrained(model, str(tmp_path / "ours"))
   header = loading._SafetensorsFile(str(tmp_path / "ours" / loading.SINGLE_FILE)).header
@@ -217,15 +257,22 @@ def test_bfloat16_checkpoint(tmp_path):
   up = loading.from_pretrained(str(tmp_path / "ours"), dtype="float32")
   assert up.cfg.dtype == "float32" and up.blocks[0].attn.q[...].dtype == jnp.float32
   ref = transformers.AutoModelForCausalLM.from_pretrained(
-      str(tmp_path / "ours"), dtype=torch.float32, attn_implementation="eager").eval()
+      str(tmp_path / "ours"), dtype=torch.float32, attn_implementation="eager"
+  ).eval()
   tokens = _tokens(hf.config.vocab_size)
-  np.testing.assert_allclose(_logits(up, tokens), _hf_logits(ref, tokens),
-                             atol=TOL, rtol=0)
+  np.testing.assert_allclose(_logits(up, tokens), _hf_logits(ref, tokens), atol=TOL, rtol=0)
 
 
 def test_load_onto_mesh(tmp_path):
-  hf = _hf_model("qwen3", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=100, intermediate_size=64, tie_word_embeddings=False)
+  hf = _hf_model(
+      "qwen3",
+      hidden_size=32,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      vocab_size=100,
+      intermediate_size=64,
+      tie_word_embeddings=False,
+  )
   hf.save_pretrained(tmp_path)
   mesh = sharding.make_mesh((2, 2, 2))
   model = loading.from_pretrained(str(tmp_path), mesh=mesh)
@@ -277,8 +324,7 @@ def test_tolerated_extras(tmp_path):
   _rewrite(tmp_path, edit)
   model = loading.from_pretrained(str(tmp_path))
   tokens = _tokens(hf.config.vocab_size)
-  np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf, tokens),
-                             atol=TOL, rtol=0)
+  np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf, tokens), atol=TOL, rtol=0)
 
 
 def test_shape_mismatch_and_missing_files(tmp_path):
@@ -301,9 +347,11 @@ def test_unsupported_configs_fail_clearly(tmp_path):
   hf = _hf_model("qwen2")
   hf.save_pretrained(tmp_path)
   cfg = json.loads((tmp_path / "config.json").read_text())
-  for key, value, match in (("hidden_act", "gelu", "hidden_act.*silu"),
-                            ("use_sliding_window", True, "sliding-window"),
-                            ("model_type", "mistral", "model_type.*allowed")):
+  for key, value, match in (
+      ("hidden_act", "gelu", "hidden_act.*silu"),
+      ("use_sliding_window", True, "sliding-window"),
+      ("model_type", "mistral", "model_type.*allowed"),
+  ):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
     with pytest.raises(ValueError, match=match):
       loading.from_pretrained(str(tmp_path))
@@ -321,8 +369,15 @@ def test_unsupported_configs_fail_clearly(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_config_defaults_follow_transformers(family, tmp_path):
   """Keys absent from config.json take transformers' defaults."""
-  minimal = dict(model_type=family, vocab_size=64, hidden_size=32, intermediate_size=48,
-                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+  minimal = dict(
+      model_type=family,
+      vocab_size=64,
+      hidden_size=32,
+      intermediate_size=48,
+      num_hidden_layers=1,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+  )
   (tmp_path / "config.json").write_text(json.dumps(minimal))
   ref = transformers.AutoConfig.from_pretrained(str(tmp_path))
   cfg = models.ModelConfig.from_hf_json(str(tmp_path))

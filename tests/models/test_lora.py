@@ -90,8 +90,10 @@ def test_mlp_adapters_forward_and_gradients_equal_a_float64_numpy_reference():
   s = cfg.lora.scale
   f64 = lambda v: np.asarray(v, np.float64)
   w = {n: f64(base[n][...]) for n in ("gate", "up", "down")}
-  ab = {n: (f64(adapters[f"{n}_lora"]["lora_a"][...]), f64(adapters[f"{n}_lora"]["lora_b"][...]))
-        for n in ("gate", "up", "down")}
+  ab = {
+      n: (f64(adapters[f"{n}_lora"]["lora_a"][...]), f64(adapters[f"{n}_lora"]["lora_b"][...]))
+      for n in ("gate", "up", "down")
+  }
   xs, rs = f64(x).reshape(-1, cfg.d_model), f64(r).reshape(-1, cfg.d_model)
   lin = lambda v, n: v @ w[n] + s * (v @ ab[n][0]) @ ab[n][1]
   g, u = lin(xs, "gate"), lin(xs, "up")
@@ -175,10 +177,15 @@ def test_unmerge_restores_the_base():
     np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(rank=-1), "model.lora.rank"), (dict(rank=4, alpha=0.0), "model.lora.alpha"),
-    (dict(rank=4, targets=("q", "embed")), "model.lora.targets"),
-    (dict(rank=4, targets=()), "model.lora.targets")])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(rank=-1), "model.lora.rank"),
+        (dict(rank=4, alpha=0.0), "model.lora.alpha"),
+        (dict(rank=4, targets=("q", "embed")), "model.lora.targets"),
+        (dict(rank=4, targets=()), "model.lora.targets"),
+    ],
+)
 def test_bad_lora_config_is_refused_in_one_line_naming_the_field(kw, field):
   with pytest.raises(ValueError) as e:
     LoraConfig(**kw)

@@ -54,13 +54,15 @@ def _cached_logits(model, tokens, mask, positions, prompt_len, cache_size, cache
   # Query i may attend to valid slots j <= i.
   attn = (slots[None, :] <= np.arange(prompt_len)[:, None])[None] & valid_BxS[:, None, :]
   graphdef, state = nnx.split(model)
-  logits, cache = _step(graphdef, state, tokens[:, :prompt_len], positions[:, :prompt_len],
-                        attn, cache, 0)
+  logits, cache = _step(
+      graphdef, state, tokens[:, :prompt_len], positions[:, :prompt_len], attn, cache, 0
+  )
   out = [np.asarray(logits)]
   for t in range(prompt_len, T):
     attn = ((slots <= t)[None] & valid_BxS)[:, None, :]
-    logits, cache = _step(graphdef, state, tokens[:, t:t + 1], positions[:, t:t + 1], attn,
-                          cache, t)
+    logits, cache = _step(
+        graphdef, state, tokens[:, t : t + 1], positions[:, t : t + 1], attn, cache, t
+    )
     out.append(np.asarray(logits))
   return np.concatenate(out, axis=1)
 
@@ -75,7 +77,8 @@ def test_forward_cached_equals_full_forward():
   # A cache full of finite garbage: only the slots the mask allows may matter.
   garbage = init_cache(cfg, B, size)
   garbage = jax.tree.map(
-      lambda x: jax.random.normal(jax.random.key(3), x.shape, x.dtype) * 5, garbage)
+      lambda x: jax.random.normal(jax.random.key(3), x.shape, x.dtype) * 5, garbage
+  )
   for cache in (init_cache(cfg, B, size), garbage):
     got = _cached_logits(model, tokens, mask, positions, 6, size, cache)
     np.testing.assert_allclose(got[mask], full[mask], atol=TOL, rtol=0)
@@ -113,7 +116,8 @@ def test_bfloat16_params_and_compute():
   cfg16 = models.get_preset("tiny", dtype="bfloat16")  # both param_dtype and dtype
   assert (cfg16.param_dtype, cfg16.dtype) == ("bfloat16", "bfloat16")
   assert cfg16.replace(param_dtype="float32") == models.get_preset(
-      "tiny", dtype="bfloat16", param_dtype="float32")  # an explicit field wins
+      "tiny", dtype="bfloat16", param_dtype="float32"
+  )  # an explicit field wins
   mesh = sharding.single_device_mesh()
   with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules_for(cfg16, mesh)):
     graphdef16 = nnx.split(nnx.eval_shape(lambda: Transformer(cfg16, rngs=nnx.Rngs(0))))[0]
@@ -160,7 +164,6 @@ def test_remat_same_logits_and_gradients():
   assert flat0.keys() == flat1.keys()
   for p in flat0:
     a, b = np.asarray(flat0[p].get_value()), np.asarray(flat1[p].get_value())
-    np.testing.assert_allclose(b, a, atol=1e-6 * max(1.0, np.abs(a).max()), rtol=0,
-                               err_msg=str(p))
+    np.testing.assert_allclose(b, a, atol=1e-6 * max(1.0, np.abs(a).max()), rtol=0, err_msg=str(p))
   # Gradients are not trivially zero (the comparison means something).
   assert np.abs(np.asarray(flat0[("blocks", 0, "attn", "q")].get_value())).max() > 1e-4

@@ -11,9 +11,15 @@ def _one_node(returns, mode="mean", valid=None):
   """A finalized one-node tree (N=1) with the given G rewards."""
   tree = Tree(TreeConfig(num_turns=1, num_generations=len(returns), advantage_mode=mode))
   root = tree.add_root([[1, 2, 3]])
-  tree.set_completions(root, [[Completion(np.array([4, 5 + g], np.int32),
-                                          np.array([-0.1, -0.2], np.float32))
-                               for g in range(len(returns))]])
+  tree.set_completions(
+      root,
+      [
+          [
+              Completion(np.array([4, 5 + g], np.int32), np.array([-0.1, -0.2], np.float32))
+              for g in range(len(returns))
+          ]
+      ],
+  )
   tree.record(root, np.array(returns, np.float64), valid)
   return tree.finalize()
 
@@ -52,7 +58,8 @@ def test_make_train_batch_metrics(packing):
   else:
     assert m["batch/tokens_trained"] == 15 and length == 8
   assert m["batch/padding_fraction"] == pytest.approx(
-      1 - m["batch/tokens_trained"] / (rows * length))
+      1 - m["batch/tokens_trained"] / (rows * length)
+  )
   none, m = make_train_batch(_one_node([1.0, 1.0]), cfg)
   assert none is None and m["batch/zero_variance_groups"] == 1
 

@@ -32,10 +32,14 @@ def _spec(team, values, valid=None, ended=None, children=None, local=None):
   """A spec node: team rewards [B], critic values [N][G], validity, ended actions,
   {action: child spec}, optional local rewards [B][N]."""
   b = len(team)
-  return {"team": [float(t) for t in team], "values": np.asarray(values, np.float64),
-          "valid": [True] * b if valid is None else list(valid),
-          "ended": [False] * b if ended is None else list(ended),
-          "children": children or {}, "local": local}
+  return {
+      "team": [float(t) for t in team],
+      "values": np.asarray(values, np.float64),
+      "valid": [True] * b if valid is None else list(valid),
+      "ended": [False] * b if ended is None else list(ended),
+      "children": children or {},
+      "local": local,
+  }
 
 
 def _build(cfg, spec):
@@ -66,10 +70,14 @@ def _prepare(s, mode, n, lam_mix):
   g = s["values"].shape[1]
   s["joint"] = _joint(mode, g, n)
   local = s["local"] or [[t] * n for t in s["team"]]
-  s["r"] = [[t if loc == t else lam_mix * t + (1 - lam_mix) * loc for loc in local[j]]
-            for j, t in enumerate(s["team"])]
-  s["ok"] = [v and (j not in s["children"] or any(s["children"][j]["ok"]))
-             for j, v in enumerate(s["valid"])]
+  s["r"] = [
+      [t if loc == t else lam_mix * t + (1 - lam_mix) * loc for loc in local[j]]
+      for j, t in enumerate(s["team"])
+  ]
+  s["ok"] = [
+      v and (j not in s["children"] or any(s["children"][j]["ok"]))
+      for j, v in enumerate(s["valid"])
+  ]
 
 
 def _vbar(s, i):
@@ -111,8 +119,9 @@ def _reference(spec, mode, n, lam, lam_mix=1.0):
         for j in mine:
           total = 0.0
           for path, w in _paths(s, j):
-            total += w * sum((GAMMA * lam) ** t * _delta(node, a, i)
-                             for t, (node, a) in enumerate(path))
+            total += w * sum(
+                (GAMMA * lam) ** t * _delta(node, a, i) for t, (node, a) in enumerate(path)
+            )
           per_action.append(total)
         adv[i, k] = sum(per_action) / len(per_action)
         tgt[i, k] = adv[i, k] + s["values"][i][k]
@@ -146,9 +155,13 @@ def _random_spec(rng, mode, g, n, turns, *, p_mask=0.15, p_end=0.2, target="q", 
   ended = rng.random(b) < p_end
   children = {}
   if turn < turns - 1:
-    children = {j: _random_spec(rng, mode, g, n, turns, p_mask=p_mask, p_end=p_end,
-                                target=target, turn=turn + 1)
-                for j in range(b) if not ended[j]}
+    children = {
+        j: _random_spec(
+            rng, mode, g, n, turns, p_mask=p_mask, p_end=p_end, target=target, turn=turn + 1
+        )
+        for j in range(b)
+        if not ended[j]
+    }
   return _spec(np.round(rng.normal(size=b), 3), values, valid, ended, children)
 
 
@@ -166,8 +179,9 @@ def test_td0_align_g2_by_hand():
   # Child (last turn): r - V.
   np.testing.assert_allclose(adv[1], [[-1.0, 1.0], [0.0, 2.0]], atol=1e-12)
   # GAE(0.5) at the root: + 0.9 * 0.5 * mean child advantage (0 for agent 0, 1 for agent 1).
-  adv_g, _ = critic_advantages(tree, values, CriticConfig(estimator="gae", gae_lambda=0.5,
-                                                          normalize=False))
+  adv_g, _ = critic_advantages(
+      tree, values, CriticConfig(estimator="gae", gae_lambda=0.5, normalize=False)
+  )
   np.testing.assert_allclose(adv_g[0], [[1.3, 1.0], [0.9 + 0.45, 1.5]], atol=1e-12)
 
 
@@ -177,23 +191,37 @@ def test_td0_align_g2_by_hand():
 def test_against_path_reference(mode, g, target, estimator, lam):
   rng = np.random.default_rng(zlib.crc32(repr((mode, g, target, estimator, lam)).encode()))
   turns = 3 if (mode == "align" or g == 2) else 2
-  cfg = TreeConfig(num_turns=turns, num_generations=g, num_agents=2, joint_mode=mode,
-                   discount=GAMMA, cross_return="mean")
+  cfg = TreeConfig(
+      num_turns=turns,
+      num_generations=g,
+      num_agents=2,
+      joint_mode=mode,
+      discount=GAMMA,
+      cross_return="mean",
+  )
   spec = _random_spec(rng, mode, g, 2, turns, target=target)
-  _check(cfg, spec, CriticConfig(target=target, estimator=estimator, gae_lambda=lam,
-                                 normalize=False))
+  _check(
+      cfg, spec, CriticConfig(target=target, estimator=estimator, gae_lambda=lam, normalize=False)
+  )
 
 
 def test_masked_actions_and_a_fully_masked_child():
-  cfg = TreeConfig(num_turns=3, num_generations=2, num_agents=2, joint_mode="cross",
-                   discount=GAMMA)
+  cfg = TreeConfig(num_turns=3, num_generations=2, num_agents=2, joint_mode="cross", discount=GAMMA)
   v = [[0.3, -0.2], [0.1, 0.4]]
   dead = _spec([1, 1, 1, 1], v, valid=[False] * 4)  # every action faulted
-  mid = _spec([0.5, -1, 2, 0], v, valid=[True, False, True, True], children={
-      0: _spec([1, 0, 0, 1], v), 2: _spec([0, 0, 1, 1], v, valid=[True, True, False, True])})
+  mid = _spec(
+      [0.5, -1, 2, 0],
+      v,
+      valid=[True, False, True, True],
+      children={
+          0: _spec([1, 0, 0, 1], v),
+          2: _spec([0, 0, 1, 1], v, valid=[True, True, False, True]),
+      },
+  )
   root = _spec([1, 0, 2, 1], v, children={0: mid, 1: dead, 3: _spec([1, 2, 3, 4], v)})
-  tree, values, adv, tgt = _check(cfg, root, CriticConfig(target="q", estimator="gae",
-                                                          gae_lambda=0.7, normalize=False))
+  tree, values, adv, tgt = _check(
+      cfg, root, CriticConfig(target="q", estimator="gae", gae_lambda=0.7, normalize=False)
+  )
   by_root = tree.nodes[0]
   # Action 1's child is all masked: action 1 is masked, so agent 0's sample 0 and agent 1's
   # sample 1 (both in action 1 = (0, 1)) train nothing.
@@ -204,20 +232,27 @@ def test_masked_actions_and_a_fully_masked_child():
 
 
 def test_early_termination_ends_the_recursion():
-  cfg = TreeConfig(num_turns=3, num_generations=2, num_agents=2, discount=GAMMA,
-                   termination_threshold=0.8)
+  cfg = TreeConfig(
+      num_turns=3, num_generations=2, num_agents=2, discount=GAMMA, termination_threshold=0.8
+  )
   v = [[0.2, 0.2], [0.6, 0.6]]
   done = _spec([0.9, 1.0], v)  # mean 0.95 > 0.8: terminated, no children
-  root = _spec([0.0, 0.5], v, children={0: done, 1: _spec([0.1, 0.2], v, children={
-      0: _spec([1, 0], v), 1: _spec([0, 0], v)})})
-  tree, _, adv, _ = _check(cfg, root, CriticConfig(estimator="gae", gae_lambda=0.9,
-                                                   normalize=False))
+  root = _spec(
+      [0.0, 0.5],
+      v,
+      children={
+          0: done,
+          1: _spec([0.1, 0.2], v, children={0: _spec([1, 0], v), 1: _spec([0, 0], v)}),
+      },
+  )
+  tree, _, adv, _ = _check(
+      cfg, root, CriticConfig(estimator="gae", gae_lambda=0.9, normalize=False)
+  )
   assert tree.nodes[1].terminated and (tree.nodes[1].children_B < 0).all()
 
 
 def test_team_weight_uses_each_agents_channel():
-  cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, discount=GAMMA,
-                   team_weight=0.25)
+  cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, discount=GAMMA, team_weight=0.25)
   v = [[0.0, 0.0], [0.5, 0.5]]
   child = _spec([1.0, 0.0], v, local=[[0.2, 1.0], [0.0, 0.4]])
   root = _spec([0.5, 1.0], v, children={1: child}, local=[[1.0, 0.0], [0.3, 1.0]])
@@ -227,8 +262,7 @@ def test_team_weight_uses_each_agents_channel():
 
 
 def test_chain_g1_critic_is_the_baseline():
-  cfg = TreeConfig(num_turns=3, num_generations=3, num_agents=2, shape="chain",
-                   discount=GAMMA)
+  cfg = TreeConfig(num_turns=3, num_generations=3, num_agents=2, shape="chain", discount=GAMMA)
   rng = np.random.default_rng(3)
 
   def link(turn):
@@ -237,34 +271,44 @@ def test_chain_g1_critic_is_the_baseline():
     return _spec([rng.normal()], v, children=kids)
 
   v_root = np.repeat(rng.normal(size=(2, 1)), 3, axis=1)
-  root = _spec(rng.normal(size=3), v_root, ended=[False, True, False],
-               children={0: link(1), 2: link(1)})
+  root = _spec(
+      rng.normal(size=3), v_root, ended=[False, True, False], children={0: link(1), 2: link(1)}
+  )
   tree, values, adv, _ = _check(cfg, root, CriticConfig(normalize=False))
   below = [node for node in tree.nodes if node.turn > 0]
   assert all(a.shape == (2, 1) for a in adv[1:])
   # Each action has its own TD error: non-zero and different from the root's advantage.
   assert all(np.abs(adv[node.node_id]).min() > 1e-6 for node in below)
   assert not np.allclose(adv[1][:, 0], adv[0][:, 0])
-  _check(cfg, root, CriticConfig(target="q", estimator="gae", gae_lambda=0.8,
-                                 normalize=False))
+  _check(cfg, root, CriticConfig(target="q", estimator="gae", gae_lambda=0.8, normalize=False))
 
 
 # ------------------------------------------------------------------ lambda limits
-@pytest.mark.parametrize("mode,shape", [("align", "tree"), ("cross", "tree"),
-                                        ("marginal", "tree"), ("align", "chain")])
+@pytest.mark.parametrize(
+    "mode,shape", [("align", "tree"), ("cross", "tree"), ("marginal", "tree"), ("align", "chain")]
+)
 def test_lambda_one_is_returns_minus_values(mode, shape):
   rng = np.random.default_rng(7)
   g, n, turns = 2, 2, 3
-  cfg = TreeConfig(num_turns=turns, num_generations=g, num_agents=n, joint_mode=mode,
-                   discount=GAMMA, cross_return="mean", shape=shape)
+  cfg = TreeConfig(
+      num_turns=turns,
+      num_generations=g,
+      num_agents=n,
+      joint_mode=mode,
+      discount=GAMMA,
+      cross_return="mean",
+      shape=shape,
+  )
   tree = Tree(cfg)
 
   def grow(node):
     b = cfg.actions_at(node.turn)
     valid = rng.random(b) > 0.1
     ended = rng.random(b) < 0.2
-    acts = [ActionRecord((StepRecord(float(rng.normal()) if ok else 0.0, bool(ok),
-                                     done=bool(e)),)) for ok, e in zip(valid, ended)]
+    acts = [
+        ActionRecord((StepRecord(float(rng.normal()) if ok else 0.0, bool(ok), done=bool(e)),))
+        for ok, e in zip(valid, ended)
+    ]
     if tree.record(node, [a.reward for a in acts], valid, acts):
       for j in range(b):
         if not ended[j] and tree.child_slot(node, j) >= 0:
@@ -274,25 +318,35 @@ def test_lambda_one_is_returns_minus_values(mode, shape):
   tree.renumber()
   tree.finalize()
   values = [rng.normal(size=(n, cfg.generations_at(node.turn))) for node in tree.nodes]
-  adv, tgt = critic_advantages(tree, values, CriticConfig(target="q", estimator="gae",
-                                                          gae_lambda=1.0, normalize=False))
+  adv, tgt = critic_advantages(
+      tree, values, CriticConfig(target="q", estimator="gae", gae_lambda=1.0, normalize=False)
+  )
   for node, v_NxG, a_NxG, y_NxG in zip(tree.nodes, values, adv, tgt):
     keep_NxG = node.weight_NxG > 0
-    np.testing.assert_allclose(a_NxG[keep_NxG], (node.agent_returns_NxG - v_NxG)[keep_NxG],
-                               rtol=0, atol=1e-12)
-    np.testing.assert_allclose(y_NxG[keep_NxG], node.agent_returns_NxG[keep_NxG],
-                               rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        a_NxG[keep_NxG], (node.agent_returns_NxG - v_NxG)[keep_NxG], rtol=0, atol=1e-12
+    )
+    np.testing.assert_allclose(
+        y_NxG[keep_NxG], node.agent_returns_NxG[keep_NxG], rtol=0, atol=1e-12
+    )
 
 
 def test_lambda_zero_is_td0():
   rng = np.random.default_rng(11)
-  cfg = TreeConfig(num_turns=3, num_generations=3, num_agents=2, joint_mode="cross",
-                   discount=GAMMA, cross_return="mean")
+  cfg = TreeConfig(
+      num_turns=3,
+      num_generations=3,
+      num_agents=2,
+      joint_mode="cross",
+      discount=GAMMA,
+      cross_return="mean",
+  )
   tree, values, _ = _build(cfg, _random_spec(rng, "cross", 3, 2, 2))
   for target in ("v", "q"):
     td0 = critic_advantages(tree, values, CriticConfig(target=target))
-    gae0 = critic_advantages(tree, values, CriticConfig(target=target, estimator="gae",
-                                                        gae_lambda=0.0))
+    gae0 = critic_advantages(
+        tree, values, CriticConfig(target=target, estimator="gae", gae_lambda=0.0)
+    )
     for a, b in zip(td0[0] + td0[1], gae0[0] + gae0[1]):
       np.testing.assert_array_equal(a, b)
 
@@ -320,8 +374,7 @@ def test_normalize_per_agent_and_turn_over_trained_samples():
   assert masked > 0  # the case is exercised
   for y, y_raw in zip(tgt, tgt_raw):  # targets are never normalised
     np.testing.assert_array_equal(y, y_raw)
-  flat = np.concatenate([a[0][n.weight_NxG[0] > 0] for a, n in zip(adv, tree.nodes)
-                         if n.turn == 2])
+  flat = np.concatenate([a[0][n.weight_NxG[0] > 0] for a, n in zip(adv, tree.nodes) if n.turn == 2])
   assert flat.size > 2 and abs(flat.mean()) < 1e-12 and abs(flat.std() - 1) < 1e-9
 
 
@@ -334,12 +387,17 @@ def test_equal_advantages_normalise_to_zero_not_nan():
 
 
 # ------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("kw,field", [({"target": "a"}, "target"),
-                                      ({"estimator": "mc"}, "estimator"),
-                                      ({"gae_lambda": 1.5}, "gae_lambda"),
-                                      ({"gae_lambda": -0.1}, "gae_lambda"),
-                                      ({"gae_lambda": "0.9"}, "gae_lambda"),
-                                      ({"normalize": 1}, "normalize")])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"target": "a"}, "target"),
+        ({"estimator": "mc"}, "estimator"),
+        ({"gae_lambda": 1.5}, "gae_lambda"),
+        ({"gae_lambda": -0.1}, "gae_lambda"),
+        ({"gae_lambda": "0.9"}, "gae_lambda"),
+        ({"normalize": 1}, "normalize"),
+    ],
+)
 def test_bad_config_is_refused_in_one_line(kw, field):
   with pytest.raises(ValueError) as err:
     CriticConfig(**kw)
@@ -349,8 +407,9 @@ def test_bad_config_is_refused_in_one_line(kw, field):
 
 def test_bad_values_are_refused():
   cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, discount=GAMMA)
-  tree, values, _ = _build(cfg, _spec([0, 1], [[0, 0], [0, 0]],
-                                      children={0: _spec([1, 1], [[0, 0], [0, 0]])}))
+  tree, values, _ = _build(
+      cfg, _spec([0, 1], [[0, 0], [0, 0]], children={0: _spec([1, 1], [[0, 0], [0, 0]])})
+  )
   with pytest.raises(ValueError, match="value arrays"):
     critic_advantages(tree, values[:1], CriticConfig())
   with pytest.raises(ValueError, match="shape"):

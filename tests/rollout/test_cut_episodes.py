@@ -7,8 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.envs import (Environment, EnvironmentFactory, Grade, RewardConfig, StepLimits,
-                           Thread, Turn)
+from mtrl_jax.envs import (
+    Environment,
+    EnvironmentFactory,
+    Grade,
+    RewardConfig,
+    StepLimits,
+    Thread,
+    Turn,
+)
 from mtrl_jax.envs.cuts import grade_cut
 from mtrl_jax.envs.fault_report import FAULT_CONSOLE
 from mtrl_jax.rollout import TreeConfig, expand_tree
@@ -77,10 +84,20 @@ class NoCutTransition(EnvTransition):
   cut = None
 
 
-def _tree(script, num_turns, *, secret=64, generations=1, reward=REWARD,
-          transition_cls=EnvTransition, limits=StepLimits(), key=0):
-  transition = transition_cls(byte_renderer(), reward_cfg=reward, limits=limits,
-                              outcome_range=GuessFactory.outcome_range)
+def _tree(
+    script,
+    num_turns,
+    *,
+    secret=64,
+    generations=1,
+    reward=REWARD,
+    transition_cls=EnvTransition,
+    limits=StepLimits(),
+    key=0,
+):
+  transition = transition_cls(
+      byte_renderer(), reward_cfg=reward, limits=limits, outcome_range=GuessFactory.outcome_range
+  )
   cfg = TreeConfig(num_turns=num_turns, num_generations=generations)
   roots = transition.root_states(GuessFactory(), [{"secret": secret}])
   return expand_tree(cfg, ScriptedGuesser(script), transition, roots, jax.random.key(key))
@@ -163,10 +180,12 @@ def test_no_cut_notice_when_episodes_end_within_the_tree(capsys):
 def test_on_cut_grades_replace_the_failure_outcome():
 
   class Partial(GuessEnv):
+
     def on_cut(self, thread):
       return {"progress": Grade(-0.5, f"{self.guesses} guesses, no hit")}
 
   class PartialFactory(GuessFactory):
+
     def create_environment(self, metadata):
       return Partial(metadata)
 
@@ -181,6 +200,7 @@ def test_on_cut_grades_replace_the_failure_outcome():
 def test_an_on_cut_that_raises_masks_the_action():
 
   class Broken(GuessEnv):
+
     def on_cut(self, thread):
       raise KeyError("bug in on_cut")
 
@@ -204,10 +224,12 @@ def test_per_turn_grades_with_a_weight_are_not_reported(capsys):
 
 def test_the_weather_template_grades_a_cut_as_a_wrong_answer():
   from mtrl_jax.tasks.weather import WeatherFactory
+
   env = WeatherFactory().create_environment({"city": "oslo"})
   thread = env.initial_thread().append(
       Turn("assistant", '<tool_call>{"name": "get_weather"}</tool_call>'),
-      Turn("tool", "4", name="get_weather"))
+      Turn("tool", "4", name="get_weather"),
+  )
   wrong = env.initial_thread().append(Turn("assistant", "<answer>5</answer>"))
   _, final = env.react_to(wrong)
   assert env.on_cut(thread)["final"].score == final["final"].score

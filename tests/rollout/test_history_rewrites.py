@@ -23,10 +23,18 @@ LOGP = -0.5
 
 def test_context_view_strips_thinking_before_the_last_user_turn_only():
   r = ChatRenderer(byte_tokenizer(), compact(byte_tokenizer()), strip_thinking=True)
-  turns = [("user", "q1"), ("assistant", "<think>a</think>\nA1"), ("user", "q2"),
-           ("assistant", "<think>b</think>A2")]
-  assert r.context_view(turns) == [("user", "q1"), ("assistant", "A1"), ("user", "q2"),
-                                   ("assistant", "<think>b</think>A2")]
+  turns = [
+      ("user", "q1"),
+      ("assistant", "<think>a</think>\nA1"),
+      ("user", "q2"),
+      ("assistant", "<think>b</think>A2"),
+  ]
+  assert r.context_view(turns) == [
+      ("user", "q1"),
+      ("assistant", "A1"),
+      ("user", "q2"),
+      ("assistant", "<think>b</think>A2"),
+  ]
   plain = ChatRenderer(byte_tokenizer(), compact(byte_tokenizer()))
   assert plain.context_view(turns) == turns
   assert strip_thinking("no thinking") == "no thinking"
@@ -52,8 +60,9 @@ class ThinkingPolicy(FakePolicy):
     self.renderer = renderer
 
   def completion(self, req, g):
-    ids = (self.renderer.tokenizer.encode(f"<think>plan {g}</think>" + "x" * (g + 1))
-           + [self.renderer.fmt.stop_ids[0]])
+    ids = self.renderer.tokenizer.encode(f"<think>plan {g}</think>" + "x" * (g + 1)) + [
+        self.renderer.fmt.stop_ids[0]
+    ]
     return np.asarray(ids, np.int32), np.full(len(ids), LOGP, np.float32), "stop"
 
 
@@ -72,13 +81,14 @@ def test_rewritten_history_starts_a_new_segment_and_keeps_earlier_actions(packin
     comp = parent.completions[0][child.parent_action]
     assert parent.actions[child.parent_action].steps[-1].details["history_rewrites"] == 1
     sampled = parent.prompts[0] + comp.ids.tolist()
-    assert child.prompts[0][:len(sampled)] != sampled  # not an extension: a new segment
+    assert child.prompts[0][: len(sampled)] != sampled  # not an extension: a new segment
     text = tok.decode(child.prompts[0])
     assert "<think>" not in text and "and then?" in text  # the template's view
   assert renderer.metrics()["text/history_rewrites"] == 4
 
-  batch, m = make_train_batch(tree, BatchConfig(packing=packing, length_buckets=(128,),
-                                                zero_variance_filter=False))
+  batch, m = make_train_batch(
+      tree, BatchConfig(packing=packing, length_buckets=(128,), zero_variance_filter=False)
+  )
   actions = [(n, g) for n in tree.nodes for g in range(2)]
   assert m["batch/actions"] == len(actions)
   lengths = [len(n.completions[0][g].ids) for n, g in actions]
@@ -86,7 +96,8 @@ def test_rewritten_history_starts_a_new_segment_and_keeps_earlier_actions(packin
   assert mask.sum() == sum(lengths)  # every action trains on all of its own sampled tokens
   np.testing.assert_array_equal(batch.old_logp_BxK[mask], LOGP)
   adv = batch.adv_BxK[mask]
-  expected = np.concatenate([np.full(n_tok, n.advantages_NxG[0, g])
-                             for (n, g), n_tok in zip(actions, lengths)])
+  expected = np.concatenate(
+      [np.full(n_tok, n.advantages_NxG[0, g]) for (n, g), n_tok in zip(actions, lengths)]
+  )
   np.testing.assert_allclose(np.sort(adv), np.sort(expected), rtol=1e-6)
   assert np.abs(expected).max() > 0  # the turn-0 actions' own advantages are trained

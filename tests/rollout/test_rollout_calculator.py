@@ -10,8 +10,7 @@ import pytest
 
 from mtrl_jax.envs import RewardConfig, StepLimits, resolve_factory
 from mtrl_jax.tasks import calculator
-from mtrl_jax.rollout import (TreeConfig, expand_tree, node_records,
-                              write_rollout_dump)
+from mtrl_jax.rollout import (TreeConfig, expand_tree, node_records, write_rollout_dump)
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax import testing
 from mtrl_jax.testing import FakePolicy, byte_renderer, byte_tokenizer
@@ -55,8 +54,9 @@ def tool_results(task):
 
 
 def _tree(policy, tasks):
-  transition = EnvTransition(byte_renderer(calculator.EXTRA_SPECIALS), reward_cfg=REWARD,
-                             limits=StepLimits(max_turns=8))
+  transition = EnvTransition(
+      byte_renderer(calculator.EXTRA_SPECIALS), reward_cfg=REWARD, limits=StepLimits(max_turns=8)
+  )
   roots = transition.root_states(resolve_factory("calculator"), tasks)
   cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn", discount=0.9)
   return expand_tree(cfg, policy, transition, roots, jax.random.key(0)), transition
@@ -81,7 +81,8 @@ def test_golden_episodes_as_two_user_turns(tmp_path):
         assert node.rewards_B[g] == pytest.approx(-0.1, abs=1e-12)
         kid = tree.nodes[node.children_B[g]]
         assert TOK.decode(kid.prompts[0]).endswith(
-            f"<|user|>{task['followups'][0]}{END}<|assistant|>")
+            f"<|user|>{task['followups'][0]}{END}<|assistant|>"
+        )
       else:  # the last answer: outcome +1 on the step that stops
         assert action.ended and action.outcome == 1.0
         assert action.steps[-1].details["grades"]
@@ -104,7 +105,7 @@ def test_golden_episodes_as_two_user_turns(tmp_path):
     assert TOK.decode(tokens[mask].tolist()) == call + END + answer + END
     p, c = len(node.prompts[0]), len(node.completions[0][g].ids)
     # Between the segments: the tool turn and the next assistant header, masked out.
-    context = tokens[p:p + c][~mask[p:p + c]]
+    context = tokens[p : p + c][~mask[p : p + c]]
     assert TOK.decode(context.tolist()) == f"<|tool|>{tool_result[node.turn]}{END}<|assistant|>"
     lps = [-0.01 * np.arange(1, len(TOK.encode(m)) + 2) for m in (call, answer)]
     np.testing.assert_allclose(old_logp_BxL[b, mask], np.concatenate(lps), rtol=1e-6)
@@ -157,10 +158,15 @@ def test_schedules_and_arrival_order_never_change_a_calculator_tree(schedule):
   want = None
   for jitter in range(3):
     policy = GoldenPolicy(tasks, bad_first_call=True, max_latency=4, latency_seed=jitter)
-    transition = _Jittery(byte_renderer(calculator.EXTRA_SPECIALS), reward_cfg=REWARD,
-                          limits=StepLimits(max_turns=8), seed=jitter)
+    transition = _Jittery(
+        byte_renderer(calculator.EXTRA_SPECIALS),
+        reward_cfg=REWARD,
+        limits=StepLimits(max_turns=8),
+        seed=jitter,
+    )
     roots = transition.root_states(resolve_factory("calculator"), tasks)
-    got = node_records(expand_tree(cfg, policy, transition, roots, jax.random.key(0)),
-                       transition.decode)
+    got = node_records(
+        expand_tree(cfg, policy, transition, roots, jax.random.key(0)), transition.decode
+    )
     assert len(got) == 3 * 3 and want in (None, got)
     want = got

@@ -37,7 +37,7 @@ def _reference_returns(tree, chains, gamma):
   out = []
   for j, path in enumerate(chains):
     rewards = [tree.nodes[path[0]].rewards_B[j]] + [tree.nodes[k].rewards_B[0] for k in path[1:]]
-    out.append(sum(gamma ** t * r for t, r in enumerate(rewards)))
+    out.append(sum(gamma**t * r for t, r in enumerate(rewards)))
   return np.array(out)
 
 
@@ -75,7 +75,8 @@ def test_chain_has_g_leaves_per_root_each_with_t_turns(num_agents):
         assert node.rewards_B.shape == (1,)
   # Per (node, agent) one request: the roots' for G samples, every later node's for one.
   assert sorted(len(r.rows) for r in policy.requests) == (
-      [1] * 16 * num_agents + [4] * 2 * num_agents)
+      [1] * 16 * num_agents + [4] * 2 * num_agents
+  )
   counts = tree.counts()
   plan = plan_tree(cfg, 2, 64, 8)
   assert counts["nodes"] == plan.nodes == 2 * (1 + 4 + 4)
@@ -84,7 +85,8 @@ def test_chain_has_g_leaves_per_root_each_with_t_turns(num_agents):
   assert counts["reward_calls"] == plan.reward_calls == 2 * (4 + 4 + 4)
   assert plan.level_nodes == (2, 8, 8) and plan.rows == 2 * num_agents * 12
   assert tree.metrics()["tree/sampled_tokens"] == sum(
-      len(c.ids) for n in tree.nodes for a in n.completions for c in a)
+      len(c.ids) for n in tree.nodes for a in n.completions for c in a
+  )
 
 
 def test_equal_budget_mapping_between_shapes():
@@ -101,8 +103,15 @@ def test_equal_budget_mapping_between_shapes():
 def test_chain_advantages_equal_numpy_group_baseline(mode, std_norm, num_agents):
   # Some trajectories stop early (a shorter chain); rewards vary with the tokens.
   stop = lambda s, a: s.turn == 1 and int(a[0].ids[0]) % 3 == 0
-  cfg = TreeConfig(num_turns=3, num_generations=5, num_agents=num_agents, discount=0.7,
-                   advantage_mode=mode, advantage_std_norm=std_norm, shape="chain")
+  cfg = TreeConfig(
+      num_turns=3,
+      num_generations=5,
+      num_agents=num_agents,
+      discount=0.7,
+      advantage_mode=mode,
+      advantage_std_norm=std_norm,
+      shape="chain",
+  )
   tree, _ = _run(cfg, num_roots=3, transition=ScriptedTransition(stop=stop))
   lengths = set()
   for root in (n for n in tree.nodes if n.parent_id < 0):
@@ -116,9 +125,12 @@ def test_chain_advantages_equal_numpy_group_baseline(mode, std_norm, num_agents)
       np.testing.assert_allclose(root.advantages_NxG[i], expected_G, rtol=1e-12, atol=1e-12)
     for j, path in enumerate(chains):
       for k in path[1:]:
-        np.testing.assert_allclose(tree.nodes[k].advantages_NxG,
-                                   np.full((num_agents, 1), expected_G[j]), rtol=1e-12,
-                                   atol=1e-12)
+        np.testing.assert_allclose(
+            tree.nodes[k].advantages_NxG,
+            np.full((num_agents, 1), expected_G[j]),
+            rtol=1e-12,
+            atol=1e-12,
+        )
         assert tree.nodes[k].weight_NxG.tolist() == [[1.0]] * num_agents
   assert lengths == {2, 3}
   # Packing trains every action of a chain with its trajectory's advantage.
@@ -126,10 +138,18 @@ def test_chain_advantages_equal_numpy_group_baseline(mode, std_norm, num_agents)
   rows = batch.row_weight_B > 0
   np.testing.assert_array_equal(  # one action per row, its advantage on every token
       np.sort(batch.adv_BxK[rows, 0]),
-      np.sort([n.advantages_NxG[i, g] for n in tree.nodes for i, g in zip(
-          *np.nonzero(n.weight_NxG > 0))]).astype(np.float32))
-  assert all((batch.adv_BxK[b, batch.loss_mask_BxK[b]] == batch.adv_BxK[b, 0]).all()
-             for b in np.flatnonzero(rows))
+      np.sort(
+          [
+              n.advantages_NxG[i, g]
+              for n in tree.nodes
+              for i, g in zip(*np.nonzero(n.weight_NxG > 0))
+          ]
+      ).astype(np.float32),
+  )
+  assert all(
+      (batch.adv_BxK[b, batch.loss_mask_BxK[b]] == batch.adv_BxK[b, 0]).all()
+      for b in np.flatnonzero(rows)
+  )
   records = node_records(tree)
   assert all(len(r["joint_actions"]) == (5 if r["parent_id"] < 0 else 1) for r in records)
 
@@ -164,6 +184,7 @@ def test_bad_shape_is_a_one_line_error():
 def test_config_tree_shape_reaches_the_experiment_and_bad_values_fail():
   from configs import calculator as calc_config
   from mtrl_jax.train import experiment, shapes
+
   c = calc_config.get_config("smoke=True")
   c.tree.shape = "chain"
   exp = experiment.validate(c)

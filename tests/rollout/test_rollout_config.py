@@ -10,8 +10,9 @@ def test_plan_matches_comlrl_counts():
   # 20 reward calls; cross 17 nodes, 136 generations, 272 reward calls.
   align = plan_tree(TreeConfig(num_turns=2, num_generations=4, num_agents=2), 1, 100, 20)
   assert (align.nodes, align.generations, align.reward_calls) == (5, 40, 20)
-  cross = plan_tree(TreeConfig(num_turns=2, num_generations=4, num_agents=2, joint_mode="cross"),
-                    1, 100, 20)
+  cross = plan_tree(
+      TreeConfig(num_turns=2, num_generations=4, num_agents=2, joint_mode="cross"), 1, 100, 20
+  )
   assert (cross.nodes, cross.generations, cross.reward_calls) == (17, 136, 272)
   assert cross.rows == 136 and cross.tokens == 136 * 120
   assert cross.level_nodes == (1, 16) and cross.max_level_generations == 16 * 2 * 4
@@ -20,7 +21,7 @@ def test_plan_matches_comlrl_counts():
 def test_plan_scales_with_roots_and_formula():
   cfg = TreeConfig(num_turns=3, num_generations=3, num_agents=2, joint_mode="cross")
   plan = plan_tree(cfg, 5, 10, 10)
-  b = 3 ** 2
+  b = 3**2
   assert plan.nodes == 5 * (1 + b + b * b)
   assert plan.generations == plan.nodes * 2 * 3
   assert plan.reward_calls == plan.nodes * b
@@ -37,28 +38,45 @@ def test_budget_violation_is_a_clear_error():
   plan_tree(cfg, 1, 100, 20, max_generations=136, max_tokens=136 * 120)  # exactly at budget
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(num_turns=0), "num_turns"),
-    (dict(num_generations=1.5), "num_generations"),
-    (dict(num_agents=0), "num_agents"),
-    (dict(joint_mode="aligned"),
-     r"joint_mode='aligned'; allowed: \['align', 'cross', 'marginal'\]"),
-    (dict(joint_mode="marginal"), "joint_mode='marginal' needs num_agents >= 2"),
-    (dict(num_agents=2, team_weight=1.5), r"agents.team_weight=1.5; allowed: a number in \[0, 1\]"),
-    (dict(num_agents=2, team_weight=-0.1), r"agents.team_weight=-0.1; allowed"),
-    (dict(advantage_mode="zscore"), "advantage_mode.*allowed"),
-    (dict(cross_return="max"), "cross_return.*allowed"),
-    (dict(discount=1.5), "discount"),
-    (dict(termination_threshold="high"), "termination_threshold"),
-    (dict(advantage_mode="rloo", num_generations=1), "rloo"),
-    (dict(advantage_std_norm=1), "advantage_std_norm"),
-    (dict(advantage_std_norm=True, advantage_mode="raw"), "std_norm=True with .*'raw'.*allowed"),
-    (dict(advantage_std_norm=True, advantage_mode="max"), "advantage_std_norm=True with .*'max'"),
-    (dict(branch_on="tool_turn"), r"branch_on='tool_turn'; allowed: \['every_turn', 'user_turn'\]"),
-    (dict(max_substeps=0), "max_substeps=0"),
-    (dict(max_substeps=True), "max_substeps"),
-    (dict(branch_on="user_turn", num_agents=2), "branch_on='user_turn' needs num_agents=1"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(num_turns=0), "num_turns"),
+        (dict(num_generations=1.5), "num_generations"),
+        (dict(num_agents=0), "num_agents"),
+        (
+            dict(joint_mode="aligned"),
+            r"joint_mode='aligned'; allowed: \['align', 'cross', 'marginal'\]",
+        ),
+        (dict(joint_mode="marginal"), "joint_mode='marginal' needs num_agents >= 2"),
+        (
+            dict(num_agents=2, team_weight=1.5),
+            r"agents.team_weight=1.5; allowed: a number in \[0, 1\]",
+        ),
+        (dict(num_agents=2, team_weight=-0.1), r"agents.team_weight=-0.1; allowed"),
+        (dict(advantage_mode="zscore"), "advantage_mode.*allowed"),
+        (dict(cross_return="max"), "cross_return.*allowed"),
+        (dict(discount=1.5), "discount"),
+        (dict(termination_threshold="high"), "termination_threshold"),
+        (dict(advantage_mode="rloo", num_generations=1), "rloo"),
+        (dict(advantage_std_norm=1), "advantage_std_norm"),
+        (
+            dict(advantage_std_norm=True, advantage_mode="raw"),
+            "std_norm=True with .*'raw'.*allowed",
+        ),
+        (
+            dict(advantage_std_norm=True, advantage_mode="max"),
+            "advantage_std_norm=True with .*'max'",
+        ),
+        (
+            dict(branch_on="tool_turn"),
+            r"branch_on='tool_turn'; allowed: \['every_turn', 'user_turn'\]",
+        ),
+        (dict(max_substeps=0), "max_substeps=0"),
+        (dict(max_substeps=True), "max_substeps"),
+        (dict(branch_on="user_turn", num_agents=2), "branch_on='user_turn' needs num_agents=1"),
+    ],
+)
 def test_bad_config_names_the_field(kw, match):
   base = dict(num_turns=2, num_generations=4)
   base.update(kw)

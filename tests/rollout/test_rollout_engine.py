@@ -22,8 +22,9 @@ def _run(cfg, num_roots=1, transition=None, key=KEY, policy=None):
   return tree, policy
 
 
-@pytest.mark.parametrize("joint, nodes, gens, calls", [("align", 5, 40, 20),
-                                                       ("cross", 17, 136, 272)])
+@pytest.mark.parametrize(
+    "joint, nodes, gens, calls", [("align", 5, 40, 20), ("cross", 17, 136, 272)]
+)
 def test_counts_match_formula(joint, nodes, gens, calls):
   cfg = TreeConfig(num_turns=2, num_generations=4, num_agents=2, joint_mode=joint)
   tree, policy = _run(cfg)
@@ -52,19 +53,24 @@ def test_children_continue_their_parent_samples_cache():
 def test_counts_with_termination_and_stops():
   # Roots 0 and 2 score 1 everywhere at turn 0 (mean 1 > tau = 0.5): leaves.
   # Root 1 scores 0 and expands, but the env stops every odd joint action.
-  cfg = TreeConfig(num_turns=2, num_generations=4, num_agents=2, joint_mode="cross",
-                   termination_threshold=0.5)
+  cfg = TreeConfig(
+      num_turns=2, num_generations=4, num_agents=2, joint_mode="cross", termination_threshold=0.5
+  )
   reward = lambda s, a: 1.0 if s.turn == 0 and s.root % 2 == 0 else 0.0
   stop = lambda s, a: int(a[0].ids[0]) % 2 == 1  # deterministic, content-based stop
 
   tree, _ = _run(cfg, num_roots=3, transition=ScriptedTransition(reward=reward, stop=stop))
   root1 = tree.nodes[1]
   assert tree.nodes[0].terminated and tree.nodes[2].terminated and not root1.terminated
-  kept = sum(1 for a in range(16)
-             if int(root1.completions[0][tree.joint_BxN[a, 0]].ids[0]) % 2 == 0)
+  kept = sum(
+      1 for a in range(16) if int(root1.completions[0][tree.joint_BxN[a, 0]].ids[0]) % 2 == 0
+  )
   assert 0 < kept < 16
-  assert tree.counts() == {"nodes": 3 + kept, "generations": (3 + kept) * 2 * 4,
-                           "reward_calls": (3 + kept) * 16}
+  assert tree.counts() == {
+      "nodes": 3 + kept,
+      "generations": (3 + kept) * 2 * 4,
+      "reward_calls": (3 + kept) * 16,
+  }
   for j, child in enumerate(root1.children_B):
     stopped = int(root1.completions[0][tree.joint_BxN[j, 0]].ids[0]) % 2 == 1
     assert (child < 0) == stopped
@@ -88,8 +94,9 @@ def test_engine_returns_and_histories():
   cfg = TreeConfig(num_turns=3, num_generations=3, num_agents=2, discount=0.8)
   tree, _ = _run(cfg, num_roots=2)
   for root in tree.nodes[:2]:
-    np.testing.assert_allclose(root.returns_B, _reference_returns(tree, root.node_id, 0.8),
-                               rtol=1e-12)
+    np.testing.assert_allclose(
+        root.returns_B, _reference_returns(tree, root.node_id, 0.8), rtol=1e-12
+    )
   for node in tree.nodes:
     if node.parent_id < 0:
       continue
@@ -128,8 +135,14 @@ def test_fault_masks_samples_and_spawns_no_child():
 
 
 def test_reproducible_bit_for_bit():
-  cfg = TreeConfig(num_turns=2, num_generations=3, num_agents=2, joint_mode="cross",
-                   termination_threshold=0.6, advantage_std_norm=True)
+  cfg = TreeConfig(
+      num_turns=2,
+      num_generations=3,
+      num_agents=2,
+      joint_mode="cross",
+      termination_threshold=0.6,
+      advantage_std_norm=True,
+  )
   runs = [_run(cfg, num_roots=2)[0] for _ in range(2)]
   b0, b1 = (as_arrays(testing.rows_of(t, (32, 64))) for t in runs)
   for k in b0:
@@ -139,25 +152,40 @@ def test_reproducible_bit_for_bit():
   assert other.tokens_BxL.tobytes() != b0["tokens_BxL"].tobytes()
 
 
-
 @pytest.mark.parametrize("schedule", ["continuous", "barrier"])
 def test_arrival_order_never_changes_the_tree(schedule):
   # Requests finish after random numbers of engine steps (another order per seed):
   # node ids, samples, rewards and advantages are the same bit for bit.
-  cfg = TreeConfig(num_turns=3, num_generations=2, num_agents=2, joint_mode="cross",
-                   termination_threshold=0.6, schedule=schedule)
+  cfg = TreeConfig(
+      num_turns=3,
+      num_generations=2,
+      num_agents=2,
+      joint_mode="cross",
+      termination_threshold=0.6,
+      schedule=schedule,
+  )
   stop = lambda s, a: int(a[1].ids[0]) % 5 == 0
-  trees = [_run(cfg, num_roots=3, transition=ScriptedTransition(stop=stop),
-                policy=FakePolicy(vocab=64, max_new_tokens=5, stop_id=2, max_latency=4,
-                                  latency_seed=seed))[0] for seed in range(3)]
-  base = _run(cfg.replace(schedule="continuous"), num_roots=3,
-              transition=ScriptedTransition(stop=stop))[0]
+  trees = [
+      _run(
+          cfg,
+          num_roots=3,
+          transition=ScriptedTransition(stop=stop),
+          policy=FakePolicy(
+              vocab=64, max_new_tokens=5, stop_id=2, max_latency=4, latency_seed=seed
+          ),
+      )[0]
+      for seed in range(3)
+  ]
+  base = _run(
+      cfg.replace(schedule="continuous"), num_roots=3, transition=ScriptedTransition(stop=stop)
+  )[0]
   for tree in trees:
     assert node_records(tree) == node_records(base)
 
 
 def test_a_transition_must_answer_with_an_action_outcome():
   class Broken(ScriptedTransition):
+
     def step(self, state, actions):
       return super().step(state, actions).step  # a StepRecord, not an ActionOutcome
 

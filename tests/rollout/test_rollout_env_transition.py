@@ -8,8 +8,15 @@ from mtrl_jax.envs import RewardConfig, StepLimits
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax import testing
-from mtrl_jax.testing import (CLOSED, DuoEnv, FakePolicy, SoloEnv, ToolThenUserEnv,
-                              byte_renderer, byte_tokenizer)
+from mtrl_jax.testing import (
+    CLOSED,
+    DuoEnv,
+    FakePolicy,
+    SoloEnv,
+    ToolThenUserEnv,
+    byte_renderer,
+    byte_tokenizer,
+)
 from mtrl_jax.text import compact
 
 TOK = byte_tokenizer()
@@ -61,12 +68,13 @@ def test_two_agent_tree_histories_and_rewards():
         c = comps[i].ids.tolist()
         start = len(node.prompts[i])
         assert kid.prompts[i][:start] == node.prompts[i]
-        assert kid.prompts[i][start:start + len(c)] == c
+        assert kid.prompts[i][start : start + len(c)] == c
       assert kid.state.env.steps == kid.turn
       assert f"step {kid.turn}: agent 0" in TOK.decode(kid.prompts[0])
   batch = testing.rows_of(tree, (128, 256))
-  assert batch.loss_mask_BxK.sum() == sum(len(c.ids) for n in tree.nodes
-                                             for a in n.completions for c in a)
+  assert batch.loss_mask_BxK.sum() == sum(
+      len(c.ids) for n in tree.nodes for a in n.completions for c in a
+  )
 
 
 def test_stop_and_infrastructure_faults():
@@ -97,14 +105,16 @@ def test_single_agent_and_limits():
   renderer = byte_renderer()
   transition = EnvTransition(renderer, limits=StepLimits(max_turns=2))
   policy = FakePolicy(vocab=128, low=32, max_new_tokens=4, stop_id=FMT.stop_ids[0])
-  tree = expand_tree(cfg, policy, transition,
-                     [transition.root_state(SoloEnv({"prompt": "go"}))], jax.random.key(2))
+  tree = expand_tree(
+      cfg, policy, transition, [transition.root_state(SoloEnv({"prompt": "go"}))], jax.random.key(2)
+  )
   # The turn cap (2 policy turns) truncates every branch at turn 1.
   assert [n.turn for n in tree.nodes] == [0, 1, 1]
   assert all(action.steps[-1].truncated for action in tree.nodes[1].actions)
   # No ToolSet, no tool-call counts (no `tools/*` metrics).
-  assert not [s for n in tree.nodes for a in n.actions for s in a.steps
-              if "tool_calls" in s.details]
+  assert not [
+      s for n in tree.nodes for a in n.actions for s in a.steps if "tool_calls" in s.details
+  ]
   with pytest.raises(ValueError, match="num_agents=1 but the tree has num_agents=2"):
     EnvTransition(renderer, num_agents=2).root_state(SoloEnv({"prompt": "go"}))
 
@@ -116,8 +126,9 @@ def test_ids_past_the_tokenizer_are_a_penalised_format_fault():
   transition = EnvTransition(byte_renderer(), reward_cfg=reward_cfg)
   policy = FakePolicy(vocab=300, low=TOK.vocab_size, max_new_tokens=3)
   cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
-  tree = expand_tree(cfg, policy, transition, [transition.root_state(SoloEnv({"prompt": "go"}))],
-                     jax.random.key(3))
+  tree = expand_tree(
+      cfg, policy, transition, [transition.root_state(SoloEnv({"prompt": "go"}))], jax.random.key(3)
+  )
   root = tree.nodes[0]
   assert len(tree.nodes) == 1 and (root.children_B < 0).all() and root.valid_B.all()
   for action in root.actions:
@@ -132,8 +143,13 @@ def test_user_turn_substeps_close_every_state_once():
   policy = FakePolicy(vocab=128, low=32, max_new_tokens=4, stop_id=FMT.stop_ids[0])
   cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
   CLOSED.clear()
-  tree = expand_tree(cfg, policy, transition,
-                     [transition.root_state(ToolThenUserEnv({"prompt": "go"}))], jax.random.key(4))
+  tree = expand_tree(
+      cfg,
+      policy,
+      transition,
+      [transition.root_state(ToolThenUserEnv({"prompt": "go"}))],
+      jax.random.key(4),
+  )
   # 3 nodes; every action is a tool call then a message the user answers: 2 steps each.
   assert tree.counts() == {"nodes": 3, "generations": 12, "reward_calls": 12}
   assert len(CLOSED) == len(set(CLOSED)) == 1 + 12  # the root and one fork per step
@@ -145,7 +161,8 @@ def test_user_turn_substeps_close_every_state_once():
   # Sub-steps count as policy turns for the turn cap: with max_turns=3 the
   # child's first step is the 3rd policy message and truncates.
   capped = EnvTransition(byte_renderer(), limits=StepLimits(max_turns=3))
-  tree = expand_tree(cfg, policy, capped,
-                     [capped.root_state(ToolThenUserEnv({"prompt": "go"}))], jax.random.key(4))
+  tree = expand_tree(
+      cfg, policy, capped, [capped.root_state(ToolThenUserEnv({"prompt": "go"}))], jax.random.key(4)
+  )
   for kid in tree.nodes[1:]:
     assert all(a.steps[-1].truncated and len(a.steps) == 1 for a in kid.actions)

@@ -36,17 +36,20 @@ def test_rows_by_hand():
   batch, stats = pack_rows(tree_actions(_hand_tree()), length_buckets=(4, 8, 16))
   assert set(as_arrays(batch)) == set(FIELDS)
   assert batch.shape == (4, 8, 8)  # 4 rows; longest row 5 + 3 = 8; K = L
-  np.testing.assert_array_equal(batch.tokens_BxL, [
-      [5, 6, 7, 8, 0, 0, 0, 0],
-      [5, 6, 9, 0, 0, 0, 0, 0],
-      [5, 6, 7, 8, 3, 4, 0, 0],
-      [5, 6, 7, 8, 3, 4, 4, 2]])
+  np.testing.assert_array_equal(
+      batch.tokens_BxL,
+      [
+          [5, 6, 7, 8, 0, 0, 0, 0],
+          [5, 6, 9, 0, 0, 0, 0, 0],
+          [5, 6, 7, 8, 3, 4, 0, 0],
+          [5, 6, 7, 8, 3, 4, 4, 2],
+      ],
+  )
   # Only this row's own completion trains: the earlier policy turn [7, 8] inside
   # the child's context does not (it is trained in the root's row). Each trained
   # token is scored from the position before it, on a causal row.
   np.testing.assert_array_equal(batch.loss_mask_BxK.sum(1), [2, 1, 1, 3])
-  np.testing.assert_array_equal(batch.prev_BxK[:, :3], [[1, 2, 0], [1, 0, 0], [4, 0, 0],
-                                                        [4, 5, 6]])
+  np.testing.assert_array_equal(batch.prev_BxK[:, :3], [[1, 2, 0], [1, 0, 0], [4, 0, 0], [4, 5, 6]])
   np.testing.assert_array_equal(batch.target_BxK[3, :3], [4, 4, 2])
   np.testing.assert_allclose(batch.old_logp_BxK[0, :2], [-0.1, -0.2])
   np.testing.assert_allclose(batch.old_logp_BxK[3, :3], [-0.5, -0.6, -0.7])
@@ -92,21 +95,27 @@ def test_actions_cover_only_policy_tokens_in_engine_run():
   agent1, _ = pack_rows([[], actions[1]], length_buckets=(64,))
   for b, act in enumerate(actions[1]):
     p, c = len(act.prompt), len(act.ids)
-    np.testing.assert_array_equal(agent1.tokens_BxL[b, p:p + c], act.ids)
+    np.testing.assert_array_equal(agent1.tokens_BxL[b, p : p + c], act.ids)
     np.testing.assert_array_equal(agent1.target_BxK[b, :c], act.ids)
 
 
 def test_rollout_dump(tmp_path):
   tree = _hand_tree()
-  path = write_rollout_dump(tree, dump_path(str(tmp_path), 12),
-                            decode=lambda ids: " ".join(map(str, ids)))
+  path = write_rollout_dump(
+      tree, dump_path(str(tmp_path), 12), decode=lambda ids: " ".join(map(str, ids))
+  )
   assert path.endswith("rollouts/step_000012.jsonl")
   lines = open(path).read().splitlines()
   assert len(lines) == len(tree.nodes)
   recs = [json.loads(line) for line in lines]
   root, child = recs
   assert (root["node_id"], root["parent_id"], root["parent_action"], root["turn"]) == (0, -1, -1, 0)
-  assert (child["node_id"], child["parent_id"], child["parent_action"], child["turn"]) == (1, 0, 0, 1)
+  assert (child["node_id"], child["parent_id"], child["parent_action"], child["turn"]) == (
+      1,
+      0,
+      0,
+      1,
+  )
   assert root["rewards"] == [1.0, 0.0] and root["returns"] == [1.5, 0.0]
   assert root["advantages"] == [[0.75, -0.75]] and child["advantages"] == [[-1.0, 1.0]]
   assert root["terminated"] is False and root["children"] == [1, -1]
@@ -116,9 +125,11 @@ def test_rollout_dump(tmp_path):
 
 
 def test_a_dump_that_cannot_be_written_warns_in_one_line_and_leaves_no_partial_file(
-    tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
   import builtins
   import errno
+
   real_open = builtins.open
 
   def full_disk(path, mode="r", *a, **k):

@@ -30,8 +30,13 @@ from mtrl_jax.sampling import DecodeEngine, EngineConfig, SamplingConfig
 from mtrl_jax.sampling.generation import LocalLLM
 from mtrl_jax.tasks import calculator, coop
 from mtrl_jax import testing
-from mtrl_jax.testing import (DuoEnv, ScriptedTransition, ToolThenUserEnv, byte_renderer,
-                              tiny_model)
+from mtrl_jax.testing import (
+    DuoEnv,
+    ScriptedTransition,
+    ToolThenUserEnv,
+    byte_renderer,
+    tiny_model,
+)
 from mtrl_jax.train.stacked import stack_trees
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "level_sampler_trees.json")
@@ -86,14 +91,20 @@ def _assert_same_nodes(want, tree, exact_logprobs=False, cut_at=None):
   assert len(want) == len(tree.nodes)
   for w, n in zip(want, tree.nodes):
     assert (w["node_id"], w["parent_id"], w["parent_action"], w["turn"], w["root"]) == (
-        n.node_id, n.parent_id, n.parent_action, n.turn, n.root)
+        n.node_id,
+        n.parent_id,
+        n.parent_action,
+        n.turn,
+        n.root,
+    )
     assert w["prompts"] == n.prompts and w["children"] == n.children_B.tolist()
     for wa, na in zip(w["completions"], n.completions):
       for wc, nc in zip(wa, na):
         assert wc["ids"] == nc.ids.tolist() and wc["finish_reason"] == nc.finish_reason
         assert wc["trainable"] == nc.sampled_mask.tolist()
-        np.testing.assert_allclose(nc.logprobs, wc["logprobs"], rtol=0,
-                                   atol=0 if exact_logprobs else LOGP_TOL)
+        np.testing.assert_allclose(
+            nc.logprobs, wc["logprobs"], rtol=0, atol=0 if exact_logprobs else LOGP_TOL
+        )
     np.testing.assert_array_equal(n.valid_B, w["valid"])
     assert n.terminated == w["terminated"] and n.substeps_B.tolist() == w["substeps"]
     if cut_at is not None:
@@ -107,27 +118,53 @@ def _assert_same_nodes(want, tree, exact_logprobs=False, cut_at=None):
 
 
 def _tree_json(tree):
-  return [{"node_id": n.node_id, "parent_id": n.parent_id, "parent_action": n.parent_action,
-           "turn": n.turn, "root": n.root, "prompts": n.prompts, "children": n.children_B.tolist(),
-           "completions": [[{"ids": c.ids.tolist(), "logprobs": c.logprobs.tolist(),
-                             "finish_reason": c.finish_reason,
-                             "trainable": c.sampled_mask.tolist()} for c in a]
-                           for a in n.completions],
-           "rewards": n.rewards_B.tolist(), "valid": n.valid_B.tolist(),
-           "terminated": n.terminated, "substeps": n.substeps_B.tolist(),
-           "returns": n.returns_B.tolist(), "advantages": n.advantages_NxG.tolist()}
-          for n in tree.nodes]
+  return [
+      {
+          "node_id": n.node_id,
+          "parent_id": n.parent_id,
+          "parent_action": n.parent_action,
+          "turn": n.turn,
+          "root": n.root,
+          "prompts": n.prompts,
+          "children": n.children_B.tolist(),
+          "completions": [
+              [
+                  {
+                      "ids": c.ids.tolist(),
+                      "logprobs": c.logprobs.tolist(),
+                      "finish_reason": c.finish_reason,
+                      "trainable": c.sampled_mask.tolist(),
+                  }
+                  for c in a
+              ]
+              for a in n.completions
+          ],
+          "rewards": n.rewards_B.tolist(),
+          "valid": n.valid_B.tolist(),
+          "terminated": n.terminated,
+          "substeps": n.substeps_B.tolist(),
+          "returns": n.returns_B.tolist(),
+          "advantages": n.advantages_NxG.tolist(),
+      }
+      for n in tree.nodes
+  ]
 
 
 SCRIPTED = {
     "scripted_T3_G2": (TreeConfig(num_turns=3, num_generations=2), False, {}),
     "scripted_N2_align": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), False, {}),
-    "scripted_N2_cross": (TreeConfig(num_turns=2, num_generations=2, num_agents=2,
-                                     joint_mode="cross"), False, {}),
+    "scripted_N2_cross": (
+        TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross"),
+        False,
+        {},
+    ),
     "scripted_N2_stacked": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), True, {}),
     "scripted_chain": (TreeConfig(num_turns=3, num_generations=2, shape="chain"), False, {}),
-    "scripted_substeps": (TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
-                          False, {"continues": lambda s, a: s.sub == 0}),
+    "scripted_substeps": (
+        TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
+        False,
+        {"continues": lambda s, a: s.sub == 0},
+    ),
 }
 
 
@@ -138,8 +175,13 @@ def test_same_trees_as_the_level_sampler(name, schedule, states, fixtures):
   model_cfg, s0, s1 = states
   params = StackedStates(stack_trees([s0, s1]), 2) if separate else s0
   transition = ScriptedTransition(**kw)
-  tree = expand_tree(cfg.replace(schedule=schedule), _policy(model_cfg, params), transition,
-                     transition.roots(2, cfg.num_agents), KEY)
+  tree = expand_tree(
+      cfg.replace(schedule=schedule),
+      _policy(model_cfg, params),
+      transition,
+      transition.roots(2, cfg.num_agents),
+      KEY,
+  )
   _assert_same_nodes(fixtures[name]["nodes"], tree)
 
 
@@ -149,22 +191,35 @@ def test_same_greedy_trees_and_local_llm_replies_as_before(states, fixtures):
   renderer = byte_renderer()
   duo = EnvTransition(renderer, num_agents=2, reward_cfg=RewardConfig(shaping_weight=1.0))
   roots = [duo.root_state(DuoEnv({"prompt": p})) for p in ("a", "bb", "ccc")]
-  tree = expand_tree(TreeConfig(num_turns=3, num_generations=1, num_agents=2),
-                     _policy(model_cfg, s0, greedy, renderer.fmt.stop_ids,
-                             renderer.tokenizer.pad_id), duo, roots, KEY)
+  tree = expand_tree(
+      TreeConfig(num_turns=3, num_generations=1, num_agents=2),
+      _policy(model_cfg, s0, greedy, renderer.fmt.stop_ids, renderer.tokenizer.pad_id),
+      duo,
+      roots,
+      KEY,
+  )
   _assert_same_nodes(fixtures["greedy_duo"]["nodes"], tree, cut_at=2)  # DuoEnv never ends
   calc_renderer = byte_renderer(calculator.EXTRA_SPECIALS)
   calc = EnvTransition(calc_renderer, reward_cfg=RewardConfig(shaping_weight=0.2))
-  roots = calc.root_states(calculator.CalculatorFactory(),
-                           [calculator.make_task("eval", i) for i in range(4)])
-  tree = expand_tree(TreeConfig(num_turns=2, num_generations=1, branch_on="user_turn"),
-                     _policy(model_cfg, s0, greedy, calc_renderer.fmt.stop_ids,
-                             calc_renderer.tokenizer.pad_id), calc, roots, KEY)
+  roots = calc.root_states(
+      calculator.CalculatorFactory(), [calculator.make_task("eval", i) for i in range(4)]
+  )
+  tree = expand_tree(
+      TreeConfig(num_turns=2, num_generations=1, branch_on="user_turn"),
+      _policy(model_cfg, s0, greedy, calc_renderer.fmt.stop_ids, calc_renderer.tokenizer.pad_id),
+      calc,
+      roots,
+      KEY,
+  )
   _assert_same_nodes(fixtures["greedy_calculator"]["nodes"], tree)
   tok = renderer.tokenizer
   want = fixtures["local_llm"]
-  llm = LocalLLM(create_model(model_cfg.replace(vocab_size=tok.vocab_size), seed=3), tok,
-                 sampling=SamplingConfig(temperature=3.0, max_new_tokens=6), fixed_rows=4)
+  llm = LocalLLM(
+      create_model(model_cfg.replace(vocab_size=tok.vocab_size), seed=3),
+      tok,
+      sampling=SamplingConfig(temperature=3.0, max_new_tokens=6),
+      fixed_rows=4,
+  )
   assert llm.generate(want["prompts"], seeds=want["seeds"]) == want["replies"]
 
 
@@ -187,31 +242,45 @@ class _Jittery:
 
 def _roots(name, transition):
   if name == "coop":
-    return transition.root_states(resolve_factory("coop"),
-                                  [coop.make_task("eval", i) for i in range(3)])
+    return transition.root_states(
+        resolve_factory("coop"), [coop.make_task("eval", i) for i in range(3)]
+    )
   return [transition.root_state(name({"prompt": p})) for p in ("12+3=", "7*8=", "x")]
 
 
 def _env_tree(cfg, params, model_cfg, env, renderer, jitter_seed, **policy_kw):
-  transition = EnvTransition(renderer, num_agents=cfg.num_agents,
-                             reward_cfg=RewardConfig(shaping_weight=1.0),
-                             limits=StepLimits(max_turns=8))
+  transition = EnvTransition(
+      renderer,
+      num_agents=cfg.num_agents,
+      reward_cfg=RewardConfig(shaping_weight=1.0),
+      limits=StepLimits(max_turns=8),
+  )
   roots = _roots(env, transition)
-  policy = _policy(model_cfg, params, SAMPLING, renderer.fmt.stop_ids,
-                   renderer.tokenizer.pad_id, **policy_kw)
+  policy = _policy(
+      model_cfg, params, SAMPLING, renderer.fmt.stop_ids, renderer.tokenizer.pad_id, **policy_kw
+  )
   tree = expand_tree(cfg, policy, _Jittery(transition, jitter_seed), roots, KEY)
   return tree, policy
 
 
 CASES = {
-    "tool_substeps": (TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
-                      ToolThenUserEnv, False),
+    "tool_substeps": (
+        TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
+        ToolThenUserEnv,
+        False,
+    ),
     "coop_align": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), "coop", False),
-    "coop_cross": (TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross"),
-                   "coop", False),
+    "coop_cross": (
+        TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross"),
+        "coop",
+        False,
+    ),
     "duo_align": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), DuoEnv, False),
-    "duo_cross": (TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross"),
-                  DuoEnv, False),
+    "duo_cross": (
+        TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross"),
+        DuoEnv,
+        False,
+    ),
     "duo_separate": (TreeConfig(num_turns=2, num_generations=2, num_agents=2), DuoEnv, True),
 }
 
@@ -224,8 +293,7 @@ def test_continuous_and_barrier_schedules_give_identical_trees(case):
   model_cfg = tiny_model().cfg.replace(vocab_size=renderer.tokenizer.vocab_size)
   s0, s1 = (_states(model_cfg, s) for s in (0, 1))
   params = StackedStates(stack_trees([s0, s1]), 2) if separate else s0
-  barrier, _ = _env_tree(cfg.replace(schedule="barrier"), params, model_cfg, env_cls,
-                         renderer, 0)
+  barrier, _ = _env_tree(cfg.replace(schedule="barrier"), params, model_cfg, env_cls, renderer, 0)
   for jitter in (1, 2):
     want = _tree_json(barrier)
     tree, policy = _env_tree(cfg, params, model_cfg, env_cls, renderer, jitter)
@@ -257,12 +325,23 @@ def test_tool_substeps_continue_from_the_sample_cache(tiny_model):
   # The calculator tokenizer (270 ids) under a 300-id model: ids past the
   # tokenizer end the episode as a model format fault instead of crashing.
   renderer = byte_renderer(calculator.EXTRA_SPECIALS)
-  policy = _policy(tiny_model.cfg, nnx.split(tiny_model)[1], SAMPLING, renderer.fmt.stop_ids,
-                   renderer.tokenizer.pad_id, fresh=True)
+  policy = _policy(
+      tiny_model.cfg,
+      nnx.split(tiny_model)[1],
+      SAMPLING,
+      renderer.fmt.stop_ids,
+      renderer.tokenizer.pad_id,
+      fresh=True,
+  )
   transition = EnvTransition(renderer, reward_cfg=RewardConfig(shaping_weight=1.0))
   roots = [transition.root_state(ToolThenUserEnv({"prompt": p})) for p in ("12+3=", "7*8=")]
-  tree = expand_tree(TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
-                     policy, transition, roots, jax.random.key(0))
+  tree = expand_tree(
+      TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn"),
+      policy,
+      transition,
+      roots,
+      jax.random.key(0),
+  )
   nodes = tree.counts()["nodes"]
   assert 2 <= nodes <= 2 * 3 and tree.num_substeps() > 0
   stats = policy.engine.stats

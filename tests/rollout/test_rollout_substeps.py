@@ -6,9 +6,18 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.rollout import (ActionOutcome, ActionRecord, Completion, StepRecord, Tree,
-                              TreeConfig, expand_tree, node_records, plan_tree,
-                              write_rollout_dump)
+from mtrl_jax.rollout import (
+    ActionOutcome,
+    ActionRecord,
+    Completion,
+    StepRecord,
+    Tree,
+    TreeConfig,
+    expand_tree,
+    node_records,
+    plan_tree,
+    write_rollout_dump,
+)
 from mtrl_jax import testing
 from mtrl_jax.testing import FEEDBACK, TOOL, FakePolicy, ScriptedTransition
 
@@ -26,8 +35,9 @@ def _need(s):
 
 def _transition(**kw):
   # Step reward 0.1 * (sub + 1): an action of k steps earns 0.1 * k (k + 1) / 2.
-  return ScriptedTransition(reward=lambda s, a: 0.1 * (s.sub + 1),
-                            continues=lambda s, a: s.sub < _need(s), **kw)
+  return ScriptedTransition(
+      reward=lambda s, a: 0.1 * (s.sub + 1), continues=lambda s, a: s.sub < _need(s), **kw
+  )
 
 
 def _run(cfg, transition, num_roots=2, max_latency=0):
@@ -56,22 +66,25 @@ def test_user_turn_tree_counts_calls_and_summed_rewards():
   assert _samples_per_request(policy) == {4: 2 + 8, 1: 8 + 4 + 32}
   assert policy.misses == 0
   substeps = 4 * 1 + 4 * 2 + 32 * 1
-  assert tree.counts() == {"nodes": 10, "generations": 10 * 4 + substeps,
-                           "reward_calls": 10 * 4 + substeps}
+  assert tree.counts() == {
+      "nodes": 10,
+      "generations": 10 * 4 + substeps,
+      "reward_calls": 10 * 4 + substeps,
+  }
   plan = plan_tree(cfg, 2, 64, 64)
   assert plan.nodes == 10 and plan.generations == 10 * 4 * 5 >= tree.counts()["generations"]
   for node in tree.nodes:
     k = _need(node.state)
     steps = k + 1
     # Summed step rewards: 0.1 + 0.2 (+ 0.3) for k = 1 (2) continuations.
-    np.testing.assert_allclose(node.rewards_B, 0.1 * steps * (steps + 1) / 2, rtol=0,
-                               atol=1e-12)
+    np.testing.assert_allclose(node.rewards_B, 0.1 * steps * (steps + 1) / 2, rtol=0, atol=1e-12)
     np.testing.assert_array_equal(node.substeps_B, k)
     for j in range(4):
       comp, action = node.completions[0][j], node.actions[j]
       assert comp.num_segments == steps
       assert [s.reward for s in action.steps] == pytest.approx(
-          [0.1 * (i + 1) for i in range(steps)], abs=1e-12)
+          [0.1 * (i + 1) for i in range(steps)], abs=1e-12
+      )
       assert [s.continues_turn for s in action.steps] == [True] * k + [False]
       # Context between segments is exactly the tool token, never trainable.
       context = [comp.ids[a:b].tolist() for a, b, sampled in comp.spans() if not sampled]
@@ -156,12 +169,19 @@ def test_packing_masks_exactly_the_sampled_tokens():
   np.testing.assert_array_equal(root.substeps_B, [1, 0])
   tree.finalize()
   batch = testing.rows_of(tree, (10,))
-  np.testing.assert_array_equal(batch.tokens_BxL, [[3, 4, 7, 8, 2, 6, 9, 5, 2, 0],
-                                                   [3, 4, 11, 0, 0, 0, 0, 0, 0, 0]])
-  np.testing.assert_array_equal(testing.dense_rows(batch, batch.loss_mask_BxK).astype(int),
-                                [[0, 0, 1, 1, 1, 0, 0, 1, 1, 0], [0, 0, 1, 0, 0, 0, 0, 0, 0, 0]])
-  np.testing.assert_allclose(testing.dense_rows(batch, batch.old_logp_BxK)[0],
-                             [0, 0, -0.1, -0.2, -0.3, 0, 0, -0.4, -0.5, 0], rtol=0, atol=1e-7)
+  np.testing.assert_array_equal(
+      batch.tokens_BxL, [[3, 4, 7, 8, 2, 6, 9, 5, 2, 0], [3, 4, 11, 0, 0, 0, 0, 0, 0, 0]]
+  )
+  np.testing.assert_array_equal(
+      testing.dense_rows(batch, batch.loss_mask_BxK).astype(int),
+      [[0, 0, 1, 1, 1, 0, 0, 1, 1, 0], [0, 0, 1, 0, 0, 0, 0, 0, 0, 0]],
+  )
+  np.testing.assert_allclose(
+      testing.dense_rows(batch, batch.old_logp_BxK)[0],
+      [0, 0, -0.1, -0.2, -0.3, 0, 0, -0.4, -0.5, 0],
+      rtol=0,
+      atol=1e-7,
+  )
   np.testing.assert_allclose(batch.adv_BxK[:, 0], [0.5, -0.5])
   assert comp.spans() == [(0, 3, True), (3, 5, False), (5, 7, True)]
 
@@ -178,21 +198,22 @@ def test_packing_of_an_engine_run_lines_up():
     mask = loss_mask_BxL[b]
     np.testing.assert_array_equal(np.flatnonzero(mask), p + np.flatnonzero(comp.sampled_mask))
     row = batch.tokens_BxL[b]
-    np.testing.assert_array_equal(row[:p + len(comp.ids)], node.prompts[0] + comp.ids.tolist())
+    np.testing.assert_array_equal(row[: p + len(comp.ids)], node.prompts[0] + comp.ids.tolist())
     # The sampled tokens of all segments, in order, with their sampling logprobs.
     segs = [comp.ids[a:e] for a, e, s in comp.spans() if s]
     seg_lps = [comp.logprobs[a:e] for a, e, s in comp.spans() if s]
     np.testing.assert_array_equal(row[mask], np.concatenate(segs))
     np.testing.assert_array_equal(old_logp_BxL[b, mask], np.concatenate(seg_lps))
-    assert (row[p:p + len(comp.ids)][~comp.sampled_mask] == TOOL).all()
+    assert (row[p : p + len(comp.ids)][~comp.sampled_mask] == TOOL).all()
   assert (old_logp_BxL[~loss_mask_BxL] == 0).all()
 
 
 def test_dump_shows_segments_and_tool_turns(tmp_path):
   cfg = TreeConfig(num_turns=1, num_generations=2, branch_on="user_turn")
   tree, _ = _run(cfg, _transition(), num_roots=1)
-  path = write_rollout_dump(tree, str(tmp_path / "d.jsonl"),
-                            decode=lambda ids: " ".join(map(str, ids)))
+  path = write_rollout_dump(
+      tree, str(tmp_path / "d.jsonl"), decode=lambda ids: " ".join(map(str, ids))
+  )
   (rec,) = [json.loads(x) for x in open(path)]
   assert rec["substeps"] == [1, 1]
   for g in range(2):
@@ -205,6 +226,7 @@ def test_dump_shows_segments_and_tool_turns(tmp_path):
 
 def test_continuation_must_extend_the_context():
   class Rewriting(ScriptedTransition):
+
     def prompts(self, state):
       return [[1] + list(h) for h in state.histories] if state.sub else super().prompts(state)
 
@@ -213,6 +235,7 @@ def test_continuation_must_extend_the_context():
     _run(cfg, Rewriting(continues=lambda s, a: s.sub < 1))
 
   class Broken(ScriptedTransition):
+
     def step(self, state, actions):
       return ActionOutcome(None, StepRecord(0.0, continues_turn=True))
 
@@ -222,8 +245,11 @@ def test_continuation_must_extend_the_context():
 
 def test_completion_checks():
   with pytest.raises(ValueError, match="logprob 0"):
-    Completion(np.array([1, 2], np.int32), np.array([-0.1, -0.2], np.float32),
-               trainable=np.array([True, False]))
+    Completion(
+        np.array([1, 2], np.int32),
+        np.array([-0.1, -0.2], np.float32),
+        trainable=np.array([True, False]),
+    )
   with pytest.raises(ValueError, match="shape"):
     Completion(np.array([1], np.int32), np.array([0.0], np.float32), trainable=np.ones(2, bool))
   two = _comp([1], [-0.1]).continued([6], _comp([2], [-0.2]))

@@ -15,8 +15,9 @@ def _root(tree, n=1):
 def test_joint_action_order():
   align = joint_actions(TreeConfig(num_turns=1, num_generations=3, num_agents=2))
   np.testing.assert_array_equal(align, [[0, 0], [1, 1], [2, 2]])
-  cross = joint_actions(TreeConfig(num_turns=1, num_generations=2, num_agents=3,
-                                   joint_mode="cross"))
+  cross = joint_actions(
+      TreeConfig(num_turns=1, num_generations=2, num_agents=3, joint_mode="cross")
+  )
   # itertools.product order: agent 0 slowest.
   np.testing.assert_array_equal(cross, list(itertools.product(range(2), repeat=3)))
   single = joint_actions(TreeConfig(num_turns=1, num_generations=4, joint_mode="cross"))
@@ -56,8 +57,7 @@ def test_termination_and_stop_leaves():
   #   B: R = [0 + 0.9 * 0.5, 0.5] = [0.45, 0.5]; mean 0.475; A = [-0.025, 0.025].
   # root: R = [0 + 0.9 * 1, 1 + 0.9 * 0.475] = [0.9, 1.4275]; mean 1.16375;
   #   A = [-0.26375, 0.26375].
-  tree = Tree(TreeConfig(num_turns=3, num_generations=2, termination_threshold=0.5,
-                         discount=0.9))
+  tree = Tree(TreeConfig(num_turns=3, num_generations=2, termination_threshold=0.5, discount=0.9))
   root = _root(tree)
   assert tree.record(root, [0.0, 1.0]) and not root.terminated
   a, b = tree.add_child(root, 0, [[2]]), tree.add_child(root, 1, [[3]])
@@ -84,9 +84,13 @@ def test_cross_sum_and_mean_returns():
   # mean (divide by G^(N-1) = 2): agent 0 [1.5, 3.5] -> [-1, 1]; agent 1 [2, 3] -> [-0.5, 0.5].
   for mode, want_ret, want_adv in [
       ("sum", [[3, 7], [4, 6]], [[-2, 2], [-1, 1]]),
-      ("mean", [[1.5, 3.5], [2, 3]], [[-1, 1], [-0.5, 0.5]])]:
-    tree = Tree(TreeConfig(num_turns=1, num_generations=2, num_agents=2, joint_mode="cross",
-                           cross_return=mode))
+      ("mean", [[1.5, 3.5], [2, 3]], [[-1, 1], [-0.5, 0.5]]),
+  ]:
+    tree = Tree(
+        TreeConfig(
+            num_turns=1, num_generations=2, num_agents=2, joint_mode="cross", cross_return=mode
+        )
+    )
     root = _root(tree, 2)
     tree.record(root, [1.0, 2.0, 3.0, 4.0])
     tree.finalize()
@@ -102,8 +106,15 @@ def test_cross_two_turns_with_termination():
   # agent 0 sums: s0 = 0.9 + 1.0 = 1.9, s1 = 0.45 + 0.225 = 0.675 -> mean 1.2875,
   #   A = [0.6125, -0.6125];
   # agent 1 sums: s0 = 0.9 + 0.45 = 1.35, s1 = 1.0 + 0.225 = 1.225 -> A = [0.0625, -0.0625].
-  tree = Tree(TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross",
-                         termination_threshold=0.6))
+  tree = Tree(
+      TreeConfig(
+          num_turns=2,
+          num_generations=2,
+          num_agents=2,
+          joint_mode="cross",
+          termination_threshold=0.6,
+      )
+  )
   root = _root(tree, 2)
   assert tree.record(root, [0.0, 1.0, 0.0, 0.0])
   rewards = [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0], [0, 0, 0, 1]]
@@ -113,13 +124,15 @@ def test_cross_two_turns_with_termination():
   assert kids[0].terminated and not kids[2].terminated  # 1 > 0.6; 0.5 is not
   tree.finalize()
   np.testing.assert_allclose(root.returns_B, [0.9, 1.0, 0.45, 0.225], atol=1e-12)
-  np.testing.assert_allclose(root.advantages_NxG, [[0.6125, -0.6125], [0.0625, -0.0625]],
-                             atol=1e-12)
+  np.testing.assert_allclose(
+      root.advantages_NxG, [[0.6125, -0.6125], [0.0625, -0.0625]], atol=1e-12
+  )
 
 
 def test_terminated_root_is_a_trained_leaf():
-  cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross",
-                   termination_threshold=2.0)
+  cfg = TreeConfig(
+      num_turns=2, num_generations=2, num_agents=2, joint_mode="cross", termination_threshold=2.0
+  )
   tree = Tree(cfg)
   root = _root(tree, 2)
   assert not tree.record(root, [1.0, 2.0, 3.0, 4.0])  # mean 2.5 > 2.0
@@ -130,12 +143,20 @@ def test_terminated_root_is_a_trained_leaf():
   assert tree2.record(_root(tree2, 2), [1.0, 2.0, 3.0, 4.0])
 
 
-@pytest.mark.parametrize("mode, std_norm", [("mean", False), ("max", False), ("rloo", False),
-                                            ("mean", True), ("rloo", True)])
+@pytest.mark.parametrize(
+    "mode, std_norm",
+    [("mean", False), ("max", False), ("rloo", False), ("mean", True), ("rloo", True)],
+)
 @pytest.mark.parametrize("joint", ["align", "cross"])
 def test_equal_rewards_give_zero_advantage(mode, std_norm, joint):
-  cfg = TreeConfig(num_turns=2, num_generations=3, num_agents=2, joint_mode=joint,
-                   advantage_mode=mode, advantage_std_norm=std_norm)
+  cfg = TreeConfig(
+      num_turns=2,
+      num_generations=3,
+      num_agents=2,
+      joint_mode=joint,
+      advantage_mode=mode,
+      advantage_std_norm=std_norm,
+  )
   tree = Tree(cfg)
   root = _root(tree, 2)
   tree.record(root, np.full(cfg.branching, 0.3))
@@ -163,8 +184,9 @@ def test_advantage_modes_against_reference():
     np.testing.assert_allclose(advantages(r, valid, mode, True), want, rtol=1e-12)
   # std floor: tiny spread is divided by 1e-6, not by its own std.
   tiny = np.array([0.0, 1e-9])
-  np.testing.assert_allclose(advantages(tiny, np.ones(2, bool), "mean", True),
-                             [-0.5e-9 / 1e-6, 0.5e-9 / 1e-6])
+  np.testing.assert_allclose(
+      advantages(tiny, np.ones(2, bool), "mean", True), [-0.5e-9 / 1e-6, 0.5e-9 / 1e-6]
+  )
   # one sample: no normalisation, mean baseline gives 0, rloo gives 0.
   np.testing.assert_array_equal(advantages(np.array([3.0]), np.ones(1, bool), "mean", True), [0])
 

@@ -22,6 +22,7 @@ CFG = TreeConfig(num_turns=2, num_generations=2)
 
 
 class _Echo(Environment):
+
   def react_to(self, thread):
     return thread.append(Turn("user", "again")), Grade(1.0)
 
@@ -67,8 +68,10 @@ def test_a_factory_that_raises_masks_its_root_and_the_run_goes_on(capsys):
     other, _ = _root_actions(tree, r)
     assert other.valid_B.all() and (other.children_B >= 0).all()
   err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fault ")]
-  assert err == [f"fault contract from environment in {fault.where}: KeyError: 'missing_key'"
-                 "  (shown once; counted in faults/contract)"]
+  assert err == [
+      f"fault contract from environment in {fault.where}: KeyError: 'missing_key'"
+      "  (shown once; counted in faults/contract)"
+  ]
   assert rollout_metrics(tree, 0.5)["faults/contract"] == CFG.num_generations
   node_records(tree)  # the dump serialises the failed root like any other
   FAULT_CONSOLE.reset()
@@ -84,8 +87,10 @@ def test_a_non_mapping_task_deep_in_the_task_source_masks_its_root():
   assert not node.valid_B.any()
   fault = actions[0].faults[0]
   assert (fault.kind, fault.source) == (FaultKind.CONTRACT, "task_source")
-  assert fault.message == "task 1 of the step is list, not a mapping of metadata: ['not', 'a', " \
-                          "'dict']"
+  assert (
+      fault.message == "task 1 of the step is list, not a mapping of metadata: ['not', 'a', "
+      "'dict']"
+  )
   assert _root_actions(tree, 0)[0].valid_B.all() and _root_actions(tree, 2)[0].valid_B.all()
 
 
@@ -102,17 +107,23 @@ class _Locked(Environment):
 
 def test_an_environment_that_cannot_fork_is_a_contract_fault_naming_fork_and_shared_resource():
   transition = EnvTransition(byte_renderer())
-  roots = [transition.root_state(_Locked({"prompt": "a"})),
-           transition.root_state(_Echo({"prompt": "b"}))]
+  roots = [
+      transition.root_state(_Locked({"prompt": "a"})),
+      transition.root_state(_Echo({"prompt": "b"})),
+  ]
   tree = _expand(transition, roots)
   locked, actions = _root_actions(tree, 0)
   assert not locked.valid_B.any()
   fault = actions[0].faults[0]
   assert fault.kind == FaultKind.CONTRACT and fault.where.startswith("_Locked.fork")
-  assert fault.message.startswith("_Locked.fork failed (TypeError: cannot pickle "
-                                  "'_thread.lock' object)")
-  assert "mtrl_jax.envs.SharedResource" in fault.message and "override _Locked.fork()" in \
-      fault.message and "\n" not in fault.message
+  assert fault.message.startswith(
+      "_Locked.fork failed (TypeError: cannot pickle '_thread.lock' object)"
+  )
+  assert (
+      "mtrl_jax.envs.SharedResource" in fault.message
+      and "override _Locked.fork()" in fault.message
+      and "\n" not in fault.message
+  )
   assert _root_actions(tree, 1)[0].valid_B.all()
 
 

@@ -22,8 +22,12 @@ REWARD = RewardConfig(step_penalty=-0.05, tool_penalty=-0.2, shaping_weight=0.5)
 
 def _step(done, **parts):
   """A real step record, as `EnvTransition` builds it from a `StepOutcome`."""
-  out = StepOutcome(next_threads=None if done else (Thread(()),), grades={},
-                    reward=compose_reward(REWARD, **parts), faults=())
+  out = StepOutcome(
+      next_threads=None if done else (Thread(()),),
+      grades={},
+      reward=compose_reward(REWARD, **parts),
+      faults=(),
+  )
   return dataclasses.replace(_record(out, {}), done=done)
 
 
@@ -44,10 +48,15 @@ def test_reward_components_per_valid_action_sum_over_substeps():
   tree.record(root, totals, valid_B=[True, True, False], actions=[one, two, masked])
   m = stats.reward_metrics(tree)
   # Means over the two valid actions (the masked one is not trained on):
-  assert m == pytest.approx({"reward/outcome": (1.0 + 0.0) / 2,
-                             "reward/step_penalty": (-0.05 - 0.10) / 2,
-                             "reward/tool_penalty": (0.0 - 0.2) / 2,
-                             "reward/shaping": (0.0 + 0.25) / 2}, abs=1e-12)
+  assert m == pytest.approx(
+      {
+          "reward/outcome": (1.0 + 0.0) / 2,
+          "reward/step_penalty": (-0.05 - 0.10) / 2,
+          "reward/tool_penalty": (0.0 - 0.2) / 2,
+          "reward/shaping": (0.0 + 0.25) / 2,
+      },
+      abs=1e-12,
+  )
   # The four parts add up to the mean reward of the valid actions.
   assert sum(m.values()) == pytest.approx(np.mean(totals[:2]), abs=1e-12)
   rollout = stats.rollout_metrics(tree.finalize(), success_threshold=0.0)
@@ -95,10 +104,18 @@ def test_reward_metrics_empty_without_records():
 
 def test_engine_counters_become_metrics():
   tree = Tree(TreeConfig(num_turns=1, num_generations=2))
-  tree.engine = {"prefill_tokens": 30, "reused_tokens": 90, "decode_tokens": 40,
-                 "slot_steps": 50, "chunks": 4, "occupancy_sum": 3.0, "evictions": 2}
-  tree.times = RolloutTimes(total=2.0, generation=1.5, environment=1.0, overlap=0.5,
-                            device_idle=0.25, env_waiting=1.0)
+  tree.engine = {
+      "prefill_tokens": 30,
+      "reused_tokens": 90,
+      "decode_tokens": 40,
+      "slot_steps": 50,
+      "chunks": 4,
+      "occupancy_sum": 3.0,
+      "evictions": 2,
+  }
+  tree.times = RolloutTimes(
+      total=2.0, generation=1.5, environment=1.0, overlap=0.5, device_idle=0.25, env_waiting=1.0
+  )
   m = stats.engine_metrics(tree)
   assert m["engine/kv_reuse"] == pytest.approx(0.75)  # 90 of 120 context tokens cached
   assert m["engine/decode_efficiency"] == pytest.approx(0.8)
@@ -109,8 +126,9 @@ def test_engine_counters_become_metrics():
 
 def _tool_step(calls, done=True, faults=(), valid=True):
   """A step of an environment that offers tools: `calls` tool turns answered it."""
-  return StepRecord(0.0, valid=valid, faults=tuple(faults), done=done,
-                    details={"tool_calls": [calls]})
+  return StepRecord(
+      0.0, valid=valid, faults=tuple(faults), done=done, details={"tool_calls": [calls]}
+  )
 
 
 def test_tool_use_and_episodes_past_the_first_turn_on_a_hand_built_tree():
@@ -143,20 +161,32 @@ def test_tool_use_and_episodes_past_the_first_turn_on_a_hand_built_tree():
   tree.record(a1, [0.0, 0.0], actions=[answer, answer])
   b = tree.add_root([[2]])
   tree.set_completions(b, [[comp] * 2])
-  substep = _action(dataclasses.replace(_tool_step(1, False), continues_turn=True),
-                    _tool_step(0))
+  substep = _action(dataclasses.replace(_tool_step(1, False), continues_turn=True), _tool_step(0))
   tree.record(b, [0.0, 0.0], actions=[_action(_tool_step(1, False, [malformed])), substep])
   b1 = tree.add_child(b, 0, [[2, 3, 2]])
   tree.set_completions(b1, [[comp] * 2])
-  tree.record(b1, [0.0, 0.0], valid_B=[True, False],
-              actions=[_action(_tool_step(0, faults=[no_answer])),
-                       _action(_tool_step(0, faults=[infra], valid=False))])
+  tree.record(
+      b1,
+      [0.0, 0.0],
+      valid_B=[True, False],
+      actions=[
+          _action(_tool_step(0, faults=[no_answer])),
+          _action(_tool_step(0, faults=[infra], valid=False)),
+      ],
+  )
   tree.finalize()
   assert sorted(stats.episodes(tree)) == [(1, 0), (2, 1), (2, 1), (2, 2), (2, 2)]
   m = stats.rollout_metrics(tree, success_threshold=0.0)
   assert {k: v for k, v in m.items() if k.startswith("tools/")} == pytest.approx(
-      {"tools/turns_with_call": 3 / 9, "tools/calls": 4.0, "tools/valid_calls": 2.0,
-       "tools/parse_failures_per_call": 1 / 4, "tools/calls_per_episode": 6 / 5}, abs=1e-12)
+      {
+          "tools/turns_with_call": 3 / 9,
+          "tools/calls": 4.0,
+          "tools/valid_calls": 2.0,
+          "tools/parse_failures_per_call": 1 / 4,
+          "tools/calls_per_episode": 6 / 5,
+      },
+      abs=1e-12,
+  )
   assert m["rollout/past_first_turn"] == pytest.approx(4 / 5, abs=1e-12)
 
 

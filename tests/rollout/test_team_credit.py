@@ -29,10 +29,13 @@ def _node(team, local=None, valid=None, ended=None, children=None):
   """A spec node: team rewards, local rewards per agent ([B][N] or None), validity,
   which actions ended the episode, and {action: child spec}."""
   b = len(team)
-  return {"team": list(map(float, team)), "local": None if local is None else
-          [list(map(float, row)) for row in local],
-          "valid": [True] * b if valid is None else list(valid),
-          "ended": [False] * b if ended is None else list(ended), "children": children or {}}
+  return {
+      "team": list(map(float, team)),
+      "local": None if local is None else [list(map(float, row)) for row in local],
+      "valid": [True] * b if valid is None else list(valid),
+      "ended": [False] * b if ended is None else list(ended),
+      "children": children or {},
+  }
 
 
 def _reference(spec, mode, lam, g, n, turn, num_turns, tau=None):
@@ -45,8 +48,9 @@ def _reference(spec, mode, lam, g, n, turn, num_turns, tau=None):
   b = len(joint)
   team, valid = spec["team"], list(spec["valid"])
   local = spec["local"] if spec["local"] is not None else [[t] * n for t in team]
-  r = [[t if loc == t else lam * t + (1 - lam) * loc for loc in local[j]]
-       for j, t in enumerate(team)]
+  r = [
+      [t if loc == t else lam * t + (1 - lam) * loc for loc in local[j]] for j, t in enumerate(team)
+  ]
   ok_team = [t for t, v in zip(team, valid) if v]
   terminated = tau is not None and bool(ok_team) and np.mean(ok_team) > tau
   expand = turn < num_turns - 1 and not terminated
@@ -75,12 +79,15 @@ def _reference(spec, mode, lam, g, n, turn, num_turns, tau=None):
         ret_team[j] += mean_team
         ret[j] = [ret[j][i] + mean_i[i] for i in range(n)]
   vj = [j for j in range(b) if valid[j]]
-  node = {"value_team": sum(ret_team[j] for j in vj) / len(vj) if vj else None,
-          "value": [sum(ret[j][i] for j in vj) / len(vj) for i in range(n)] if vj else None,
-          "returns_team": [ret_team[j] if valid[j] else 0.0 for j in range(b)],
-          "returns": [[ret[j][i] if valid[j] else 0.0 for i in range(n)] for j in range(b)],
-          "R": [[0.0] * g for _ in range(n)], "ok": [[False] * g for _ in range(n)],
-          "terminated": terminated}
+  node = {
+      "value_team": sum(ret_team[j] for j in vj) / len(vj) if vj else None,
+      "value": [sum(ret[j][i] for j in vj) / len(vj) for i in range(n)] if vj else None,
+      "returns_team": [ret_team[j] if valid[j] else 0.0 for j in range(b)],
+      "returns": [[ret[j][i] if valid[j] else 0.0 for i in range(n)] for j in range(b)],
+      "R": [[0.0] * g for _ in range(n)],
+      "ok": [[False] * g for _ in range(n)],
+      "terminated": terminated,
+  }
   for i in range(n):
     for k in range(g):
       mine = [j for j in range(b) if joint[j][i] == k]
@@ -127,8 +134,16 @@ def _build(cfg, spec):
 
 def _check(cfg, spec):
   tree, nodes = _build(cfg, spec)
-  ref = _reference(spec, cfg.joint_mode, cfg.team_weight, cfg.num_generations,
-                   cfg.num_agents, 0, cfg.num_turns, cfg.termination_threshold)
+  ref = _reference(
+      spec,
+      cfg.joint_mode,
+      cfg.team_weight,
+      cfg.num_generations,
+      cfg.num_agents,
+      0,
+      cfg.num_turns,
+      cfg.termination_threshold,
+  )
   assert len(ref) == len(nodes)
   for node, want in zip(nodes, ref):
     np.testing.assert_allclose(node.returns_B, want["returns_team"], rtol=0, atol=1e-12)
@@ -149,15 +164,15 @@ def test_team_and_local_rewards_mix_per_agent_align_g2():
   #   -> values (0, 0.25): R_10 = 0.5, R_11 = 0 + 0.9 * 0.25 = 0.225.
   # Agent 0: R = [1.45, 0.5] -> A = [0.475, -0.475];
   # agent 1: R = [0.95, 0.225] -> A = [0.3625, -0.3625].
-  cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, discount=GAMMA,
-                   team_weight=0.5)
-  spec = _node([1, 0], local=[[1, 0], [1, 0]], children={
-      0: _node([1, 0]),
-      1: _node([0, 0], local=[[0, 0], [0, 1]])})
+  cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, discount=GAMMA, team_weight=0.5)
+  spec = _node(
+      [1, 0],
+      local=[[1, 0], [1, 0]],
+      children={0: _node([1, 0]), 1: _node([0, 0], local=[[0, 0], [0, 1]])},
+  )
   tree, (root, c0, c1) = _check(cfg, spec)
   np.testing.assert_allclose(root.agent_rewards_BxN, [[1, 0.5], [0.5, 0]], atol=1e-12)
-  np.testing.assert_allclose(root.advantages_NxG, [[0.475, -0.475], [0.3625, -0.3625]],
-                             atol=1e-12)
+  np.testing.assert_allclose(root.advantages_NxG, [[0.475, -0.475], [0.3625, -0.3625]], atol=1e-12)
   np.testing.assert_allclose(root.returns_B, [1 + 0.9 * 0.5, 0.0], atol=1e-12)  # the team's
   m = credit_metrics(tree)
   # Valid actions: root (2), c0 (2), c1 (2). Team mean (1+0+1+0+0+0)/6; agent 1's local:
@@ -175,15 +190,25 @@ def test_mixing_against_reference_cross_g3_with_faults(lam):
   b = 9
 
   def rand(valid=None):
-    return _node(np.round(rng.normal(size=b), 2), local=np.round(rng.normal(size=(b, 2)), 2),
-                 valid=valid)
+    return _node(
+        np.round(rng.normal(size=b), 2), local=np.round(rng.normal(size=(b, 2)), 2), valid=valid
+    )
 
   valid = [True] * b
   valid[4] = False  # a masked combination: samples (1, .) and (., 1) lose weight
   spec = rand(valid)
   spec["children"] = {0: rand(), 2: rand([False] * b), 8: rand()}  # 2: all masked
-  _check(TreeConfig(num_turns=2, num_generations=3, num_agents=2, joint_mode="cross",
-                    discount=GAMMA, team_weight=lam), spec)
+  _check(
+      TreeConfig(
+          num_turns=2,
+          num_generations=3,
+          num_agents=2,
+          joint_mode="cross",
+          discount=GAMMA,
+          team_weight=lam,
+      ),
+      spec,
+  )
 
 
 def test_team_weight_one_reproduces_the_joint_arrays_bit_for_bit():
@@ -192,19 +217,38 @@ def test_team_weight_one_reproduces_the_joint_arrays_bit_for_bit():
   rng = np.random.default_rng(0)
   for mode, g in (("align", 2), ("align", 3), ("cross", 2), ("cross", 3)):
     b = g if mode == "align" else g * g
-    spec = _node(rng.normal(size=b), local=rng.normal(size=(b, 2)).tolist(),
-                 valid=rng.random(b) > 0.2)
-    spec["children"] = {j: _node(rng.normal(size=b), local=rng.normal(size=(b, 2)).tolist())
-                        for j in range(b) if spec["valid"][j] and rng.random() > 0.3}
-    joint_only = {**spec, "local": None,
-                  "children": {j: {**c, "local": None} for j, c in spec["children"].items()}}
-    cfg = TreeConfig(num_turns=2, num_generations=g, num_agents=2, joint_mode=mode,
-                     discount=GAMMA, team_weight=1.0)
+    spec = _node(
+        rng.normal(size=b), local=rng.normal(size=(b, 2)).tolist(), valid=rng.random(b) > 0.2
+    )
+    spec["children"] = {
+        j: _node(rng.normal(size=b), local=rng.normal(size=(b, 2)).tolist())
+        for j in range(b)
+        if spec["valid"][j] and rng.random() > 0.3
+    }
+    joint_only = {
+        **spec,
+        "local": None,
+        "children": {j: {**c, "local": None} for j, c in spec["children"].items()},
+    }
+    cfg = TreeConfig(
+        num_turns=2,
+        num_generations=g,
+        num_agents=2,
+        joint_mode=mode,
+        discount=GAMMA,
+        team_weight=1.0,
+    )
     _, with_local = _build(cfg, spec)
     _, plain = _build(cfg, joint_only)
     for x, y in zip(with_local, plain):
-      for name in ("returns_B", "returns_BxN", "agent_returns_NxG", "advantages_NxG",
-                   "weight_NxG", "agent_rewards_BxN"):
+      for name in (
+          "returns_B",
+          "returns_BxN",
+          "agent_returns_NxG",
+          "advantages_NxG",
+          "weight_NxG",
+          "agent_rewards_BxN",
+      ):
         np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
       # Every agent's reward is the team reward itself.
       np.testing.assert_array_equal(x.agent_rewards_BxN, np.repeat(x.rewards_B[:, None], 2, 1))
@@ -214,8 +258,9 @@ def test_team_weight_one_reproduces_the_joint_arrays_bit_for_bit():
       for k, (j, child) in enumerate(sorted(spec["children"].items())):
         want[j] = want[j] + GAMMA * plain[1 + k].returns_B[plain[1 + k].valid_B].mean()
       np.testing.assert_array_equal(root.returns_B, np.where(root.valid_B, want, 0.0))
-      np.testing.assert_array_equal(root.agent_returns_NxG,
-                                    np.stack([root.returns_B, root.returns_B]))
+      np.testing.assert_array_equal(
+          root.agent_returns_NxG, np.stack([root.returns_B, root.returns_B])
+      )
 
 
 def test_mix_rewards_is_the_team_reward_where_there_is_no_local_grade():
@@ -248,8 +293,9 @@ def test_marginal_g3_two_turns_masks_ends_and_termination():
   aligned = [0, 4, 8]
 
   def rand(**kw):
-    return _node(np.round(rng.uniform(size=b), 2), local=np.round(
-        rng.uniform(size=(b, 2)), 2).tolist(), **kw)
+    return _node(
+        np.round(rng.uniform(size=b), 2), local=np.round(rng.uniform(size=(b, 2)), 2).tolist(), **kw
+    )
 
   root = rand(valid=[j != 2 for j in range(b)], ended=[j in (5, 8) for j in range(b)])
   root["team"] = [min(t, 0.6) for t in root["team"]]  # mean below tau: the root expands
@@ -258,8 +304,15 @@ def test_marginal_g3_two_turns_masks_ends_and_termination():
   mid["team"] = [min(t, 0.6) for t in mid["team"]]
   mid["children"] = {4: rand(ended=[True] * b)}
   root["children"] = {0: done, 4: mid}
-  cfg = TreeConfig(num_turns=3, num_generations=3, num_agents=2, joint_mode="marginal",
-                   discount=GAMMA, team_weight=0.5, termination_threshold=0.9)
+  cfg = TreeConfig(
+      num_turns=3,
+      num_generations=3,
+      num_agents=2,
+      joint_mode="marginal",
+      discount=GAMMA,
+      team_weight=0.5,
+      termination_threshold=0.9,
+  )
   tree, nodes = _check(cfg, root)
   assert nodes[1].terminated and not nodes[0].terminated
   assert tree.child_slot(nodes[0], 4) == 1 and tree.child_slot(nodes[0], 3) == -1
@@ -295,8 +348,9 @@ def test_influence_shows_a_lazy_agent():
   # Agent 0's choice decides the reward, agent 1's never does; a second node has no
   # variance (0 for both). Mean over the two nodes: (0.5, 0).
   joint = np.asarray(_joint("cross", 2, 2))
-  np.testing.assert_allclose(influence(joint, np.array([1.0, 1, 0, 0]), np.ones(4, bool), 2),
-                             [1.0, 0.0])
+  np.testing.assert_allclose(
+      influence(joint, np.array([1.0, 1, 0, 0]), np.ones(4, bool), 2), [1.0, 0.0]
+  )
   np.testing.assert_array_equal(influence(joint, np.full(4, 0.5), np.ones(4, bool), 2), [0, 0])
   assert influence(joint, np.zeros(4), np.zeros(4, bool), 2) is None
   cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross")
@@ -308,6 +362,7 @@ def test_influence_shows_a_lazy_agent():
 
 def test_marginal_plan_counts_align_nodes_and_cross_grades():
   from mtrl_jax.rollout import plan_tree
+
   marginal = TreeConfig(num_turns=2, num_generations=3, num_agents=2, joint_mode="marginal")
   align, cross = marginal.replace(joint_mode="align"), marginal.replace(joint_mode="cross")
   p_m, p_a, p_c = (plan_tree(c, 1, 8, 8) for c in (marginal, align, cross))
@@ -324,10 +379,12 @@ class _OneRightAgent0:
     import re
 
     from mtrl_jax.testing import FakePolicy, byte_renderer
+
     renderer = byte_renderer()
     tok = renderer.tokenizer
 
     class Policy(FakePolicy):
+
       def completion(self, req, g):
         first = re.findall(r"<\|user\|>(.*?)<\|end\|>", tok.decode(list(req.prompt)))[0]
         task = Policy.tasks[first]
@@ -348,13 +405,16 @@ def test_coop_tree_per_agent_credit_on_the_engine(mode):
   from mtrl_jax.rollout import expand_tree, node_records
   from mtrl_jax.rollout.env_transition import EnvTransition
   from mtrl_jax.tasks import coop
+
   policy_cls, renderer = _OneRightAgent0.make()
   tasks = [coop.make_task("eval", i) for i in range(2)]
   policy_cls.tasks = {coop.first_prompt(t, a): t for t in tasks for a in (0, 1)}
-  transition = EnvTransition(renderer, num_agents=2,
-                             reward_cfg=RewardConfig(outcome_weight=1.0, shaping_weight=1.0))
-  cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode=mode,
-                   discount=GAMMA, team_weight=0.5)
+  transition = EnvTransition(
+      renderer, num_agents=2, reward_cfg=RewardConfig(outcome_weight=1.0, shaping_weight=1.0)
+  )
+  cfg = TreeConfig(
+      num_turns=2, num_generations=2, num_agents=2, joint_mode=mode, discount=GAMMA, team_weight=0.5
+  )
   roots = [transition.root_state(coop.CoopEnv(t)) for t in tasks]
   tree = expand_tree(cfg, policy_cls(), transition, roots, jax.random.key(0))
   per_root = 1 + cfg.branching
@@ -374,7 +434,8 @@ def test_coop_tree_per_agent_credit_on_the_engine(mode):
     # At a leaf: agent 0's sample means over partners (1, 0) -> A = (0.5, -0.5) (cross
     # sums: (2, 0) -> (1, -1)); agent 1's means (0.75, 0.75) -> 0.
     scale = 2.0 if mode == "cross" else 1.0
-    np.testing.assert_allclose(leaf.advantages_NxG, [[0.5 * scale, -0.5 * scale], [0.0, 0.0]],
-                               atol=1e-12)
+    np.testing.assert_allclose(
+        leaf.advantages_NxG, [[0.5 * scale, -0.5 * scale], [0.0, 0.0]], atol=1e-12
+    )
   rec = node_records(tree)[0]
   assert len(rec["agent_rewards"]) == cfg.actions_per_node and len(rec["local_rewards"][0]) == 2

@@ -41,16 +41,35 @@ def _toks(r, n):
   return [int(x) for x in r.randint(3, CFG.vocab_size, n)]
 
 
-def random_tree(seed, *, turns, gens, agents, mode="align", substeps=False, faults=True,
-                rewrite=False, tau=None, roots=2):
+def random_tree(
+    seed,
+    *,
+    turns,
+    gens,
+    agents,
+    mode="align",
+    substeps=False,
+    faults=True,
+    rewrite=False,
+    tau=None,
+    roots=2
+):
   """A finalized tree with random tokens; logprobs are filled in by `_with_policy_logprobs`."""
   r = np.random.RandomState(seed)
-  cfg = TreeConfig(num_turns=turns, num_generations=gens, num_agents=agents, joint_mode=mode,
-                   termination_threshold=tau, discount=0.9)
+  cfg = TreeConfig(
+      num_turns=turns,
+      num_generations=gens,
+      num_agents=agents,
+      joint_mode=mode,
+      termination_threshold=tau,
+      discount=0.9,
+  )
   tree = Tree(cfg)
   system = _toks(r, 5)  # shared by every root: packed once per row
-  frontier = [tree.add_root([system + _toks(r, r.randint(1, 4)) for _ in range(agents)])
-              for _ in range(roots)]
+  frontier = [
+      tree.add_root([system + _toks(r, r.randint(1, 4)) for _ in range(agents)])
+      for _ in range(roots)
+  ]
   while frontier:
     nxt = []
     for node in frontier:
@@ -62,8 +81,9 @@ def random_tree(seed, *, turns, gens, agents, mode="align", substeps=False, faul
           c = Completion(ids, np.zeros(len(ids), np.float32))
           if substeps and r.rand() < 0.5:  # a tool round trip inside the action
             seg = np.asarray(_toks(r, r.randint(1, 4)), np.int32)
-            c = c.continued(_toks(r, r.randint(1, 3)), Completion(seg, np.zeros(len(seg),
-                                                                             np.float32)))
+            c = c.continued(
+                _toks(r, r.randint(1, 3)), Completion(seg, np.zeros(len(seg), np.float32))
+            )
           per.append(c)
         comps.append(per)
       tree.set_completions(node, comps)
@@ -82,8 +102,9 @@ def random_tree(seed, *, turns, gens, agents, mode="align", substeps=False, faul
             if rewrite and r.rand() < 0.2:  # history rewritten: no shared prefix
               prompts.append(_toks(r, r.randint(3, 8)))
             else:
-              prompts.append(node.prompts[i] + list(node.completions[i][g].ids)
-                             + _toks(r, r.randint(1, 3)))
+              prompts.append(
+                  node.prompts[i] + list(node.completions[i][g].ids) + _toks(r, r.randint(1, 3))
+              )
           nxt.append(tree.add_child(node, j, prompts))
     frontier = nxt
   return tree.finalize()
@@ -98,8 +119,9 @@ def _split():
 def _plain_logprobs(params, tokens_BxL):
   """Per-token logprobs at the trained temperature of the plain causal forward
   (position t scores token t)."""
-  return losses.token_logprobs(nnx.merge(_split()[0], params)(tokens_BxL), tokens_BxL,
-                               temperature=TEMPERATURE)
+  return losses.token_logprobs(
+      nnx.merge(_split()[0], params)(tokens_BxL), tokens_BxL, temperature=TEMPERATURE
+  )
 
 
 def _with_policy_logprobs(tree, noise_seed=0):
@@ -110,21 +132,26 @@ def _with_policy_logprobs(tree, noise_seed=0):
   The paths are scored in a batch padded to a multiple of 64 rows of 64 (or
   256) tokens: one compiled forward serves every tree of the module.
   """
-  every = [(node, i, g) for node in tree.nodes for i in range(tree.cfg.num_agents)
-           for g in range(len(node.completions[i]))]
+  every = [
+      (node, i, g)
+      for node in tree.nodes
+      for i in range(tree.cfg.num_agents)
+      for g in range(len(node.completions[i]))
+  ]
   paths = [list(node.prompts[i]) + list(node.completions[i][g].ids) for node, i, g in every]
   width = 64 if max(map(len, paths)) <= 64 else max(ROW_LENGTHS)
   tokens = np.zeros((-(-len(every) // 64) * 64, width), np.int32)
   for b, path in enumerate(paths):
-    tokens[b, :len(path)] = path
+    tokens[b, : len(path)] = path
   logp = np.asarray(_plain_logprobs(_split()[1], tokens))
   r = np.random.RandomState(noise_seed)
   for b, (node, i, g) in enumerate(every):
     comp = node.completions[i][g]
     p, c = len(node.prompts[i]), len(comp.ids)
-    lp = (logp[b, p:p + c] + 0.1 * r.randn(c)) * comp.sampled_mask
-    node.completions[i][g] = Completion(comp.ids, lp.astype(np.float32), comp.finish_reason,
-                                        comp.trainable)
+    lp = (logp[b, p : p + c] + 0.1 * r.randn(c)) * comp.sampled_mask
+    node.completions[i][g] = Completion(
+        comp.ids, lp.astype(np.float32), comp.finish_reason, comp.trainable
+    )
   return tree
 
 
@@ -134,8 +161,9 @@ def _used_rows(batch):
 
 
 def _rows(tree, **kw):
-  return pack_rows(tree_actions(tree), length_buckets=kw.pop("length_buckets", ROW_LENGTHS),
-                   **kw)[0]
+  return pack_rows(tree_actions(tree), length_buckets=kw.pop("length_buckets", ROW_LENGTHS), **kw)[
+      0
+  ]
 
 
 # Between them: T 1-3, G 2-4, N 1-2, align and cross, early termination (tau),
@@ -195,11 +223,18 @@ def _evaluate(params, ref_params, batch, cfgs, plain):
 
 def _losses_metrics_grads(batch, plain=False):
   """[(loss, metrics, grads)] of each of `LOSSES` on one layout (see `_evaluate`)."""
-  out, grads = _evaluate(_split()[1], _ref_params(), jax.tree.map(jnp.asarray, batch), LOSSES,
-                         plain)
+  out, grads = _evaluate(
+      _split()[1], _ref_params(), jax.tree.map(jnp.asarray, batch), LOSSES, plain
+  )
   out, grads = jax.device_get((out, grads))
-  return [(float(loss), {k: float(v) for k, v in metrics.items()},
-           jax.tree.map(lambda g, c=c: g[c], grads)) for c, (loss, metrics) in enumerate(out)]
+  return [
+      (
+          float(loss),
+          {k: float(v) for k, v in metrics.items()},
+          jax.tree.map(lambda g, c=c: g[c], grads),
+      )
+      for c, (loss, metrics) in enumerate(out)
+  ]
 
 
 def _assert_same(a, b, what):
@@ -219,8 +254,9 @@ def _assert_same(a, b, what):
     assert ma[k] == pytest.approx(mb[k], rel=1e-5, abs=1e-5), (what, k)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     y = np.asarray(y)
-    np.testing.assert_allclose(np.asarray(x), y, rtol=1e-5, atol=1e-5 * max(np.abs(y).max(), 1),
-                               err_msg=str(what))
+    np.testing.assert_allclose(
+        np.asarray(x), y, rtol=1e-5, atol=1e-5 * max(np.abs(y).max(), 1), err_msg=str(what)
+    )
 
 
 @functools.cache
@@ -238,14 +274,29 @@ def _ref_params():
 # estimator. Each algorithm x aggregation x estimator's arithmetic is checked
 # against float64 references in tests/losses.
 LOSSES = (
-    losses.LossConfig(algorithm="grpo", aggregation="token-mean", clip_eps_low=0.2,
-                      clip_eps_high=0.2),
-    losses.LossConfig(algorithm="gspo", aggregation="seq-mean-token-mean", kl_coef=0.1,
-                      kl_estimator="k1", clip_eps_low=0.05, clip_eps_high=0.05),
-    losses.LossConfig(algorithm="reinforce", aggregation="seq-mean-token-sum", kl_coef=0.1,
-                      kl_estimator="k2"),
-    losses.LossConfig(algorithm="grpo", aggregation="seq-mean-token-sum-norm", max_len=256,
-                      kl_coef=0.1, kl_estimator="k3", clip_eps_low=0.2, clip_eps_high=0.2),
+    losses.LossConfig(
+        algorithm="grpo", aggregation="token-mean", clip_eps_low=0.2, clip_eps_high=0.2
+    ),
+    losses.LossConfig(
+        algorithm="gspo",
+        aggregation="seq-mean-token-mean",
+        kl_coef=0.1,
+        kl_estimator="k1",
+        clip_eps_low=0.05,
+        clip_eps_high=0.05,
+    ),
+    losses.LossConfig(
+        algorithm="reinforce", aggregation="seq-mean-token-sum", kl_coef=0.1, kl_estimator="k2"
+    ),
+    losses.LossConfig(
+        algorithm="grpo",
+        aggregation="seq-mean-token-sum-norm",
+        max_len=256,
+        kl_coef=0.1,
+        kl_estimator="k3",
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+    ),
 )
 
 
@@ -267,8 +318,9 @@ def _row_reference(case):
   return _losses_metrics_grads(_rows(_tree(case), **REF_ROWS), plain=True)
 
 
-@pytest.mark.parametrize("case", [0] + [pytest.param(c, marks=pytest.mark.slow)
-                                      for c in range(1, len(CASES))])
+@pytest.mark.parametrize(
+    "case", [0] + [pytest.param(c, marks=pytest.mark.slow) for c in range(1, len(CASES))]
+)
 def test_tree_packing_equals_rows_for_each_algorithm_aggregation_and_kl(case):
   tree, want = _tree(case), _row_reference(case)
   packed, stats = pack_actions(tree_actions(tree), **PACKED)
@@ -291,8 +343,12 @@ def test_every_trained_token_once_and_only_policy_tokens():
   b_idx, k_idx = np.nonzero(m)
   np.testing.assert_array_equal(rows.tokens_BxL[b_idx, rows.prev_BxK[m] + 1], rows.target_BxK[m])
   want = sorted(zip(rows.target_BxK[m].tolist(), rows.old_logp_BxK[m].tolist()))
-  got = sorted(zip(packed.target_BxK[packed.loss_mask_BxK].tolist(),
-                   packed.old_logp_BxK[packed.loss_mask_BxK].tolist()))
+  got = sorted(
+      zip(
+          packed.target_BxK[packed.loss_mask_BxK].tolist(),
+          packed.old_logp_BxK[packed.loss_mask_BxK].tolist(),
+      )
+  )
   assert got == want
   assert packed.target_BxK.shape[1] in logit_buckets(32)
   # Row-equivalent tokens: what one row per trained action holds.
@@ -349,8 +405,13 @@ def test_equal_on_eight_devices_with_a_2x2x2_mesh():
   packed = jax.tree.map(lambda x: x[np.argsort(to_row)], packed)
   cfg = losses.LossConfig(algorithm="grpo", aggregation="seq-mean-token-mean", kl_coef=0.05)
   opt = OptimConfig(learning_rate=1e-3, eps=1e-4, grad_clip_norm=1.0)
-  step = TrainStep(_model(), PolicyObjective(cfg), opt, mesh=sharding.make_mesh((2, 2, 2)),
-                   step_cfg=StepConfig(compiler_options=FAST))
+  step = TrainStep(
+      _model(),
+      PolicyObjective(cfg),
+      opt,
+      mesh=sharding.make_mesh((2, 2, 2)),
+      step_cfg=StepConfig(compiler_options=FAST),
+  )
   ref = step.copy_params(step.init_state(_model()).params)
   out = {}
   for name, batch in (("rows", rows), ("tree", packed)):

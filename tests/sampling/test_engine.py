@@ -65,8 +65,12 @@ def full_forward():
 
 
 def _new_engine(slots=16, capacity=64, chunk=4, mesh=None, agents=1, **kw):
-  return DecodeEngine(CFG, EngineConfig(slots=slots, capacity=capacity, chunk=chunk, **kw),
-                      mesh=mesh, num_agents=agents)
+  return DecodeEngine(
+      CFG,
+      EngineConfig(slots=slots, capacity=capacity, chunk=chunk, **kw),
+      mesh=mesh,
+      num_agents=agents,
+  )
 
 
 _ENGINES = {}
@@ -103,23 +107,25 @@ def _run(engine, params, requests, sampling, stop=(), fanout=4, release=True):
 
 
 def _requests(prompts, g, key=KEY, first_row=0):
-  return [Request(p, prompt, key, np.arange(g) + first_row + p * g)
-          for p, prompt in enumerate(prompts)]
+  return [
+      Request(p, prompt, key, np.arange(g) + first_row + p * g) for p, prompt in enumerate(prompts)
+  ]
 
 
 def _full_logprobs(full_forward, state, seqs):
   """float64 log_softmax of the uncached forward, [len(seqs), WIDTH, V]."""
   batch = np.full((ROWS, WIDTH), PAD, np.int32)  # right padding: causal, never read
   for i, x in enumerate(seqs):
-    batch[i, :len(x)] = x
+    batch[i, : len(x)] = x
   logits = np.asarray(full_forward(state, jnp.asarray(batch)), np.float64)
   logits -= logits.max(axis=-1, keepdims=True)
   return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
 
 
 def _check_against_full_forward(full_forward, state, prompts, samples, g):
-  seqs = [list(prompts[p]) + samples[(p, k)].ids.tolist()
-          for p in range(len(prompts)) for k in range(g)]
+  seqs = [
+      list(prompts[p]) + samples[(p, k)].ids.tolist() for p in range(len(prompts)) for k in range(g)
+  ]
   logp = _full_logprobs(full_forward, state, seqs)
   for i, seq in enumerate(seqs):
     p, k = divmod(i, g)
@@ -130,8 +136,9 @@ def _check_against_full_forward(full_forward, state, prompts, samples, g):
 
 def test_greedy_equals_stepwise_argmax_of_full_forward(state, full_forward):
   steps = NEW
-  out = _run(_engine(), state, _requests(PROMPTS, 2), SamplingConfig(greedy=True,
-                                                                    max_new_tokens=steps))
+  out = _run(
+      _engine(), state, _requests(PROMPTS, 2), SamplingConfig(greedy=True, max_new_tokens=steps)
+  )
   seqs = [list(p) for p in PROMPTS]
   for _ in range(steps):  # no cache: re-run every sequence, argmax at its end
     logp = _full_logprobs(full_forward, state, seqs)
@@ -139,7 +146,7 @@ def test_greedy_equals_stepwise_argmax_of_full_forward(state, full_forward):
       s.append(int(np.argmax(logp[i, len(s) - 1])))
   for p, prompt in enumerate(PROMPTS):
     for k in range(2):  # both forks of a prompt agree
-      assert out[(p, k)].ids.tolist() == seqs[p][len(prompt):]
+      assert out[(p, k)].ids.tolist() == seqs[p][len(prompt) :]
       assert out[(p, k)].finish_reason == "length"
   assert len({tuple(s) for s in seqs}) == len(PROMPTS)  # not a degenerate model
 
@@ -155,8 +162,11 @@ def test_a_sample_depends_on_its_request_alone(plain_state):
   # the samples do not depend on who else is decoding or how slots are laid out.
   cfg = SamplingConfig(temperature=1.3, max_new_tokens=NEW)
   forked = _run(_engine(), plain_state, _requests(PROMPTS, 3), cfg, stop=[5])
-  single = [Request((p, k), prompt, KEY, [p * 3 + k]) for p, prompt in enumerate(PROMPTS)
-            for k in range(3)]
+  single = [
+      Request((p, k), prompt, KEY, [p * 3 + k])
+      for p, prompt in enumerate(PROMPTS)
+      for k in range(3)
+  ]
   alone = _run(_engine(slots=4, chunk=3), plain_state, single[::-1], cfg, stop=[5])
   for (p, k), s in forked.items():
     twin = alone[((p, k), 0)]
@@ -184,9 +194,17 @@ def test_extending_a_cached_sample_equals_a_fresh_prefill(plain_state, full_forw
   engine = _engine()
   first = _run(engine, plain_state, _requests(PROMPTS, 2), cfg, release=False)
   # Children: the parent prompt, its sample, then 3 "environment" tokens.
-  kids = [Request((p, k), list(PROMPTS[p]) + first[(p, k)].ids.tolist() + [7, 8, 9], KEY,
-                  [100 + p * 2 + k], parent=first[(p, k)].handle)
-          for p in range(len(PROMPTS)) for k in range(2)]
+  kids = [
+      Request(
+          (p, k),
+          list(PROMPTS[p]) + first[(p, k)].ids.tolist() + [7, 8, 9],
+          KEY,
+          [100 + p * 2 + k],
+          parent=first[(p, k)].handle,
+      )
+      for p in range(len(PROMPTS))
+      for k in range(2)
+  ]
   for r in kids:
     engine.submit(r)
     engine.release(r.parent)
@@ -197,8 +215,7 @@ def test_extending_a_cached_sample_equals_a_fresh_prefill(plain_state, full_forw
   stats = engine.stats
   assert stats["reused_tokens"] == sum(len(r.parent.ids) for r in kids)
   assert stats["prefill_tokens"] == sum(len(p) - 1 for p in PROMPTS) + 3 * len(kids)
-  fresh = _run(_engine(), plain_state, [Request(r.tag, r.prompt, KEY, r.rows) for r in kids],
-               cfg)
+  fresh = _run(_engine(), plain_state, [Request(r.tag, r.prompt, KEY, r.rows) for r in kids], cfg)
   prompts = [r.prompt for r in kids]
   seqs = [prompts[i] + out[r.tag].ids.tolist() for i, r in enumerate(kids)]
   logp = _full_logprobs(full_forward, plain_state, seqs)
@@ -213,8 +230,9 @@ def test_extending_a_cached_sample_equals_a_fresh_prefill(plain_state, full_forw
 def test_a_rewritten_history_extends_from_the_longest_common_prefix(plain_state):
   cfg = SamplingConfig(max_new_tokens=6)
   engine = _engine()
-  (parent,) = _run(engine, plain_state, [Request("a", PROMPTS[1], KEY, [0])], cfg,
-                   release=False).values()
+  (parent,) = _run(
+      engine, plain_state, [Request("a", PROMPTS[1], KEY, [0])], cfg, release=False
+  ).values()
   rewritten = PROMPTS[1][:4] + [60, 61] + parent.ids.tolist()  # earlier turns changed
   engine.submit(Request("b", rewritten, KEY, [9], parent=parent.handle))
   engine.release(parent.handle)
@@ -233,11 +251,11 @@ def test_a_tiny_kv_budget_evicts_and_samples_the_same(plain_state):
   results = []
   for slots in (16, 2):
     engine = _engine(slots=slots)
-    first = _run(engine, plain_state, _requests(SHORT, 2), cfg, fanout=min(slots, 4),
-                 release=False)
+    first = _run(engine, plain_state, _requests(SHORT, 2), cfg, fanout=min(slots, 4), release=False)
     for (p, k), s in first.items():
-      engine.submit(Request((p, k), list(SHORT[p]) + s.ids.tolist() + [7], KEY, [50 + k],
-                            parent=s.handle))
+      engine.submit(
+          Request((p, k), list(SHORT[p]) + s.ids.tolist() + [7], KEY, [50 + k], parent=s.handle)
+      )
       engine.release(s.handle)
     out, busy = {}, True
     while busy:
@@ -254,8 +272,12 @@ def test_a_tiny_kv_budget_evicts_and_samples_the_same(plain_state):
 
 def test_top_k_top_p_sample_only_allowed_tokens(plain_state, full_forward):
   k, top_p, temp = 4, 0.8, 0.9
-  out = _run(_engine(), plain_state, _requests(PROMPTS, 4),
-             SamplingConfig(temperature=temp, top_k=k, top_p=top_p, max_new_tokens=NEW))
+  out = _run(
+      _engine(),
+      plain_state,
+      _requests(PROMPTS, 4),
+      SamplingConfig(temperature=temp, top_k=k, top_p=top_p, max_new_tokens=NEW),
+  )
   seqs = [list(PROMPTS[p]) + out[(p, g)].ids.tolist() for p in range(4) for g in range(4)]
   logp_full = _full_logprobs(full_forward, plain_state, seqs)
   for i in range(16):
@@ -327,14 +349,12 @@ def test_slots_sharded_over_devices_sample_what_one_device_does(explicit, state)
     mesh = jax.make_mesh((2, 2, 2), sharding.MESH_AXES)
   else:
     mesh = sharding.make_mesh((2, 2, 2))
-  out = _run(_engine(slots=4, capacity=16, mesh=mesh), state, _requests(SHORT, 2), cfg,
-             stop=[7])
+  out = _run(_engine(slots=4, capacity=16, mesh=mesh), state, _requests(SHORT, 2), cfg, stop=[7])
   for tag, s in ref.items():
     np.testing.assert_array_equal(out[tag].ids, s.ids)
     # Sharded contractions sum in another order; the x3 weights reach |logits| ~75,
     # where one float32 ulp is 7.6e-6: allow a few (8).
-    np.testing.assert_allclose(out[tag].logprobs, s.logprobs,
-                               atol=8 * np.spacing(np.float32(75)))
+    np.testing.assert_allclose(out[tag].logprobs, s.logprobs, atol=8 * np.spacing(np.float32(75)))
     assert out[tag].finish_reason == s.finish_reason
 
 
@@ -346,8 +366,13 @@ def test_precompiled_programs_run_without_compiling(mesh_shape, state):
   engine = _new_engine(slots=16 if mesh is None else 4, capacity=16, mesh=mesh)
   cfg = SamplingConfig(greedy=True, max_new_tokens=NEW)
   seen = []  # progress: 0, then each program as it finishes
-  n = engine.precompile(state, [cfg], num_stop_ids=1, fanout=4,
-                        progress=lambda done, total: seen.append((done, total)))
+  n = engine.precompile(
+      state,
+      [cfg],
+      num_stop_ids=1,
+      fanout=4,
+      progress=lambda done, total: seen.append((done, total)),
+  )
   assert n == engine.num_compiles == len(engine.programs_for([cfg]))
   assert seen == [(done, n) for done in range(n + 1)]
   census = CompileCensus()
@@ -364,28 +389,40 @@ def test_stacked_agents_each_sample_what_they_sample_alone(agent_map, mesh_shape
   size = {} if mesh is None else dict(slots=4, capacity=16)  # the sharded test's engine
   cfg = SamplingConfig(max_new_tokens=NEW)
   engine = _engine(mesh=mesh, agents=2, agent_map=agent_map, **size)
-  requests = [Request((a, p), prompt, KEY, [p * 3, p * 3 + 1, p * 3 + 2], agent=a)
-              for a, prompts in enumerate([SHORT, SHORT[1:]]) for p, prompt in
-              enumerate(prompts)]
+  requests = [
+      Request((a, p), prompt, KEY, [p * 3, p * 3 + 1, p * 3 + 2], agent=a)
+      for a, prompts in enumerate([SHORT, SHORT[1:]])
+      for p, prompt in enumerate(prompts)
+  ]
   out = _run(engine, stack_trees(states), requests, cfg, stop=[7, 9])
   for a in range(2):
-    alone = _run(_engine(mesh=mesh, **size), states[a],
-                 [Request(r.tag, r.prompt, KEY, r.rows) for r in requests if r.agent == a],
-                 cfg, stop=[7, 9])
+    alone = _run(
+        _engine(mesh=mesh, **size),
+        states[a],
+        [Request(r.tag, r.prompt, KEY, r.rows) for r in requests if r.agent == a],
+        cfg,
+        stop=[7, 9],
+    )
     for tag, s in alone.items():
       np.testing.assert_array_equal(out[tag].ids, s.ids)
       np.testing.assert_allclose(out[tag].logprobs, s.logprobs, atol=TOL, rtol=0)
-  assert any(not np.array_equal(out[((0, p + 1), k)].ids, out[((1, p), k)].ids)
-             for p in range(2) for k in range(3))  # own weights
+  assert any(
+      not np.array_equal(out[((0, p + 1), k)].ids, out[((1, p), k)].ids)
+      for p in range(2)
+      for k in range(3)
+  )  # own weights
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(prompt=[]), "empty prompt"),
-    (dict(prompt=[1, CFG.vocab_size]), "ids outside"),
-    (dict(rows=[0, 1, 2, 3, 4]), "5 samples; allowed: 1 .. 4"),
-    (dict(prompt=[1] * 60), "does not fit a slot of 64 columns"),
-    (dict(agent=1), "agent 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt=[]), "empty prompt"),
+        (dict(prompt=[1, CFG.vocab_size]), "ids outside"),
+        (dict(rows=[0, 1, 2, 3, 4]), "5 samples; allowed: 1 .. 4"),
+        (dict(prompt=[1] * 60), "does not fit a slot of 64 columns"),
+        (dict(agent=1), "agent 1"),
+    ],
+)
 def test_bad_requests_raise_naming_what_is_wrong(state, kwargs, match):
   engine = _engine()
   engine.start(state, SamplingConfig(max_new_tokens=8), [], PAD, fanout=4)

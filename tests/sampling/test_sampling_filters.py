@@ -34,19 +34,25 @@ def reference_q(logits, temperature, top_k, top_p):
 def _draw(logits, n, temperature, top_k, top_p, greedy=False, seed=0):
   logits_BxV = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
   u_B = jax.random.uniform(jax.random.key(seed), (n,))
-  fn = jax.jit(lambda lg, u: choose_tokens(lg, u, temperature, top_p, greedy=greedy,
-                                           top_k=top_k, use_top_p=top_p < 1.0))
+  fn = jax.jit(
+      lambda lg, u: choose_tokens(
+          lg, u, temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=top_p < 1.0
+      )
+  )
   tok, logq = fn(logits_BxV, u_B)
   return np.asarray(tok), np.asarray(logq)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 0, 1.0),  # plain sampling
-    (1.0, 4, 1.0),  # top-k: {3, 7, 0, 4}
-    (1.0, 0, 0.7),  # nucleus
-    (0.7, 5, 0.8),  # both, sharper
-    (1.6, 0, 0.9),  # nucleus, flatter
-])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [
+        (1.0, 0, 1.0),  # plain sampling
+        (1.0, 4, 1.0),  # top-k: {3, 7, 0, 4}
+        (1.0, 0, 0.7),  # nucleus
+        (0.7, 5, 0.8),  # both, sharper
+        (1.6, 0, 0.9),  # nucleus, flatter
+    ],
+)
 def test_samples_follow_reference_distribution(temperature, top_k, top_p):
   n = 40_000
   tok, logq = _draw(LOGITS, n, temperature, top_k, top_p)
@@ -104,11 +110,21 @@ def test_huge_logit_range_never_yields_minus_inf():
   np.testing.assert_allclose(logq, np.log(reference_q(logits, 1.0, 0, 1.0)[tok]), atol=1e-5)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", 0.0), ("temperature", -1.0), ("temperature", float("nan")),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("top_k", 2.0),
-    ("max_new_tokens", 0), ("max_new_tokens", 3.5), ("greedy", 1),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", 0.0),
+        ("temperature", -1.0),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("top_k", 2.0),
+        ("max_new_tokens", 0),
+        ("max_new_tokens", 3.5),
+        ("greedy", 1),
+    ],
+)
 def test_sampling_config_rejects_bad_fields(field, value):
   with pytest.raises(ValueError, match=f"SamplingConfig.{field}"):
     SamplingConfig(**{field: value})

@@ -24,8 +24,10 @@ def llm(byte_tokenizer):
   graphdef, state = nnx.split(model)
   # The reference forward: jitted (eager op-by-op dispatch is slow), unpadded.
   forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
-  return (lambda ids_BxL: np.asarray(forward(state, np.asarray(ids_BxL, np.int32)), np.float64),
-          LocalLLM(model, byte_tokenizer, seed=0))
+  return (
+      lambda ids_BxL: np.asarray(forward(state, np.asarray(ids_BxL, np.int32)), np.float64),
+      LocalLLM(model, byte_tokenizer, seed=0),
+  )
 
 
 def _log_softmax(logits):
@@ -105,8 +107,9 @@ def test_generate_greedy_matches_manual_decode(llm):
 
 
 def test_batching_generator_merges_concurrent_calls():
-  inner = ScriptedGenerator(replies=lambda p: p.upper(),
-                            scores=lambda p, c: [float(len(p)), -float(len(p))])
+  inner = ScriptedGenerator(
+      replies=lambda p: p.upper(), scores=lambda p, c: [float(len(p)), -float(len(p))]
+  )
   batcher = BatchingGenerator(inner, max_wait_s=0.2, max_batch=4)
   results, barrier = {}, threading.Barrier(6)
 

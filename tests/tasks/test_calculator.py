@@ -53,15 +53,15 @@ def test_golden_episode_succeeds_with_two_user_turns_and_two_tool_calls(renderer
   convo = calculator.golden_conversation(task)
   assert [r for r, _ in convo].count("user") == 2 and [r for r, _ in convo].count("tool") == 2
   texts = [c for r, c in convo if r == "assistant"]
-  outs, seen = rollout_scripted(_env(task), texts, StepLimits(max_turns=8), reward_cfg=REWARD,
-                                renderer=renderer)
+  outs, seen = rollout_scripted(
+      _env(task), texts, StepLimits(max_turns=8), reward_cfg=REWARD, renderer=renderer
+  )
   assert [o.done for o in outs] == [False, False, False, True]
   assert outs[-1].reward.outcome == 1.0
   # total = +1 outcome, -0.05 per step; intermediate steps only pay the step penalty
   assert [round(o.reward.total, 6) for o in outs] == [-0.05, -0.05, -0.05, 0.95]
   ledger = seen[-1].ledger
-  trainable_text = renderer.tokenizer.decode(
-      [i for i, t in zip(ledger.ids, ledger.trainable) if t])
+  trainable_text = renderer.tokenizer.decode([i for i, t in zip(ledger.ids, ledger.trainable) if t])
   assert str(task["answers"][0]) in trainable_text  # the policy's own answer is trained on
   assert task["question"] not in trainable_text  # the user's text never is
 
@@ -78,8 +78,9 @@ def test_invalid_expression_is_a_penalised_tool_error_and_the_episode_recovers(r
   task = calculator.make_task("eval", 5)
   golden = [c for r, c in calculator.golden_conversation(task) if r == "assistant"]
   bad_call = golden[0].replace(task["expression"], task["expression"] + "+")
-  outs, seen = rollout_scripted(_env(task), [bad_call] + golden, reward_cfg=REWARD,
-                                renderer=renderer)
+  outs, seen = rollout_scripted(
+      _env(task), [bad_call] + golden, reward_cfg=REWARD, renderer=renderer
+  )
   assert outs[0].invalid_calls == 1 and not outs[0].masked
   assert [f.kind for f in outs[0].faults] == [FaultKind.TOOL_ERROR]
   assert outs[0].reward.tool == pytest.approx(-0.2)
@@ -88,23 +89,31 @@ def test_invalid_expression_is_a_penalised_tool_error_and_the_episode_recovers(r
 
 
 def test_message_without_call_or_answer_is_a_model_format_fault(renderer):
-  outs, _ = rollout_scripted(_env(calculator.make_task("eval", 6)), ["hello"], reward_cfg=REWARD,
-                             renderer=renderer)
+  outs, _ = rollout_scripted(
+      _env(calculator.make_task("eval", 6)), ["hello"], reward_cfg=REWARD, renderer=renderer
+  )
   assert outs[0].done and outs[0].reward.outcome == -1.0
   assert [f.kind for f in outs[0].faults] == [FaultKind.MODEL_FORMAT]
 
 
 def test_episode_is_short_in_tokens(renderer):
-  lengths = [len(renderer.render_conversation(calculator.golden_conversation(
-      calculator.make_task("train", i)))) for i in range(50)]
+  lengths = [
+      len(
+          renderer.render_conversation(
+              calculator.golden_conversation(calculator.make_task("train", i))
+          )
+      )
+      for i in range(50)
+  ]
   assert max(lengths) <= 96  # keeps SFT/RL steps fast on CPU (docs/design.md section 3)
 
 
 def test_truncation_is_a_failure_not_a_free_zero(renderer):
   """Rambling into the turn cap must not beat a wrong answer (-1)."""
   task = calculator.make_task("eval", 7)
-  outs, _ = rollout_scripted(_env(task), ["<tool_call>"] * 3, StepLimits(max_turns=2),
-                             reward_cfg=REWARD, renderer=renderer)
+  outs, _ = rollout_scripted(
+      _env(task), ["<tool_call>"] * 3, StepLimits(max_turns=2), reward_cfg=REWARD, renderer=renderer
+  )
   assert outs[-1].truncated and outs[-1].reward.outcome == -1.0
 
 
@@ -114,12 +123,16 @@ def test_levels_grow_operands_and_digits_and_level_2_is_the_default_task(rendere
     tasks = [calculator.make_task("train", i, level=level) for i in range(300)]
     assert all(t["level"] == level for t in tasks)
     operands = [t["difficulty"] for t in tasks]
-    digits = max(len(x) for t in tasks for x in t["expression"].replace("*", "+")
-                 .replace("-", "+").split("+"))
+    digits = max(
+        len(x)
+        for t in tasks
+        for x in t["expression"].replace("*", "+").replace("-", "+").split("+")
+    )
     stats.append((min(operands), max(operands), digits))
     # The hardest level's golden episode still fits configs/calculator.py's env.max_tokens.
-    longest = max(len(renderer.render_conversation(calculator.golden_conversation(t)))
-                  for t in tasks)
+    longest = max(
+        len(renderer.render_conversation(calculator.golden_conversation(t))) for t in tasks
+    )
     assert longest <= 160 - 32, (level, longest)
   assert stats == list(calculator.LEVELS)
   for i in range(20):
@@ -139,9 +152,9 @@ def _edit_distance_bfs(a: str, b: str, alphabet: str) -> int:
         for c in alphabet:
           nxt.add(s[:i] + c + s[i:])  # insert
           if i < len(s):
-            nxt.add(s[:i] + c + s[i + 1:])  # substitute
+            nxt.add(s[:i] + c + s[i + 1 :])  # substitute
         if i < len(s):
-          nxt.add(s[:i] + s[i + 1:])  # delete
+          nxt.add(s[:i] + s[i + 1 :])  # delete
     frontier, d = nxt - seen, d + 1
     seen |= frontier
   return d
@@ -173,8 +186,9 @@ def test_first_tool_call_of_each_stage_is_graded_copy_and_becomes_shaping(render
   # stage 1 golden.
   wrong = golden[0].replace(want[0], want[0][:-1])
   cfg = RewardConfig(outcome_weight=1.0, step_penalty=-0.05, shaping_weight=0.5)
-  outs, _ = rollout_scripted(_env(task), [wrong, golden[0]] + golden[1:], reward_cfg=cfg,
-                             renderer=renderer)
+  outs, _ = rollout_scripted(
+      _env(task), [wrong, golden[0]] + golden[1:], reward_cfg=cfg, renderer=renderer
+  )
   assert [sorted(o.grades) for o in outs] == [["copy"], [], [], ["copy"], ["grade"]]
   first = outs[0].grades["copy"].score
   assert first == pytest.approx(1 - 1 / len(want[0]))
@@ -198,8 +212,13 @@ def test_max_graded_turns_bounds_the_copy_grades_of_an_episode(renderer, num_fol
   for role, content in golden:
     if role == "assistant":
       script += [content, content] if content.startswith("<tool_call>") else [content]
-  outs, _ = rollout_scripted(_env(task), script, reward_cfg=REWARD, renderer=renderer,
-                             limits=StepLimits(max_turns=len(script)))
+  outs, _ = rollout_scripted(
+      _env(task),
+      script,
+      reward_cfg=REWARD,
+      renderer=renderer,
+      limits=StepLimits(max_turns=len(script)),
+  )
   assert outs[-1].done and outs[-1].reward.outcome == 1.0
   graded = sum("copy" in o.grades for o in outs)
   bound = resolve_factory("calculator").max_graded_turns({"num_followups": num_followups})
@@ -215,6 +234,7 @@ def test_demo_config_dominance_check_counts_graded_turns_not_the_turn_cap():
   from configs import calculator as calc_config
   from mtrl_jax.envs import RewardDominanceWarning
   from mtrl_jax.train import components, experiment
+
   c = calc_config.get_config()
   c.reward.shaping_weight = 0.5
   with warnings.catch_warnings():

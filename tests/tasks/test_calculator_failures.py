@@ -21,10 +21,20 @@ def _done(score):
   return {"steps": [{"grades": {"grade": {"score": score, "reason": "", "components": {}}}}]}
 
 
-NODES = [{"node_id": 0, "turn": 0, "completions": [[RIGHT, MISCOPIED]],
-          "actions": [GOES_ON, _done(-1.0)]},
-         {"node_id": 1, "turn": 1, "completions": [[BAD_ANSWER, RIGHT]],
-          "actions": [_done(-1.0), _done(1.0)]}]
+NODES = [
+    {
+        "node_id": 0,
+        "turn": 0,
+        "completions": [[RIGHT, MISCOPIED]],
+        "actions": [GOES_ON, _done(-1.0)],
+    },
+    {
+        "node_id": 1,
+        "turn": 1,
+        "completions": [[BAD_ANSWER, RIGHT]],
+        "actions": [_done(-1.0), _done(1.0)],
+    },
+]
 
 
 def test_classes_of_hand_written_completions():
@@ -34,19 +44,26 @@ def test_classes_of_hand_written_completions():
   assert failure_class(BAD_ANSWER, _done(-1.0)) == "answer != tool result"
   assert failure_class("<answer>129</answer><|end|>", _done(-1.0)) == "no tool call"
   got = failure_classes(NODES)
-  assert got == {0: {"right": 1, "wrong expression": 1},
-                 1: {"answer != tool result": 1, "right": 1}}
+  assert got == {
+      0: {"right": 1, "wrong expression": 1},
+      1: {"answer != tool result": 1, "right": 1},
+  }
 
 
 def test_the_table_of_a_runs_dumps_and_its_one_line_refusals(tmp_path):
   os.makedirs(tmp_path / "rollouts")
   (tmp_path / "rollouts" / "step_000010.jsonl").write_text(
-      "".join(json.dumps(n) + "\n" for n in NODES))
+      "".join(json.dumps(n) + "\n" for n in NODES)
+  )
 
   def run(*args):
-    return subprocess.run([sys.executable, "-m", "experiments.calc_errors",
-                           f"--workdir={tmp_path}", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.calc_errors", f"--workdir={tmp_path}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
   out = run()
   assert out.returncode == 0, out.stderr
@@ -54,8 +71,10 @@ def test_the_table_of_a_runs_dumps_and_its_one_line_refusals(tmp_path):
   assert lines[0].startswith("| RL step | turn 1: right | turn 1: no tool call |")
   # turn 1: one right, one miscopied; turn 2: one bad answer, one right
   assert lines[2] == ("| 10 | 0.50 | 0.00 | 0.50 | 0.00 | 0.50 | 0.00 | 0.00 | 0.50 |")
-  for args, want in [(["--steps=11"], "has no dump of steps [11]; allowed: [10]"),
-                     (["--steps=x"], "--steps=x; allowed: dumped step numbers")]:
+  for args, want in [
+      (["--steps=11"], "has no dump of steps [11]; allowed: [10]"),
+      (["--steps=x"], "--steps=x; allowed: dumped step numbers"),
+  ]:
     out = run(*args)
     assert out.returncode != 0 and want in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

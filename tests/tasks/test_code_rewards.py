@@ -1,13 +1,18 @@
 """The gated level reward, on hand-worked examples (values summed in comments)."""
+
 import pytest
 
 from mtrl_jax.tasks.code import rewards
 
-PROMPT = ('from typing import List\n\n\ndef total(xs: List[int], start: int) -> int:\n'
-          '    """Sum of xs plus start."""\n')
-TESTS = ("\n\nMETADATA = {}\n\n\ndef check(candidate):\n"
-         "    assert candidate([1, 2], 0) == 3\n    assert candidate([], 5) == 5\n"
-         "    assert candidate([5], 1) == 6\n    assert candidate([1, 1, 1, 1], 0) == 4\n")
+PROMPT = (
+    "from typing import List\n\n\ndef total(xs: List[int], start: int) -> int:\n"
+    '    """Sum of xs plus start."""\n'
+)
+TESTS = (
+    "\n\nMETADATA = {}\n\n\ndef check(candidate):\n"
+    "    assert candidate([1, 2], 0) == 3\n    assert candidate([], 5) == 5\n"
+    "    assert candidate([5], 1) == 6\n    assert candidate([1, 1, 1, 1], 0) == 4\n"
+)
 AUX = "def aux(xs):\n    s = 0\n    for x in xs:\n        s += x\n    return s\n"
 MAIN = "def total(xs: List[int], start: int) -> int:\n    s = aux(xs)\n    return s + start\n"
 
@@ -65,8 +70,10 @@ def test_partial_tests_and_the_discarded_aux_value_deduction():
 
 
 def test_markdown_and_prose_are_cleaned_and_prompt_imports_prepended():
-  main = ("Here is my solution:\n```python\ndef total(xs: List[int], start: int) -> int:\n"
-          "    return sum(xs) + start\n```\nThis adds the numbers.")
+  main = (
+      "Here is my solution:\n```python\ndef total(xs: List[int], start: int) -> int:\n"
+      "    return sum(xs) + start\n```\nThis adds the numbers."
+  )
   assert reward("", main)["total_reward"] == pytest.approx(2.1, abs=1e-12)
 
 
@@ -81,8 +88,13 @@ def test_reward_runs_in_the_sandbox_with_timeouts_and_early_exits():
 
 
 def test_no_test_cases_stops_after_syntax():
-  r = rewards.execution_reward_aux("", "def total(xs, start):\n    return 1\n",
-                                   "def check(candidate):\n    pass\n", "total", PROMPT)
+  r = rewards.execution_reward_aux(
+      "",
+      "def total(xs, start):\n    return 1\n",
+      "def check(candidate):\n    pass\n",
+      "total",
+      PROMPT,
+  )
   assert (r["total_reward"], r["level_reached"], r["total_tests"]) == (1.1, 3, 0)
 
 

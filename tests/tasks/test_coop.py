@@ -1,4 +1,5 @@
 """The cooperative two-agent CPU task: generation, feedback, rewards, tree credit, config."""
+
 import re
 
 import jax
@@ -37,15 +38,22 @@ def test_golden_joint_episode_gets_the_max_reward():
   task = coop.make_task("eval", 4)
   x, y = task["parts"]
   convos = [coop.golden_conversation(task, i) for i in range(2)]
-  assert convos[0] == [("user", f"A:{x}"), ("assistant", f"<answer>{x}</answer>"),
-                       ("user", f"B:{y} no"), ("assistant", f"<answer>{x}{y}</answer>")]
+  assert convos[0] == [
+      ("user", f"A:{x}"),
+      ("assistant", f"<answer>{x}</answer>"),
+      ("user", f"B:{y} no"),
+      ("assistant", f"<answer>{x}{y}</answer>"),
+  ]
   texts = [[c[k][1] for c in convos] for k in (1, 3)]  # per turn, one text per agent
   outs, seen = rollout_scripted(make_env(task), texts, reward_cfg=PER_TURN, renderer=RENDERER)
   assert [o.done for o in outs] == [False, True]
   # turn 1 cannot score (each half is private); turn 2 is the joint success, the max 1
   assert [o.reward.total for o in outs] == [0.0, 1.0]
-  assert outs[1].grades["joint"].components == {"success": 1.0, "agent_0_correct": 1.0,
-                                                "agent_1_correct": 1.0}
+  assert outs[1].grades["joint"].components == {
+      "success": 1.0,
+      "agent_0_correct": 1.0,
+      "agent_1_correct": 1.0,
+  }
   for i, thread in enumerate(seen[1]):  # the env's turns are exactly the SFT data's
     assert [(t.role, t.content) for t in thread.turns] == convos[i]
     per_turn = np.bincount(np.asarray(thread.ledger.turn))
@@ -80,8 +88,10 @@ def cooperative_policy(users: list, agent: int, reveal: bool = True) -> str:
 def play(env, policy):
   threads, rewards = env.initial_threads(), []
   for step in range(env.num_turns):
-    acted = [t.append(Turn("assistant", policy([u.content for u in t.turns if u.role == "user"],
-                                               i))) for i, t in enumerate(threads)]
+    acted = [
+        t.append(Turn("assistant", policy([u.content for u in t.turns if u.role == "user"], i)))
+        for i, t in enumerate(threads)
+    ]
     out = step_environment(env, acted, reward_cfg=PER_TURN, step_index=step)
     rewards.append(out.reward.total)
     if out.done:
@@ -95,8 +105,9 @@ def test_turn2_feedback_is_the_channel():
   # without the partner's answer the same policy is blind at turn 2
   assert play(make_env(task, show_partner=False), cooperative_policy) == [0.0, 0.0]
   env = make_env(task, show_partner=False)
-  nxt, _ = env.react_to_joint([t.append(Turn("assistant", "<answer>1</answer>"))
-                               for t in env.initial_threads()])
+  nxt, _ = env.react_to_joint(
+      [t.append(Turn("assistant", "<answer>1</answer>")) for t in env.initial_threads()]
+  )
   assert [t.turns[-1].content for t in nxt] == ["no", "no"]
 
 
@@ -104,13 +115,16 @@ def test_feedback_text_success_flag_and_format_faults():
   task = coop.make_task("train", 0)
   x, y = task["parts"]
   env = make_env(task, num_turns=3)
-  threads = [t.append(Turn("assistant", text)) for t, text in
-             zip(env.initial_threads(), [f"<answer>{x}{y}</answer>", "no tags"])]
+  threads = [
+      t.append(Turn("assistant", text))
+      for t, text in zip(env.initial_threads(), [f"<answer>{x}{y}</answer>", "no tags"])
+  ]
   nxt, grades = env.react_to_joint(threads)
   assert [t.turns[-1].content for t in nxt] == ["B:? no", f"A:{x}{y} no"]
   faults = env.drain_faults()
-  assert [(f.kind.value, f.message) for f in faults] == [("model_format",
-                                                          "agent 1: no <answer>...</answer>")]
+  assert [(f.kind.value, f.message) for f in faults] == [
+      ("model_format", "agent 1: no <answer>...</answer>")
+  ]
   both = [t.append(Turn("assistant", f"<answer>{x}{y}</answer>")) for t in nxt]
   nxt, grades = env.react_to_joint(both)
   assert grades["joint"].score == 1.0 and nxt[0].turns[-1].content == f"B:{x}{y} ok"
@@ -161,6 +175,7 @@ def test_task_source_and_config_build():
   from mtrl_jax import data
   from mtrl_jax.registry import import_object
   from mtrl_jax.train import components, experiment
+
   src = data.resolve_task_source("coop", "eval")
   assert len(src) == 200 and src[3] == coop.make_task("eval", 3)
   with pytest.raises(IndexError):

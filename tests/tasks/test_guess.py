@@ -31,8 +31,11 @@ def test_the_golden_episode_finds_the_number_with_consistent_guesses():
 def test_a_guess_against_the_hints_scores_0_and_the_last_guess_ends_unfound():
   task = {"number": 7, "high": 20, "split": "train", "index": 0}
   env = resolve_factory("guess", max_guesses=3).create_environment(task)
-  outs, _ = rollout_scripted(env, ["<answer>10</answer>", "<answer>12</answer>",
-                                   "<answer>3</answer>"], StepLimits(max_turns=10))
+  outs, _ = rollout_scripted(
+      env,
+      ["<answer>10</answer>", "<answer>12</answer>", "<answer>3</answer>"],
+      StepLimits(max_turns=10),
+  )
   assert [o.next_thread.turns[-1].content for o in outs[:2]] == ["lower", "lower"]
   assert outs[1].grades["consistent"].score == 0.0  # 12 after "lower" than 10
   assert outs[2].done and outs[2].grades["found"].score == 0.0

@@ -38,12 +38,26 @@ def _rollout(factory, workers, key=7):
   policy = FakePolicy(vocab=123, low=97, max_new_tokens=5, stop_id=renderer.fmt.stop_ids[0])
   tasks = [user_chat_tasks("train")[i] for i in range(3)]
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    tree = expand_tree(TreeConfig(num_turns=2, num_generations=2), policy, transition,
-                       transition.root_states(factory, tasks), jax.random.key(key),
-                       executor=pool)
-  return [(n.node_id, n.prompts, n.rewards_B.tolist(),
-           [(a.steps[-1].details.get("env_turns"), a.steps[-1].details.get("grades"))
-            for a in n.actions]) for n in tree.nodes]
+    tree = expand_tree(
+        TreeConfig(num_turns=2, num_generations=2),
+        policy,
+        transition,
+        transition.root_states(factory, tasks),
+        jax.random.key(key),
+        executor=pool,
+    )
+  return [
+      (
+          n.node_id,
+          n.prompts,
+          n.rewards_B.tolist(),
+          [
+              (a.steps[-1].details.get("env_turns"), a.steps[-1].details.get("grades"))
+              for a in n.actions
+          ],
+      )
+      for n in tree.nodes
+  ]
 
 
 def _blake2b_seed(*encoded: bytes) -> int:
@@ -52,7 +66,7 @@ def _blake2b_seed(*encoded: bytes) -> int:
   h = hashlib.blake2b(digest_size=8)
   for data in encoded:
     h.update(len(data).to_bytes(4, "little") + data)
-  return int.from_bytes(h.digest(), "little") & (2 ** 63 - 1)
+  return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 
 
 def test_call_seed_is_a_stable_hash_of_its_parts():
@@ -64,11 +78,18 @@ def test_call_seed_is_a_stable_hash_of_its_parts():
   assert call_seed(jax.random.key(3), 0) == _blake2b_seed(b"k" + key_data, b"i0")
   assert call_seed(jax.random.PRNGKey(3), 0) == call_seed(jax.random.key(3), 0)  # raw key
   # Order, grouping and the type of a part all count.
-  seeds = {call_seed(1, 2), call_seed(2, 1), call_seed(12), call_seed("1", 2),
-           call_seed(b"1", 2), call_seed(1, 2, 0), call_seed(jax.random.key(4), 0)}
+  seeds = {
+      call_seed(1, 2),
+      call_seed(2, 1),
+      call_seed(12),
+      call_seed("1", 2),
+      call_seed(b"1", 2),
+      call_seed(1, 2, 0),
+      call_seed(jax.random.key(4), 0),
+  }
   assert len(seeds) == 7
   assert call_seed(jax.random.key(3), 0) != call_seed(jax.random.key(4), 0)
-  assert all(0 <= s < 2 ** 63 for s in seeds)
+  assert all(0 <= s < 2**63 for s in seeds)
   with pytest.raises(TypeError, match="call_seed"):
     call_seed(1.5)
   with pytest.raises(TypeError, match="bool"):
@@ -116,9 +137,14 @@ def _config():
 
 def _rows(workdir, run_bound=False):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items()
-             if run_bound or not k.startswith(RUN_BOUND_PREFIXES)}
-            for line in f]
+    return [
+        {
+            k: v
+            for k, v in json.loads(line).items()
+            if run_bound or not k.startswith(RUN_BOUND_PREFIXES)
+        }
+        for line in f
+    ]
 
 
 def _dump(workdir, step):
@@ -149,8 +175,9 @@ def test_rl_steps_take_the_llm_judges_grades_as_rewards(runs):
   judged = 0
   for node in _dump(full, 1):
     for reward, action in zip(node["rewards"], node["actions"]):
-      scores = [s["grades"]["judge"]["score"] for s in action["steps"]
-                if "judge" in s.get("grades", {})]
+      scores = [
+          s["grades"]["judge"]["score"] for s in action["steps"] if "judge" in s.get("grades", {})
+      ]
       if scores:
         judged += 1
         assert reward == pytest.approx(sum(scores), abs=1e-6)
@@ -166,9 +193,13 @@ def test_rl_steps_train_on_qwen3_style_thinking_rewrites(runs):
   full, _ = runs
   rows = _rows(full)
   assert sum(r["text/history_rewrites"] for r in rows[1:]) > 0
-  rewritten = [step for node in _dump(full, 1) + _dump(full, 2)
-               for action in node["actions"] for step in action["steps"]
-               if step.get("history_rewrites")]
+  rewritten = [
+      step
+      for node in _dump(full, 1) + _dump(full, 2)
+      for action in node["actions"]
+      for step in action["steps"]
+      if step.get("history_rewrites")
+  ]
   assert rewritten and all(step["valid"] for step in rewritten)
   for r in rows[1:]:
     assert np.isfinite(r["train/loss"]) and r["batch/actions"] > 0

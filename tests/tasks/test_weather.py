@@ -33,8 +33,10 @@ def test_env_accepts_the_tasks_and_a_scripted_episode_succeeds():
   assert first.turns[-1].role == "user"
   assert first.turns[-1].content == f"What is the temperature in {task['city'].title()}?"
   outs, _ = rollout_scripted(
-      env, [call("get_weather", city=task["city"].title()),
-            f"<answer>{task['answer']}</answer>"], StepLimits(max_turns=4))
+      env,
+      [call("get_weather", city=task["city"].title()), f"<answer>{task['answer']}</answer>"],
+      StepLimits(max_turns=4),
+  )
   assert [o.done for o in outs] == [False, True]
   assert outs[0].grades["tools_ok"].score == 1.0
   assert outs[0].next_thread.turns[-1].content == str(task["answer"])

@@ -5,8 +5,15 @@ import dataclasses
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from mtrl_jax.text import (ByteTokenizer, ChatFormat, ChatRenderer, HFTokenizer, TokenLedger,
-                           chatml, compact)
+from mtrl_jax.text import (
+    ByteTokenizer,
+    ChatFormat,
+    ChatRenderer,
+    HFTokenizer,
+    TokenLedger,
+    chatml,
+    compact,
+)
 
 # Default ByteTokenizer specials (ids fixed by DEFAULT_SPECIALS order).
 EOS, SYS, USER, ASST, TOOL, END, ANS, ANS_CLOSE = 258, 259, 260, 261, 262, 263, 266, 267
@@ -37,11 +44,23 @@ def test_compact_format_ids():
 
 def test_render_conversation_ids_and_sft_mask(compact_renderer):
   led = compact_renderer.render_conversation(
-      [("system", "S"), ("user", "2+3"), FakeTurn("assistant", "<answer>5</answer>"),
-       ("tool", "x")])
+      [("system", "S"), ("user", "2+3"), FakeTurn("assistant", "<answer>5</answer>"), ("tool", "x")]
+  )
   # Hand-built: <|system|>S<|end|> <|user|>2+3<|end|> <|assistant|><answer>5</answer><|end|> ...
-  want = ([SYS] + _b("S") + [END] + [USER] + _b("2+3") + [END]
-          + [ASST, ANS] + _b("5") + [ANS_CLOSE, END] + [TOOL] + _b("x") + [END])
+  want = (
+      [SYS]
+      + _b("S")
+      + [END]
+      + [USER]
+      + _b("2+3")
+      + [END]
+      + [ASST, ANS]
+      + _b("5")
+      + [ANS_CLOSE, END]
+      + [TOOL]
+      + _b("x")
+      + [END]
+  )
   assert list(led.ids) == want
   # Only assistant content and its stop token are trainable; its header is not.
   trainable_ids = [i for i, t in zip(led.ids, led.trainable) if t]
@@ -52,7 +71,8 @@ def test_render_conversation_ids_and_sft_mask(compact_renderer):
   assert all(lp == 0.0 for lp in led.logprobs)
   assert compact_renderer.tokenizer.decode(led.ids) == (
       "<|system|>S<|end|><|user|>2+3<|end|><|assistant|><answer>5</answer><|end|>"
-      "<|tool|>x<|end|>")
+      "<|tool|>x<|end|>"
+  )
 
 
 def test_rl_completion_stored_exactly(compact_renderer):
@@ -64,11 +84,11 @@ def test_rl_completion_stored_exactly(compact_renderer):
   sampled = _b("ok") + [END]
   text = r.append_completion(led, sampled, [-0.25, -0.5, -0.125], finished_by_stop=True)
   assert text == "ok"
-  assert led.ids[:len(before)] == before
-  assert list(led.ids[len(before):]) == sampled  # compact appends nothing after the stop
-  assert led.logprobs[len(before):] == (-0.25, -0.5, -0.125)
+  assert led.ids[: len(before)] == before
+  assert list(led.ids[len(before) :]) == sampled  # compact appends nothing after the stop
+  assert led.logprobs[len(before) :] == (-0.25, -0.5, -0.125)
   assert led.trainable == (False,) * len(before) + (True,) * 3
-  assert set(led.turn[len(before) - 1:]) == {1} and led.open_turn is None
+  assert set(led.turn[len(before) - 1 :]) == {1} and led.open_turn is None
   assert (r.completions_checked, r.retokenize_mismatches) == (1, 0)
 
 
@@ -123,18 +143,21 @@ def test_forked_completions_share_prompt(compact_renderer):
   # finished_by_stop inferred from the last id when not given.
   inferred = led.copy()
   assert r.append_completion(inferred, [ord("x"), END], [-0.1, -0.2]) == "x"
-  assert inferred.ids == kids[0].ids[:len(prompt)] + (ord("x"), END)
+  assert inferred.ids == kids[0].ids[: len(prompt)] + (ord("x"), END)
   cut = led.copy()
   assert r.append_completion(cut, [ord("x")], [-0.1]) == "x"
-  assert cut.ids[len(prompt):] == (ord("x"), END) and cut.trainable[-1] is False
+  assert cut.ids[len(prompt) :] == (ord("x"), END) and cut.trainable[-1] is False
   assert [k.ids[len(prompt)] for k in kids] == [ord("a"), ord("b"), ord("c")]
 
 
 def test_renderer_errors(compact_renderer):
   r = compact_renderer
   led = TokenLedger()
-  with pytest.raises(ValueError, match=r"unknown chat role 'robot'; allowed roles: "
-                     r"\['system', 'user', 'assistant', 'tool'\]"):
+  with pytest.raises(
+      ValueError,
+      match=r"unknown chat role 'robot'; allowed roles: "
+      r"\['system', 'user', 'assistant', 'tool'\]",
+  ):
     r.render_turn(led, "robot", "x")
   with pytest.raises(ValueError, match="begin_assistant on this ledger first"):
     r.append_completion(led, [END], [0.0], True)
@@ -169,8 +192,9 @@ def test_chatml_byte_tokenizer_exact_ids():
   prompt = r.begin_assistant(led)
   assert prompt == [start] + _b("user\nhi") + [end] + _b("\n") + [start] + _b("assistant\n")
   r.append_completion(led, _b("ok") + [end], [-1.0] * 3, True)
-  assert tok.decode(led.ids) == ("<|im_start|>user\nhi<|im_end|>\n"
-                                 "<|im_start|>assistant\nok<|im_end|>\n")
+  assert tok.decode(led.ids) == (
+      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n"
+  )
   assert led.trainable[-4:] == (True, True, True, False)  # the framework's '\n' is not trained
 
 
@@ -178,16 +202,25 @@ def _hf_tokenizer(tmp_path):
   raw = Tokenizer(models.BPE())
   raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   raw.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                show_progress=False)
-  raw.train_from_iterator(["hello world, the user asked", "assistant system tool"] * 4,
-                          trainer=trainer)
-  raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                          for t in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")])
+  trainer = trainers.BpeTrainer(
+      vocab_size=320,
+      special_tokens=["<|endoftext|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False,
+  )
+  raw.train_from_iterator(
+      ["hello world, the user asked", "assistant system tool"] * 4, trainer=trainer
+  )
+  raw.add_special_tokens(
+      [
+          AddedToken(t, special=True, normalized=False)
+          for t in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+      ]
+  )
   raw.save(str(tmp_path / "tokenizer.json"))
   (tmp_path / "tokenizer_config.json").write_text(
-      '{"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}')
+      '{"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}'
+  )
   return HFTokenizer.from_dir(str(tmp_path))
 
 
@@ -196,14 +229,22 @@ def test_chatml_hf_matches_template_string(tmp_path):
   r = ChatRenderer(tok, chatml(tok))
   end = tok.token_to_id("<|im_end|>")
   assert r.fmt.stop_ids == (end, tok.eos_id)
-  led = r.render_conversation([("system", "You are terse."), ("user", "hello world"),
-                               ("assistant", "hello"), ("user", "the tool")])
+  led = r.render_conversation(
+      [
+          ("system", "You are terse."),
+          ("user", "hello world"),
+          ("assistant", "hello"),
+          ("user", "the tool"),
+      ]
+  )
   prompt = r.begin_assistant(led)
-  want = ("<|im_start|>system\nYou are terse.<|im_end|>\n"
-          "<|im_start|>user\nhello world<|im_end|>\n"
-          "<|im_start|>assistant\nhello<|im_end|>\n"
-          "<|im_start|>user\nthe tool<|im_end|>\n"
-          "<|im_start|>assistant\n")
+  want = (
+      "<|im_start|>system\nYou are terse.<|im_end|>\n"
+      "<|im_start|>user\nhello world<|im_end|>\n"
+      "<|im_start|>assistant\nhello<|im_end|>\n"
+      "<|im_start|>user\nthe tool<|im_end|>\n"
+      "<|im_start|>assistant\n"
+  )
   assert tok.decode(prompt) == want
   assert prompt == tok.encode(want)  # piecewise rendering equals tokenising the whole string
   trained = [i for i, t in zip(led.ids, led.trainable) if t]
@@ -225,5 +266,5 @@ def test_hf_sampled_ids_kept_when_they_retokenise_differently(tmp_path):
   led2 = r.render_conversation([("user", "hi")])
   r.begin_assistant(led2)
   assert r.append_completion(led2, spelled + [end], [-1.0] * 6, True) == "hello"
-  assert list(led2.ids[n:n + 6]) == spelled + [end]
+  assert list(led2.ids[n : n + 6]) == spelled + [end]
   assert (r.completions_checked, r.retokenize_mismatches) == (2, 1)

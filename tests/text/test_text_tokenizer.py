@@ -30,11 +30,18 @@ def test_byte_encode_bytes_and_specials():
   assert tok.encode("") == []
 
 
-@pytest.mark.parametrize("text", [
-    "plain ascii", "héllo wörld — 数学 🙂", "<|user|>2+3<|end|><|assistant|>",
-    '<tool_call>{"name":"calc","arguments":{"x":"ü"}}</tool_call>', "<answer<answer>>", "",
-    "\n\t\x00",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain ascii",
+        "héllo wörld — 数学 🙂",
+        "<|user|>2+3<|end|><|assistant|>",
+        '<tool_call>{"name":"calc","arguments":{"x":"ü"}}</tool_call>',
+        "<answer<answer>>",
+        "",
+        "\n\t\x00",
+    ],
+)
 def test_byte_round_trip(text):
   tok = ByteTokenizer()
   ids = tok.encode(text)
@@ -88,15 +95,27 @@ def _train_bpe():
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                show_progress=False)
-  corpus = ["hello world", "hello there, how are you?", "user assistant system tool",
-            "the answer is 42", "call the calculator tool"] * 4
+  trainer = trainers.BpeTrainer(
+      vocab_size=320,
+      special_tokens=["<|endoftext|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False,
+  )
+  corpus = [
+      "hello world",
+      "hello there, how are you?",
+      "user assistant system tool",
+      "the answer is 42",
+      "call the calculator tool",
+  ] * 4
   tok.train_from_iterator(corpus, trainer=trainer)
   # Like Qwen: chat specials are added after training, with the next free ids.
-  tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                          for t in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")])
+  tok.add_special_tokens(
+      [
+          AddedToken(t, special=True, normalized=False)
+          for t in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+      ]
+  )
   return tok
 
 
@@ -105,11 +124,17 @@ def hf_dir(tmp_path):
   tok = _train_bpe()
   tok.save(str(tmp_path / "tokenizer.json"))
   n = tok.get_vocab_size(with_added_tokens=True)
-  added = {str(tok.token_to_id(t)): {"content": t, "special": True}
-           for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+  added = {
+      str(tok.token_to_id(t)): {"content": t, "special": True}
+      for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+  }
   added[str(n)] = {"content": "<answer>", "special": True}  # only in the config
-  cfg = {"eos_token": "<|im_end|>", "pad_token": {"content": "<|endoftext|>"},
-         "bos_token": None, "added_tokens_decoder": added}
+  cfg = {
+      "eos_token": "<|im_end|>",
+      "pad_token": {"content": "<|endoftext|>"},
+      "bos_token": None,
+      "added_tokens_decoder": added,
+  }
   (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
   return tmp_path
 

@@ -65,8 +65,14 @@ class SmokeRun:
 def _train(workdir: str) -> str:
   """Trains the run into `workdir`, its stderr kept in `workdir`.stderr; returns '' or why
   it failed."""
-  cmd = [sys.executable, "-m", "experiments.train", *SMOKE_FLAGS, f"--workdir={workdir}",
-         "--progress=false"]
+  cmd = [
+      sys.executable,
+      "-m",
+      "experiments.train",
+      *SMOKE_FLAGS,
+      f"--workdir={workdir}",
+      "--progress=false",
+  ]
   try:
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
   except subprocess.TimeoutExpired as e:

@@ -22,55 +22,104 @@ CALC = calc_config.get_config().sft.conversations.partition(":")[0]  # the task'
 
 # (config file, overrides, text the one-line error must contain)
 BAD = {
-    "factory_import_path": ("calculator", {"env.factory": "no_such_pkg.env:Factory"},
-                            ["env.factory='no_such_pkg.env:Factory'", "no_such_pkg"]),
-    "factory_name": ("calculator", {"env.factory": "calculater"},
-                     ["env.factory='calculater'", "'calculator'"]),
-    "factory_attr": ("calculator", {"env.factory": f"{CALC}:NoFactory"},
-                     ["env.factory=", "NoFactory"]),
-    "factory_kwargs": ("calculator", {"env.kwargs": {"colour": "red"}},
-                       ["env.factory='calculator'", "colour"]),
-    "task_source": ("calculator", {"tasks.source": "no_such_pkg.tasks:make"},
-                    ["tasks.source='no_such_pkg.tasks:make'"]),
-    "task_split": ("calculator", {"tasks.eval_split": "held_out"},
-                   ["tasks.eval_split='held_out'", "'eval'"]),
-    "sft_conversations": ("calculator", {"sft.conversations": f"{CALC}:no_golden"},
-                          ["sft.conversations=", "no_golden"]),
-    "sft_conversation_kwargs": ("refine", {"sft.conversation_kwargs": {"turns": 2}},
-                                ["sft.conversation_kwargs={'turns': 2}", "turns",
-                                 "refine:warmup_conversation"]),
-    "sft_conversation_kwargs_alone": ("calculator", {"sft.steps": 0, "sft.conversations": "",
-                                                     "sft.conversation_kwargs": {"turns": 2}},
-                                      ["sft.conversation_kwargs={'turns': 2}",
-                                       "needs sft.conversations"]),
-    "single_agent_separate": ("refine", {"tree.num_agents": 1, "agents.share_policy": False},
-                              ["agents.share_policy=False with tree.num_agents=1",
-                               "allowed: True"]),
-    "extra_specials": ("calculator", {"tokenizer.extra_specials": f"{CALC}:golden_conversation"},
-                       ["tokenizer.extra_specials=", "tuple of strings"]),
-    "agents": ("coop", {"tree.num_agents": 1, "agents.share_policy": True},
-               ["tree.num_agents=1", "env.factory='coop'", "allowed: 2"]),
-    "team_weight_range": ("coop", {"agents.team_weight": 1.5},
-                          ["agents.team_weight=1.5", "allowed: a number in [0, 1]"]),
-    "team_weight_one_agent": ("calculator", {"agents.team_weight": 0.5},
-                              ["agents.team_weight=0.5 with tree.num_agents=1", "allowed: 1.0"]),
-    "marginal_one_agent": ("calculator", {"tree.joint_mode": "marginal"},
-                           ["tree.joint_mode='marginal' with tree.num_agents=1",
-                            "allowed: tree.num_agents >= 2"]),
-    "one_generation_mean": ("calculator", {"tree.num_generations": 1},
-                            ["tree.num_generations=1", "advantage_mode='mean'", "'raw'"]),
-    "one_generation_max": ("calculator", {"tree.num_generations": 1,
-                                          "tree.advantage_mode": "max"},
-                           ["tree.num_generations=1", "advantage_mode='max'"]),
-    "dtype": ("calculator", {"model.dtype": "float16"},
-              ["model.dtype='float16'", "'bfloat16'"]),
-    "model_path": ("calculator", {"model.path": "/no/such/checkpoint"},
-                   ["model.path='/no/such/checkpoint'", "config.json"]),
-    "is_correction": ("calculator", {"loss.is_correction": "clip"},
-                      ["is_correction='clip'", "'tis'", "'mis_action'"]),
+    "factory_import_path": (
+        "calculator",
+        {"env.factory": "no_such_pkg.env:Factory"},
+        ["env.factory='no_such_pkg.env:Factory'", "no_such_pkg"],
+    ),
+    "factory_name": (
+        "calculator",
+        {"env.factory": "calculater"},
+        ["env.factory='calculater'", "'calculator'"],
+    ),
+    "factory_attr": (
+        "calculator",
+        {"env.factory": f"{CALC}:NoFactory"},
+        ["env.factory=", "NoFactory"],
+    ),
+    "factory_kwargs": (
+        "calculator",
+        {"env.kwargs": {"colour": "red"}},
+        ["env.factory='calculator'", "colour"],
+    ),
+    "task_source": (
+        "calculator",
+        {"tasks.source": "no_such_pkg.tasks:make"},
+        ["tasks.source='no_such_pkg.tasks:make'"],
+    ),
+    "task_split": (
+        "calculator",
+        {"tasks.eval_split": "held_out"},
+        ["tasks.eval_split='held_out'", "'eval'"],
+    ),
+    "sft_conversations": (
+        "calculator",
+        {"sft.conversations": f"{CALC}:no_golden"},
+        ["sft.conversations=", "no_golden"],
+    ),
+    "sft_conversation_kwargs": (
+        "refine",
+        {"sft.conversation_kwargs": {"turns": 2}},
+        ["sft.conversation_kwargs={'turns': 2}", "turns", "refine:warmup_conversation"],
+    ),
+    "sft_conversation_kwargs_alone": (
+        "calculator",
+        {"sft.steps": 0, "sft.conversations": "", "sft.conversation_kwargs": {"turns": 2}},
+        ["sft.conversation_kwargs={'turns': 2}", "needs sft.conversations"],
+    ),
+    "single_agent_separate": (
+        "refine",
+        {"tree.num_agents": 1, "agents.share_policy": False},
+        ["agents.share_policy=False with tree.num_agents=1", "allowed: True"],
+    ),
+    "extra_specials": (
+        "calculator",
+        {"tokenizer.extra_specials": f"{CALC}:golden_conversation"},
+        ["tokenizer.extra_specials=", "tuple of strings"],
+    ),
+    "agents": (
+        "coop",
+        {"tree.num_agents": 1, "agents.share_policy": True},
+        ["tree.num_agents=1", "env.factory='coop'", "allowed: 2"],
+    ),
+    "team_weight_range": (
+        "coop",
+        {"agents.team_weight": 1.5},
+        ["agents.team_weight=1.5", "allowed: a number in [0, 1]"],
+    ),
+    "team_weight_one_agent": (
+        "calculator",
+        {"agents.team_weight": 0.5},
+        ["agents.team_weight=0.5 with tree.num_agents=1", "allowed: 1.0"],
+    ),
+    "marginal_one_agent": (
+        "calculator",
+        {"tree.joint_mode": "marginal"},
+        ["tree.joint_mode='marginal' with tree.num_agents=1", "allowed: tree.num_agents >= 2"],
+    ),
+    "one_generation_mean": (
+        "calculator",
+        {"tree.num_generations": 1},
+        ["tree.num_generations=1", "advantage_mode='mean'", "'raw'"],
+    ),
+    "one_generation_max": (
+        "calculator",
+        {"tree.num_generations": 1, "tree.advantage_mode": "max"},
+        ["tree.num_generations=1", "advantage_mode='max'"],
+    ),
+    "dtype": ("calculator", {"model.dtype": "float16"}, ["model.dtype='float16'", "'bfloat16'"]),
+    "model_path": (
+        "calculator",
+        {"model.path": "/no/such/checkpoint"},
+        ["model.path='/no/such/checkpoint'", "config.json"],
+    ),
+    "is_correction": (
+        "calculator",
+        {"loss.is_correction": "clip"},
+        ["is_correction='clip'", "'tis'", "'mis_action'"],
+    ),
     "is_cap": ("calculator", {"loss.is_cap": 0.5}, ["is_cap=0.5", "> 1"]),
-    "num_layers": ("calculator", {"model.num_layers": -2},
-                   ["model.num_layers=-2", "positive int"]),
+    "num_layers": ("calculator", {"model.num_layers": -2}, ["model.num_layers=-2", "positive int"]),
 }
 
 
@@ -95,14 +144,25 @@ def test_validate_refuses_in_one_line(case):
 
 
 def test_good_configs_and_raw_single_sample_pass():
-  for c in (calc_config.get_config(), calc_config.get_config("smoke=True"),
-            coop_config.get_config(), humaneval_config.get_config("smoke=True"),
-            refine_config.get_config()):
+  for c in (
+      calc_config.get_config(),
+      calc_config.get_config("smoke=True"),
+      coop_config.get_config(),
+      humaneval_config.get_config("smoke=True"),
+      refine_config.get_config(),
+  ):
     experiment.validate(c)
   # 'raw' advantages of one sample are the returns themselves: allowed.
-  experiment.validate(_config("calculator", {"tree.num_generations": 1,
-                                             "tree.advantage_mode": "raw",
-                                             "tree.advantage_std_norm": False}))
+  experiment.validate(
+      _config(
+          "calculator",
+          {
+              "tree.num_generations": 1,
+              "tree.advantage_mode": "raw",
+              "tree.advantage_std_norm": False,
+          },
+      )
+  )
   # `build` keeps raising plain ValueErrors (ConfigError is one) for library callers.
   with pytest.raises(ValueError, match="model.dtype"):
     experiment.build(_config("calculator", {"model.dtype": "int8"}))
@@ -120,8 +180,9 @@ class _MiscountingFactory(EnvironmentFactory):
 def test_factory_agent_count_must_match_its_environments():
   assert EnvironmentFactory.num_agents is None  # undeclared by default
   c = _config("calculator", {"env.factory": f"{__name__}:_MiscountingFactory"})
-  with pytest.raises(experiment.ConfigError, match="declares num_agents=2 but its "
-                                                   "environments have 1"):
+  with pytest.raises(
+      experiment.ConfigError, match="declares num_agents=2 but its environments have 1"
+  ):
     experiment.validate(c)
 
 
@@ -154,9 +215,12 @@ def test_train_entry_point_refuses_before_writing(tmp_path):
   exits non-zero, and writes nothing (every refusal itself is checked in-process above)."""
   name, overrides, needles = BAD["factory_import_path"]
   workdir = tmp_path / "run"
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
-         f"--config={os.path.join(ROOT, 'configs', name + '.py')}:smoke=True",
-         f"--workdir={workdir}"]
+  cmd = [
+      sys.executable,
+      os.path.join(ROOT, "experiments", "train.py"),
+      f"--config={os.path.join(ROOT, 'configs', name + '.py')}:smoke=True",
+      f"--workdir={workdir}",
+  ]
   cmd += [f"--config.{key}={value}" for key, value in overrides.items()]
   env = dict(os.environ, PYTHONPATH=ROOT)
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -171,11 +235,14 @@ def test_train_entry_point_refuses_before_writing(tmp_path):
 
 def test_curriculum_config_builds_the_stream_and_bad_values_fail_in_one_line():
   from mtrl_jax import data
+
   c = calc_config.get_config("smoke=True")
   exp = experiment.validate(c)
   assert not exp.curriculum.enabled  # off by default: the plain stream
-  assert isinstance(components.make_train_stream(
-      exp, components.make_task_source(exp.tasks, "train")), data.TaskStream)
+  assert isinstance(
+      components.make_train_stream(exp, components.make_task_source(exp.tasks, "train")),
+      data.TaskStream,
+  )
   c.curriculum.enabled = True
   exp = experiment.validate(c)
   stream = components.make_train_stream(exp, None)

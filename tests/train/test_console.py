@@ -11,32 +11,42 @@ from mtrl_jax.train.console import Console
 
 
 def _sft(**kw):
-  fields = dict(steps=200, batch_size=8, num_examples=64, until_success=0.3, check_tasks=100,
-                check_every=25)
+  fields = dict(
+      steps=200, batch_size=8, num_examples=64, until_success=0.3, check_tasks=100, check_every=25
+  )
   return types.SimpleNamespace(**{**fields, **kw})
 
 
 def test_durations_read_as_seconds_minutes_and_hours():
   assert [console_lib.duration(s) for s in (0.4, 41, 492, 3780)] == [
-      "0 s", "41 s", "8 min 12 s", "1 h 3 min"]
+      "0 s",
+      "41 s",
+      "8 min 12 s",
+      "1 h 3 min",
+  ]
 
 
 def test_sft_lines_name_the_stop_rule_progress_and_why_it_ended():
   assert console_lib.format_sft_start(_sft()) == (
       "sft: up to 200 steps of 8 rows from 64 golden conversations; stops early once greedy "
-      "success on 100 held-back train tasks reaches 0.3 (checked every 25 steps)")
+      "success on 100 held-back train tasks reaches 0.3 (checked every 25 steps)"
+  )
   assert console_lib.format_sft_start(_sft(until_success=0.0)).endswith("; no early stop")
   row = {"sft_step": 25, "nll": 1.2041, "check_success": 0.125}
   assert console_lib.format_sft_row(row, 200, 14.2) == (
-      "sft: step 25/200 nll 1.204 check_success 0.12 (14 s)")
+      "sft: step 25/200 nll 1.204 check_success 0.12 (14 s)"
+  )
   stopped = [row, {"sft_step": 75, "nll": 0.8, "check_success": 0.31}]
   assert console_lib.format_sft_end(stopped, 200, 0.3, 41) == (
-      "sft: stopped at step 75 of 200: check_success 0.31 >= 0.3 (41 s)")
+      "sft: stopped at step 75 of 200: check_success 0.31 >= 0.3 (41 s)"
+  )
   ran = [{"sft_step": 200, "nll": 0.5, "check_success": 0.25}]
   assert console_lib.format_sft_end(ran, 200, 0.3, 75) == (
-      "sft: done, 200 steps in 1 min 15 s, nll 0.500, check_success 0.25 (< 0.3)")
+      "sft: done, 200 steps in 1 min 15 s, nll 0.500, check_success 0.25 (< 0.3)"
+  )
   assert console_lib.format_sft_end([{"sft_step": 3, "nll": 2.0}], 3, 0.0, 5) == (
-      "sft: done, 3 steps in 5 s, nll 2.000")
+      "sft: done, 3 steps in 5 s, nll 2.000"
+  )
 
 
 def test_sft_progress_prints_a_line_per_tenth_of_the_steps():
@@ -66,21 +76,31 @@ def test_compile_progress_lines_start_finish_and_throttle():
 def test_eval_lines_show_each_mode_and_the_best_so_far():
   out = io.StringIO()
   c = Console(True, history=[{"step": 0, "eval/greedy/success": 0.25}], stream=out)
-  m = {"eval/greedy/success": 0.5, "eval/greedy/return": -0.125, "eval/greedy/turns": 3.14,
-       "eval/greedy/outcome": 0.1, "eval/sampled/success": 0.75, "eval/sampled/return": 0.5,
-       "eval/sampled/turns": 2.0}
+  m = {
+      "eval/greedy/success": 0.5,
+      "eval/greedy/return": -0.125,
+      "eval/greedy/turns": 3.14,
+      "eval/greedy/outcome": 0.1,
+      "eval/sampled/success": 0.75,
+      "eval/sampled/return": 0.5,
+      "eval/sampled/turns": 2.0,
+  }
   c.evaluated(10, m)
   c.evaluated(20, {**m, "eval/greedy/success": 0.5})  # a tie keeps the earlier best
   lines = out.getvalue().splitlines()
-  assert lines[0] == ("eval at step 10: greedy success 0.50 return -0.12 turns 3.1; sampled "
-                      "success 0.75 return 0.50 turns 2.0 | best success 0.50 at step 10")
+  assert lines[0] == (
+      "eval at step 10: greedy success 0.50 return -0.12 turns 3.1; sampled "
+      "success 0.75 return 0.50 turns 2.0 | best success 0.50 at step 10"
+  )
   assert lines[1].endswith("| best success 0.50 at step 10")
   assert console_lib.format_eval(0, {}, None) == "eval at step 0: no metrics"
 
 
 def test_postfix_names_what_the_bar_shows():
-  assert console_lib.format_postfix({"rollout/return": 0.4567, "rollout/path_success": 0.5}) \
-      == {"root_return": "0.46", "train_success": "0.50"}
+  assert console_lib.format_postfix({"rollout/return": 0.4567, "rollout/path_success": 0.5}) == {
+      "root_return": "0.46",
+      "train_success": "0.50",
+  }
   assert console_lib.format_postfix({}) == {"root_return": "n/a", "train_success": "n/a"}
 
 
@@ -102,13 +122,16 @@ def test_the_bar_shows_its_labels_and_lines_go_above_it(capsys):
 
 def test_start_and_end_lines():
   assert console_lib.format_rl_start(1, 130, 10, True) == (
-      "rl: steps 1-130, held-out evaluation every 10 steps")
+      "rl: steps 1-130, held-out evaluation every 10 steps"
+  )
   assert console_lib.format_rl_start(4, 3, 2, False) == "rl: nothing left to run (step 3 of 3 done)"
   assert console_lib.format_end(1, 130, 492, (0.8, 120), "/runs/a") == (
       "done: 130 RL steps (1-130) in 8 min 12 s; best eval success 0.80 at step 120; files in "
-      "/runs/a (summary.json, metrics.jsonl, curves.png, ckpt/, best/)")
+      "/runs/a (summary.json, metrics.jsonl, curves.png, ckpt/, best/)"
+  )
   assert console_lib.format_end(1, 7, 30, None, "/r", halted=True).startswith(
-      "done: 7 RL steps (1-7) in 30 s, halted at step 7; files in /r")
+      "done: 7 RL steps (1-7) in 30 s, halted at step 7; files in /r"
+  )
   assert console_lib.format_end(4, 3, 2, None, "/r").startswith("done: no RL step run in 2 s")
 
 
@@ -125,22 +148,26 @@ def test_precompile_reports_each_engine_and_train_step_program():
   from tests.train.test_rl_loop import smoke_config
 
   class Engine:
+
     def precompile(self, params, samplings, num_stop_ids, fanout, threads, progress):
       for done in range(3):
         progress(done, 2)
       return 2
 
   class Step:
+
     def precompile(self, spec):
       pass
 
   plan = shapes.plan_shapes(experiment.build(smoke_config()), row_multiple=2, local_shards=2)
   calls = []
-  info = shapes.precompile(plan, Engine(), "params", Step(), num_stop_ids=1,
-                           progress=lambda *a: calls.append(a))
+  info = shapes.precompile(
+      plan, Engine(), "params", Step(), num_stop_ids=1, progress=lambda *a: calls.append(a)
+  )
   n = len(plan.train_specs())
-  assert calls == ([("engine", d, 2) for d in range(3)]
-                   + [("train-step", d, n) for d in range(n + 1)])
+  assert calls == (
+      [("engine", d, 2) for d in range(3)] + [("train-step", d, n) for d in range(n + 1)]
+  )
   assert info["train_programs"] == n
 
 
@@ -149,16 +176,31 @@ def test_the_smoke_run_says_each_phase(smoke_run):
   ours = [l for l in lines if l.startswith(("sft:", "eval at", "rl:", "done:"))]
   kinds = [re.match(r"(sft: \w+|eval at step \d+|rl:|done:)", l).group(1) for l in ours]
   assert kinds[2] in ("sft: done", "sft: stopped"), lines
-  assert kinds[:2] + kinds[3:] == ["sft: up", "sft: step", "eval at step 0", "rl:",
-                                   "eval at step 2", "eval at step 3", "done:"], lines
-  assert ours[0].startswith("sft: up to 3 steps of 8 rows from 16 golden conversations; "
-                            "stops early once greedy success on 4 held-back train tasks")
+  assert kinds[:2] + kinds[3:] == [
+      "sft: up",
+      "sft: step",
+      "eval at step 0",
+      "rl:",
+      "eval at step 2",
+      "eval at step 3",
+      "done:",
+  ], lines
+  assert ours[0].startswith(
+      "sft: up to 3 steps of 8 rows from 16 golden conversations; "
+      "stops early once greedy success on 4 held-back train tasks"
+  )
   assert ours[2].startswith(("sft: done, 3 steps", "sft: stopped at step")), ours[2]
-  assert re.fullmatch(r"eval at step 0: greedy success \d\.\d\d return -?\d\.\d\d turns "
-                      r"\d\.\d \| best success \d\.\d\d at step 0", ours[3]), ours[3]
-  assert ours[4] == ("rl: steps 1-3, held-out evaluation every 2 steps; programs compile on "
-                     "first use")
+  assert re.fullmatch(
+      r"eval at step 0: greedy success \d\.\d\d return -?\d\.\d\d turns "
+      r"\d\.\d \| best success \d\.\d\d at step 0",
+      ours[3],
+  ), ours[3]
+  assert ours[4] == (
+      "rl: steps 1-3, held-out evaluation every 2 steps; programs compile on first use"
+  )
   best = smoke_run.summary()["best"]
   assert ours[-1].startswith("done: 3 RL steps (1-3) in ")
-  assert (f"; best eval success {best['score']:.2f} at step {best['step']}; files in "
-          f"{smoke_run.workdir} (") in ours[-1], ours[-1]
+  assert (
+      f"; best eval success {best['score']:.2f} at step {best['step']}; files in "
+      f"{smoke_run.workdir} ("
+  ) in ours[-1], ours[-1]

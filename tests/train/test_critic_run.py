@@ -11,16 +11,19 @@ from mtrl_jax.train import experiment
 from tests.train.test_separate_policies import run_on_one_device  # one CPU device
 
 
-@pytest.mark.parametrize("key,value,field", [
-    ("critic.kind", "central", "critic.kind"),
-    ("critic.target", "w", "critic.target"),
-    ("critic.estimator", "td1", "critic.estimator"),
-    ("critic.gae_lambda", 1.5, "critic.gae_lambda"),
-    ("critic.value_coef", 0.0, "critic.value_coef"),
-    ("critic.value_clip", -0.1, "critic.value_clip"),
-    ("model.lora.rank", 4, "model.lora.rank"),
-    ("rl.max_staleness", 1, "rl.max_staleness"),
-])
+@pytest.mark.parametrize(
+    "key,value,field",
+    [
+        ("critic.kind", "central", "critic.kind"),
+        ("critic.target", "w", "critic.target"),
+        ("critic.estimator", "td1", "critic.estimator"),
+        ("critic.gae_lambda", 1.5, "critic.gae_lambda"),
+        ("critic.value_coef", 0.0, "critic.value_coef"),
+        ("critic.value_clip", -0.1, "critic.value_clip"),
+        ("model.lora.rank", 4, "model.lora.rank"),
+        ("rl.max_staleness", 1, "rl.max_staleness"),
+    ],
+)
 def test_bad_critic_configs_are_refused_in_one_line(key, value, field):
   c = coop_config.get_config("smoke=True")
   c.critic.kind = "independent"
@@ -48,8 +51,9 @@ def _iac_config():
 
 def test_iac_chain_run_trains_the_value_heads(tmp_path):
   workdir = str(tmp_path / "run")
-  run_on_one_device([{"config": ["tests.train.test_critic_run", "_iac_config", []],
-                      "workdir": workdir}])
+  run_on_one_device(
+      [{"config": ["tests.train.test_critic_run", "_iac_config", []], "workdir": workdir}]
+  )
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   for a in (0, 1):

@@ -52,7 +52,7 @@ def _plain_values(model, paths):
   length = max(map(len, paths))
   tokens = np.zeros((len(paths), length), np.int32)
   for b, path in enumerate(paths):
-    tokens[b, :len(path)] = path
+    tokens[b, : len(path)] = path
   graphdef, params = nnx.split(model, nnx.Param)
   hidden = jax.jit(lambda p, t: nnx.merge(graphdef, p).hidden(t))(params, jnp.asarray(tokens))
   w = np.asarray(model.value_head[...], np.float64)
@@ -64,8 +64,7 @@ def test_packed_values_equal_node_by_node_values(critic, packing, target):
   tree, model, step = critic
   params = nnx.state(model, nnx.Param)
   cfg = BatchConfig(packing=packing, length_buckets=(64, 128), values=target)
-  got = critic_values(tree, cfg, lambda b: jax.device_get(step.values(params, b)),
-                      per_agent=False)
+  got = critic_values(tree, cfg, lambda b: jax.device_get(step.values(params, b)), per_agent=False)
   keys, paths = [], []
   for k, node in enumerate(tree.nodes):
     for i in range(tree.cfg.num_agents):
@@ -88,18 +87,24 @@ def _value_batch(seed, rows=8, length=16):
   r = np.random.RandomState(seed)
   mask = np.zeros((rows, length), bool)
   for b in range(rows):
-    mask[b, 4 + b % 3:length - b % 2] = True
-  batch = testing.rows_batch({
-      "tokens_BxL": r.randint(0, CFG.vocab_size, (rows, length)).astype(np.int32),
-      "loss_mask_BxL": mask, "old_logp_BxL": (-5.0 + 0.3 * r.randn(rows, length)).astype(
-          np.float32), "adv_B": r.randn(rows).astype(np.float32)})
+    mask[b, 4 + b % 3 : length - b % 2] = True
+  batch = testing.rows_batch(
+      {
+          "tokens_BxL": r.randint(0, CFG.vocab_size, (rows, length)).astype(np.int32),
+          "loss_mask_BxL": mask,
+          "old_logp_BxL": (-5.0 + 0.3 * r.randn(rows, length)).astype(np.float32),
+          "adv_B": r.randn(rows).astype(np.float32),
+      }
+  )
   k = batch.prev_BxK.shape[1]
   first = np.zeros((rows, k), bool)
   first[:, 0] = True
   return batch.replace(
-      value_pos_BxK=np.where(first, batch.prev_BxK, 0).astype(np.int32), value_mask_BxK=first,
+      value_pos_BxK=np.where(first, batch.prev_BxK, 0).astype(np.int32),
+      value_mask_BxK=first,
       value_target_BxK=np.where(first, r.randn(rows, k), 0).astype(np.float32),
-      old_value_BxK=np.where(first, 0.3 * r.randn(rows, k), 0).astype(np.float32))
+      old_value_BxK=np.where(first, 0.3 * r.randn(rows, k), 0).astype(np.float32),
+  )
 
 
 def _reference(model, batch, loss_cfg, coef, clip):
@@ -115,10 +120,12 @@ def _reference(model, batch, loss_cfg, coef, clip):
     hidden = m.hidden(b.tokens_BxL)
     logp_BxL = losses.token_logprobs(m.project(hidden), b.tokens_BxL)
     logp = jnp.take_along_axis(logp_BxL, b.prev_BxK + 1, axis=1)
-    pg, _ = losses.policy_loss(logp, b.old_logp_BxK, None, b.adv_BxK, mask, loss_cfg,
-                               action_ids=b.action_BxK)
-    v = jnp.take_along_axis(jnp.einsum("bld,d->bl", hidden, m.value_head[...]),
-                            b.value_pos_BxK, axis=1)
+    pg, _ = losses.policy_loss(
+        logp, b.old_logp_BxK, None, b.adv_BxK, mask, loss_cfg, action_ids=b.action_BxK
+    )
+    v = jnp.take_along_axis(
+        jnp.einsum("bld,d->bl", hidden, m.value_head[...]), b.value_pos_BxK, axis=1
+    )
     err = (v - b.value_target_BxK) ** 2
     clipped = b.old_value_BxK + jnp.clip(v - b.old_value_BxK, -clip, clip)
     err = jnp.maximum(err, (clipped - b.value_target_BxK) ** 2)
@@ -151,8 +158,9 @@ def test_update_with_value_loss_equals_independent_reference(value_reference, mi
   batch, (want_loss, want_params) = value_reference
   assert has_values(batch)
   objective = PolicyObjective(LOSS_CFG, value_coef=0.5, value_clip=0.2)
-  step = TrainStep(model, objective, OPT,
-                   step_cfg=dataclasses.replace(FAST, num_microbatches=microbatches))
+  step = TrainStep(
+      model, objective, OPT, step_cfg=dataclasses.replace(FAST, num_microbatches=microbatches)
+  )
   state, m = step(step.init_state(model), None, batch)
   m = step.fetch_metrics(m)
   assert m["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
@@ -163,6 +171,7 @@ def test_update_with_value_loss_equals_independent_reference(value_reference, mi
 
 def test_value_head_loads_zero_and_is_never_exported(tmp_path):
   from mtrl_jax.models import loading
+
   plain = models.create_model(CFG.replace(value_head=False), seed=0)
   loading.save_pretrained(_model(), str(tmp_path / "with_head"))  # the head is dropped
   loading.save_pretrained(plain, str(tmp_path / "plain"))
@@ -178,8 +187,13 @@ def test_value_slots_follow_every_agent_when_an_earlier_agent_has_none():
 
   def act(prompt, ids):
     n = len(ids)
-    return Action(prompt=prompt, ids=np.asarray(ids, np.int32), logprobs=np.zeros(n, np.float32),
-                  trainable=np.ones(n, bool), advantage=0.0)
+    return Action(
+        prompt=prompt,
+        ids=np.asarray(ids, np.int32),
+        logprobs=np.zeros(n, np.float32),
+        trainable=np.ones(n, bool),
+        advantage=0.0,
+    )
 
   per_agent = [[], [act([5, 6], [7]), act([5, 6], [8, 9])], [act([4], [3, 2])]]
   batch, stats = pack_actions(per_agent, length=16, values="q")

@@ -27,8 +27,14 @@ def run_dir(smoke_run):
 
 def _entry(script, *flags):
   env = dict(os.environ, PYTHONPATH=ROOT)
-  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *flags],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  return subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", script), *flags],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
 
 
 def _rows(workdir):
@@ -37,8 +43,9 @@ def _rows(workdir):
 
 
 def test_config_json_rebuilds_the_same_experiment(smoke_run):
-  assert (experiment.validate(saved.load_config(smoke_run.workdir))
-          == experiment.validate(smoke_run.config()))
+  assert experiment.validate(saved.load_config(smoke_run.workdir)) == experiment.validate(
+      smoke_run.config()
+  )
 
 
 def test_config_json_saved_before_a_field_existed_loads_with_its_default(tmp_path):
@@ -57,8 +64,13 @@ def test_config_json_saved_before_a_field_existed_loads_with_its_default(tmp_pat
 
 
 def test_eval_reproduces_the_runs_final_evaluation(run_dir, tmp_path):
-  out = _entry("eval.py", f"--workdir={run_dir}", "--checkpoint=latest", "--samples=3",
-               f"--json={tmp_path / 'rows.json'}")
+  out = _entry(
+      "eval.py",
+      f"--workdir={run_dir}",
+      "--checkpoint=latest",
+      "--samples=3",
+      f"--json={tmp_path / 'rows.json'}",
+  )
   assert out.returncode == 0, out.stderr
   rows = json.loads((tmp_path / "rows.json").read_text())
   final = _rows(run_dir)[-1]
@@ -67,7 +79,8 @@ def test_eval_reproduces_the_runs_final_evaluation(run_dir, tmp_path):
   assert (greedy["mode"], greedy["checkpoint"], greedy["tasks"]) == ("greedy", "latest (step 3)", 4)
   # The same policy, tasks and greedy rollout as the run's own held-out eval at step 3.
   assert {k: greedy[k] for k in EVAL_KEYS} == pytest.approx(
-      {k: final[f"eval/greedy/{k}"] for k in EVAL_KEYS}, abs=1e-9)
+      {k: final[f"eval/greedy/{k}"] for k in EVAL_KEYS}, abs=1e-9
+  )
   assert (sampled["mode"], sampled["attempts"]) == ("sampled", 3)
   assert sampled["success"] <= sampled["pass@3"] <= min(1.0, 3 * sampled["success"])
   table = out.stdout.strip().splitlines()
@@ -78,14 +91,22 @@ def test_eval_reproduces_the_runs_final_evaluation(run_dir, tmp_path):
 def test_eval_and_export_refuse_bad_checkpoints_in_one_line(run_dir, tmp_path):
   (tmp_path / "fresh").mkdir()  # a run that wrote its config and died before a checkpoint
   (tmp_path / "fresh" / "config.json").write_text(
-      (open(os.path.join(run_dir, "config.json")).read()))
+      (open(os.path.join(run_dir, "config.json")).read())
+  )
   for script, flags, needle in (
       ("eval.py", [f"--workdir={run_dir}", "--checkpoint=7"], "--checkpoint=7"),
       ("eval.py", [f"--workdir={run_dir}", "--checkpoint=newest"], "--checkpoint='newest'"),
-      ("export.py", [f"--workdir={tmp_path / 'none'}", f"--out={tmp_path / 'hf'}"],
-       "has no config.json"),
-      ("export.py", [f"--workdir={tmp_path / 'fresh'}", f"--out={tmp_path / 'hf'}"],
-       "has no checkpoints")):
+      (
+          "export.py",
+          [f"--workdir={tmp_path / 'none'}", f"--out={tmp_path / 'hf'}"],
+          "has no config.json",
+      ),
+      (
+          "export.py",
+          [f"--workdir={tmp_path / 'fresh'}", f"--out={tmp_path / 'hf'}"],
+          "has no checkpoints",
+      ),
+  ):
     out = _entry(script, *flags)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert needle in [l for l in out.stderr.splitlines() if l.strip()][-1], out.stderr
@@ -110,7 +131,8 @@ def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path):
   for a, b in zip(jax.tree.leaves(policy.params), jax.tree.leaves(at_step.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   hf = transformers.AutoModelForCausalLM.from_pretrained(
-      str(out_dir), attn_implementation="eager").eval()
+      str(out_dir), attn_implementation="eager"
+  ).eval()
   tokens = np.random.RandomState(0).randint(0, policy.exp.model.arch.vocab_size, (3, 12))
   ours = np.asarray(policy.model(jnp.asarray(tokens, jnp.int32)))
   with torch.no_grad():
@@ -118,8 +140,10 @@ def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path):
   np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
   hf_cfg = json.loads((out_dir / "config.json").read_text())
-  assert (hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (policy.tokenizer.eos_id,
-                                                              policy.tokenizer.pad_id)
+  assert (hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (
+      policy.tokenizer.eos_id,
+      policy.tokenizer.pad_id,
+  )
   # The byte tokenizer's description rebuilds the run's tokenizer exactly.
   desc = json.loads((out_dir / saved.BYTE_TOKENIZER_FILE).read_text())
   rebuilt = text.ByteTokenizer(specials=desc["special_tokens"])
@@ -128,31 +152,41 @@ def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path):
   assert rebuilt.vocab_size == desc["vocab_size"] == hf_cfg["vocab_size"]
 
 
-
 def test_export_of_an_hf_tokenizer_run_copies_its_tokenizer(tmp_path):
   transformers = pytest.importorskip("transformers")
   from tokenizers import AddedToken, Tokenizer, decoders, models as tok_models
   from tokenizers import pre_tokenizers, trainers
   from mtrl_jax import models
   from mtrl_jax.models import loading
+
   src = tmp_path / "base"
   src.mkdir()
   raw = Tokenizer(tok_models.BPE())
   raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   raw.decoder = decoders.ByteLevel()
-  raw.train_from_iterator(["what is 12 + 30? call the calculator tool", "the answer is 42"] * 4,
-                          trainer=trainers.BpeTrainer(
-                              vocab_size=300, special_tokens=["<|endoftext|>"],
-                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                              show_progress=False))
-  raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                          for t in ("<|im_start|>", "<|im_end|>")])
+  raw.train_from_iterator(
+      ["what is 12 + 30? call the calculator tool", "the answer is 42"] * 4,
+      trainer=trainers.BpeTrainer(
+          vocab_size=300,
+          special_tokens=["<|endoftext|>"],
+          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+          show_progress=False,
+      ),
+  )
+  raw.add_special_tokens(
+      [AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")]
+  )
   raw.save(str(src / "tokenizer.json"))
-  (src / "tokenizer_config.json").write_text(json.dumps(
-      {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-       "tokenizer_class": "PreTrainedTokenizerFast"}))
-  loading.save_pretrained(models.create_model(models.get_preset("tiny", vocab_size=320)),
-                          str(src))
+  (src / "tokenizer_config.json").write_text(
+      json.dumps(
+          {
+              "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>",
+              "tokenizer_class": "PreTrainedTokenizerFast",
+          }
+      )
+  )
+  loading.save_pretrained(models.create_model(models.get_preset("tiny", vocab_size=320)), str(src))
   c = calc_config.get_config("smoke=True")
   c.model.path, c.tokenizer.kind, c.tokenizer.chat_format = str(src), "hf", "chatml"
   c.tokenizer.extra_specials, c.sft.steps = "", 0

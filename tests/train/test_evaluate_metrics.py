@@ -26,6 +26,7 @@ class _YesEnv(Environment):
 
 
 class _Factory:
+
   def create_environment(self, metadata):
     return _YesEnv(metadata)
 
@@ -49,20 +50,29 @@ class _ScriptedEngine(FakePolicy):
     return np.asarray(ids, np.int32), np.full(len(ids), -0.1, np.float32), "stop"
 
 
-@pytest.mark.parametrize("samples, yes_rows, success, pass_k", [
-    # 3 tasks x 3 attempts, rows task-major: task 0 solved on attempt 1 only,
-    # task 2 on attempts 0 and 2, task 1 never.
-    (3, [1, 6, 8], 3 / 9, 2 / 3),
-    (1, [0, 2], 2 / 3, None),
-])
+@pytest.mark.parametrize(
+    "samples, yes_rows, success, pass_k",
+    [
+        # 3 tasks x 3 attempts, rows task-major: task 0 solved on attempt 1 only,
+        # task 2 on attempts 0 and 2, task 1 never.
+        (3, [1, 6, 8], 3 / 9, 2 / 3),
+        (1, [0, 2], 2 / 3, None),
+    ],
+)
 def test_evaluate_samples_gives_pass_at_k(samples, yes_rows, success, pass_k):
   tok = text.ByteTokenizer()
   renderer = text.ChatRenderer(tok, text.compact(tok))
   transition = EnvTransition(renderer, 1, limits=StepLimits(max_turns=1))
   tasks = [{"task_index": i} for i in range(3)]
-  evaluator = eval_lib.Evaluator(_ScriptedEngine(tok, yes_rows), renderer, transition,
-                                 _Factory(), TreeConfig(num_turns=1, num_generations=4),
-                                 SamplingConfig(max_new_tokens=8), success_threshold=0.0)
+  evaluator = eval_lib.Evaluator(
+      _ScriptedEngine(tok, yes_rows),
+      renderer,
+      transition,
+      _Factory(),
+      TreeConfig(num_turns=1, num_generations=4),
+      SamplingConfig(max_new_tokens=8),
+      success_threshold=0.0,
+  )
   out = evaluator(None, tasks, greedy=samples == 1, key=jax.random.PRNGKey(0), samples=samples)
   assert out["success"] == pytest.approx(success, abs=1e-12)
   assert out["outcome"] == pytest.approx(success, abs=1e-12)  # outcome 1 or 0 per attempt

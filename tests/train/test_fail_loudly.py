@@ -53,8 +53,9 @@ def _refusal(c) -> str:
 # ------------------------------------------------------------------ start-up checks
 def test_a_prompt_longer_than_the_token_budget_is_refused_with_its_length():
   # The calculator's tool schema in the system prompt: ~400 byte tokens.
-  c = _config(**{"env.kwargs": {"show_tools": True}, "env.max_tokens": 256,
-                 "rl.length_buckets": (128, 512)})
+  c = _config(
+      **{"env.kwargs": {"show_tools": True}, "env.max_tokens": 256, "rl.length_buckets": (128, 512)}
+  )
   msg = _refusal(c)
   assert msg.startswith("config env.max_tokens=256: the first task's prompt"), msg
   tokens = int(msg.split(" takes ")[1].split()[0])
@@ -66,6 +67,7 @@ def test_a_prompt_longer_than_the_token_budget_is_refused_with_its_length():
 
 def test_a_checkpoint_without_its_tokenizer_is_refused(tmp_path):
   from mtrl_jax.models.config import get_preset
+
   (tmp_path / "config.json").write_text(json.dumps(get_preset("tiny").to_hf_dict()))
   c = _config(**{"tokenizer.kind": "hf", "tokenizer.extra_specials": ""})
   c.model.path = str(tmp_path)
@@ -133,8 +135,7 @@ class _SelfForkingEnv(Environment):
 class LockInMetadataFactory(EnvironmentFactory):
 
   def create_environment(self, metadata):
-    return _SelfForkingEnv({**metadata, "prompt": metadata["question"],
-                            "lock": threading.Lock()})
+    return _SelfForkingEnv({**metadata, "prompt": metadata["question"], "lock": threading.Lock()})
 
 
 def test_a_thread_whose_metadata_cannot_fork_is_refused():
@@ -163,9 +164,15 @@ def test_success_defaults_to_the_top_of_the_outcome_range():
   # Coop keeps its explicit threshold; a combined grader's style term alone (0.1) is
   # no success by default.
   assert experiment.validate(coop_config.get_config("smoke=True")).eval.success_threshold == 0.5
-  c = _config(**{"env.factory": "weather", "tasks.source": "weather",
-                 "env.max_tokens": 600, "rl.length_buckets": (128, 1024),
-                 "tokenizer.extra_specials": ""})
+  c = _config(
+      **{
+          "env.factory": "weather",
+          "tasks.source": "weather",
+          "env.max_tokens": 600,
+          "rl.length_buckets": (128, 1024),
+          "tokenizer.extra_specials": "",
+      }
+  )
   c.eval.success_threshold = None
   c.sft.steps, c.sft.conversations = 0, ""
   assert experiment.validate(c).eval.success_threshold > 0.9
@@ -179,9 +186,11 @@ def test_a_threshold_no_outcome_or_every_outcome_passes_is_refused(threshold, wo
 
 
 def test_new_rl_fields_refuse_bad_values_in_one_line():
-  for field, value, needle in (("halt_if_idle_steps", -1, "an integer >= 0"),
-                               ("max_masked_fraction", 1.5, "[0, 1]"),
-                               ("masked_window", 0, "an integer >= 1")):
+  for field, value, needle in (
+      ("halt_if_idle_steps", -1, "an integer >= 0"),
+      ("max_masked_fraction", 1.5, "[0, 1]"),
+      ("masked_window", 0, "an integer >= 1"),
+  ):
     msg = _refusal(_config(**{f"rl.{field}": value}))
     assert msg.startswith(f"config rl.{field}={value}") and needle in msg, msg
 
@@ -189,14 +198,16 @@ def test_new_rl_fields_refuse_bad_values_in_one_line():
 # ------------------------------------------------------------------ the watch
 def _action(ended=True, truncated=False, valid=True, fault=None):
   faults = (fault,) if fault else ()
-  return ActionRecord((StepRecord(0.0, valid=valid, truncated=truncated, faults=faults,
-                                  done=ended),))
+  return ActionRecord(
+      (StepRecord(0.0, valid=valid, truncated=truncated, faults=faults, done=ended),)
+  )
 
 
 def _tree(actions):
   """A one-node stand-in of a finalized tree (what the watch reads)."""
-  node = types.SimpleNamespace(recorded=True, actions=list(actions),
-                               valid_B=np.array([a.valid for a in actions]))
+  node = types.SimpleNamespace(
+      recorded=True, actions=list(actions), valid_B=np.array([a.valid for a in actions])
+  )
   return types.SimpleNamespace(nodes=[node])
 
 
@@ -209,16 +220,24 @@ def test_a_step_that_trains_nothing_warns_with_its_reason():
   watch = LearningWatch(RLConfig())
   assert watch.observe(1, _tree([_action()] * 4), TRAINED) == ("", "")
   warning, halt = watch.observe(2, _tree([_action()] * 4), DROPPED)
-  assert warning.startswith("step 2 trained no sample: every group's advantages were 0 (2 "
-                            "groups dropped by rl.zero_variance_filter)") and not halt
+  assert (
+      warning.startswith(
+          "step 2 trained no sample: every group's advantages were 0 (2 "
+          "groups dropped by rl.zero_variance_filter)"
+      )
+      and not halt
+  )
   budget = Fault(FaultKind.TRUNCATION, "framework", "token budget reached (300 >= 256 tokens)")
   warning, _ = watch.observe(3, _tree([_action(truncated=True, fault=budget)] * 4), DROPPED)
   assert "every trajectory was truncated (4; first: token budget reached (300 >= 256" in warning
   assert "raise env.max_tokens" in warning
-  warning, _ = watch.observe(4, _tree([_action(valid=False, fault=INFRA)] * 4),
-                             {"batch/actions": 0.0})
-  assert ("every sample was masked (4 joint actions; first fault: infrastructure from "
-          "environment: sandbox unreachable)") in warning and "\n" not in warning
+  warning, _ = watch.observe(
+      4, _tree([_action(valid=False, fault=INFRA)] * 4), {"batch/actions": 0.0}
+  )
+  assert (
+      "every sample was masked (4 joint actions; first fault: infrastructure from "
+      "environment: sandbox unreachable)"
+  ) in warning and "\n" not in warning
   # A control without updates never warns.
   control = LearningWatch(RLConfig(updates_per_step=0))
   assert control.observe(1, _tree([_action()]), DROPPED) == ("", "")
@@ -234,8 +253,10 @@ def test_consecutive_idle_steps_halt_and_a_resumed_watch_goes_on_counting():
   resumed = LearningWatch(rl, json.loads(json.dumps(watch.state())))
   assert resumed.observe(4, _tree([_action()] * 2), DROPPED)[1] == ""
   _, halt = resumed.observe(5, _tree([_action()] * 2), DROPPED)
-  assert halt.startswith("rl.halt_if_idle_steps=3: no sample trained in 3 consecutive "
-                         "steps (3-5); last: every group's advantages were 0"), halt
+  assert halt.startswith(
+      "rl.halt_if_idle_steps=3: no sample trained in 3 consecutive "
+      "steps (3-5); last: every group's advantages were 0"
+  ), halt
   assert resumed.final() == ""  # step 2 trained
   never = LearningWatch(RLConfig(halt_if_idle_steps=0))
   for step in range(1, 30):
@@ -249,23 +270,27 @@ def test_a_converged_policy_warns_once_and_is_not_halted_as_idle():
   watch = LearningWatch(RLConfig(halt_if_idle_steps=3))
   watch.observe(1, _tree([_action()] * 2), DROPPED, success=0.0)
   watch.observe(2, _tree([_action()] * 2), DROPPED, success=0.5)  # 2 failing idle steps
-  warnings = [watch.observe(step, _tree([_action()] * 2), DROPPED, success=1.0)
-              for step in range(3, 33)]
+  warnings = [
+      watch.observe(step, _tree([_action()] * 2), DROPPED, success=1.0) for step in range(3, 33)
+  ]
   assert all(halt == "" for _, halt in warnings)
-  assert warnings[0][0] == ("step 3 trained no sample: every sample succeeded, so every "
-                            "group's rewards were alike (nothing left to learn from these "
-                            "tasks); not counted by rl.halt_if_idle_steps")
+  assert warnings[0][0] == (
+      "step 3 trained no sample: every sample succeeded, so every "
+      "group's rewards were alike (nothing left to learn from these "
+      "tasks); not counted by rl.halt_if_idle_steps"
+  )
   assert [w for w, _ in warnings[1:] if w] == []  # once per run of such steps
   # A failing idle step starts a new streak (the solved steps reset it) and warns again.
   assert watch.observe(33, _tree([_action()] * 2), DROPPED, success=0.0)[0].startswith(
-      "step 33 trained no sample: every group's advantages were 0")
+      "step 33 trained no sample: every group's advantages were 0"
+  )
   resumed = LearningWatch(watch.rl, json.loads(json.dumps(watch.state())))
   assert resumed.observe(34, _tree([_action()] * 2), DROPPED, success=1.0)[0].startswith(
-      "step 34 trained no sample: every sample succeeded")
+      "step 34 trained no sample: every sample succeeded"
+  )
   # Every sample masked is never "succeeded", whatever the metric says.
   masked = [_action(valid=False, fault=INFRA)] * 2
-  assert "every sample was masked" in resumed.observe(35, _tree(masked), DROPPED,
-                                                      success=1.0)[0]
+  assert "every sample was masked" in resumed.observe(35, _tree(masked), DROPPED, success=1.0)[0]
 
 
 def test_a_masked_window_above_the_limit_halts_with_the_first_fault():
@@ -276,12 +301,15 @@ def test_a_masked_window_above_the_limit_halts_with_the_first_fault():
   assert watch.observe(1, _tree(most), TRAINED)[1] == ""  # the window is not full yet
   assert watch.observe(2, _tree(half), TRAINED)[1] == ""
   _, halt = watch.observe(3, _tree(most), TRAINED)  # 5 of 8
-  assert halt == ("rl.max_masked_fraction=0.5: 5 of 8 joint actions (62%) were masked in "
-                  "steps 1-3; first fault: infrastructure from environment: sandbox "
-                  "unreachable"), halt
+  assert halt == (
+      "rl.max_masked_fraction=0.5: 5 of 8 joint actions (62%) were masked in "
+      "steps 1-3; first fault: infrastructure from environment: sandbox "
+      "unreachable"
+  ), halt
   watch = LearningWatch(rl)  # the run's last step judges a window not yet full
   assert watch.observe(1, _tree(most), TRAINED, last=True)[1].startswith(
-      "rl.max_masked_fraction=0.5: 2 of 3")
+      "rl.max_masked_fraction=0.5: 2 of 3"
+  )
   off = LearningWatch(RLConfig(max_masked_fraction=1.0, masked_window=1))
   assert off.observe(1, _tree([_action(valid=False, fault=INFRA)]), TRAINED)[1] == ""
 
@@ -293,8 +321,12 @@ def _multi_turn_tree(actions, num_turns=2):
   return tree
 
 
-NO_CALL = {"tools/valid_calls": 0.0, "tools/turns_with_call": 0.25,
-           "tools/parse_failures_per_call": 1.0, "rollout/past_first_turn": 0.5}
+NO_CALL = {
+    "tools/valid_calls": 0.0,
+    "tools/turns_with_call": 0.25,
+    "tools/parse_failures_per_call": 1.0,
+    "rollout/past_first_turn": 0.5,
+}
 CALLED = {**NO_CALL, "tools/valid_calls": 2.0}
 
 
@@ -309,17 +341,22 @@ def test_no_valid_tool_call_warns_after_the_threshold_and_survives_a_resume():
   resumed = LearningWatch(watch.rl, json.loads(json.dumps(watch.state())))
   assert resumed.observe(4, tree, TRAINED, metrics=NO_CALL) == ("", "")  # 2: not yet
   warning, halt = resumed.observe(5, tree, TRAINED, metrics=NO_CALL)
-  assert warning.startswith("no valid tool call in 3 consecutive steps (3-5) of an environment "
-                            "that offers tools: the policy makes no call, or only calls "
-                            "that fail "
-                            "(tools/turns_with_call 0.25, tools/parse_failures_per_call "
-                            "1.00)") and not halt and "\n" not in warning
+  assert (
+      warning.startswith(
+          "no valid tool call in 3 consecutive steps (3-5) of an environment "
+          "that offers tools: the policy makes no call, or only calls "
+          "that fail "
+          "(tools/turns_with_call 0.25, tools/parse_failures_per_call "
+          "1.00)"
+      )
+      and not halt
+      and "\n" not in warning
+  )
   assert resumed.observe(6, tree, TRAINED, metrics=NO_CALL) == ("", "")  # once per streak
   # An environment without tools logs no tools/* keys: never counted.
   quiet = LearningWatch(RLConfig())
   for step in range(1, 10):
-    assert quiet.observe(step, tree, TRAINED, metrics={"rollout/past_first_turn": 1.0}) == (
-        "", "")
+    assert quiet.observe(step, tree, TRAINED, metrics={"rollout/past_first_turn": 1.0}) == ("", "")
 
 
 def test_no_episode_past_its_first_turn_warns_in_a_multi_turn_tree_only():
@@ -335,35 +372,52 @@ def test_no_episode_past_its_first_turn_warns_in_a_multi_turn_tree_only():
   assert resumed.observe(4, tree, TRAINED, metrics={"rollout/past_first_turn": 0.1})[0] == ""
   single = LearningWatch(RLConfig())  # a one-turn tree: every episode is one turn by design
   for step in range(1, 10):
-    assert single.observe(step, _multi_turn_tree([_action()], num_turns=1), TRAINED,
-                          metrics=first) == ("", "")
+    assert single.observe(
+        step, _multi_turn_tree([_action()], num_turns=1), TRAINED, metrics=first
+    ) == ("", "")
   # Both at once, and an idle step: one line each.
   both = LearningWatch(RLConfig())
   for step in (1, 2):
     both.observe(step, tree, TRAINED, metrics={**NO_CALL, **first})
   lines = both.observe(3, tree, DROPPED, metrics={**NO_CALL, **first})[0].split("\n")
   assert [line.split(":")[0] for line in lines] == [
-      "step 3 trained no sample", "no valid tool call in 3 consecutive steps (1-3) of an "
-      "environment that offers tools", "no episode went past its first turn in 3 consecutive "
-      "steps (1-3; rollout/past_first_turn 0)"]
+      "step 3 trained no sample",
+      "no valid tool call in 3 consecutive steps (1-3) of an environment that offers tools",
+      "no episode went past its first turn in 3 consecutive "
+      "steps (1-3; rollout/past_first_turn 0)",
+  ]
 
 
 def test_idle_hints_name_config_fields_that_exist():
   from configs import base
+
   config = base.get_config()
   warning, _ = LearningWatch(RLConfig()).observe(1, _tree([_action()] * 2), DROPPED)
   named = set(re.findall(r"\b([a-z]+\.[a-z_]+)\b", warning))
-  assert {"sampling.temperature", "tree.num_generations", "optim.learning_rate",
-          "loss.kl_coef", "rl.zero_variance_filter"} <= named, warning
-  for text in (watch_lib.IDLE_HINT, warning, "raise env.max_tokens or env.max_turns",
-               LearningWatch(RLConfig()).stalls(3, _multi_turn_tree([]), {})):
+  assert {
+      "sampling.temperature",
+      "tree.num_generations",
+      "optim.learning_rate",
+      "loss.kl_coef",
+      "rl.zero_variance_filter",
+  } <= named, warning
+  for text in (
+      watch_lib.IDLE_HINT,
+      warning,
+      "raise env.max_tokens or env.max_turns",
+      LearningWatch(RLConfig()).stalls(3, _multi_turn_tree([]), {}),
+  ):
     for field in re.findall(r"\b([a-z]+\.[a-z_]+)\b", str(text)):
       group, name = field.split(".")
       assert name in config[group], f"{field} named in a hint is no config field"
   stalled = LearningWatch(RLConfig())
   for step in (1, 2, 3):
-    lines = stalled.observe(step, _multi_turn_tree([_action()]), TRAINED,
-                            metrics={**NO_CALL, "rollout/past_first_turn": 0.0})[0]
+    lines = stalled.observe(
+        step,
+        _multi_turn_tree([_action()]),
+        TRAINED,
+        metrics={**NO_CALL, "rollout/past_first_turn": 0.0},
+    )[0]
   for field in re.findall(r"\b([a-z]+\.[a-z_]+)\b", lines):
     group, name = field.split(".")
     if group not in ("tools", "rollout"):  # metric keys
@@ -371,7 +425,7 @@ def test_idle_hints_name_config_fields_that_exist():
 
 
 # ------------------------------------------------------------------ the entry point
-MASKING_ENV = '''
+MASKING_ENV = """
 from mtrl_jax.envs import Environment, EnvironmentFactory, InfrastructureError
 
 
@@ -385,30 +439,41 @@ class MaskingFactory(EnvironmentFactory):
 
   def create_environment(self, metadata):
     return MaskingEnv({**metadata, "prompt": metadata["question"]})
-'''
+"""
 
 
 @pytest.mark.slow  # a tiny model's rollout and evaluation programs compile (~30 s on 2 cores)
 def test_a_run_whose_every_sample_is_masked_halts_with_status_3_and_keeps_its_files(tmp_path):
   (tmp_path / "masking_env.py").write_text(MASKING_ENV)
   workdir = tmp_path / "run"
-  cmd = [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
-         f"--workdir={workdir}", "--progress=false", "--config.sft.steps=0",
-         "--config.env.factory=masking_env:MaskingFactory", "--config.env.max_retries=0",
-         "--config.rl.steps=4", "--config.rl.halt_if_idle_steps=2",
-         "--config.eval.num_tasks=2", "--config.eval.every=10"]
+  cmd = [
+      sys.executable,
+      "-m",
+      "experiments.train",
+      "--config=configs/calculator.py:smoke=True",
+      f"--workdir={workdir}",
+      "--progress=false",
+      "--config.sft.steps=0",
+      "--config.env.factory=masking_env:MaskingFactory",
+      "--config.env.max_retries=0",
+      "--config.rl.steps=4",
+      "--config.rl.halt_if_idle_steps=2",
+      "--config.eval.num_tasks=2",
+      "--config.eval.every=10",
+  ]
   env = one_device_env(PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))  # one CPU device
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 3, out.stderr[-3000:]
   lines = [l for l in out.stderr.splitlines() if l.startswith(("warning: ", "halted at "))]
   assert [l.split(":")[0] for l in lines] == ["warning", "warning", "halted at step 2"], lines
   assert "every sample was masked" in lines[0] and "grader service unreachable" in lines[0]
-  assert lines[-1].startswith("halted at step 2: rl.halt_if_idle_steps=2: no sample trained "
-                              "in 2 consecutive steps (1-2)"), lines[-1]
+  assert lines[-1].startswith(
+      "halted at step 2: rl.halt_if_idle_steps=2: no sample trained in 2 consecutive steps (1-2)"
+  ), lines[-1]
   assert "Traceback" not in out.stderr
   with open(workdir / "summary.json") as f:
     summary = json.load(f)
-  assert summary["halted"] == lines[-1][len("halted at "):]
+  assert summary["halted"] == lines[-1][len("halted at ") :]
   assert summary["trained_nothing"].startswith("the run trained no sample in 2 RL steps")
   with open(workdir / "metrics.jsonl") as f:
     assert [json.loads(l)["step"] for l in f] == [0, 1, 2]

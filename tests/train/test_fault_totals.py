@@ -41,17 +41,27 @@ class BrokenFactory(CalculatorFactory):
 def test_a_factory_that_raises_for_some_tasks_masks_their_roots_and_the_run_finishes(tmp_path):
   (tmp_path / "broken_env.py").write_text(BROKEN_ENV)
   workdir = tmp_path / "run"
-  cmd = [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
-         f"--workdir={workdir}", "--progress=false", "--config.sft.steps=0",
-         "--config.env.factory=broken_env:BrokenFactory", "--config.eval.every=10",
-         "--config.rl.steps=2"]  # seed 0's step 1 draws a broken task; step 2 goes on
+  cmd = [
+      sys.executable,
+      "-m",
+      "experiments.train",
+      "--config=configs/calculator.py:smoke=True",
+      f"--workdir={workdir}",
+      "--progress=false",
+      "--config.sft.steps=0",
+      "--config.env.factory=broken_env:BrokenFactory",
+      "--config.eval.every=10",
+      "--config.rl.steps=2",
+  ]  # seed 0's step 1 draws a broken task; step 2 goes on
   env = one_device_env(PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))  # one CPU device
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   shown = [line for line in out.stderr.splitlines() if line.startswith("fault contract")]
-  assert shown == ["fault contract from environment in BrokenFactory.create_environment "
-                   "(broken_env.py:10): KeyError: 'no_such_key'  (shown once; counted in "
-                   "faults/contract)"], out.stderr[-3000:]
+  assert shown == [
+      "fault contract from environment in BrokenFactory.create_environment "
+      "(broken_env.py:10): KeyError: 'no_such_key'  (shown once; counted in "
+      "faults/contract)"
+  ], out.stderr[-3000:]
   with open(workdir / "summary.json") as f:
     totals = json.load(f)["faults"]
   assert totals["contract"] > 0 and totals["infrastructure"] == 0
@@ -63,6 +73,7 @@ def test_a_factory_that_raises_for_some_tasks_masks_their_roots_and_the_run_fini
 def test_held_out_tasks_that_are_not_mappings_are_passed_on_to_be_masked():
   from mtrl_jax.data import ListSource
   from mtrl_jax.train.evaluate import indexed
+
   source = ListSource([{"q": 1}, "not a task", {"q": 3}])
   assert indexed(source, 3) == [{"q": 1, "task_index": 0}, "not a task", {"q": 3, "task_index": 2}]
   assert indexed(source, 5, start=2) == [{"q": 3, "task_index": 2}]

@@ -20,10 +20,20 @@ from mtrl_jax.train import StepConfig, experiment, export_lora, saved
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
 from mtrl_jax.train.policies import StackedPolicies
 from mtrl_jax.train.stacked import agent_slice
+
 # The stacked step's own tests build the models and the stacked batches these compare.
 from tests.train.test_separate_policies import run_on_one_device
-from tests.train.test_stacked import (CFG, FAST, LOSS, OPT, RATES, _batch, _models, _stacked,
-                                     _stacked_step)
+from tests.train.test_stacked import (
+    CFG,
+    FAST,
+    LOSS,
+    OPT,
+    RATES,
+    _batch,
+    _models,
+    _stacked,
+    _stacked_step,
+)
 
 STEP = StepConfig(compiler_options=FAST)
 
@@ -49,15 +59,22 @@ def _config(steps=2, trainable=None):
   return c
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(trainable=(True,)), r"agents.trainable=\(True,\) has 1 entries; allowed: 2"),
-    (dict(trainable=(1, True)), r"agents.trainable=\(1, True\); allowed: True or False"),
-    (dict(trainable=(False, False)), "a run that trains nothing; allowed: at least one True"),
-    (dict(trainable=(False, True), share_policy=True),
-     "with agents.share_policy=True.*allowed: all True or empty"),
-    (dict(trainable=(False, True), lora_rank=4),
-     r"agents.trainable=\(False, True\) with model.lora.rank=4 and sft.steps=3"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(trainable=(True,)), r"agents.trainable=\(True,\) has 1 entries; allowed: 2"),
+        (dict(trainable=(1, True)), r"agents.trainable=\(1, True\); allowed: True or False"),
+        (dict(trainable=(False, False)), "a run that trains nothing; allowed: at least one True"),
+        (
+            dict(trainable=(False, True), share_policy=True),
+            "with agents.share_policy=True.*allowed: all True or empty",
+        ),
+        (
+            dict(trainable=(False, True), lora_rank=4),
+            r"agents.trainable=\(False, True\) with model.lora.rank=4 and sft.steps=3",
+        ),
+    ],
+)
 def test_bad_trainable_is_refused_in_one_line(change, match):
   c = _config(1)
   c.agents.trainable = change["trainable"]
@@ -101,8 +118,9 @@ def test_frozen_agent_never_moves_and_the_trained_one_updates_as_in_the_full_sta
   fref = full.copy_params(fstate.params)
   for _ in range(3):
     fstate, fm = full(fstate, fref, stacked)
-  for x, y in zip(jax.tree.leaves(agent_slice(state.params, 1)),
-                  jax.tree.leaves(agent_slice(fstate.params, 1))):
+  for x, y in zip(
+      jax.tree.leaves(agent_slice(state.params, 1)), jax.tree.leaves(agent_slice(fstate.params, 1))
+  ):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
   for k in ("loss", "kl", "grad_norm", "learning_rate"):
     assert metrics[0][k] == pytest.approx(full.fetch_metrics(fm)[1][k], rel=1e-5, abs=1e-6), k
@@ -125,7 +143,8 @@ def test_frozen_lora_agent_exports_its_start_adapters_bit_for_bit(tmp_path):
     peft = export_lora.save_adapters(policies, state.params, str(tmp_path / name / "peft"))
     hf = export_lora.save_merged(policies, state.params, str(tmp_path / name / "hf"))
     out[name] = [load_file(os.path.join(d, export_lora.ADAPTER_WEIGHTS)) for d in peft] + [
-        load_file(os.path.join(d, "model.safetensors")) for d in hf]
+        load_file(os.path.join(d, "model.safetensors")) for d in hf
+    ]
   for i, same in ((0, True), (1, False), (2, True), (3, False)):  # peft 0, 1; hf 0, 1
     a, b = out["start"][i], out["end"][i]
     equal = all(a[k].tobytes() == b[k].tobytes() for k in a)
@@ -135,8 +154,10 @@ def test_frozen_lora_agent_exports_its_start_adapters_bit_for_bit(tmp_path):
 # ---------------------------------------------------------------- a real run
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(RUN_BOUND_PREFIXES)}
-            for line in f]
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith(RUN_BOUND_PREFIXES)}
+        for line in f
+    ]
 
 
 def _teammate_config(steps, base, teammate):
@@ -151,7 +172,8 @@ def _teammate_config(steps, base, teammate):
 
 @pytest.mark.slow
 def test_a_frozen_teammate_from_agents_paths_stays_bit_identical_in_checkpoints_and_exports(
-    tmp_path):
+    tmp_path,
+):
   arch = experiment.validate(_config(1, (False, True))).model.arch  # vocabulary fitted
   teammate = models.create_model(arch, seed=7)
   loading.save_pretrained(teammate, str(tmp_path / "teammate"))
@@ -159,8 +181,15 @@ def test_a_frozen_teammate_from_agents_paths_stays_bit_identical_in_checkpoints_
   # The run stops after step 1 and resumes to step 2 (one CPU device: test_separate_policies).
   workdir = str(tmp_path / "run")
   args = [str(tmp_path / "base"), str(tmp_path / "teammate")]
-  run_on_one_device([{"config": ["tests.train.test_frozen_agents", "_teammate_config",
-                                 [steps] + args], "workdir": workdir} for steps in (1, 2)])
+  run_on_one_device(
+      [
+          {
+              "config": ["tests.train.test_frozen_agents", "_teammate_config", [steps] + args],
+              "workdir": workdir,
+          }
+          for steps in (1, 2)
+      ]
+  )
   rows = _rows(workdir)
   assert [r["step"] for r in rows] == [0, 1, 2]
   for row in rows[1:]:

@@ -39,8 +39,9 @@ def lora_policy(tmp_path_factory):
   state = policies.init_state()
   leaves, treedef = jax.tree.flatten(state.params)
   keys = jax.random.split(jax.random.key(3), len(leaves))
-  adapters = jax.tree.unflatten(treedef, [0.2 * jax.random.normal(k, x.shape, x.dtype)
-                                          for k, x in zip(keys, leaves)])
+  adapters = jax.tree.unflatten(
+      treedef, [0.2 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+  )
   return policies, adapters, base_dir
 
 
@@ -84,8 +85,7 @@ def test_peft_export_loads_onto_the_transformers_base_with_equal_logits(tmp_path
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_an_adapter_that_does_not_fit_the_base_is_refused_naming_the_tensor(tmp_path,
-                                                                           lora_policy):
+def test_an_adapter_that_does_not_fit_the_base_is_refused_naming_the_tensor(tmp_path, lora_policy):
   policies, adapters, _ = lora_policy
   [out] = export_lora.save_adapters(policies, adapters, str(tmp_path / "peft"))
   cfg = models.get_preset("tiny").replace(lora=LORA, mlp_dim=48)  # another base's MLP width

@@ -50,8 +50,9 @@ def _forward(model_cfg):
 def _logits(policies, params, tokens):
   """Every policy's logits of `tokens` with `params` merged onto the base, [P, B, L, V]."""
   forward = _forward(policies.train_step.model_cfg)
-  return np.stack([np.asarray(forward(merged, jnp.asarray(tokens)))
-                   for merged in policies.per_policy(params)])
+  return np.stack(
+      [np.asarray(forward(merged, jnp.asarray(tokens))) for merged in policies.per_policy(params)]
+  )
 
 
 def _policies(config):
@@ -94,18 +95,19 @@ def adapted_run(tmp_path_factory, no_curves):
 def test_init_from_a_runs_exported_adapters_gives_that_runs_logits(tmp_path, adapted_run):
   base_dir, workdir = adapted_run
   trained = saved.load_policy(workdir, "latest")
-  assert any(np.abs(np.asarray(x)).max() > 0
-             for x in jax.tree.leaves(trained.saved_params))  # B moved off zero
-  [peft_dir] = export_lora.save_adapters(trained.parts.policies, trained.saved_params,
-                                         str(tmp_path / "peft"), base_dir)
+  assert any(
+      np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(trained.saved_params)
+  )  # B moved off zero
+  [peft_dir] = export_lora.save_adapters(
+      trained.parts.policies, trained.saved_params, str(tmp_path / "peft"), base_dir
+  )
   policies = _policies(_calc(base_dir, init_from=peft_dir))
   state = policies.init_state()
   for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(trained.saved_params)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   tokens = np.random.RandomState(0).randint(0, TINY.vocab_size, (2, 11))
   got = _logits(policies, state.params, tokens)
-  np.testing.assert_array_equal(got, _logits(trained.parts.policies, trained.saved_params,
-                                             tokens))
+  np.testing.assert_array_equal(got, _logits(trained.parts.policies, trained.saved_params, tokens))
   fresh = _policies(_calc(base_dir))
   assert not np.array_equal(_logits(fresh, fresh.init_state().params, tokens), got)
 
@@ -139,8 +141,9 @@ def test_per_agent_adapters_start_each_agent_from_its_own_directory(tmp_path):
   params = policies.init_state().params
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(5), len(leaves))
-  params = jax.tree.unflatten(treedef, [0.1 * jax.random.normal(k, x.shape, x.dtype)
-                                        for k, x in zip(keys, leaves)])  # agents differ
+  params = jax.tree.unflatten(
+      treedef, [0.1 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+  )  # agents differ
   dirs = export_lora.save_adapters(policies, params, str(tmp_path / "peft"))
   assert [os.path.basename(d) for d in dirs] == ["agent_0", "agent_1"]
   again = _policies(config(str(tmp_path / "peft")))
@@ -172,26 +175,54 @@ def _truncate(path):
   return path
 
 
-@pytest.mark.parametrize("make, change, needles", [
-    (lambda t: _adapters(t, "wide", TINY.replace(mlp_dim=48)), {},
-     [r"tensor base_model.model.model.layers.0.mlp.", ".lora_", "is (", "allowed: ("]),
-    (lambda t: _adapters(t, "deep", TINY.replace(num_layers=3)), {},
-     ["tensor base_model.model.model.layers.2.", "no adapter of this base", "2 layers"]),
-    (lambda t: _adapters(t, "r8", rank=8), {},
-     ["adapter_config.json has r=8 but model.lora.rank=4", "allowed: model.lora.rank=8"]),
-    (lambda t: _adapters(t, "qv", targets=("q", "v")), {},
-     ["target_modules=['q_proj', 'v_proj']", "allowed: model.lora.targets=('q', 'v')"]),
-    (lambda t: str(t / "nowhere"), {},
-     ["model.lora.init_from=", "nowhere", "lacks ['adapter_config.json',", "allowed"]),
-    (lambda t: _truncate(_adapters(t, "cut")), {},
-     ["adapter_model.safetensors does not read", "allowed: a safetensors file"]),
-    (lambda t: _adapters(t, "ok"), {"sft.steps": 3},
-     ["config sft.steps=3 with model.lora.init_from=", "allowed: sft.steps=0"]),
-    (lambda t: "", {"rl.ref_reset_every": 2},  # adapters' own refusals: at validation too
-     ["config rl.ref_reset_every=2 with model.lora.rank=4", "allowed"]),
-])
+@pytest.mark.parametrize(
+    "make, change, needles",
+    [
+        (
+            lambda t: _adapters(t, "wide", TINY.replace(mlp_dim=48)),
+            {},
+            [r"tensor base_model.model.model.layers.0.mlp.", ".lora_", "is (", "allowed: ("],
+        ),
+        (
+            lambda t: _adapters(t, "deep", TINY.replace(num_layers=3)),
+            {},
+            ["tensor base_model.model.model.layers.2.", "no adapter of this base", "2 layers"],
+        ),
+        (
+            lambda t: _adapters(t, "r8", rank=8),
+            {},
+            ["adapter_config.json has r=8 but model.lora.rank=4", "allowed: model.lora.rank=8"],
+        ),
+        (
+            lambda t: _adapters(t, "qv", targets=("q", "v")),
+            {},
+            ["target_modules=['q_proj', 'v_proj']", "allowed: model.lora.targets=('q', 'v')"],
+        ),
+        (
+            lambda t: str(t / "nowhere"),
+            {},
+            ["model.lora.init_from=", "nowhere", "lacks ['adapter_config.json',", "allowed"],
+        ),
+        (
+            lambda t: _truncate(_adapters(t, "cut")),
+            {},
+            ["adapter_model.safetensors does not read", "allowed: a safetensors file"],
+        ),
+        (
+            lambda t: _adapters(t, "ok"),
+            {"sft.steps": 3},
+            ["config sft.steps=3 with model.lora.init_from=", "allowed: sft.steps=0"],
+        ),
+        (
+            lambda t: "",
+            {"rl.ref_reset_every": 2},  # adapters' own refusals: at validation too
+            ["config rl.ref_reset_every=2 with model.lora.rank=4", "allowed"],
+        ),
+    ],
+)
 def test_adapters_that_do_not_fit_are_refused_in_one_line_before_anything_is_built(
-    tmp_path, make, change, needles):
+    tmp_path, make, change, needles
+):
   path = make(tmp_path)
   c = _calc(init_from=path)
   for key, value in change.items():
@@ -212,10 +243,22 @@ def test_the_train_command_refuses_a_misfit_with_exit_status_2_and_writes_nothin
   workdir = tmp_path / "run"
   before = _snapshot(path)
   out = subprocess.run(
-      [sys.executable, "-m", "experiments.train", "--config=configs/calculator.py:smoke=True",
-       "--config.sft.steps=0", "--config.model.lora.rank=4",
-       f"--config.model.lora.init_from={path}", f"--workdir={workdir}", "--progress=false"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
+      [
+          sys.executable,
+          "-m",
+          "experiments.train",
+          "--config=configs/calculator.py:smoke=True",
+          "--config.sft.steps=0",
+          "--config.model.lora.rank=4",
+          f"--config.model.lora.init_from={path}",
+          f"--workdir={workdir}",
+          "--progress=false",
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert out.returncode == 2, out.stderr[-2000:]
   assert out.stderr.count("\n") == 1 and "model.lora.rank" in out.stderr, out.stderr
   assert not workdir.exists() and _snapshot(path) == before

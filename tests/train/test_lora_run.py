@@ -38,8 +38,10 @@ def _calc(steps):
 
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(RUN_BOUND_PREFIXES)}
-            for line in f]
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith(RUN_BOUND_PREFIXES)}
+        for line in f
+    ]
 
 
 @pytest.mark.slow
@@ -55,17 +57,30 @@ def test_a_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
   greedy = saved.evaluate_policy(policy, samples=1)[0]
   assert greedy["outcome"] == rows[-1]["eval/greedy/outcome"]
   peft_dir = tmp_path / "peft"
-  out = subprocess.run([sys.executable, "-m", "experiments.export", f"--workdir={full}",
-                        f"--out={peft_dir}", "--format=peft", "--checkpoint=latest"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+  out = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "experiments.export",
+          f"--workdir={full}",
+          f"--out={peft_dir}",
+          "--format=peft",
+          "--checkpoint=latest",
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   assert sorted(os.listdir(peft_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
   exp = experiment.validate(_calc(2))
   mesh = sharding.make_mesh(exp.mesh.shape(jax.device_count()))
   built = components.make_policies(exp, components.make_model(exp, mesh), mesh).train_step.base
   loaded = policy.parts.policies.train_step.base
-  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(built),
-                                                      jax.tree.leaves(loaded)))
+  assert any(
+      not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(loaded))
+  )
   resumed = str(tmp_path / "resumed")
   rl.run(_calc(1), resumed, progress=False)
   rl.run(_calc(2), resumed, progress=False)

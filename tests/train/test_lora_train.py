@@ -28,11 +28,14 @@ def _rows(seed, rows=4):
   r = np.random.RandomState(seed)
   mask = np.zeros((rows, L), bool)
   for b in range(rows):
-    mask[b, 2 + b % 3:L - b % 2] = True
-  return {"tokens_BxL": r.randint(0, CFG.vocab_size, (rows, L)).astype(np.int32),
-          "loss_mask_BxL": mask,
-          "old_logp_BxL": (-5.0 + 0.3 * r.randn(rows, L)).astype(np.float32),
-          "adv_B": r.randn(rows).astype(np.float32), "row_weight_B": np.ones(rows, np.float32)}
+    mask[b, 2 + b % 3 : L - b % 2] = True
+  return {
+      "tokens_BxL": r.randint(0, CFG.vocab_size, (rows, L)).astype(np.int32),
+      "loss_mask_BxL": mask,
+      "old_logp_BxL": (-5.0 + 0.3 * r.randn(rows, L)).astype(np.float32),
+      "adv_B": r.randn(rows).astype(np.float32),
+      "row_weight_B": np.ones(rows, np.float32),
+  }
 
 
 def _batch(seed, rows=4):
@@ -45,8 +48,9 @@ def _adapted(seed=0, adapter_seed=1):
   graphdef, adapters, base = lora.split(model)
   leaves, treedef = jax.tree.flatten(adapters)
   keys = jax.random.split(jax.random.key(adapter_seed), len(leaves))
-  adapters = jax.tree.unflatten(treedef, [0.2 * jax.random.normal(k, x.shape, x.dtype)
-                                          for k, x in zip(keys, leaves)])
+  adapters = jax.tree.unflatten(
+      treedef, [0.2 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+  )
   return nnx.merge(graphdef, adapters, base)
 
 
@@ -121,29 +125,44 @@ def test_stacked_lora_update_equals_independent_updates_and_agents_never_mix():
   assert st.num_compiles == 1
 
   for a in range(2):
-    one = TrainStep(models_[a], LOSS, OPT.__class__(**{**OPT.__dict__, "learning_rate": rates[a]}),
-                    step_cfg=FAST)
+    one = TrainStep(
+        models_[a],
+        LOSS,
+        OPT.__class__(**{**OPT.__dict__, "learning_rate": rates[a]}),
+        step_cfg=FAST,
+    )
     s1, m1 = one(one.init_state(models_[a]), None, batches[a])
     for got, want in zip(_leaves(agent_slice(state.params, a)), _leaves(s1.params)):
       np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(float(m["loss"][a]), float(m1["loss"]), rtol=1e-5)
 
   # Agent 1's batch changes: agent 0's new adapters do not move by one bit.
-  other = stacked.replace(adv_BxK=stacked.adv_BxK.copy(), tokens_BxL=stacked.tokens_BxL.copy(),
-                          target_BxK=stacked.target_BxK.copy())
+  other = stacked.replace(
+      adv_BxK=stacked.adv_BxK.copy(),
+      tokens_BxL=stacked.tokens_BxL.copy(),
+      target_BxK=stacked.target_BxK.copy(),
+  )
   other.adv_BxK[1] *= -3.0
   other.target_BxK[1] = (other.target_BxK[1] + 7) % CFG.vocab_size
   other.tokens_BxL[1] = (other.tokens_BxL[1] + 7) % CFG.vocab_size
   state2, _ = st(st.init_state(models_), None, other)
   for x, y in zip(_leaves(agent_slice(state.params, 0)), _leaves(agent_slice(state2.params, 0))):
     np.testing.assert_array_equal(x, y)
-  assert any(not np.array_equal(x, y) for x, y in zip(
-      _leaves(agent_slice(state.params, 1)), _leaves(agent_slice(state2.params, 1))))
+  assert any(
+      not np.array_equal(x, y)
+      for x, y in zip(_leaves(agent_slice(state.params, 1)), _leaves(agent_slice(state2.params, 1)))
+  )
 
 
-@pytest.mark.parametrize("key, value, field", [
-    ("rank", -1, "model.lora.rank"), ("alpha", 0.0, "model.lora.alpha"),
-    ("targets", ("q", "embed"), "model.lora.targets"), ("rnk", 3, "model.lora")])
+@pytest.mark.parametrize(
+    "key, value, field",
+    [
+        ("rank", -1, "model.lora.rank"),
+        ("alpha", 0.0, "model.lora.alpha"),
+        ("targets", ("q", "embed"), "model.lora.targets"),
+        ("rnk", 3, "model.lora"),
+    ],
+)
 def test_a_bad_lora_group_is_refused_in_one_line_before_anything_is_built(key, value, field):
   c = defaults.base_config()
   c.model.lora[key] = value

@@ -36,26 +36,43 @@ def _batch():
   logp = np.asarray(losses.token_logprobs(nnx.merge(graphdef, params)(tokens), tokens))
   # A sampler that disagrees with the trainer: ratios far outside [1/2, 2] on some tokens.
   sampler = (logp + rng.normal(0, 0.8, (B, L))).astype(np.float32)
-  return {"tokens_BxL": tokens, "loss_mask_BxL": mask, "old_logp_BxL": sampler,
-          "adv_B": rng.randn(B).astype(np.float32), "row_weight_B": np.ones(B, np.float32)}, logp
+  return {
+      "tokens_BxL": tokens,
+      "loss_mask_BxL": mask,
+      "old_logp_BxL": sampler,
+      "adv_B": rng.randn(B).astype(np.float32),
+      "row_weight_B": np.ones(B, np.float32),
+  }, logp
 
 
 def _direct_loss(params, batch, old, cfg):
   graphdef = nnx.split(testing.tiny_model(), nnx.Param)[0]
-  logp = losses.token_logprobs(nnx.merge(graphdef, params)(batch["tokens_BxL"]),
-                               batch["tokens_BxL"])
+  logp = losses.token_logprobs(
+      nnx.merge(graphdef, params)(batch["tokens_BxL"]), batch["tokens_BxL"]
+  )
   arrays = {k: jnp.asarray(v) for k, v in batch.items()}
   mask = arrays["loss_mask_BxL"] & (arrays["row_weight_B"] > 0)[:, None]
-  loss, m = losses.policy_loss(logp, old, None, arrays["adv_B"], mask.at[:, 0].set(False), cfg,
-                               sampler_logp=arrays["old_logp_BxL"])
+  loss, m = losses.policy_loss(
+      logp,
+      old,
+      None,
+      arrays["adv_B"],
+      mask.at[:, 0].set(False),
+      cfg,
+      sampler_logp=arrays["old_logp_BxL"],
+  )
   return float(loss), m
 
 
 def test_updates_use_the_trainers_old_logprobs_and_correct_the_sampler_gap():
   cfg = losses.LossConfig("grpo", 0.2, 0.28, is_correction="tis", is_cap=2.0)
   model = testing.tiny_model()
-  ts = TrainStep(model, PolicyObjective(cfg, recompute_old=True), OPT,
-                 step_cfg=StepConfig(compiler_options=FAST))
+  ts = TrainStep(
+      model,
+      PolicyObjective(cfg, recompute_old=True),
+      OPT,
+      step_cfg=StepConfig(compiler_options=FAST),
+  )
   state = ts.init_state(model)
   rows, logp0 = _batch()
   batch = ts.old_logprobs(state.params, testing.rows_batch(rows))
@@ -95,8 +112,12 @@ def test_one_update_with_masked_is_takes_the_current_policy_as_old():
 def test_precompile_covers_the_old_logprobs_forward_and_the_step_that_reads_them():
   cfg = losses.LossConfig("grpo", 0.2, 0.28, is_correction="mis_action", is_cap=2.0)
   model = testing.tiny_model()
-  ts = TrainStep(model, PolicyObjective(cfg, recompute_old=True), OPT,
-                 step_cfg=StepConfig(compiler_options=FAST))
+  ts = TrainStep(
+      model,
+      PolicyObjective(cfg, recompute_old=True),
+      OPT,
+      step_cfg=StepConfig(compiler_options=FAST),
+  )
   batch = testing.rows_batch(_batch()[0])
   ts.precompile(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), batch))
   compiled = ts.num_compiles

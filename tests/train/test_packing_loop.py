@@ -42,8 +42,17 @@ def test_tree_and_row_packing_train_the_same_parameters(tmp_path):
   for a, b in zip(rows_m[1:], tree_m[1:]):  # steps 1 and 2
     assert b["batch/tokens_rows_equivalent"] == a["batch/tokens_rows_equivalent"]
     assert b["batch/tokens_trained"] < a["batch/tokens_trained"]
-    for k in ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm", "train/tokens",
-              "train/rows", "train/ratio_mean", "train/adv_mean", "rollout/return"):
+    for k in (
+        "train/loss",
+        "train/pg_loss",
+        "train/kl",
+        "train/grad_norm",
+        "train/tokens",
+        "train/rows",
+        "train/ratio_mean",
+        "train/adv_mean",
+        "rollout/return",
+    ):
       assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), k
   for x, y in zip(jax.tree.leaves(tree_p), jax.tree.leaves(rows_p)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)

@@ -13,12 +13,13 @@ from mtrl_jax.train import experiment
 
 def _metrics(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(RUN_BOUND_PREFIXES)}
-            for line in f]
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith(RUN_BOUND_PREFIXES)}
+        for line in f
+    ]
 
 
-def test_the_smoke_run_through_the_recipe_equals_the_command_line(smoke_run, tmp_path,
-                                                                  no_curves):
+def test_the_smoke_run_through_the_recipe_equals_the_command_line(smoke_run, tmp_path, no_curves):
   """The recipe's run of the shared smoke run's config (tests/train/conftest.py, trained
   by `python -m experiments.train`) logs the same metrics."""
   base = calc_config.get_config("smoke=True")
@@ -35,11 +36,20 @@ def test_the_smoke_run_through_the_recipe_equals_the_command_line(smoke_run, tmp
 
 
 def test_keyword_fields_and_gspo_defaults():
-  r = mtrl_jax.ENVGSPO(factory="calculator", tasks="calculator", model="tiny",
-                       tree=dict(num_turns=2, num_generations=2), seed=3)
+  r = mtrl_jax.ENVGSPO(
+      factory="calculator",
+      tasks="calculator",
+      model="tiny",
+      tree=dict(num_turns=2, num_generations=2),
+      seed=3,
+  )
   c = r.config
   assert (c.env.factory, c.tasks.source, c.model.preset, c.seed) == (
-      "calculator", "calculator", "tiny", 3)
+      "calculator",
+      "calculator",
+      "tiny",
+      3,
+  )
   assert c.loss.algorithm == "gspo" and c.loss.clip_eps_high == 4e-4
   assert c.tree.num_generations == 2
   with pytest.raises(experiment.ConfigError, match="recipe field 'tree.num_gens': unknown"):

@@ -55,9 +55,11 @@ def test_another_runs_config_is_refused_before_compute(smoke_run, tmp_path):
   assert time.time() - t0 < 20  # validation only: nothing built
   msg = str(e.value)
   assert "\n" not in msg
-  assert msg.startswith(f"workdir {workdir} holds another run: differs in env.max_tokens "
-                        "(160 -> 200), tree.num_generations (2 -> 4); allowed to change on "
-                        "resume: rl.steps, eval.every, eval.num_tasks, rl.dump_every,")
+  assert msg.startswith(
+      f"workdir {workdir} holds another run: differs in env.max_tokens "
+      "(160 -> 200), tree.num_generations (2 -> 4); allowed to change on "
+      "resume: rl.steps, eval.every, eval.num_tasks, rl.dump_every,"
+  )
   assert _digest(workdir) == before  # config.json, metrics.jsonl, checkpoints untouched
 
 
@@ -69,7 +71,8 @@ def test_the_command_line_refuses_another_run_in_one_line(smoke_run, tmp_path):
   assert "Traceback" not in out.stderr
   assert _last_line(out.stderr).startswith(
       f"error: workdir {workdir} holds another run: differs in env.max_tokens (160 -> 200); "
-      "allowed to change on resume: rl.steps,")
+      "allowed to change on resume: rl.steps,"
+  )
   assert _digest(workdir) == before
 
 
@@ -109,13 +112,17 @@ def test_metrics_behind_or_missing_are_one_warning_line(tmp_path, capsys):
     w.write(6, {"r": 6})
   err = capsys.readouterr().err.strip().splitlines()
   path = os.path.join(workdir, "metrics.jsonl")
-  assert err == [f"warning: {path} ends at step 2 but the checkpoint is step 5: steps 3-5 have "
-                 "no metrics, the run goes on", f"warning: {path}: dropped 1 unreadable line(s)"]
+  assert err == [
+      f"warning: {path} ends at step 2 but the checkpoint is step 5: steps 3-5 have "
+      "no metrics, the run goes on",
+      f"warning: {path}: dropped 1 unreadable line(s)",
+  ]
   assert [r["step"] for r in metrics.read_metrics(workdir)] == [0, 1, 2, 6]
   os.remove(path)
   metrics.MetricsWriter(workdir, resume_step=4, tensorboard=False).close()
-  assert capsys.readouterr().err == (f"warning: {path} is missing: steps 0-4 have no metrics, "
-                                     "the run goes on from step 5\n")
+  assert capsys.readouterr().err == (
+      f"warning: {path} is missing: steps 0-4 have no metrics, the run goes on from step 5\n"
+  )
   with metrics.MetricsWriter(workdir, tensorboard=False) as w:  # a fresh start: old lines kept
     w.write(0, {"r": 1})
   with metrics.MetricsWriter(workdir, tensorboard=False) as w:
@@ -137,7 +144,8 @@ def test_an_unreadable_latest_checkpoint_resumes_from_the_one_before(smoke_run, 
   assert warnings == [
       f"warning: checkpoint {workdir}/ckpt/3 does not read back ({meta} is not valid JSON: "
       "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); skipped "
-      f"it, moved to {workdir}/ckpt.unreadable/3; trying step 2"], out.stderr[-3000:]
+      f"it, moved to {workdir}/ckpt.unreadable/3; trying step 2"
+  ], out.stderr[-3000:]
   assert f"resumed from {workdir}/ckpt at step 2" in out.stderr
   assert os.path.isfile(os.path.join(workdir, "ckpt.unreadable", "3", "meta", "metadata"))
   assert [r["step"] for r in metrics.read_metrics(workdir)] == [0, 1, 2]
@@ -165,15 +173,23 @@ cli.run(train.main, argv=sys.argv)
 def test_a_failed_checkpoint_write_ends_the_run_in_one_line(smoke_run, tmp_path):
   workdir = _copy(smoke_run, tmp_path)
   t0 = time.time()
-  cmd = [sys.executable, "-c", _FULL_DISK, *smoke_run.flags, f"--workdir={workdir}",
-         "--config.rl.steps=6", "--progress=false"]
+  cmd = [
+      sys.executable,
+      "-c",
+      _FULL_DISK,
+      *smoke_run.flags,
+      f"--workdir={workdir}",
+      "--config.rl.steps=6",
+      "--progress=false",
+  ]
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-3000:]
   assert time.time() - t0 < 240
   assert "Traceback" not in out.stderr and "orbax" not in out.stderr.lower(), out.stderr[-3000:]
   assert _last_line(out.stderr) == (
       f"error: checkpoint {workdir}/ckpt/4 was not written: No space left on device (errno "
-      f"28); the last complete checkpoint there: {workdir}/ckpt/3 is intact")
+      f"28); the last complete checkpoint there: {workdir}/ckpt/3 is intact"
+  )
   assert checkpoint.step_dirs(os.path.join(workdir, "ckpt")) == [0, 1, 2, 3]
   with checkpoint.Checkpointer(workdir, keep=4, read_only=True) as ckpt:
     assert ckpt.all_steps() == [0, 1, 2, 3]
@@ -192,7 +208,8 @@ def test_no_readable_checkpoint_is_refused_naming_the_directory(smoke_run, tmp_p
     rl.run(smoke_run.config(), workdir, progress=False)
   assert str(e.value) == (
       f"no readable checkpoint under {workdir}/ckpt: steps [0, 1, 2, 3] do not read back (see "
-      f"the warnings above); allowed: repair them, or move {workdir}/ckpt away to start afresh")
+      f"the warnings above); allowed: repair them, or move {workdir}/ckpt away to start afresh"
+  )
   warnings = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
   assert len(warnings) == 4 and all("is not valid JSON" in w for w in warnings)
   assert _digest(workdir) == before  # nothing moved, rewritten or lost

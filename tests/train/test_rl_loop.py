@@ -66,17 +66,33 @@ def test_smoke_run_writes_every_artifact(smoke_run, tmp_path):
     assert os.path.exists(os.path.join(workdir, name)), name
   assert os.listdir(os.path.join(workdir, "tb"))
   assert sorted(os.listdir(os.path.join(workdir, "rollouts"))) == [
-      f"step_{i:06d}.jsonl" for i in (1, 2, 3)]
+      f"step_{i:06d}.jsonl" for i in (1, 2, 3)
+  ]
   with open(os.path.join(workdir, "rollouts", "step_000001.jsonl")) as f:
     node = json.loads(f.readline())
-  for key in ("node_id", "parent_id", "parent_action", "turn", "rewards", "returns",
-              "advantages", "terminated"):
+  for key in (
+      "node_id",
+      "parent_id",
+      "parent_action",
+      "turn",
+      "rewards",
+      "returns",
+      "advantages",
+      "terminated",
+  ):
     assert key in node, key
   rows = _rows(workdir)
   assert [r["step"] for r in rows] == [0, 1, 2, 3]
   assert "eval/greedy/success" in rows[0] and "train/loss" in rows[1]
-  for key in ("time/generation", "time/environment", "time/train", "time/device_idle",
-              "engine/kv_reuse", "engine/prefill_tokens", "engine/slot_occupancy"):
+  for key in (
+      "time/generation",
+      "time/environment",
+      "time/train",
+      "time/device_idle",
+      "engine/kv_reuse",
+      "engine/prefill_tokens",
+      "engine/slot_occupancy",
+  ):
     assert key in rows[1], key
   # Sampler equals trainer: the first update's ratio compares the tree-packed
   # recomputation with the engine's logprobs, token by token (float32 rounding).
@@ -97,8 +113,14 @@ def test_smoke_run_writes_every_artifact(smoke_run, tmp_path):
 def test_killed_run_resumes_exactly(smoke_run, tmp_path):
   """SIGKILL after step 1, restart: steps 2..3 equal the uninterrupted shared run's."""
   killed = str(tmp_path / "killed")
-  cmd = [sys.executable, "-m", "experiments.train", *smoke_run.flags, f"--workdir={killed}",
-         "--progress=false"]
+  cmd = [
+      sys.executable,
+      "-m",
+      "experiments.train",
+      *smoke_run.flags,
+      f"--workdir={killed}",
+      "--progress=false",
+  ]
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 240
   try:
@@ -143,10 +165,14 @@ def test_precompiled_run_never_compiles_after_warmup(tmp_path, capsys):
   said = [l.split(" (")[0] for l in err if l.startswith(("compil", "rl:"))]
   # First and last of each kind (a kind that takes 15 s or more says how far it got).
   ends = lambda kind: [[l for l in said if kind in l][i] for i in (0, -1)]
-  assert ends(" engine ") == [f"compiling {n} engine programs",
-                              f"compiled {n}/{n} engine programs"], err
-  assert ends(" train-step ") == ["compiling 3 train-step programs",
-                                  "compiled 3/3 train-step programs"], err
+  assert ends(" engine ") == [
+      f"compiling {n} engine programs",
+      f"compiled {n}/{n} engine programs",
+  ], err
+  assert ends(" train-step ") == [
+      "compiling 3 train-step programs",
+      "compiled 3/3 train-step programs",
+  ], err
   assert said[-1] == "rl: steps 1-2, held-out evaluation every 2 steps", err
   assert said.index("compiling 3 train-step programs") > said.index(ends(" engine ")[1])
 
@@ -155,13 +181,13 @@ def test_shape_plan_sizes_the_engine_from_the_config():
   from mtrl_jax.rollout import plan_tree
   from mtrl_jax.rollout.train_batch import logit_buckets
   from mtrl_jax.train import shapes
+
   c = smoke_config()
   c.sft.until_success = 0.5
   c.sft.check_tasks = 40  # larger than every tree level and the eval batch
   exp = experiment.build(c)
   plan = shapes.plan_shapes(exp, row_multiple=2, local_shards=2)
-  tree = plan_tree(exp.tree, exp.rl.roots_per_step, exp.rl.max_length,
-                   exp.sampling.max_new_tokens)
+  tree = plan_tree(exp.tree, exp.rl.roots_per_step, exp.rl.max_length, exp.sampling.max_new_tokens)
   # Slots per shard hold the widest level's samples, the held-out tasks and the
   # SFT check tasks; capacity the largest prompt plus a completion.
   widest = max(tree.max_level_generations, exp.eval.num_tasks, 40)
@@ -172,8 +198,9 @@ def test_shape_plan_sizes_the_engine_from_the_config():
   assert {s.greedy for s in plan.samplings} == {False, True}  # training and evaluation
   assert all(r % 2 == 0 for r in plan.train_rows)
   assert plan.packing == "tree" and plan.train_lens == (exp.rl.max_length,)
-  assert plan.train_shapes() == [(b, l, k) for b in plan.train_rows for l in plan.train_lens
-                                 for k in logit_buckets(l)]
+  assert plan.train_shapes() == [
+      (b, l, k) for b in plan.train_rows for l in plan.train_lens for k in logit_buckets(l)
+  ]
   c.rl.packing = "rows"
   c.engine.slots, c.engine.capacity = 24, 512
   plan = shapes.plan_shapes(experiment.build(c), row_multiple=2, local_shards=2)
@@ -191,6 +218,7 @@ def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policie
   from mtrl_jax.train import shapes
 
   class Engine:
+
     def __init__(self):
       self.calls = []
 
@@ -199,6 +227,7 @@ def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policie
       return 7
 
   class Step:
+
     def __init__(self, num_agents=None):
       self.num_agents, self.specs = num_agents, []
 
@@ -207,8 +236,10 @@ def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policie
 
   plan = shapes.plan_shapes(experiment.build(smoke_config()), row_multiple=2, local_shards=2)
   n_specs = len(plan.train_specs())
-  for states, step, kind in ((StackedStates("params_AxP", 2), Step(2), "stacked"),
-                             ("params_P", Step(), "plain")):
+  for states, step, kind in (
+      (StackedStates("params_AxP", 2), Step(2), "stacked"),
+      ("params_P", Step(), "plain"),
+  ):
     engine = Engine()
     info = shapes.precompile(plan, engine, states, step, num_stop_ids=1)
     expected = "params_AxP" if kind == "stacked" else "params_P"
@@ -217,8 +248,10 @@ def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policie
     assert len(step.specs) == n_specs
     for spec, plain in zip(step.specs, plan.train_specs()):
       lead = (2,) if kind == "stacked" else ()
-      assert ({k: v.shape for k, v in as_arrays(spec).items()}
-              == {k: lead + v.shape for k, v in as_arrays(plain).items()})
+      assert {k: v.shape for k, v in as_arrays(spec).items()} == {
+          k: lead + v.shape for k, v in as_arrays(plain).items()
+      }
+
 
 @pytest.mark.slow
 def test_rollouts_one_step_ahead_are_one_update_stale_and_resume_exactly(tmp_path):
@@ -228,6 +261,7 @@ def test_rollouts_one_step_ahead_are_one_update_stale_and_resume_exactly(tmp_pat
   the checkpoint keeps those parameters, the stream with the in-flight draw undone, and
   the level moves that step 1's success decided; `curriculum/level` labels the level
   each step's tasks came from."""
+
   def config(steps):
     c = smoke_config(steps)
     c.rl.max_staleness = 1
@@ -243,7 +277,8 @@ def test_rollouts_one_step_ahead_are_one_update_stale_and_resume_exactly(tmp_pat
   full = str(tmp_path / "full")
   collections = []  # (thread, collector on?) of each garbage collection
   callback = lambda phase, _: phase == "start" and collections.append(
-      (threading.current_thread().name, gc.isenabled()))
+      (threading.current_thread().name, gc.isenabled())
+  )
   gc.callbacks.append(callback)
   try:
     rl.run(config(3), full, progress=False)
@@ -277,7 +312,8 @@ def test_rollouts_one_step_ahead_are_one_update_stale_and_resume_exactly(tmp_pat
 
 @pytest.mark.slow
 def test_an_interrupted_run_finishes_its_checkpoint_in_flight_and_leaves_no_thread(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
   """Ctrl-C (KeyboardInterrupt) right after the step-1 save started in the background:
   the run closes its checkpointer on the way out, so checkpoint 1 is complete, no
   partial directory is left and no writer thread outlives the run."""
@@ -297,8 +333,11 @@ def test_an_interrupted_run_finishes_its_checkpoint_in_flight_and_leaves_no_thre
   workdir = str(tmp_path / "run")
   with pytest.raises(KeyboardInterrupt):
     rl.run(c, workdir, progress=False)
-  left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()
-          and not t.daemon]
+  left = [
+      t.name
+      for t in threading.enumerate()
+      if t.ident not in before and t.is_alive() and not t.daemon
+  ]
   assert not left, left
   ckpt_dir = os.path.join(workdir, "ckpt")
   assert checkpoint.step_dirs(ckpt_dir) == [0, 1]

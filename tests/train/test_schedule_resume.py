@@ -20,8 +20,16 @@ from flax import nnx
 
 from configs import calculator as calc_config
 from mtrl_jax import losses, models
-from mtrl_jax.train import (OptimConfig, SFTObjective, StepConfig, experiment, make_sft_step,
-                            optim, pack_sft_rows, rl)
+from mtrl_jax.train import (
+    OptimConfig,
+    SFTObjective,
+    StepConfig,
+    experiment,
+    make_sft_step,
+    optim,
+    pack_sft_rows,
+    rl,
+)
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
 from mtrl_jax.train.stacked import StackedTrainStep
 
@@ -40,8 +48,9 @@ def _applied_rates(schedule, warmup, totals):
   """The rate each update applies (read off `scale_by_run_schedule`'s scaled unit
   gradient) and the rate `optim.learning_rate` reports before it, the run's total
   for update i being `totals[i]`; and how many times the update was traced."""
-  cfg = OptimConfig(learning_rate=PEAK, warmup_steps=warmup, total_steps=totals[0],
-                    schedule=schedule)
+  cfg = OptimConfig(
+      learning_rate=PEAK, warmup_steps=warmup, total_steps=totals[0], schedule=schedule
+  )
   traces = []
 
   @jax.jit
@@ -82,8 +91,12 @@ def test_a_shorter_total_and_a_second_change_continue_from_the_anchor():
   # phase 1/2 + (1/2) (c - 5) / 2. At count 6 (phase 3/4) it becomes 14:
   # phase 3/4 + (1/4) (c - 6) / 8, which reaches 1 at count 14.
   applied, _, _ = _applied_rates("cosine", 0, [10] * 5 + [7] + [14] * 9)
-  want = ([_cosine(c / 10) for c in range(5)] + [_cosine(0.5)]
-          + [_cosine(0.75 + 0.25 * (c - 6) / 8) for c in range(6, 14)] + [0.0])
+  want = (
+      [_cosine(c / 10) for c in range(5)]
+      + [_cosine(0.5)]
+      + [_cosine(0.75 + 0.25 * (c - 6) / 8) for c in range(6, 14)]
+      + [0.0]
+  )
   np.testing.assert_allclose(applied, want, rtol=1e-6, atol=ATOL)
 
 
@@ -107,6 +120,7 @@ def test_a_total_changed_in_the_warmup_or_after_the_cosine_ended_takes_the_new_c
 
 # ---------------------------------------------------------------- the train step
 
+
 def _sft_rows():
   """Four 12-token rows (3 context, 9 trained) of random ids."""
   r = np.random.RandomState(0)
@@ -121,8 +135,15 @@ def _sft_batch():
 def test_an_unchanged_run_updates_as_optax_adamw_on_warmup_cosine_decay(tiny_model):
   """Three SFT updates (rates 0, peak, peak / 2) equal a plain loop of optax's AdamW on
   `optax.warmup_cosine_decay_schedule`, with the NLL computed from the model directly."""
-  cfg = OptimConfig(learning_rate=PEAK, warmup_steps=1, total_steps=3, schedule="cosine",
-                    eps=1e-4, weight_decay=0.01, grad_clip_norm=1.0)
+  cfg = OptimConfig(
+      learning_rate=PEAK,
+      warmup_steps=1,
+      total_steps=3,
+      schedule="cosine",
+      eps=1e-4,
+      weight_decay=0.01,
+      grad_clip_norm=1.0,
+  )
   step = make_sft_step(tiny_model, cfg, step_cfg=StepConfig(compiler_options=FAST))
   batch = _sft_batch()
   state = step.init_state(tiny_model)
@@ -141,9 +162,17 @@ def test_an_unchanged_run_updates_as_optax_adamw_on_warmup_cosine_decay(tiny_mod
     return -jnp.sum(jnp.where(mask, logp, 0.0)) / mask.sum()
 
   def reference(schedule):
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
-        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-        mask=lambda ps: jax.tree.map(lambda x: x.ndim >= 2, ps)))
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(
+            schedule,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=lambda ps: jax.tree.map(lambda x: x.ndim >= 2, ps),
+        ),
+    )
 
     @functools.partial(jax.jit, compiler_options=dict(FAST))
     def run(p):
@@ -160,8 +189,9 @@ def test_an_unchanged_run_updates_as_optax_adamw_on_warmup_cosine_decay(tiny_mod
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
   # The comparison tells schedules apart: the constant rate moves the weights elsewhere.
-  other = reference(optax.join_schedules([optax.constant_schedule(0.0),
-                                          optax.constant_schedule(PEAK)], [1]))
+  other = reference(
+      optax.join_schedules([optax.constant_schedule(0.0), optax.constant_schedule(PEAK)], [1])
+  )
   assert max(np.abs(g - o).max() for g, o in zip(got, other)) > 1e-4
 
 
@@ -171,8 +201,11 @@ def _update_text(step, batch, *extra):
   sel = step._select(batch)
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   with jax.set_mesh(step.mesh), nnx.logical_axis_rules(inner.rules):
-    return step._fn_for(sel, True).lower(step.abstract_state(), None, jax.tree.map(sds, sel),
-                                         inner.schedule_args, *extra).as_text()
+    return (
+        step._fn_for(sel, True)
+        .lower(step.abstract_state(), None, jax.tree.map(sds, sel), inner.schedule_args, *extra)
+        .as_text()
+    )
 
 
 def test_the_update_programs_do_not_hold_the_schedule_numbers(tiny_model):
@@ -185,12 +218,14 @@ def test_the_update_programs_do_not_hold_the_schedule_numbers(tiny_model):
   plain = [_update_text(make_sft_step(tiny_model, c, step_cfg=step_cfg), batch) for c in (a, b)]
   assert plain[0] == plain[1]
   batch_A = jax.tree.map(lambda x: np.stack([x, x]), batch)
-  for make in (lambda c: StackedTrainStep(tiny_model, SFTObjective(), c,
-                                          [c.learning_rate, 2 * c.learning_rate],
-                                          step_cfg=step_cfg),
-               lambda c: PartlyFrozenTrainStep(tiny_model, SFTObjective(), c,
-                                               [c.learning_rate] * 2, [True, False],
-                                               step_cfg=step_cfg)):
+  for make in (
+      lambda c: StackedTrainStep(
+          tiny_model, SFTObjective(), c, [c.learning_rate, 2 * c.learning_rate], step_cfg=step_cfg
+      ),
+      lambda c: PartlyFrozenTrainStep(
+          tiny_model, SFTObjective(), c, [c.learning_rate] * 2, [True, False], step_cfg=step_cfg
+      ),
+  ):
     texts = []
     for c in (a, b):
       step = make(c)
@@ -199,6 +234,7 @@ def test_the_update_programs_do_not_hold_the_schedule_numbers(tiny_model):
 
 
 # ---------------------------------------------------------------- a resumed run
+
 
 class _CacheLog(logging.Handler):
   """JAX's persistent compilation cache hits and misses, by module name."""
@@ -209,10 +245,12 @@ class _CacheLog(logging.Handler):
 
   def emit(self, record):
     text = record.getMessage()
-    for prefix, found in (("Persistent compilation cache hit for ", self.hits),
-                          ("PERSISTENT COMPILATION CACHE MISS for ", self.misses)):
+    for prefix, found in (
+        ("Persistent compilation cache hit for ", self.hits),
+        ("PERSISTENT COMPILATION CACHE MISS for ", self.misses),
+    ):
       if text.startswith(prefix):
-        found.append(text[len(prefix):].split("'")[1])
+        found.append(text[len(prefix) :].split("'")[1])
 
 
 def _smoke(steps):
@@ -232,8 +270,12 @@ def test_a_run_resumed_with_more_steps_compiles_no_train_program_and_keeps_its_r
   workdir = str(tmp_path / "run")
   config = _smoke(4)
   exp = experiment.start(config)  # the schedule's total: 4 updates; the loop stops at 2
-  rl.train(dataclasses.replace(exp, rl=dataclasses.replace(exp.rl, steps=2)), config, workdir,
-           progress=False)
+  rl.train(
+      dataclasses.replace(exp, rl=dataclasses.replace(exp.rl, steps=2)),
+      config,
+      workdir,
+      progress=False,
+  )
   logger, cache = logging.getLogger("jax._src.compiler"), _CacheLog()
   level = logger.level
   logger.setLevel(logging.DEBUG)

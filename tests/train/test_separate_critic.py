@@ -41,16 +41,34 @@ def _hand_tree():
   infrastructure fault, joint action 0 has a child."""
   tree = Tree(TreeConfig(num_turns=2, num_generations=2, num_agents=2, discount=0.9))
   root = tree.add_root([[1, 2], [3]])
-  tree.set_completions(root, [[Completion(np.array([10, 11]), np.zeros(2, np.float32)),
-                               Completion(np.array([12]), np.zeros(1, np.float32))],
-                              [Completion(np.array([20]), np.zeros(1, np.float32)),
-                               Completion(np.array([21, 22, 23]), np.zeros(3, np.float32))]])
+  tree.set_completions(
+      root,
+      [
+          [
+              Completion(np.array([10, 11]), np.zeros(2, np.float32)),
+              Completion(np.array([12]), np.zeros(1, np.float32)),
+          ],
+          [
+              Completion(np.array([20]), np.zeros(1, np.float32)),
+              Completion(np.array([21, 22, 23]), np.zeros(3, np.float32)),
+          ],
+      ],
+  )
   tree.record(root, np.array([0.5, 1.0]), np.array([True, False]))
   child = tree.add_child(root, 0, [[1, 2, 10, 11, 7], [3, 20, 8]])
-  tree.set_completions(child, [[Completion(np.array([30]), np.zeros(1, np.float32)),
-                                Completion(np.array([31]), np.zeros(1, np.float32))],
-                               [Completion(np.array([40]), np.zeros(1, np.float32)),
-                                Completion(np.array([41]), np.zeros(1, np.float32))]])
+  tree.set_completions(
+      child,
+      [
+          [
+              Completion(np.array([30]), np.zeros(1, np.float32)),
+              Completion(np.array([31]), np.zeros(1, np.float32)),
+          ],
+          [
+              Completion(np.array([40]), np.zeros(1, np.float32)),
+              Completion(np.array([41]), np.zeros(1, np.float32)),
+          ],
+      ],
+  )
   tree.record(child, np.array([1.0, 0.0]), np.array([True, True]))
   return tree.finalize()
 
@@ -59,11 +77,15 @@ def test_joint_rows_concatenate_every_agents_context_by_hand():
   tree = _hand_tree()
   v = joint_rows.joint_rows(tree, "v")
   assert [(r.node, r.sample, r.tokens.tolist()) for r in v] == [
-      (0, -1, [1, 2, 3]), (1, -1, [1, 2, 10, 11, 7, 3, 20, 8])]
+      (0, -1, [1, 2, 3]),
+      (1, -1, [1, 2, 10, 11, 7, 3, 20, 8]),
+  ]
   q = joint_rows.joint_rows(tree, "q")  # the root's joint action 1 is masked: no row
   assert [(r.node, r.sample, r.tokens.tolist()) for r in q] == [
       (0, 0, [1, 2, 10, 11, 3, 20]),
-      (1, 0, [1, 2, 10, 11, 7, 30, 3, 20, 8, 40]), (1, 1, [1, 2, 10, 11, 7, 31, 3, 20, 8, 41])]
+      (1, 0, [1, 2, 10, 11, 7, 30, 3, 20, 8, 40]),
+      (1, 1, [1, 2, 10, 11, 7, 31, 3, 20, 8, 41]),
+  ]
   # Targets per node [N, G]: a row's is the mean over its trained samples.
   targets = [np.array([[1.0, 9.0], [3.0, 9.0]]), np.array([[2.0, 4.0], [6.0, 8.0]])]
   np.testing.assert_allclose(joint_rows.row_targets(tree, q, targets), [2.0, 4.0, 6.0])
@@ -71,8 +93,14 @@ def test_joint_rows_concatenate_every_agents_context_by_hand():
   per_node = joint_rows.values_per_node(tree, q, [0.5, -1.0, 2.0])
   np.testing.assert_array_equal(per_node[0], [[0.5, 0.0], [0.5, 0.0]])
   np.testing.assert_array_equal(per_node[1], [[-1.0, 2.0], [-1.0, 2.0]])
-  batch = joint_rows.rows_batch(q, pad_id=0, row_multiple=2, min_length=8,
-                                targets_R=[2.0, 4.0, 6.0], old_values_R=[0.5, -1.0, 2.0])
+  batch = joint_rows.rows_batch(
+      q,
+      pad_id=0,
+      row_multiple=2,
+      min_length=8,
+      targets_R=[2.0, 4.0, 6.0],
+      old_values_R=[0.5, -1.0, 2.0],
+  )
   assert batch.tokens_BxL.shape == (4, 16) and batch.value_pos_BxK[:, 0].tolist() == [5, 9, 9, 0]
   assert batch.value_mask_BxK[:, 0].tolist() == [True, True, True, False]
   assert batch.row_weight_B.tolist() == [1.0, 1.0, 1.0, 0.0]
@@ -85,8 +113,7 @@ def test_joint_rows_concatenate_every_agents_context_by_hand():
 def _model(seed=0):
   """A model whose value head is random (a fresh one is zero, which would hide errors)."""
   model = models.create_model(CFG, seed=seed)
-  model.value_head[...] = jnp.asarray(np.random.RandomState(seed).randn(CFG.d_model),
-                                      jnp.float32)
+  model.value_head[...] = jnp.asarray(np.random.RandomState(seed).randn(CFG.d_model), jnp.float32)
   return model
 
 
@@ -102,8 +129,9 @@ def test_joint_values_equal_plain_forwards_of_each_joint_history(target):
   model = _model()
   step = TrainStep(model, ValueObjective(), OPT, step_cfg=FAST)
   params = nnx.state(model, nnx.Param)
-  got, rows = joint_rows.joint_values(tree, target,
-                                      lambda b: jax.device_get(step.values(params, b)))
+  got, rows = joint_rows.joint_values(
+      tree, target, lambda b: jax.device_get(step.values(params, b))
+  )
   assert len(rows) >= 4  # 2 roots and their children
   for row in rows:
     want = _plain_value(model, row.tokens.tolist())
@@ -152,18 +180,23 @@ def test_value_only_update_equals_an_independent_reference():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("changes,field", [
-    ({"critic.kind": "centralized", "critic.model": "head"}, "critic.model"),
-    ({"critic.kind": "centralized", "tree.num_agents": 1}, "tree.num_agents"),
-    ({"critic.kind": "centralized", "critic.target": "q", "tree.joint_mode": "cross"},
-     "tree.joint_mode"),
-    ({"critic.kind": "centralized", "agents.team_weight": 0.5}, "agents.team_weight"),
-    ({"critic.model": "critic"}, "critic.model"),
-    ({"critic.learning_rate": 0.0}, "critic.learning_rate"),
-    ({"critic.preset": "tiny", "critic.path": "/x"}, "critic.preset"),
-    ({"critic.preset": "huge"}, "critic.preset"),
-    ({"critic.model": "head", "critic.preset": "tiny"}, "critic.model"),
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"critic.kind": "centralized", "critic.model": "head"}, "critic.model"),
+        ({"critic.kind": "centralized", "tree.num_agents": 1}, "tree.num_agents"),
+        (
+            {"critic.kind": "centralized", "critic.target": "q", "tree.joint_mode": "cross"},
+            "tree.joint_mode",
+        ),
+        ({"critic.kind": "centralized", "agents.team_weight": 0.5}, "agents.team_weight"),
+        ({"critic.model": "critic"}, "critic.model"),
+        ({"critic.learning_rate": 0.0}, "critic.learning_rate"),
+        ({"critic.preset": "tiny", "critic.path": "/x"}, "critic.preset"),
+        ({"critic.preset": "huge"}, "critic.preset"),
+        ({"critic.model": "head", "critic.preset": "tiny"}, "critic.model"),
+    ],
+)
 def test_bad_separate_critic_configs_are_refused_in_one_line(changes, field):
   c = coop_config.get_config("smoke=True")
   c.critic.kind, c.critic.model = "independent", "separate"
@@ -219,11 +252,16 @@ def test_precompiled_critic_programs_are_the_ones_a_rollout_uses():
   and a head's value pass too (`compile.compile_values`): running them compiles nothing."""
   tree = random_tree(7, turns=2, gens=2, agents=2, mode="align")
   bcfg = BatchConfig(packing="rows", length_buckets=(64,), row_buckets=(32, 64))
-  plan = ShapePlan(engine=None, samplings=(), fanout=2, train_rows=(32, 64), train_lens=(64,),
-                   packing="rows")
+  plan = ShapePlan(
+      engine=None, samplings=(), fanout=2, train_rows=(32, 64), train_lens=(64,), packing="rows"
+  )
   exp = types.SimpleNamespace(
-      critic=critic_config.CriticGroup(kind="independent", model="separate"), optim=OPT,
-      rl=types.SimpleNamespace(updates_per_step=1), step=FAST, seed=0)
+      critic=critic_config.CriticGroup(kind="independent", model="separate"),
+      optim=OPT,
+      rl=types.SimpleNamespace(updates_per_step=1),
+      step=FAST,
+      seed=0,
+  )
   critic = SeparateCritic(exp, _model(), None, bcfg)
   assert shapes.precompile_critic(plan, critic) == 4
   compiled = critic.step.num_compiles
@@ -238,6 +276,10 @@ def test_precompiled_critic_programs_are_the_ones_a_rollout_uses():
   for spec in dataclasses.replace(plan, values=True).train_specs():
     compile_values(step, spec, step.rules)
   compiled, params = step.num_compiles, step.init_state(model).params
-  got = critic_values(tree, dataclasses.replace(bcfg, values="v"),
-                      lambda b: jax.device_get(step.values(params, b)), per_agent=False)
+  got = critic_values(
+      tree,
+      dataclasses.replace(bcfg, values="v"),
+      lambda b: jax.device_get(step.values(params, b)),
+      per_agent=False,
+  )
   assert any(np.any(v != 0) for v in got) and step.num_compiles == compiled

@@ -43,8 +43,11 @@ def one_device_env(**extra) -> dict:
   """This process's environment (the suite's compilation cache included) with one CPU
   device instead of the suite's 8, plus `extra`."""
   env = dict(os.environ, **extra)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags = [
+      f
+      for f in env.get("XLA_FLAGS", "").split()
+      if not f.startswith("--xla_force_host_platform_device_count")
+  ]
   env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
   return env
 
@@ -52,8 +55,14 @@ def one_device_env(**extra) -> dict:
 def run_on_one_device(jobs: list) -> None:
   """Trains `jobs` in turn in one process on one CPU device (see `_RUN_JOBS`): each a dict
   with "config": [module, function, args], "workdir" and optionally "rows_to"."""
-  done = subprocess.run([sys.executable, "-c", _RUN_JOBS, json.dumps(jobs)], cwd=ROOT,
-                        env=one_device_env(), capture_output=True, text=True, timeout=1800)
+  done = subprocess.run(
+      [sys.executable, "-c", _RUN_JOBS, json.dumps(jobs)],
+      cwd=ROOT,
+      env=one_device_env(),
+      capture_output=True,
+      text=True,
+      timeout=1800,
+  )
   assert done.returncode == 0, done.stderr[-5000:]
 
 
@@ -77,30 +86,38 @@ def _config(steps, trainable=None):
 
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items()
-             if not k.startswith(RUN_BOUND_PREFIXES)}
-            for line in f]
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith(RUN_BOUND_PREFIXES)}
+        for line in f
+    ]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """The runs the tests below read (their rows are compared, never written):
 
-    full       the uninterrupted 2-step run (SFT warm-up, then RL steps 1-2)
-    stopped    the rows of the same config stopped after step 1
-    resumed    that run continued to step 2
-    all_true   the 1-step run with agents.trainable=(True, True)
+  full       the uninterrupted 2-step run (SFT warm-up, then RL steps 1-2)
+  stopped    the rows of the same config stopped after step 1
+  resumed    that run continued to step 2
+  all_true   the 1-step run with agents.trainable=(True, True)
   """
   base = tmp_path_factory.mktemp("separate")
   full, resumed, all_true = (str(base / name) for name in ("full", "resumed", "all_true"))
   me = "tests.train.test_separate_policies"
-  run_on_one_device([
-      {"config": [me, "_config", [2]], "workdir": full},
-      {"config": [me, "_config", [1]], "workdir": resumed, "rows_to": str(base / "stopped")},
-      {"config": [me, "_config", [2]], "workdir": resumed},
-      {"config": [me, "_config", [1, [True, True]]], "workdir": all_true}])
-  return {"full": full, "stopped": _rows(str(base / "stopped")), "resumed": _rows(resumed),
-          "all_true": _rows(all_true)}
+  run_on_one_device(
+      [
+          {"config": [me, "_config", [2]], "workdir": full},
+          {"config": [me, "_config", [1]], "workdir": resumed, "rows_to": str(base / "stopped")},
+          {"config": [me, "_config", [2]], "workdir": resumed},
+          {"config": [me, "_config", [1, [True, True]]], "workdir": all_true},
+      ]
+  )
+  return {
+      "full": full,
+      "stopped": _rows(str(base / "stopped")),
+      "resumed": _rows(resumed),
+      "all_true": _rows(all_true),
+  }
 
 
 @pytest.mark.slow
@@ -111,8 +128,9 @@ def test_separate_policies_log_per_agent_and_resume_exactly(runs):
       assert f"agent_{a}/{key}" in rows[1], (a, key)
   assert rows[1]["agent_0/train/learning_rate"] == pytest.approx(1e-3, rel=1e-6)
   assert rows[1]["agent_1/train/learning_rate"] == pytest.approx(3e-3, rel=1e-6)
-  assert rows[1]["batch/actions"] == (rows[1]["agent_0/batch/actions"]
-                                      + rows[1]["agent_1/batch/actions"])
+  assert rows[1]["batch/actions"] == (
+      rows[1]["agent_0/batch/actions"] + rows[1]["agent_1/batch/actions"]
+  )
   for a in (0, 1):  # the second update's ratio sees the first: pi_old is the trainer's
     assert abs(rows[1][f"agent_{a}/train/ratio_mean"] - 1.0) > 1e-6, a
   # Stopped after step 1, continued to step 2: the same rows as the uninterrupted run.
@@ -138,7 +156,8 @@ def test_export_writes_one_hf_directory_per_agent(runs, tmp_path):
   logits = []
   for a, model in enumerate(policy.models()):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "hf" / f"agent_{a}"), attn_implementation="eager").eval()
+        str(tmp_path / "hf" / f"agent_{a}"), attn_implementation="eager"
+    ).eval()
     ours = np.asarray(model(jnp.asarray(tokens, jnp.int32)))
     with torch.no_grad():
       theirs = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
@@ -154,12 +173,15 @@ def test_export_writes_one_hf_directory_per_agent(runs, tmp_path):
   assert len(best.models()) == 2
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("agents.learning_rates", (1e-3,), "1 entries; allowed: 2"),
-    ("agents.paths", ("/nonexistent", ""), "no config.json"),
-    # Different architectures would need one program per agent (not built): refused.
-    ("agents.presets", ("", "small"), r"presets\[1\]='small': its architecture differs"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("agents.learning_rates", (1e-3,), "1 entries; allowed: 2"),
+        ("agents.paths", ("/nonexistent", ""), "no config.json"),
+        # Different architectures would need one program per agent (not built): refused.
+        ("agents.presets", ("", "small"), r"presets\[1\]='small': its architecture differs"),
+    ],
+)
 def test_bad_agents_config_is_refused_in_one_line(field, value, match):
   c = _config(1)
   group, name = field.split(".")

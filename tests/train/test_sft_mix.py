@@ -27,10 +27,12 @@ def _leaves(tree):
 
 
 def test_bad_mix_settings_fail_before_compute_with_the_field_named():
-  for field, value, match in (("mix_every", -1, "sft.mix_every"),
-                              ("mix_learning_rate", 0.0, "sft.mix_learning_rate"),
-                              ("mix_learning_rate", float("nan"), "sft.mix_learning_rate"),
-                              ("updates_per_step", -1, "rl.updates_per_step")):
+  for field, value, match in (
+      ("mix_every", -1, "sft.mix_every"),
+      ("mix_learning_rate", 0.0, "sft.mix_learning_rate"),
+      ("mix_learning_rate", float("nan"), "sft.mix_learning_rate"),
+      ("updates_per_step", -1, "rl.updates_per_step"),
+  ):
     c = mix_config()
     (c.rl if field == "updates_per_step" else c.sft)[field] = value
     with pytest.raises(ValueError, match=match):
@@ -53,8 +55,9 @@ def test_mix_step_is_a_plain_sft_step_and_leaves_the_rl_optimizer_alone():
   rl_opt = _leaves(state.opt_state)
 
   batch = next(sft.golden_batcher(parts, seed=parts.exp.seed + 1))  # the mix's first batch
-  plain = sft.make_sft_step(parts.model, optim.OptimConfig(learning_rate=1e-3),
-                            mesh=parts.mesh, step_cfg=parts.exp.step)
+  plain = sft.make_sft_step(
+      parts.model, optim.OptimConfig(learning_rate=1e-3), mesh=parts.mesh, step_cfg=parts.exp.step
+  )
   plain_state, plain_m = plain(plain.init_state(state.params), None, batch)
   expected = _leaves(plain_state.params)
 
@@ -81,15 +84,17 @@ def test_mix_step_is_a_plain_sft_step_and_leaves_the_rl_optimizer_alone():
 
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items()
-             if not k.startswith(RUN_BOUND_PREFIXES)}
-            for line in f]
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith(RUN_BOUND_PREFIXES)}
+        for line in f
+    ]
 
 
 @pytest.mark.slow
 def test_mixed_run_logs_the_sft_term_and_resumes_exactly(tmp_path):
   """2 steps in one go == 1 step, then resumed to 2: the mix's moments and stream
   position are in the checkpoint."""
+
   def config(steps):
     c = mix_config(steps=steps)
     c.rl.dump_every = 0
@@ -127,6 +132,7 @@ def test_the_warmup_conversations_take_their_keyword_arguments():
   'plain' feedback of the refine task instead of its defaults (two, level feedback)."""
   from configs import refine as refine_config
   from mtrl_jax.tasks import refine
+
   c = refine_config.get_config()
   c.tree.num_turns = 3
   c.env.kwargs.feedback = "plain"

@@ -26,10 +26,14 @@ def _batch(seed, rows):
   r = np.random.RandomState(seed)
   mask = np.zeros((rows, L), bool)
   for b in range(rows):
-    mask[b, 3 + b % 3:L - b % 2] = True
-  return from_rows(r.randint(0, CFG.vocab_size, (rows, L)).astype(np.int32), mask,
-                   old_logp_BxL=(-2.0 + 0.3 * r.randn(rows, L)).astype(np.float32),
-                   adv=r.randn(rows).astype(np.float32), num_logits=L)
+    mask[b, 3 + b % 3 : L - b % 2] = True
+  return from_rows(
+      r.randint(0, CFG.vocab_size, (rows, L)).astype(np.int32),
+      mask,
+      old_logp_BxL=(-2.0 + 0.3 * r.randn(rows, L)).astype(np.float32),
+      adv=r.randn(rows).astype(np.float32),
+      num_logits=L,
+  )
 
 
 def _models():
@@ -45,8 +49,9 @@ def _stacked(batches):
 def _stacked_step():
   """One StackedTrainStep of LOSS, shared by the tests that run it: the same batch shapes
   reuse its compiled program (the frozen-agent tests compare against it too)."""
-  return StackedTrainStep(_models()[0], LOSS, OPT, RATES,
-                          step_cfg=StepConfig(compiler_options=FAST))
+  return StackedTrainStep(
+      _models()[0], LOSS, OPT, RATES, step_cfg=StepConfig(compiler_options=FAST)
+  )
 
 
 def _run_stacked(batches, steps=2):
@@ -66,8 +71,12 @@ def test_stacked_update_equals_independent_single_agent_updates():
   state, metrics, st = _run_stacked(batches)
   assert st.num_compiles - before <= 1  # one program for both agents and both updates
   for a, model in enumerate(_models()):
-    single = TrainStep(model, LOSS, dataclasses.replace(OPT, learning_rate=RATES[a]),
-                       step_cfg=StepConfig(compiler_options=FAST))
+    single = TrainStep(
+        model,
+        LOSS,
+        dataclasses.replace(OPT, learning_rate=RATES[a]),
+        step_cfg=StepConfig(compiler_options=FAST),
+    )
     s = single.init_state(model, seed=0)
     ref = single.copy_params(s.params)
     for _ in range(2):
@@ -90,12 +99,17 @@ def test_one_agents_tokens_never_change_the_others_update(changed):
   other[changed] = _batch(7, 8).replace(adv_BxK=-base[changed].adv_BxK)
   s1, _, _ = _run_stacked(base, steps=1)
   s2, _, _ = _run_stacked(other, steps=1)
-  for x, y in zip(jax.tree.leaves(agent_slice(s1.params, kept)),
-                  jax.tree.leaves(agent_slice(s2.params, kept))):
+  for x, y in zip(
+      jax.tree.leaves(agent_slice(s1.params, kept)), jax.tree.leaves(agent_slice(s2.params, kept))
+  ):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bit-identical
-  assert any(not np.array_equal(np.asarray(x), np.asarray(y))
-             for x, y in zip(jax.tree.leaves(agent_slice(s1.params, changed)),
-                             jax.tree.leaves(agent_slice(s2.params, changed))))
+  assert any(
+      not np.array_equal(np.asarray(x), np.asarray(y))
+      for x, y in zip(
+          jax.tree.leaves(agent_slice(s1.params, changed)),
+          jax.tree.leaves(agent_slice(s2.params, changed)),
+      )
+  )
 
 
 def test_stacked_step_refuses_bad_inputs():
@@ -127,14 +141,22 @@ def test_several_updates_per_batch_use_each_agents_own_old_logprobs():
   assert st.num_compiles == 2
   metrics = st.fetch_metrics(m)
   for a, model in enumerate(_models()):
-    single = TrainStep(model, objective, dataclasses.replace(OPT, learning_rate=RATES[a]),
-                       step_cfg=StepConfig(compiler_options=FAST))
+    single = TrainStep(
+        model,
+        objective,
+        dataclasses.replace(OPT, learning_rate=RATES[a]),
+        step_cfg=StepConfig(compiler_options=FAST),
+    )
     s = single.init_state(model, seed=0)
     r = single.copy_params(s.params)
     batch = single.old_logprobs(s.params, batches[a])
     rows = batches[a].tokens_BxL.shape[0]
-    np.testing.assert_allclose(np.asarray(stacked.trainer_old_logp_BxK[a, :rows]),
-                               np.asarray(batch.trainer_old_logp_BxK), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(stacked.trainer_old_logp_BxK[a, :rows]),
+        np.asarray(batch.trainer_old_logp_BxK),
+        rtol=1e-6,
+        atol=1e-6,
+    )
     for _ in range(3):
       s, one = single(s, r, batch)
     one = single.fetch_metrics(one)

@@ -20,8 +20,9 @@ def _config():
 def test_coop_smoke_run_with_local_rewards_and_marginal_credit(tmp_path):
   c = _config()
   workdir = str(tmp_path / "run")
-  run_on_one_device([{"config": ["tests.train.test_team_credit_run", "_config", []],
-                      "workdir": workdir}])
+  run_on_one_device(
+      [{"config": ["tests.train.test_team_credit_run", "_config", []], "workdir": workdir}]
+  )
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   step = rows[-1]
@@ -35,6 +36,6 @@ def test_coop_smoke_run_with_local_rewards_and_marginal_credit(tmp_path):
     assert step[f"agent_{a}/reward/local_graded"] == 1.0  # coop grades every agent alone
   with open(os.path.join(workdir, "rollouts", "step_000001.jsonl")) as f:
     root = json.loads(f.readline())
-  assert len(root["rewards"]) == g ** 2  # every combination graded
+  assert len(root["rewards"]) == g**2  # every combination graded
   assert sum(child >= 0 for child in root["children"]) <= g  # the aligned ones branched
-  assert len(root["agent_rewards"]) == g ** 2
+  assert len(root["agent_rewards"]) == g**2

@@ -11,17 +11,20 @@ import pytest
 from mtrl_jax.train import OptimConfig, make_optimizer, make_schedule
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("schedule", "linear", "schedule='linear'; allowed: \\['constant', 'cosine'\\]"),
-    ("learning_rate", 0.0, "learning_rate=0.0"),
-    ("learning_rate", float("nan"), "learning_rate=nan"),
-    ("warmup_steps", -1, "warmup_steps=-1"),
-    ("total_steps", 0, "total_steps=0"),
-    ("weight_decay", -0.1, "weight_decay"),
-    ("b2", 1.0, "b2=1.0"),
-    ("eps", 0.0, "eps=0.0"),
-    ("grad_clip_norm", -1.0, "grad_clip_norm"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("schedule", "linear", "schedule='linear'; allowed: \\['constant', 'cosine'\\]"),
+        ("learning_rate", 0.0, "learning_rate=0.0"),
+        ("learning_rate", float("nan"), "learning_rate=nan"),
+        ("warmup_steps", -1, "warmup_steps=-1"),
+        ("total_steps", 0, "total_steps=0"),
+        ("weight_decay", -0.1, "weight_decay"),
+        ("b2", 1.0, "b2=1.0"),
+        ("eps", 0.0, "eps=0.0"),
+        ("grad_clip_norm", -1.0, "grad_clip_norm"),
+    ],
+)
 def test_config_rejects_bad_values(field, value, match):
   with pytest.raises(ValueError, match=match):
     OptimConfig(**{field: value})
@@ -34,13 +37,16 @@ def test_cosine_needs_warmup_below_total():
 
 def test_schedules():
   const = make_schedule(OptimConfig(learning_rate=0.1, warmup_steps=4))
-  np.testing.assert_allclose([float(const(s)) for s in (0, 2, 4, 100)], [0, 0.05, 0.1, 0.1],
-                             rtol=1e-6)
-  cos = make_schedule(OptimConfig(learning_rate=0.1, warmup_steps=10, total_steps=110,
-                                  schedule="cosine"))
+  np.testing.assert_allclose(
+      [float(const(s)) for s in (0, 2, 4, 100)], [0, 0.05, 0.1, 0.1], rtol=1e-6
+  )
+  cos = make_schedule(
+      OptimConfig(learning_rate=0.1, warmup_steps=10, total_steps=110, schedule="cosine")
+  )
   # Halfway through the 100 decay steps: 0.1 * (1 + cos(pi / 2)) / 2 = 0.05.
-  np.testing.assert_allclose([float(cos(s)) for s in (5, 10, 60, 110)], [0.05, 0.1, 0.05, 0.0],
-                             atol=1e-7)
+  np.testing.assert_allclose(
+      [float(cos(s)) for s in (5, 10, 60, 110)], [0.05, 0.1, 0.05, 0.0], atol=1e-7
+  )
   assert float(make_schedule(OptimConfig(learning_rate=0.3))(0)) == pytest.approx(0.3)
 
 
@@ -68,14 +74,23 @@ def _numpy_adamw(params, grads_seq, cfg: OptimConfig):
 
 
 def test_adamw_matches_numpy_float64():
-  cfg = OptimConfig(learning_rate=0.1, warmup_steps=2, weight_decay=0.1, b1=0.8, b2=0.95,
-                    eps=1e-6, grad_clip_norm=2.0)
+  cfg = OptimConfig(
+      learning_rate=0.1,
+      warmup_steps=2,
+      weight_decay=0.1,
+      b1=0.8,
+      b2=0.95,
+      eps=1e-6,
+      grad_clip_norm=2.0,
+  )
   r = np.random.RandomState(0)
   params = {"w": r.randn(3, 4).astype(np.float32), "b": r.randn(4).astype(np.float32)}
   # Step 2's gradient has norm > 2 (clipped); the others are below it.
-  grads_seq = [{"w": 0.1 * r.randn(3, 4), "b": 0.1 * r.randn(4)},
-               {"w": 3.0 * r.randn(3, 4), "b": 3.0 * r.randn(4)},
-               {"w": 0.2 * r.randn(3, 4), "b": 0.2 * r.randn(4)}]
+  grads_seq = [
+      {"w": 0.1 * r.randn(3, 4), "b": 0.1 * r.randn(4)},
+      {"w": 3.0 * r.randn(3, 4), "b": 3.0 * r.randn(4)},
+      {"w": 0.2 * r.randn(3, 4), "b": 0.2 * r.randn(4)},
+  ]
   grads_seq = [{k: v.astype(np.float32) for k, v in g.items()} for g in grads_seq]
   tx = make_optimizer(cfg)
 

@@ -10,8 +10,14 @@ from flax import nnx
 
 from mtrl_jax import models
 from mtrl_jax.rollout.train_batch import from_rows
-from mtrl_jax.train import (OptimConfig, SFTBatcher, SFTObjective, StepConfig, make_sft_step,
-                            pack_sft_rows)
+from mtrl_jax.train import (
+    OptimConfig,
+    SFTBatcher,
+    SFTObjective,
+    StepConfig,
+    make_sft_step,
+    pack_sft_rows,
+)
 
 CFG = models.get_preset("tiny")
 FAST = (("xla_backend_optimization_level", 0),)  # LLVM -O0: same program, faster compile
@@ -26,8 +32,12 @@ def _row(n, start, seed):
 def _rows_batch(mask_BxL, row_weight_B):
   """A `TrainBatch` of rows with this loss mask (tokens irrelevant to the objective)."""
   mask_BxL = np.asarray(mask_BxL, bool)
-  return from_rows(np.zeros(mask_BxL.shape, np.int32), mask_BxL, row_weight_B=row_weight_B,
-                   num_logits=mask_BxL.shape[1])
+  return from_rows(
+      np.zeros(mask_BxL.shape, np.int32),
+      mask_BxL,
+      row_weight_B=row_weight_B,
+      num_logits=mask_BxL.shape[1],
+  )
 
 
 def test_objective_matches_hand_worked_example():
@@ -115,9 +125,15 @@ def _sft_rows_builder_class():
       super().__init__(**kwargs)
 
     def _info(self):
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-          "ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
-          "trainable": tfds.features.Tensor(shape=(None,), dtype=np.bool_)}))
+      return tfds.core.DatasetInfo(
+          builder=self,
+          features=tfds.features.FeaturesDict(
+              {
+                  "ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+                  "trainable": tfds.features.Tensor(shape=(None,), dtype=np.bool_),
+              }
+          ),
+      )
 
     def _split_generators(self, dl_manager):
       del dl_manager
@@ -132,8 +148,9 @@ def _sft_rows_builder_class():
 
 def _sft_rows_builder(data_dir, splits=None):
   """The builder under `data_dir`; `splits` (name -> rows callable) only to build it."""
-  return _sft_rows_builder_class()(splits=splits or {}, data_dir=data_dir,
-                                   file_format="array_record")
+  return _sft_rows_builder_class()(
+      splits=splits or {}, data_dir=data_dir, file_format="array_record"
+  )
 
 
 def test_tfds_source_round_trip(tmp_path):
@@ -152,8 +169,11 @@ def test_tfds_source_round_trip(tmp_path):
 @functools.cache
 def _sft(lr):
   model = models.create_model(CFG, seed=0)
-  step = make_sft_step(model, OptimConfig(learning_rate=lr, grad_clip_norm=1.0),
-                       step_cfg=StepConfig(compiler_options=FAST))
+  step = make_sft_step(
+      model,
+      OptimConfig(learning_rate=lr, grad_clip_norm=1.0),
+      step_cfg=StepConfig(compiler_options=FAST),
+  )
   return model, step
 
 
@@ -162,8 +182,9 @@ def test_step_loss_equals_numpy_float64_cross_entropy():
   batch = pack_sft_rows(rows, (24,), num_rows=4)  # the overfit test's bucket: one compile
   model, step = _sft(1e-2)
   graphdef, params = nnx.split(model, nnx.Param)
-  logits = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(
-      params, batch.tokens_BxL), np.float64)
+  logits = np.asarray(
+      jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, batch.tokens_BxL), np.float64
+  )
   # log p(tokens[t] | tokens[:t]) from the logits at t - 1, in float64.
   logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
   nll = 0.0

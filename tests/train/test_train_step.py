@@ -10,8 +10,7 @@ import pytest
 from flax import nnx
 
 from mtrl_jax import losses, models, sharding, testing
-from mtrl_jax.train import (NonFiniteError, OptimConfig, StepConfig, TrainStep,
-                            make_optimizer)
+from mtrl_jax.train import (NonFiniteError, OptimConfig, StepConfig, TrainStep, make_optimizer)
 
 CFG = models.get_preset("tiny")
 LOSS = losses.LossConfig(algorithm="grpo", kl_coef=0.05, aggregation="seq-mean-token-mean")
@@ -30,8 +29,9 @@ def _sampler_logp(seed):
   """Logprobs of the seed-0 policy on the batch's tokens (what a sampler reports)."""
   tokens = np.random.RandomState(seed).randint(0, CFG.vocab_size, (B, L)).astype(np.int32)
   graphdef, params = nnx.split(testing.tiny_model(), nnx.Param)
-  fwd = jax.jit(lambda p, t: losses.token_logprobs(nnx.merge(graphdef, p)(t), t),
-                compiler_options=dict(FAST))
+  fwd = jax.jit(
+      lambda p, t: losses.token_logprobs(nnx.merge(graphdef, p)(t), t), compiler_options=dict(FAST)
+  )
   return tokens, np.asarray(fwd(params, tokens))
 
 
@@ -44,13 +44,17 @@ def make_rows(seed=0):
   r = np.random.RandomState(seed + 1)
   mask = np.zeros((B, L), bool)
   for b in range(B):
-    mask[b, 4 + b % 3:L - b % 2] = True
+    mask[b, 4 + b % 3 : L - b % 2] = True
   row_weight = np.ones(B, np.float32)
   row_weight[-1] = 0.0  # a padding row whose loss_mask is (wrongly) on: must not count
-  return {"tokens_BxL": tokens, "loss_mask_BxL": mask,
-          "old_logp_BxL": (logp + 0.15 * r.randn(B, L)).astype(np.float32),
-          "adv_B": r.randn(B).astype(np.float32), "row_weight_B": row_weight,
-          "node_B": np.arange(B, dtype=np.int32)}
+  return {
+      "tokens_BxL": tokens,
+      "loss_mask_BxL": mask,
+      "old_logp_BxL": (logp + 0.15 * r.randn(B, L)).astype(np.float32),
+      "adv_B": r.randn(B).astype(np.float32),
+      "row_weight_B": row_weight,
+      "node_B": np.arange(B, dtype=np.int32),
+  }
 
 
 def make_batch(seed=0):
@@ -59,7 +63,7 @@ def make_batch(seed=0):
 
 
 def _mesh(shape):
-  return sharding.make_mesh(shape, devices=jax.devices()[:int(np.prod(shape))])
+  return sharding.make_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
 
 
 @functools.cache
@@ -97,8 +101,9 @@ def _reference_step():
 
   def step(p):
     ref_logp = logp_of(p)  # the reference is the initial policy
-    loss_fn = lambda q: losses.policy_loss(logp_of(q), b["old_logp_BxL"], ref_logp, b["adv_B"],
-                                           mask, LOSS)
+    loss_fn = lambda q: losses.policy_loss(
+        logp_of(q), b["old_logp_BxL"], ref_logp, b["adv_B"], mask, LOSS
+    )
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(p)
     updates, _ = tx.update(grads, tx.init(p), p)
     return loss, optax.tree.norm(grads), metrics, optax.apply_updates(p, updates)
@@ -150,8 +155,9 @@ def test_chunked_logprobs_and_remat_match_the_plain_step():
   """Vocabulary-chunked logprobs (64 does not divide V=300) + remat: same update."""
   plain, plain_params = _run((1, 1, 1), 1)
   model = models.create_model(CFG.replace(remat=True), seed=0)
-  ts = TrainStep(model, LOSS, OPT, _mesh((1, 1, 1)),
-                 StepConfig(logprob_chunk_size=64, compiler_options=FAST))
+  ts = TrainStep(
+      model, LOSS, OPT, _mesh((1, 1, 1)), StepConfig(logprob_chunk_size=64, compiler_options=FAST)
+  )
   state = ts.init_state(model)
   state, metrics = ts(state, ts.copy_params(state.params), make_batch())
   m = ts.fetch_metrics(metrics)
@@ -203,8 +209,9 @@ def test_halt_raises_on_fetch_after_lr_blowup():
   mesh = _mesh((1, 1, 1))
   model = models.create_model(CFG.replace(num_layers=1), seed=0, mesh=mesh)
   huge = OptimConfig(learning_rate=1e30, grad_clip_norm=0.0)
-  ts = TrainStep(model, losses.LossConfig(), huge, mesh,
-                 StepConfig(nonfinite="halt", compiler_options=FAST))
+  ts = TrainStep(
+      model, losses.LossConfig(), huge, mesh, StepConfig(nonfinite="halt", compiler_options=FAST)
+  )
   state = ts.init_state(model)
   state, metrics = ts(state, None, make_batch())
   assert ts.fetch_metrics(metrics)["skipped"] == 0  # finite, but weights are now ~1e30
@@ -266,6 +273,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_precompiled_shapes_run_without_compiling(shape):
   from mtrl_jax.metrics import CompileCensus
   from mtrl_jax.rollout.train_batch import batch_spec
+
   model = testing.tiny_model()
   ts = TrainStep(model, LOSS, OPT, _mesh(shape), StepConfig(compiler_options=FAST))
   ts.precompile(batch_spec(B, L, L))
@@ -306,12 +314,14 @@ def test_policy_objective_at_the_sampler_temperature_is_on_policy():
   # the untempered model instead and the gap is the temperature's effect.
   from mtrl_jax.sampling import DecodeEngine, EngineConfig, Request, SamplingConfig
   from mtrl_jax.train import PolicyObjective
+
   tau, g, n_new = 1.7, 2, L - 4
   model = testing.tiny_model()
   prompts = np.random.RandomState(3).randint(1, CFG.vocab_size, (B // g, 4)).tolist()
   engine = DecodeEngine(CFG, EngineConfig(slots=B, capacity=2 * L))
-  engine.start(nnx.state(model), SamplingConfig(temperature=tau, max_new_tokens=n_new), [], 0,
-               fanout=g)
+  engine.start(
+      nnx.state(model), SamplingConfig(temperature=tau, max_new_tokens=n_new), [], 0, fanout=g
+  )
   key = np.asarray(jax.random.key_data(jax.random.key(0)), np.uint32)
   for p, prompt in enumerate(prompts):
     engine.submit(Request(p, prompt, key, [p * g, p * g + 1]))
@@ -320,19 +330,29 @@ def test_policy_objective_at_the_sampler_temperature_is_on_policy():
     out, busy = engine.step()
     samples += out
   samples.sort(key=lambda s: (s.tag, s.index))  # row p * g + k
-  tokens = np.concatenate([np.repeat(np.asarray(prompts), g, 0),
-                           np.stack([s.ids for s in samples])], 1)
+  tokens = np.concatenate(
+      [np.repeat(np.asarray(prompts), g, 0), np.stack([s.ids for s in samples])], 1
+  )
   mask = np.zeros((B, L), bool)
   mask[:, 4:] = True
   old_logp = np.zeros((B, L), np.float32)
   old_logp[:, 4:] = np.stack([s.logprobs for s in samples])
-  batch = testing.rows_batch({"tokens_BxL": tokens.astype(np.int32), "loss_mask_BxL": mask,
-                              "old_logp_BxL": old_logp,
-                              "adv_B": np.random.RandomState(4).randn(B).astype(np.float32)})
+  batch = testing.rows_batch(
+      {
+          "tokens_BxL": tokens.astype(np.int32),
+          "loss_mask_BxL": mask,
+          "old_logp_BxL": old_logp,
+          "adv_B": np.random.RandomState(4).randn(B).astype(np.float32),
+      }
+  )
   gaps = {}
   for temperature in (tau, 1.0):
-    ts = TrainStep(model, PolicyObjective(LOSS, temperature=temperature), OPT,
-                   step_cfg=StepConfig(compiler_options=FAST))
+    ts = TrainStep(
+        model,
+        PolicyObjective(LOSS, temperature=temperature),
+        OPT,
+        step_cfg=StepConfig(compiler_options=FAST),
+    )
     state = ts.init_state(model)
     _, metrics = ts(state, ts.copy_params(state.params), batch)
     m = ts.fetch_metrics(metrics)

@@ -8,14 +8,36 @@ transitions of turns >= 2) and `expert` (its expert-edit requests) are not impor
 here either.
 """
 
-from mtrl_jax.tasks.code.prompts import (EXTRACTION_ERROR, agent_prompts, aux_prompt,
-                                              extract_function_params, main_prompt,
-                                              single_agent_prompt)
-from mtrl_jax.tasks.code.rewards import (GRPO_SHIFT, MAGRPO_SHIFT, MAX_REWARD,
-                                              MAX_SINGLE_AGENT_REWARD, execution_reward_aux,
-                                              process_reward, single_agent_reward)
+from mtrl_jax.tasks.code.prompts import (
+    EXTRACTION_ERROR,
+    agent_prompts,
+    aux_prompt,
+    extract_function_params,
+    main_prompt,
+    single_agent_prompt,
+)
+from mtrl_jax.tasks.code.rewards import (
+    GRPO_SHIFT,
+    MAGRPO_SHIFT,
+    MAX_REWARD,
+    MAX_SINGLE_AGENT_REWARD,
+    execution_reward_aux,
+    process_reward,
+    single_agent_reward,
+)
 
-__all__ = ["EXTRACTION_ERROR", "agent_prompts", "aux_prompt", "extract_function_params",
-           "main_prompt", "single_agent_prompt", "GRPO_SHIFT", "MAGRPO_SHIFT", "MAX_REWARD",
-           "MAX_SINGLE_AGENT_REWARD", "execution_reward_aux", "process_reward",
-           "single_agent_reward"]
+__all__ = [
+    "EXTRACTION_ERROR",
+    "agent_prompts",
+    "aux_prompt",
+    "extract_function_params",
+    "main_prompt",
+    "single_agent_prompt",
+    "GRPO_SHIFT",
+    "MAGRPO_SHIFT",
+    "MAX_REWARD",
+    "MAX_SINGLE_AGENT_REWARD",
+    "execution_reward_aux",
+    "process_reward",
+    "single_agent_reward",
+]

@@ -20,6 +20,7 @@ One deliberate difference: the reference's AST misuse analyser judged
 later uses, so it flagged every `x = aux(...)`. `misused_aux_calls` collects
 all uses first, which is what its messages describe.
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,8 +29,10 @@ import re
 _DEF_LINE = re.compile(r"^(\s*)def\s+\w+\s*\(")
 _PROSE = re.compile(r"^[A-Z][a-z].*[.!?:]$")
 _CODE_MARKERS = ("def ", "return ", "if ", "for ", "while ", "=", "(", ")", "[", "]")
-_IMPORT_LINES = (re.compile(r"^from\s+[\w\.]+\s+import\s+.*$"),
-                 re.compile(r"^import\s+[\w\.,\s]+$"))
+_IMPORT_LINES = (
+    re.compile(r"^from\s+[\w\.]+\s+import\s+.*$"),
+    re.compile(r"^import\s+[\w\.,\s]+$"),
+)
 
 
 def extract_imports(prompt: str) -> str:
@@ -92,8 +95,12 @@ def cleanup_code(code: str) -> str:
   kept = []
   for line in "\n\n".join("\n".join(b) for b in blocks).split("\n"):
     s = line.strip()
-    if (s and not s.startswith(("#", '"""', "'''"))
-        and not any(m in line for m in _CODE_MARKERS) and _PROSE.match(s)):
+    if (
+        s
+        and not s.startswith(("#", '"""', "'''"))
+        and not any(m in line for m in _CODE_MARKERS)
+        and _PROSE.match(s)
+    ):
       continue  # a line of prose such as "Here is the solution:"
     kept.append(line)
   result = "\n".join(kept).strip()
@@ -133,8 +140,11 @@ def check_syntax(code: str, description: str) -> tuple[bool, str, dict | None]:
     ast.parse(code)
     return True, f"{description} syntax OK", None
   except SyntaxError as e:
-    return (False, f"{description} has syntax error: {e}",
-            {"line": e.lineno, "offset": e.offset, "msg": e.msg})
+    return (
+        False,
+        f"{description} has syntax error: {e}",
+        {"line": e.lineno, "offset": e.offset, "msg": e.msg},
+    )
 
 
 def combine_code(aux: str, main: str, imports: str = "") -> str:
@@ -157,8 +167,12 @@ def extract_test_cases(test_code: str, entry_point: str) -> list[str]:
   cases = []
   for line in match.group(1).strip().split("\n"):
     line = line.strip()
-    if (line.startswith("assert") and "candidate" in line
-        and re.match(r"assert\s+[^\n]*candidate[^\n]*", line) and line not in cases):
+    if (
+        line.startswith("assert")
+        and "candidate" in line
+        and re.match(r"assert\s+[^\n]*candidate[^\n]*", line)
+        and line not in cases
+    ):
       cases.append(line)
   return [c.replace("candidate", entry_point) for c in cases]
 
@@ -233,8 +247,11 @@ def misused_aux_calls(main_code: str, aux_name: str = "aux") -> list[str]:
         if isinstance(t, ast.Name):
           stores.setdefault(t.id, []).append(node.lineno)
   problems = []
-  calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-           and isinstance(n.func, ast.Name) and n.func.id == aux_name]
+  calls = [
+      n
+      for n in ast.walk(tree)
+      if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == aux_name
+  ]
   for call in sorted(calls, key=lambda n: (n.lineno, n.col_offset)):
     up = parent.get(call)
     reason = None

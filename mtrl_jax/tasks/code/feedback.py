@@ -27,6 +27,7 @@ n > 0 the first n; n < 0 the last |n|; 0, None or 'all': all), in the sandbox,
 per assert with a 10 s alarm, stopping after 3 timeouts, and only when the
 syntax is OK. Rewards always use all tests; only the feedback is sliced.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,12 @@ from mtrl_jax.tasks.code import analysis
 from mtrl_jax.tasks.code.expert import ExpertModel, request_expert_edits
 
 MODES = ("level_feedback", "level_passed", "passed", "plain", "expert_edits", "bandit")
-_ALIASES = {"feedback": "level_feedback", "signals": "level_passed", "expert": "expert_edits",
-            "edits": "expert_edits"}
+_ALIASES = {
+    "feedback": "level_feedback",
+    "signals": "level_passed",
+    "expert": "expert_edits",
+    "edits": "expert_edits",
+}
 
 
 def parse_sandbox_slice(value) -> int | None:
@@ -56,8 +61,7 @@ def parse_sandbox_slice(value) -> int | None:
       return 0
     if re.fullmatch(r"-?\d+", text):
       return int(text)
-  raise ValueError(f"sandbox_slice must be an int, 'all', a numeric string or None; "
-                   f"got {value!r}")
+  raise ValueError(f"sandbox_slice must be an int, 'all', a numeric string or None; got {value!r}")
 
 
 def slice_tests(test_code: str, n: int | None) -> str:
@@ -65,11 +69,16 @@ def slice_tests(test_code: str, n: int | None) -> str:
   if not isinstance(test_code, str) or not test_code.strip() or not n:
     return test_code
   lines = test_code.splitlines()
-  check = next((i for i, l in enumerate(lines)
-                if re.match(r"\s*def\s+check\s*\(candidate\)\s*:\s*", l)), None)
+  check = next(
+      (i for i, l in enumerate(lines) if re.match(r"\s*def\s+check\s*\(candidate\)\s*:\s*", l)),
+      None,
+  )
   preamble = lines if check is None else lines[:check]
-  asserts = [l.strip() for l in lines[(check + 1 if check is not None else 0):]
-             if l.strip().startswith("assert") and "candidate" in l]
+  asserts = [
+      l.strip()
+      for l in lines[(check + 1 if check is not None else 0) :]
+      if l.strip().startswith("assert") and "candidate" in l
+  ]
   if not asserts:
     return test_code
   parts = ["\n".join(preamble).strip()] if "\n".join(preamble).strip() else []
@@ -81,6 +90,7 @@ def slice_tests(test_code: str, n: int | None) -> str:
 @dataclasses.dataclass(frozen=True)
 class Diagnostics:
   """What the feedback modes say about one joint action."""
+
   aux_func: str
   main_func: str
   aux_defined: bool
@@ -98,8 +108,16 @@ class Diagnostics:
   failures: tuple[sandbox.AssertResult, ...]  # executed asserts that did not pass
 
 
-def analyze(task: Mapping[str, str], aux: str, main: str, num_agents: int, test_code: str, *,
-            timeout_per_assert_s: float = 10.0, max_timeouts: int = 3) -> Diagnostics:
+def analyze(
+    task: Mapping[str, str],
+    aux: str,
+    main: str,
+    num_agents: int,
+    test_code: str,
+    *,
+    timeout_per_assert_s: float = 10.0,
+    max_timeouts: int = 3,
+) -> Diagnostics:
   """Static checks of (aux, main) and, if the syntax is OK, a sandbox test run."""
   ep = task["entry_point"]
   main_func = analysis.extract_function(main, ep)
@@ -115,15 +133,28 @@ def analyze(task: Mapping[str, str], aux: str, main: str, num_agents: int, test_
   passed, total, failures = 0, 0, ()
   cases = analysis.extract_test_cases(test_code, ep) if syntax_ok and test_code and ep else []
   if cases:
-    results = sandbox.run_tests(code, cases, timeout_per_assert_s, max_timeouts,
-                                prelude="import math")
+    results = sandbox.run_tests(
+        code, cases, timeout_per_assert_s, max_timeouts, prelude="import math"
+    )
     passed, total = sum(r.passed for r in results), len(cases)
     failures = tuple(r for r in results if r.status not in ("passed", "skipped"))
-  return Diagnostics(aux_func, main_func, aux_ok, aux_msg, main_ok, main_msg, syntax_ok,
-                     syntax_msg, syntax_error,
-                     multi and analysis.calls_aux(main_func),
-                     tuple(analysis.misused_aux_calls(main_func)) if multi else (),
-                     multi and analysis.is_thin_wrapper(main_func), passed, total, failures)
+  return Diagnostics(
+      aux_func,
+      main_func,
+      aux_ok,
+      aux_msg,
+      main_ok,
+      main_msg,
+      syntax_ok,
+      syntax_msg,
+      syntax_error,
+      multi and analysis.calls_aux(main_func),
+      tuple(analysis.misused_aux_calls(main_func)) if multi else (),
+      multi and analysis.is_thin_wrapper(main_func),
+      passed,
+      total,
+      failures,
+  )
 
 
 def _history(prompts: Sequence[str], responses: Sequence[str], label: str) -> list[str]:
@@ -157,8 +188,9 @@ def _level_feedback(d: Diagnostics, role: str, num_agents: int) -> list[str]:
     lines.append(f"  SyntaxError at line {se['line']}, col {se['offset']}: {se['msg']}")
   if d.tests_total > 0:
     lines.append(f"- Tests: {d.tests_passed}/{d.tests_total} passed")
-    lines += [f"  Failed case: {f.assertion} -> {f.error_type}: {f.error_message}"
-              for f in d.failures]
+    lines += [
+        f"  Failed case: {f.assertion} -> {f.error_type}: {f.error_message}" for f in d.failures
+    ]
   else:
     lines.append("- Tests: no test cases found")
   if role == "main" and num_agents > 1 and d.main_defined:
@@ -183,10 +215,12 @@ def _signals(d: Diagnostics, role: str, num_agents: int) -> list[str]:
   else:
     tests = f"Passed {d.tests_passed}/{d.tests_total} tests"
   ok = d.aux_defined if role == "aux" else d.main_defined
-  lines = ["Signals:",
-           f"- Implementation: {'OK' if ok else 'No implementation found in required structure'}",
-           f"- Syntax: {'Syntax correct' if d.syntax_ok else 'Syntax not correct'}",
-           f"- Tests: {tests}"]
+  lines = [
+      "Signals:",
+      f"- Implementation: {'OK' if ok else 'No implementation found in required structure'}",
+      f"- Syntax: {'Syntax correct' if d.syntax_ok else 'Syntax not correct'}",
+      f"- Tests: {tests}",
+  ]
   if role == "main" and num_agents > 1:
     if not d.main_defined:
       usage = "Main missing; cannot check aux usage"
@@ -211,25 +245,35 @@ def _check_args(mode, task, completions, prompt_hist, response_hist, num_agents,
     raise ValueError(f"external mode {mode!r} is not one of {MODES}")
   if num_agents not in (1, 2):
     raise ValueError(f"num_agents must be 1 or 2 for the code task, got {num_agents!r}")
-  for name, value in (("agent_completions", completions),
-                      ("prompt_history_per_agent", prompt_hist),
-                      ("response_history_per_agent", response_hist)):
+  for name, value in (
+      ("agent_completions", completions),
+      ("prompt_history_per_agent", prompt_hist),
+      ("response_history_per_agent", response_hist),
+  ):
     if len(value) != num_agents:
       raise ValueError(f"{name} must hold one entry per agent ({num_agents}), got {len(value)}")
   missing = [k for k in ("prompt", "test", "entry_point") if k not in task]
   if missing:
     raise ValueError(f"task lacks the fields {missing}; needs prompt, test, entry_point")
   if mode == "bandit" and not all(prompt_hist):
-    raise ValueError("external mode 'bandit' needs each agent's turn-1 prompt in "
-                     "prompt_history_per_agent")
+    raise ValueError(
+        "external mode 'bandit' needs each agent's turn-1 prompt in prompt_history_per_agent"
+    )
   if mode == "expert_edits" and expert is None:
     raise ValueError("external mode 'expert_edits' needs an expert model (expert=...)")
   return mode
 
 
-def _mode_blocks(mode: str, task: Mapping[str, str], agent_completions: Sequence[str],
-                 num_agents: int, sandbox_slice, expert: ExpertModel | None,
-                 timeout_per_assert_s: float, max_timeouts: int) -> list[list[str]]:
+def _mode_blocks(
+    mode: str,
+    task: Mapping[str, str],
+    agent_completions: Sequence[str],
+    num_agents: int,
+    sandbox_slice,
+    expert: ExpertModel | None,
+    timeout_per_assert_s: float,
+    max_timeouts: int,
+) -> list[list[str]]:
   """Per agent, the lines that follow its history: mode block + closing instruction."""
   ep = task["entry_point"]
   roles = ["main"] if num_agents == 1 else ["aux", "main"]
@@ -238,8 +282,15 @@ def _mode_blocks(mode: str, task: Mapping[str, str], agent_completions: Sequence
   if mode in ("level_feedback", "level_passed", "passed"):
     n = parse_sandbox_slice(sandbox_slice)
     tests = task["test"] if n in (None, 0) else slice_tests(task["test"], n)
-    diagnostics = analyze(task, aux, main, num_agents, tests,
-                          timeout_per_assert_s=timeout_per_assert_s, max_timeouts=max_timeouts)
+    diagnostics = analyze(
+        task,
+        aux,
+        main,
+        num_agents,
+        tests,
+        timeout_per_assert_s=timeout_per_assert_s,
+        max_timeouts=max_timeouts,
+    )
   elif mode == "expert_edits":
     edits = dict(zip(("aux", "main"), request_expert_edits(expert, task, aux, main, num_agents)))
   blocks = []
@@ -247,8 +298,10 @@ def _mode_blocks(mode: str, task: Mapping[str, str], agent_completions: Sequence
     target = "aux" if role == "aux" else (ep or "main")
     if mode == "level_feedback":
       lines = _level_feedback(diagnostics, role, num_agents)
-      lines.append(f"\nRevise your {target}(...) accordingly. "
-                   "Output ONLY the function code with no extra text.")
+      lines.append(
+          f"\nRevise your {target}(...) accordingly. "
+          "Output ONLY the function code with no extra text."
+      )
     elif mode == "level_passed":
       lines = _signals(diagnostics, role, num_agents)
       lines.append(f"Revise your {target}(...) accordingly. Output ONLY the function code.")
@@ -258,20 +311,35 @@ def _mode_blocks(mode: str, task: Mapping[str, str], agent_completions: Sequence
     elif mode == "plain":
       lines = [f"Revise your {target}(...) accordingly. Output ONLY the function code."]
     else:
-      header = ("Here is an edited snippet from an expert model:" if num_agents == 1
-                else "Here is edited snippet from an expert model:")
-      lines = [header, (edits[role] or "").strip(), "",
-               f"Revise your {target}(...) accordingly. "
-               "Output ONLY the function code with no extra text."]
+      header = (
+          "Here is an edited snippet from an expert model:"
+          if num_agents == 1
+          else "Here is edited snippet from an expert model:"
+      )
+      lines = [
+          header,
+          (edits[role] or "").strip(),
+          "",
+          f"Revise your {target}(...) accordingly. "
+          "Output ONLY the function code with no extra text.",
+      ]
     blocks.append(lines)
   return blocks
 
 
-def build_transition(mode: str, task: Mapping[str, str], agent_completions: Sequence[str],
-                     prompt_history_per_agent: Sequence[Sequence[str]],
-                     response_history_per_agent: Sequence[Sequence[str]], num_agents: int = 2,
-                     sandbox_slice: int | str | None = 1, expert: ExpertModel | None = None, *,
-                     timeout_per_assert_s: float = 10.0, max_timeouts: int = 3) -> list[str]:
+def build_transition(
+    mode: str,
+    task: Mapping[str, str],
+    agent_completions: Sequence[str],
+    prompt_history_per_agent: Sequence[Sequence[str]],
+    response_history_per_agent: Sequence[Sequence[str]],
+    num_agents: int = 2,
+    sandbox_slice: int | str | None = 1,
+    expert: ExpertModel | None = None,
+    *,
+    timeout_per_assert_s: float = 10.0,
+    max_timeouts: int = 3,
+) -> list[str]:
   """Next-turn prompts, one per agent (agent 0 = aux, agent 1 = main; N=1: main).
 
   Args:
@@ -290,24 +358,52 @@ def build_transition(mode: str, task: Mapping[str, str], agent_completions: Sequ
   Returns:
     `num_agents` prompt strings.
   """
-  mode = _check_args(mode, task, agent_completions, prompt_history_per_agent,
-                     response_history_per_agent, num_agents, expert)
+  mode = _check_args(
+      mode,
+      task,
+      agent_completions,
+      prompt_history_per_agent,
+      response_history_per_agent,
+      num_agents,
+      expert,
+  )
   if mode == "bandit":
     return [hist[0] for hist in prompt_history_per_agent]
-  labels = ["your previous responses"] if num_agents == 1 else [
-      "your previous aux(...) responses", "your previous main responses"]
-  blocks = _mode_blocks(mode, task, agent_completions, num_agents, sandbox_slice, expert,
-                        timeout_per_assert_s, max_timeouts)
-  return ["\n".join(_history(prompts, responses, label) + block)
-          for prompts, responses, label, block in zip(
-              prompt_history_per_agent, response_history_per_agent, labels, blocks)]
+  labels = (
+      ["your previous responses"]
+      if num_agents == 1
+      else ["your previous aux(...) responses", "your previous main responses"]
+  )
+  blocks = _mode_blocks(
+      mode,
+      task,
+      agent_completions,
+      num_agents,
+      sandbox_slice,
+      expert,
+      timeout_per_assert_s,
+      max_timeouts,
+  )
+  return [
+      "\n".join(_history(prompts, responses, label) + block)
+      for prompts, responses, label, block in zip(
+          prompt_history_per_agent, response_history_per_agent, labels, blocks
+      )
+  ]
 
 
-def revision_blocks(mode: str, task: Mapping[str, str], agent_completions: Sequence[str],
-                    num_agents: int = 2, sandbox_slice: int | str | None = 1,
-                    expert: ExpertModel | None = None, *,
-                    turn1_prompts: Sequence[str] | None = None,
-                    timeout_per_assert_s: float = 10.0, max_timeouts: int = 3) -> list[str]:
+def revision_blocks(
+    mode: str,
+    task: Mapping[str, str],
+    agent_completions: Sequence[str],
+    num_agents: int = 2,
+    sandbox_slice: int | str | None = 1,
+    expert: ExpertModel | None = None,
+    *,
+    turn1_prompts: Sequence[str] | None = None,
+    timeout_per_assert_s: float = 10.0,
+    max_timeouts: int = 3,
+) -> list[str]:
   """What `build_transition` puts after each agent's history, without the history.
 
   For chat-native environments whose threads already hold every agent's
@@ -326,18 +422,29 @@ def revision_blocks(mode: str, task: Mapping[str, str], agent_completions: Seque
     `num_agents` strings.
   """
   if turn1_prompts is not None and len(turn1_prompts) != num_agents:
-    raise ValueError(f"turn1_prompts must hold one prompt per agent ({num_agents}), "
-                     f"got {len(turn1_prompts)}")
+    raise ValueError(
+        f"turn1_prompts must hold one prompt per agent ({num_agents}), got {len(turn1_prompts)}"
+    )
   canonical = _ALIASES.get(str(mode).lower(), str(mode).lower())
   if canonical == "bandit" and not (turn1_prompts and all(turn1_prompts)):
     raise ValueError("external mode 'bandit' needs each agent's turn-1 prompt (turn1_prompts=)")
-  prompt_hist = ([[p] for p in turn1_prompts] if turn1_prompts is not None
-                 else [[] for _ in agent_completions])
+  prompt_hist = (
+      [[p] for p in turn1_prompts] if turn1_prompts is not None else [[] for _ in agent_completions]
+  )
   response_hist = [[c] for c in agent_completions]
-  mode = _check_args(mode, task, agent_completions, prompt_hist, response_hist, num_agents,
-                     expert)
+  mode = _check_args(mode, task, agent_completions, prompt_hist, response_hist, num_agents, expert)
   if mode == "bandit":
     return list(turn1_prompts)
-  return ["\n".join(block) for block in _mode_blocks(
-      mode, task, agent_completions, num_agents, sandbox_slice, expert, timeout_per_assert_s,
-      max_timeouts)]
+  return [
+      "\n".join(block)
+      for block in _mode_blocks(
+          mode,
+          task,
+          agent_completions,
+          num_agents,
+          sandbox_slice,
+          expert,
+          timeout_per_assert_s,
+          max_timeouts,
+      )
+  ]

@@ -11,6 +11,7 @@ Turn >= 2 (V2 without passthrough): the external transition's text is put in
 place of the problem and formatted again, i.e. `aux_prompt({"prompt": text,
 "entry_point": ep})`; with passthrough the text is used verbatim.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,11 +19,13 @@ from typing import Mapping
 
 EXTRACTION_ERROR = "Error: Could not extract function information from prompt."
 
-_RULES = ("IMPORTANT INSTRUCTIONS:\n"
-          "- Output ONLY the function code, no explanations or examples\n"
-          "- Do NOT include markdown code blocks (```python)\n"
-          "- Do NOT include any text before or after the function\n"
-          "- Do NOT include test cases or example usage\n")
+_RULES = (
+    "IMPORTANT INSTRUCTIONS:\n"
+    "- Output ONLY the function code, no explanations or examples\n"
+    "- Do NOT include markdown code blocks (```python)\n"
+    "- Do NOT include any text before or after the function\n"
+    "- Do NOT include test cases or example usage\n"
+)
 
 
 def extract_function_params(prompt: str) -> list[str]:
@@ -43,12 +46,15 @@ def aux_prompt(task: Mapping[str, str]) -> str:
   prompt, entry_point, params = _fields(task)
   if not params or not entry_point:
     return EXTRACTION_ERROR
-  return ("Create a helper function for this coding problem.\n\n"
-          f"Problem:\n{prompt}\n\n" + _RULES +
-          "- Create a helper function named 'aux' that can assist the main function\n"
-          "- The function should return useful data for solving the problem\n\n"
-          "Your output should follow this format:\n\n"
-          "def aux(...):\n # your function code here\nreturn result\n")
+  return (
+      "Create a helper function for this coding problem.\n\n"
+      f"Problem:\n{prompt}\n\n"
+      + _RULES
+      + "- Create a helper function named 'aux' that can assist the main function\n"
+      "- The function should return useful data for solving the problem\n\n"
+      "Your output should follow this format:\n\n"
+      "def aux(...):\n # your function code here\nreturn result\n"
+  )
 
 
 def main_prompt(task: Mapping[str, str]) -> str:
@@ -56,14 +62,17 @@ def main_prompt(task: Mapping[str, str]) -> str:
   prompt, entry_point, params = _fields(task)
   if not params or not entry_point:
     return EXTRACTION_ERROR
-  return ("Solve this coding problem by implementing the required function.\n\n"
-          f"Problem:\n{prompt}\n\n"
-          "You have access to a helper function: aux(...)\n\n" + _RULES +
-          "- Do NOT redefine the aux() function\n"
-          f"- Implement ONLY the '{entry_point}' function as specified\n"
-          "- You can call aux() to assign value to a variable within your function if helpful\n\n"
-          "Your output should follow this format:\n\n"
-          f"def {entry_point}({', '.join(params)}):\n # your function code here\nreturn result\n")
+  return (
+      "Solve this coding problem by implementing the required function.\n\n"
+      f"Problem:\n{prompt}\n\n"
+      "You have access to a helper function: aux(...)\n\n"
+      + _RULES
+      + "- Do NOT redefine the aux() function\n"
+      f"- Implement ONLY the '{entry_point}' function as specified\n"
+      "- You can call aux() to assign value to a variable within your function if helpful\n\n"
+      "Your output should follow this format:\n\n"
+      f"def {entry_point}({', '.join(params)}):\n # your function code here\nreturn result\n"
+  )
 
 
 def single_agent_prompt(task: Mapping[str, str]) -> str:
@@ -71,13 +80,16 @@ def single_agent_prompt(task: Mapping[str, str]) -> str:
   prompt, entry_point, params = _fields(task)
   if not params or not entry_point:
     return EXTRACTION_ERROR
-  return ("Solve this coding problem by implementing the required function.\n\n"
-          f"Problem:\n{prompt}\n\n" + _RULES +
-          f"- Implement ONLY the '{entry_point}' function as specified\n"
-          "- Make sure your solution is complete and handles all cases\n\n"
-          "Your output should follow this format:\n\n"
-          f"def {entry_point}({', '.join(params)}):\n    # your function code here\n"
-          "    return result\n")
+  return (
+      "Solve this coding problem by implementing the required function.\n\n"
+      f"Problem:\n{prompt}\n\n"
+      + _RULES
+      + f"- Implement ONLY the '{entry_point}' function as specified\n"
+      "- Make sure your solution is complete and handles all cases\n\n"
+      "Your output should follow this format:\n\n"
+      f"def {entry_point}({', '.join(params)}):\n    # your function code here\n"
+      "    return result\n"
+  )
 
 
 def agent_prompts(task: Mapping[str, str], num_agents: int) -> list[str]:

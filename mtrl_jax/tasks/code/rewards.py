@@ -25,6 +25,7 @@ A sandbox failure raises `SandboxError` (an infrastructure fault, never a
 reward). The single-agent baseline is `execution_reward_aux("", main, ...)`
 (max 2.1); `process_reward` is the reward processor (scale, then shift).
 """
+
 from __future__ import annotations
 
 from mtrl_jax.envs import sandbox
@@ -38,21 +39,51 @@ TEST_TIMEOUT_S = 10.0
 MAX_TIMEOUTS = 3
 
 
-def _result(l1=0.0, l2=0.0, test=0.0, passed=0, total=0, timeouts=0, usage=0.0,
-            anti_wrapper=0.0, deduction=0.0, level=1, **flags) -> dict:
+def _result(
+    l1=0.0,
+    l2=0.0,
+    test=0.0,
+    passed=0,
+    total=0,
+    timeouts=0,
+    usage=0.0,
+    anti_wrapper=0.0,
+    deduction=0.0,
+    level=1,
+    **flags,
+) -> dict:
   bonus = usage + anti_wrapper - deduction
   total_reward = l1 + l2 + test + bonus
-  return dict(level_1_reward=l1, level_2_reward=l2, level_3_reward=test + bonus,
-              test_reward=test, passed_tests=passed, total_tests=total,
-              passed_rate=passed / total if total else 0.0, timeout_num=timeouts,
-              bonus_reward=bonus, aux_usage_bonus=usage, anti_wrapper_bonus=anti_wrapper,
-              called_wo_used_deduction=deduction, total_reward=total_reward,
-              gated_total_reward=total_reward, level_reached=level, **flags)
+  return dict(
+      level_1_reward=l1,
+      level_2_reward=l2,
+      level_3_reward=test + bonus,
+      test_reward=test,
+      passed_tests=passed,
+      total_tests=total,
+      passed_rate=passed / total if total else 0.0,
+      timeout_num=timeouts,
+      bonus_reward=bonus,
+      aux_usage_bonus=usage,
+      anti_wrapper_bonus=anti_wrapper,
+      called_wo_used_deduction=deduction,
+      total_reward=total_reward,
+      gated_total_reward=total_reward,
+      level_reached=level,
+      **flags,
+  )
 
 
-def execution_reward_aux(aux: str, main: str, tests: str, entry_point: str, prompt: str = "",
-                         *, timeout_per_assert_s: float = TEST_TIMEOUT_S,
-                         max_timeouts: int = MAX_TIMEOUTS) -> dict:
+def execution_reward_aux(
+    aux: str,
+    main: str,
+    tests: str,
+    entry_point: str,
+    prompt: str = "",
+    *,
+    timeout_per_assert_s: float = TEST_TIMEOUT_S,
+    max_timeouts: int = MAX_TIMEOUTS,
+) -> dict:
   """Scores one (aux, main) pair on one task.
 
   Args:
@@ -75,8 +106,9 @@ def execution_reward_aux(aux: str, main: str, tests: str, entry_point: str, prom
     syntax_ok.
   """
   aux_ok, _ = analysis.check_function_definition(aux, "aux", "Aux function")
-  main_ok, _ = analysis.check_function_definition(main, entry_point,
-                                                  f"Main function ({entry_point})")
+  main_ok, _ = analysis.check_function_definition(
+      main, entry_point, f"Main function ({entry_point})"
+  )
   l1 = 0.4 * aux_ok + 0.6 * main_ok
   flags = dict(aux_defined=aux_ok, main_defined=main_ok, syntax_ok=False)
   if not main_ok:
@@ -90,8 +122,9 @@ def execution_reward_aux(aux: str, main: str, tests: str, entry_point: str, prom
   cases = analysis.extract_test_cases(tests, entry_point)
   if not cases:
     return _result(l1, 0.5, level=3, **flags)
-  results = sandbox.run_tests(code, cases, timeout_per_assert_s, max_timeouts,
-                              prelude="import math")
+  results = sandbox.run_tests(
+      code, cases, timeout_per_assert_s, max_timeouts, prelude="import math"
+  )
   passed = sum(r.passed for r in results)
   timeouts = sum(r.status == "timeout" for r in results)
   usage = anti_wrapper = deduction = 0.0
@@ -99,12 +132,24 @@ def execution_reward_aux(aux: str, main: str, tests: str, entry_point: str, prom
     usage = 0.5
     anti_wrapper = 0.0 if analysis.is_thin_wrapper(main_func) else 1.0
     deduction = 0.5 if analysis.discarded_aux_calls(main_func) else 0.0
-  return _result(l1, 0.5, passed / len(cases), passed, len(cases), timeouts, usage,
-                 anti_wrapper, deduction, level=4, **flags)
+  return _result(
+      l1,
+      0.5,
+      passed / len(cases),
+      passed,
+      len(cases),
+      timeouts,
+      usage,
+      anti_wrapper,
+      deduction,
+      level=4,
+      **flags,
+  )
 
 
-def single_agent_reward(main: str, tests: str, entry_point: str, prompt: str = "",
-                        **kwargs) -> dict:
+def single_agent_reward(
+    main: str, tests: str, entry_point: str, prompt: str = "", **kwargs
+) -> dict:
   """The GRPO baseline: `execution_reward_aux` with an empty aux (max 2.1)."""
   return execution_reward_aux("", main, tests, entry_point, prompt, **kwargs)
 
