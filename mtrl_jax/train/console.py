@@ -229,7 +229,10 @@ class Console:
       self.best = (float(score), step)
 
   def evaluated(self, step: int, metrics: Mapping):
-    """A held-out evaluation's line, with the best success so far."""
+    """A held-out evaluation's line, with the best success so far (none when nothing
+    was evaluated: `eval.num_tasks=0`)."""
+    if not metrics:
+      return
     self._keep_best(step, metrics)
     self.say(format_eval(step, metrics, self.best))
 
