@@ -27,6 +27,7 @@ import sys
 import threading
 import traceback
 import types
+import warnings
 from typing import Optional
 
 LOCK_FILE = ".lock"
@@ -65,14 +66,22 @@ def _quiet_hook(previous):
   return hook
 
 
+# The coroutines of Orbax's array writes (`serialization.async_serialize_from_host` and
+# the `write_fragment` it creates) that a failed save leaves unawaited; Python warns
+# about each when it is dropped, at the latest at exit.
+ORBAX_WRITE_COROUTINES = r"coroutine 'async_serialize\w*(\.<locals>\.\w+)*' was never awaited"
+
+
 def quiet_orbax() -> None:
-  """Keeps Orbax's log records (it logs through absl) and the exceptions its dropped
-  coroutines leave behind off the console; idempotent."""
+  """Keeps Orbax's log records (it logs through absl), the exceptions its dropped
+  coroutines leave behind and the warnings about its unawaited writes off the
+  console; idempotent."""
   for name in ("absl", "orbax", "asyncio"):
     if _not_orbax not in logging.getLogger(name).filters:
       logging.getLogger(name).addFilter(_not_orbax)
   if not getattr(sys.unraisablehook, "quiet_orbax", False):
     sys.unraisablehook = _quiet_hook(sys.unraisablehook)
+  warnings.filterwarnings("ignore", message=ORBAX_WRITE_COROUTINES, category=RuntimeWarning)
 
 
 def collect_quietly() -> None:

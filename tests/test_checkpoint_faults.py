@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -431,3 +432,13 @@ def test_a_full_disk_ends_the_run_in_one_line_with_the_last_checkpoint_intact(tm
       assert ckpt.all_steps() and ckpt.all_steps()[-1] < 2
   finally:
     subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_warnings_about_orbax_writes_left_unawaited_are_dropped_and_only_those():
+  with warnings.catch_warnings(record=True) as caught:  # its filters are restored after
+    warnings.simplefilter("default")  # every warning shown ...
+    quiet_orbax()  # ... but these
+    for name in ("async_serialize_from_host.<locals>.write_fragment", "async_serialize"):
+      warnings.warn(f"coroutine '{name}' was never awaited", RuntimeWarning)
+    warnings.warn("coroutine 'my_env_step' was never awaited", RuntimeWarning)
+  assert [str(w.message) for w in caught] == ["coroutine 'my_env_step' was never awaited"]
