@@ -11,18 +11,18 @@ from mtrl_jax.train import defaults, experiment
 
 # (group, field) -> the default the documentation states, and where it states it.
 DOCUMENTED = {
-    # README.md, "LoRA policies"; docs/internals.md, LoRA
+    # docs/running.md, "LoRA policies"; docs/internals.md, LoRA
     ("model", "lora.rank"): 0,
     ("model", "lora.targets"): ("q", "k", "v", "o", "gate", "up", "down"),
-    # README.md, "Separate policies per agent" (empty: the top-level value for every agent)
+    # docs/running.md, "Separate policies per agent" (empty: the top-level value for every agent)
     ("agents", "learning_rates"): (),
     ("agents", "paths"): (),
     ("agents", "presets"): (),
     ("agents", "trainable"): (),
-    # README.md, "Per-agent credit"
+    # docs/running.md, "Per-agent credit"
     ("agents", "team_weight"): 1.0,
     ("tree", "joint_mode"): "align",
-    # README.md, "Value critics"
+    # docs/running.md, "Value critics"
     ("critic", "kind"): "none",
     ("critic", "target"): "v",
     ("critic", "estimator"): "td0",
@@ -30,7 +30,7 @@ DOCUMENTED = {
     ("critic", "normalize"): True,
     ("critic", "value_coef"): 0.5,
     ("critic", "value_clip"): 0.2,
-    # README.md, "A run that learns nothing says so"
+    # docs/running.md, "A run that learns nothing says so"
     ("rl", "halt_if_idle_steps"): 10,
     ("rl", "max_masked_fraction"): 0.5,
     ("rl", "masked_window"): 5,
