@@ -6,14 +6,19 @@ r"""Where the host time of one RL step goes: a profile of every Python thread, b
 Builds the run's parts as `rl.train` does (`components.build`, `RunState`,
 `RolloutProducer`; the programs `rl.precompile` names are compiled first when the
 config asks for it), starts from the initial (random) policy with no SFT warm-up and
-no evaluation or checkpoint, runs `--warmup` RL steps to compile, then profiles
+no evaluation or checkpoint, and with `--all_groups` (default) keeps every group in the
+train batch (`rl.zero_variance_filter=False`: the random policy's groups all score alike,
+and the filter would leave no train step), runs `--warmup` RL steps to compile, then profiles
 `--steps` steps of the loop's body (rollout, train batch, train step, step metrics).
 
 Every Python thread is profiled: the main thread with its own `cProfile.Profile`, and
-each thread started during the profiled steps (the environment pool `expand_tree`
+each thread started after that (the environment pool `expand_tree`
 creates per rollout, the rollout producer's thread when rollouts run ahead) with one of
-its own, enabled by a `threading.setprofile` hook on its first event. The output names
-the threads covered.
+its own, enabled by a `threading.setprofile` hook (installed before the run is built, so
+pooled workers started during the warm-up, such as `envs/faults.py`'s timed-call
+workers that run the calculator tool, are covered; their counts are cleared when the
+profiled steps begin). The output names the threads covered, and any thread running
+before the hook was installed (not covered).
 
 Attribution. Each function's self time (tottime) goes to a category by its module path
 (`RULES`: path prefix, optionally a function-name fragment, first match wins; unmatched
@@ -38,6 +43,7 @@ import cProfile
 import collections
 import os
 import pstats
+import re
 import sys
 import threading
 import time
@@ -51,6 +57,12 @@ _CONFIG = config_flags.DEFINE_config_file(
 _STEPS = flags.DEFINE_integer("steps", 3, "RL steps profiled")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "RL steps run before profiling (compiles)")
 _TOP = flags.DEFINE_integer("top", 15, "functions listed by self time")
+_ALL_GROUPS = flags.DEFINE_bool(
+    "all_groups",
+    True,
+    "set rl.zero_variance_filter=False: the random policy's groups are all equal, and the "
+    "filter would leave no batch and no train step to profile",
+)
 
 DEVICE = "device / waiting"
 WAITS = "thread waits"
@@ -194,26 +206,40 @@ def attribute(stats: dict) -> tuple[dict, dict]:
 
 
 class ThreadProfiles:
-  """A `cProfile.Profile` for the main thread and one for every thread started meanwhile."""
+  """A `cProfile.Profile` for the main thread and one for every thread started after
+  `install()`; `start()` clears the threads' counts, `stop()` ends the window.
+
+  Install before the warm-up: threads started then and reused later (pooled workers)
+  are covered too. Threads already running at `install()` are not (Python 3.11 cannot
+  profile another running thread); `uncovered` names them.
+  """
 
   def __init__(self):
     self._lock = threading.Lock()
-    self.profiles: list[tuple[str, cProfile.Profile]] = []
+    self.profiles: list[tuple[threading.Thread, cProfile.Profile]] = []
     self._main = cProfile.Profile()
+    self.uncovered: list[str] = []
 
   def _hook(self, frame, event, arg):
     del frame, event, arg
     prof = cProfile.Profile()
     with self._lock:
-      self.profiles.append((threading.current_thread().name, prof))
+      self.profiles.append((threading.current_thread(), prof))
     prof.enable()  # replaces this hook for the rest of the thread
 
-  def __enter__(self):
+  def install(self) -> None:
+    main = threading.main_thread()
+    self.uncovered = [t.name for t in threading.enumerate() if t is not main]
     threading.setprofile(self._hook)
-    self._main.enable()
-    return self
 
-  def __exit__(self, *exc):
+  def start(self) -> None:
+    with self._lock:  # threads that ended during the warm-up drop out; the rest start afresh
+      self.profiles = [(t, p) for t, p in self.profiles if t.is_alive()]
+      for _, prof in self.profiles:
+        prof.clear()
+    self._main.enable()
+
+  def stop(self) -> None:
     self._main.disable()
     threading.setprofile(None)
 
@@ -222,8 +248,8 @@ class ThreadProfiles:
     out = [(threading.main_thread().name, pstats.Stats(self._main).stats)]
     with self._lock:
       profiles = list(self.profiles)
-    for name, prof in profiles:
-      out.append((name, pstats.Stats(prof).stats))
+    for thread, prof in profiles:
+      out.append((thread.name, pstats.Stats(prof).stats))
     return out
 
 
@@ -307,6 +333,13 @@ LOGGED = (
 )
 
 
+def thread_kind(name: str) -> str:
+  """A thread's name without its pool and worker numbers ('ThreadPoolExecutor-3_0')."""
+  if name == threading.main_thread().name:
+    return "main"
+  return re.sub(r"(-\d+)?(_\d+)?$", "", name)
+
+
 def report(threads: list[tuple[str, dict]], wall: float, steps: int, top: int) -> str:
   """The markdown table by category, the per-thread split and the top functions."""
   cats: dict[str, float] = collections.defaultdict(float)
@@ -319,7 +352,7 @@ def report(threads: list[tuple[str, dict]], wall: float, steps: int, top: int) -
       cats[k] += v
     for k, v in by_func.items():
       funcs[k] += v
-    kind = "main" if name == threading.main_thread().name else name.rsplit("_", 1)[0]
+    kind = thread_kind(name)
     agg = per_name.setdefault(kind, [0, 0.0, 0.0])
     agg[0] += 1
     agg[1] += sum(v for k, v in by_cat.items() if k != WAITS)
@@ -356,8 +389,12 @@ def report(threads: list[tuple[str, dict]], wall: float, steps: int, top: int) -
 def main(argv):
   del argv
   config = _CONFIG.value
+  if _ALL_GROUPS.value:
+    config.rl.zero_variance_filter = False
   print("command: python -m benchmarks.bench_host " + " ".join(sys.argv[1:]))
   print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
+  profiles = ThreadProfiles()
+  profiles.install()
   exp, parts, run_state, producer = _build(config)
   try:
     step = 0
@@ -368,12 +405,13 @@ def main(argv):
       print(f"warm-up step {step}: {time.perf_counter() - t0:.1f} s", flush=True)
     before = parts.census.counts()
     rows = []
-    with ThreadProfiles() as profiles:
-      t0 = time.perf_counter()
-      for _ in range(_STEPS.value):
-        step += 1
-        rows.append(_step(step, exp, parts, run_state, producer))
-      wall = time.perf_counter() - t0
+    profiles.start()
+    t0 = time.perf_counter()
+    for _ in range(_STEPS.value):
+      step += 1
+      rows.append(_step(step, exp, parts, run_state, producer))
+    wall = time.perf_counter() - t0
+    profiles.stop()
     after = parts.census.counts()
   finally:
     producer.close()
@@ -385,10 +423,12 @@ def main(argv):
   )
   compiles = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
   print(f"compiles during the profiled steps: {compiles or 'none'}")
-  names = collections.Counter(
-      "main" if t == threading.main_thread().name else t.rsplit("_", 1)[0] for t, _ in threads
-  )
+  names = collections.Counter(thread_kind(t) for t, _ in threads)
   print("threads covered: " + ", ".join(f"{k} x{v}" for k, v in names.items()))
+  print(
+      "threads not covered (already running before the run was built): "
+      + (", ".join(profiles.uncovered) or "none")
+  )
   print("\nthe run's own metrics for those steps (mean):\n")
   print("| metric | mean | per step |")
   print("|---|---|---|")
