@@ -5,17 +5,19 @@ r"""Where the host time of one RL step goes: a profile of every Python thread, b
 
 Builds the run's parts as `rl.train` does (`components.build`, `RunState`,
 `RolloutProducer`; the programs `rl.precompile` names are compiled first when the
-config asks for it), starts from the initial (random) policy with no SFT warm-up and
-no evaluation or checkpoint, and with `--all_groups` (default) keeps every group in the
-train batch (`rl.zero_variance_filter=False`: the random policy's groups all score alike,
-and the filter would leave no train step), runs `--warmup` RL steps to compile, then profiles
-`--steps` steps of the loop's body (rollout, train batch, train step, step metrics).
+config asks for it), starts from the initial (random) policy, or after `--sft_steps`
+steps of the config's SFT warm-up (without its success checks), with no evaluation or
+checkpoint, and with `--all_groups` (default) keeps every group in the train batch
+(`rl.zero_variance_filter=False`: the random policy's groups all score alike, and the
+filter would leave no train step). It runs `--warmup` RL steps to compile, then
+profiles `--steps` steps of the loop's body (rollout, train batch, train step, step
+metrics).
 
 Every Python thread is profiled: the main thread with its own `cProfile.Profile`, and
-each thread started after that (the environment pool `expand_tree`
-creates per rollout, the rollout producer's thread when rollouts run ahead) with one of
-its own, enabled by a `threading.setprofile` hook (installed before the run is built, so
-pooled workers started during the warm-up, such as `envs/faults.py`'s timed-call
+each thread started after that (the environment pool `expand_tree` creates per
+rollout, the rollout producer's thread when rollouts run ahead) with one of its own,
+enabled by a `threading.setprofile` hook (installed before the run is built, so pooled
+workers started during the warm-up, such as `envs/faults.py`'s timed-call
 workers that run the calculator tool, are covered; their counts are cleared when the
 profiled steps begin). The output names the threads covered, and any thread running
 before the hook was installed (not covered).
@@ -57,6 +59,9 @@ _CONFIG = config_flags.DEFINE_config_file(
 _STEPS = flags.DEFINE_integer("steps", 3, "RL steps profiled")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "RL steps run before profiling (compiles)")
 _TOP = flags.DEFINE_integer("top", 15, "functions listed by self time")
+_SFT_STEPS = flags.DEFINE_integer(
+    "sft_steps", 0, "SFT warm-up steps first (fixed count, no success checks); 0: random policy"
+)
 _ALL_GROUPS = flags.DEFINE_bool(
     "all_groups",
     True,
@@ -255,6 +260,7 @@ class ThreadProfiles:
 
 def _build(config):
   from mtrl_jax.train import components, experiment, shapes
+  from mtrl_jax.train import sft as sft_lib
   from mtrl_jax.train.rollouts import RolloutProducer
   from mtrl_jax.train.run_state import RunState
 
@@ -263,7 +269,13 @@ def _build(config):
   policies = parts.policies
   stream = components.make_train_stream(exp, parts.train_tasks)
   run_state = RunState.of(exp, policies, stream, None, critic_model=parts.critic)
-  run_state.start(policies.init_state())  # the initial (random) policy: no SFT warm-up
+  if exp.sft.steps:  # a briefly trained policy
+    t0 = time.perf_counter()
+    state, _ = sft_lib.warm_up(parts)
+    print(f"SFT warm-up: {exp.sft.steps} steps in {time.perf_counter() - t0:.1f} s", flush=True)
+  else:
+    state = policies.init_state()  # the initial (random) policy
+  run_state.start(state)
   if exp.rl.precompile:
     t0 = time.perf_counter()
     shapes.precompile(
@@ -391,6 +403,9 @@ def main(argv):
   config = _CONFIG.value
   if _ALL_GROUPS.value:
     config.rl.zero_variance_filter = False
+  config.sft.steps = _SFT_STEPS.value
+  if _SFT_STEPS.value:
+    config.sft.until_success, config.sft.check_every = 0.0, _SFT_STEPS.value
   print("command: python -m benchmarks.bench_host " + " ".join(sys.argv[1:]))
   print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
   profiles = ThreadProfiles()
