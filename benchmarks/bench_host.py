@@ -143,6 +143,8 @@ DEVICE_C = (
 WAIT_C = (
     "'acquire' of '_thread.lock'",
     "'acquire' of '_thread.RLock'",
+    "'__enter__' of '_thread.lock'",
+    "'__enter__' of '_thread.RLock'",
     "'get' of '_queue.SimpleQueue'",
     "built-in method time.sleep",
     "'poll' of 'select",
@@ -358,8 +360,15 @@ def report(threads: list[tuple[str, dict]], wall: float, steps: int, top: int) -
   funcs: dict[tuple, float] = collections.defaultdict(float)
   lines = ["| thread | busy s/step | thread waits s/step |", "|---|---|---|"]
   per_name: dict[str, list] = {}
+  waiters: dict[tuple, float] = collections.defaultdict(float)  # (thread kind, caller)
   for name, stats in threads:
     by_cat, by_func = attribute(stats)
+    for key, (_, _, tt, _, callers) in stats.items():
+      if key[0] == "~" and c_category(key[2]) == WAITS:
+        if not callers:  # a wait under way when the counts were cleared
+          waiters[(thread_kind(name), f"(caller not recorded) {key[2]}")] += tt
+        for c, v in callers.items():
+          waiters[(thread_kind(name), f"{module_path(c[0])}:{c[1]} {c[2]}")] += v[2]
     for k, v in by_cat.items():
       cats[k] += v
     for k, v in by_func.items():
@@ -388,7 +397,11 @@ def report(threads: list[tuple[str, dict]], wall: float, steps: int, top: int) -
   )
   w = cats.get(WAITS, 0.0) / steps
   out.append(f"| thread waits (locks, queues; apart) | {w:.3f} | {100 * w / per_step:.1f}% |")
-  out += ["", *lines, "", f"top {top} functions by self time (all threads):", ""]
+  out += ["", *lines, "", "thread waits by where they wait (top 8):", ""]
+  out += ["| s/step | thread | caller |", "|---|---|---|"]
+  for (kind, where), t in sorted(waiters.items(), key=lambda kv: -kv[1])[:8]:
+    out.append(f"| {t / steps:.3f} | {kind} | `{where}` |")
+  out += ["", f"top {top} functions by self time (all threads):", ""]
   out += ["| s/step | category | function |", "|---|---|---|"]
   for key, tt in sorted(funcs.items(), key=lambda kv: -kv[1])[:top]:
     filename, line, func = key
