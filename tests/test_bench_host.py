@@ -36,6 +36,7 @@ def test_python_categories_by_path_and_function():
 def test_c_functions():
   assert bh.c_category("<method 'block_until_ready' of 'ArrayImpl' objects>") == bh.DEVICE
   assert bh.c_category("<method 'acquire' of '_thread.lock' objects>") == bh.WAITS
+  assert bh.c_category("<method '__enter__' of '_thread.lock' objects>") == bh.WAITS
   assert bh.c_category("<built-in method numpy.array>") is None  # its callers' category
 
 
