@@ -30,9 +30,10 @@ callers, in proportion to the time spent under each caller, except:
     block_until_ready, array to numpy, device_put, executables, ...) -> "device / waiting",
     as do the jax Python functions that block on a result or copy to the device
     (`Array._value`, `block_until_ready`, `batched_device_put`; in `RULES`);
-  - lock acquires and queue waits (`WAIT_C`) -> "thread waits": a thread blocked on
-    another (the engine waiting for environment steps, idle pool workers). These are
-    listed apart and left out of the host total.
+  - lock acquires (`with lock` too) and queue waits (`WAIT_C`) -> "thread waits": a
+    thread blocked on another (the engine waiting for environment steps, idle pool
+    workers). These are listed apart, with where they wait, and left out of the host
+    total.
 A jitted call runs through a C object that cProfile does not see as a call, so its
 dispatch and any synchronous execution counts as its caller's self time; on the CPU
 backend most of a program's execution is waited for in `DEVICE_C` functions instead.
