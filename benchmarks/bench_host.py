@@ -45,7 +45,6 @@ from __future__ import annotations
 import cProfile
 import collections
 import os
-import pstats
 import re
 import sys
 import threading
@@ -252,12 +251,15 @@ class ThreadProfiles:
     threading.setprofile(None)
 
   def stats(self) -> list[tuple[str, dict]]:
-    """(thread name, pstats dict) per profiled thread, the main thread first."""
-    out = [(threading.main_thread().name, pstats.Stats(self._main).stats)]
+    """(thread name, pstats dict) per profiled thread, the main thread first; a thread
+    that recorded nothing after `start()` (a worker idle throughout) is left out."""
     with self._lock:
-      profiles = list(self.profiles)
+      profiles = [(threading.main_thread(), self._main), *self.profiles]
+    out = []
     for thread, prof in profiles:
-      out.append((thread.name, pstats.Stats(prof).stats))
+      prof.create_stats()  # pstats.Stats refuses a profile with no entries
+      if prof.stats:
+        out.append((thread.name, prof.stats))
     return out
 
 
