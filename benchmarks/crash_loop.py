@@ -32,6 +32,8 @@ import time
 
 from absl import app, flags
 
+from benchmarks.rates import upper_bound
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"smoke": "configs/calculator.py:smoke=True", "demo": "configs/calculator.py"}
 
@@ -51,26 +53,6 @@ if {aggressive}:
 sys.argv = {argv!r}
 runpy.run_module("experiments.train", run_name="__main__")
 """
-
-
-def upper_bound(crashes: int, runs: int, confidence: float = 0.95) -> float:
-  """The exact (Clopper-Pearson) one-sided upper bound of a rate seen `crashes` times in
-  `runs`, by bisection on the binomial tail."""
-  if crashes >= runs:
-    return 1.0
-
-  def tail(p):  # P(X <= crashes) for X ~ Binomial(runs, p)
-    term, total = (1 - p) ** runs, 0.0
-    for k in range(crashes + 1):
-      total += term
-      term *= (runs - k) / (k + 1) * p / (1 - p) if p < 1 else 0.0
-    return total
-
-  lo, hi = crashes / runs, 1.0
-  for _ in range(60):
-    mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if tail(mid) > 1 - confidence else (lo, mid)
-  return hi
 
 
 def one_run(index: int, workdir: str) -> dict:

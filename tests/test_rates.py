@@ -1,10 +1,10 @@
-"""benchmarks/crash_loop.py's confidence bound against scipy's beta quantile (the exact
-Clopper-Pearson bound) and the closed form for no failures."""
+"""benchmarks/rates.py's confidence bound (the one benchmarks/crash_loop.py prints) against
+scipy's beta quantile (the exact Clopper-Pearson bound) and the closed form for no failures."""
 
 import pytest
 from scipy import stats
 
-from benchmarks.crash_loop import upper_bound
+from benchmarks.rates import upper_bound
 
 
 @pytest.mark.parametrize("crashes,runs", [(0, 1), (0, 30), (0, 49), (1, 9), (3, 40), (7, 8)])
