@@ -152,8 +152,8 @@ def episodes(tree) -> list[tuple[int, int]]:
   return out
 
 
-def tool_metrics(tree) -> dict[str, float]:
-  """`tools/*`: how the policy uses the tools, over the steps of environments that offer
+def tool_metrics(tree, paths: list[tuple[int, int]]) -> dict[str, float]:
+  """`tools/*` (`paths`: the tree's `episodes`): how the policy uses the tools, over the steps of environments that offer
   some (a `ToolSet` with tools; their records carry `tool_calls`). {} when no step of
   the tree offered tools, so an environment without tools logs none of these keys.
 
@@ -182,7 +182,6 @@ def tool_metrics(tree) -> dict[str, float]:
         parse += sum(f.kind == FaultKind.MODEL_FORMAT for f in tool_faults)
   if not turns:
     return {}
-  paths = episodes(tree)
   return {
       "tools/turns_with_call": with_call / turns,
       "tools/calls": float(calls),
@@ -192,10 +191,10 @@ def tool_metrics(tree) -> dict[str, float]:
   }
 
 
-def turn_metrics(tree) -> dict[str, float]:
-  """`rollout/past_first_turn`: share of the episodes (`episodes`) whose path holds more
-  than one policy turn (a later tree turn, or a tool sub-step); {} without episodes."""
-  paths = episodes(tree)
+def turn_metrics(paths: list[tuple[int, int]]) -> dict[str, float]:
+  """`rollout/past_first_turn`: share of the episodes (`paths`: the tree's `episodes`)
+  whose path holds more than one policy turn (a later tree turn, or a tool sub-step); {}
+  without episodes."""
   if not paths:
     return {}
   return {"rollout/past_first_turn": sum(t > 1 for t, _ in paths) / len(paths)}
@@ -209,14 +208,15 @@ def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
   per-agent rewards and influence (`rollout.credit.credit_metrics`)."""
   ended = [a for node in tree.nodes for a in node.actions or [] if a is not None and a.ended]
   roots = [n for n in tree.nodes if n.parent_id < 0]
+  paths = episodes(tree)  # one walk for the turn and tool metrics
   return {
       "rollout/success": sum(a.outcome > success_threshold for a in ended) / max(len(ended), 1),
       "rollout/path_success": path_success(tree, success_threshold),
       "rollout/return": float(
           np.mean([n.returns_B[n.valid_B].mean() for n in roots if n.valid_B.any()] or [np.nan])
       ),
-      **turn_metrics(tree),
-      **tool_metrics(tree),
+      **turn_metrics(paths),
+      **tool_metrics(tree, paths),
       **reward_metrics(tree),
       **fault_counts(tree),
       **cut_metrics(tree),

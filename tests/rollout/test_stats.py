@@ -198,5 +198,8 @@ def test_an_environment_without_tools_logs_no_tool_keys():
   tree.record(root, [1.0, 1.0], actions=[_action(_step(True, outcome=1.0, steps=1))] * 2)
   tree.finalize()
   m = stats.rollout_metrics(tree, success_threshold=0.0)
-  assert not [k for k in m if k.startswith("tools/")] and stats.tool_metrics(tree) == {}
+  assert (
+      not [k for k in m if k.startswith("tools/")]
+      and stats.tool_metrics(tree, stats.episodes(tree)) == {}
+  )
   assert m["rollout/past_first_turn"] == 0.0  # both episodes ended at the first message
