@@ -277,10 +277,7 @@ def _build(config):
     t0 = time.perf_counter()
     shapes.precompile(
         parts.shapes,
-        parts.engine,
-        policies.sampler_states(run_state.state.params),
-        policies.train_step,
-        len(parts.renderer.fmt.stop_ids),
+        *parts.compile_targets(run_state.state.params),
         critic=parts.critic,
     )
     print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -55,16 +55,8 @@ def _demo_worker(cache: str, threads: int) -> dict:
   c.compile_cache = cache
   exp = experiment.start(c)
   parts = components.build(exp)
-  policies = parts.policies
-  state = policies.init_state()
-  info = shapes.precompile(
-      parts.shapes,
-      parts.engine,
-      policies.sampler_states(state.params),
-      policies.train_step,
-      len(parts.renderer.fmt.stop_ids),
-      threads=threads,
-  )
+  state = parts.policies.init_state()
+  info = shapes.precompile(parts.shapes, *parts.compile_targets(state.params), threads=threads)
   return {**info, "backend_compiles": parts.census.counts()["compiles/backend_total"]}
 
 

@@ -14,6 +14,9 @@ imports it). `tests/conftest.py` hands the builders to tests as fixtures.
   byte_tokenizer(), byte_renderer(), tiny_model()
                       the byte tokenizer with the compact chat format, and the
                       seed-0 `tiny` model, built once per process
+  hf_checkpoint(dir, ...)
+                      a local HF checkpoint: a preset's random weights and a
+                      byte-level BPE tokenizer trained on a few sentences
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ __all__ = [
     "byte_tokenizer",
     "byte_renderer",
     "tiny_model",
+    "hf_checkpoint",
 ]
 
 
@@ -415,3 +419,58 @@ def rows_of(tree, length_buckets):
       BatchConfig(packing="rows", length_buckets=tuple(length_buckets), zero_variance_filter=False),
   )
   return batch
+
+
+def hf_checkpoint(
+    out_dir: str,
+    *,
+    preset: str = "tiny",
+    tokenizer_vocab: int = 300,
+    model_vocab: int = 320,
+    seed: int = 0,
+    embed_scale: float = 1.0,
+) -> str:
+  """Writes a local HF checkpoint to `out_dir` and returns it: `preset`'s random weights
+  (seed `seed`, vocabulary `model_vocab`, the embedding times `embed_scale`: a fresh
+  preset's unit-variance tied embedding saturates its logits) with a byte-level BPE
+  tokenizer of `tokenizer_vocab` ids trained on a few sentences, the chatml specials
+  added (eos '<|im_end|>', pad '<|endoftext|>')."""
+  import json
+  import os
+
+  from tokenizers import AddedToken, Tokenizer, decoders, models as tok_models
+  from tokenizers import pre_tokenizers, trainers
+
+  from mtrl_jax.models import loading
+
+  os.makedirs(out_dir, exist_ok=True)
+  raw = Tokenizer(tok_models.BPE())
+  raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  raw.decoder = decoders.ByteLevel()
+  raw.train_from_iterator(
+      ["what is 12 + 30? call the calculator tool", "the answer is 42"] * 4,
+      trainer=trainers.BpeTrainer(
+          vocab_size=tokenizer_vocab,
+          special_tokens=["<|endoftext|>"],
+          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+          show_progress=False,
+      ),
+  )
+  raw.add_special_tokens(
+      [AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")]
+  )
+  raw.save(os.path.join(out_dir, "tokenizer.json"))
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump(
+        {
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        },
+        f,
+    )
+  model = models.create_model(models.get_preset(preset, vocab_size=model_vocab), seed=seed)
+  if embed_scale != 1.0:
+    model.embed[...] = model.embed[...] * embed_scale
+  loading.save_pretrained(model, out_dir)
+  return out_dir

@@ -295,7 +295,7 @@ def step_environment(
       (one per agent: calls `react_to_joint`).
     limits: turn cap, token budget, react timeout, fault policy.
     reward_cfg: reward weights (default `RewardConfig()`: outcome only).
-    renderer: a `mtrl_jax.text.ChatRenderer`; when given, the environment's
+    renderer: a `mtrl_jax.text.ChatRenderer` (or one per thread); when given, the environment's
       new turns are rendered into (a copy of) each next thread's ledger and
       the token budget is checked against it.
     step_index: 0-based index of this policy turn in the trajectory (default:
@@ -365,8 +365,9 @@ def step_environment(
             for t, old, r in zip(next_threads, threads, rewrote)
         ]
       if next_threads is not None and renderer is not None:
-        rewrote = [r or history_rewritten(t, renderer) for t, r in zip(next_threads, rewrote)]
-        next_threads = [render_thread(t, renderer, r) for t, r in zip(next_threads, rewrote)]
+        each = renderer if isinstance(renderer, (list, tuple)) else [renderer] * len(threads)
+        rewrote = [r or history_rewritten(t, x) for t, r, x in zip(next_threads, rewrote, each)]
+        next_threads = [render_thread(t, x, r) for t, x, r in zip(next_threads, each, rewrote)]
       rewrites = sum(rewrote)
       break
     except Exception as e:  # classified; the run goes on

@@ -21,7 +21,7 @@ batch/padding_fraction, batch/rows, batch/length, batch/zero_variance_groups.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -135,7 +135,7 @@ def make_train_batch(
 
 
 def make_agent_batches(
-    tree: Tree, cfg: BatchConfig, critic: Optional[tuple] = None
+    tree: Tree, cfg: BatchConfig, critic: Optional[tuple] = None, agents: Sequence[int] = ()
 ) -> tuple[Optional[TrainBatch], dict]:
   """One batch per agent, stacked on a leading agent axis: every field [A, B, ...].
 
@@ -146,17 +146,20 @@ def make_agent_batches(
   all-padding batch (its update is skipped). Returns (None, metrics) when no
   agent trains. Metrics: the overall `batch/*` ones plus `agent_<a>/batch/actions`
   and `agent_<a>/batch/tokens_trained`. `critic` as for `make_train_batch`.
+  `agents`: the agents stacked, in this order (empty: every agent), e.g. one group
+  of a team of several architectures (`train.team`).
   """
   trained, dropped = trained_samples(tree, cfg.zero_variance_filter, cfg.keep_kl)
-  n = tree.cfg.num_agents
+  agents = tuple(agents) or tuple(range(tree.cfg.num_agents))
+  n = len(agents)
   per = []
-  for a in range(n):
+  for a in agents:
     per.append(_pack(tree, cfg, _only(trained, [a]), critic))
   metrics = {
       "batch/zero_variance_groups": float(dropped),
       "batch/actions": float(sum(st["actions"] for _, st in per)),
   }
-  for a, (_, st) in enumerate(per):
+  for a, (_, st) in zip(agents, per):
     metrics[f"agent_{a}/batch/actions"] = st["actions"]
     metrics[f"agent_{a}/batch/tokens_trained"] = st["tokens_trained"]
   present = [b for b, _ in per if b is not None]

@@ -64,10 +64,12 @@ def _jsonable(obj):
   return str(obj)
 
 
-def node_records(tree: Tree, decode: Optional[Callable] = None) -> list[dict]:
-  """The dump's JSON-able record of every node, in node-id order."""
+def node_records(tree: Tree, decode=None) -> list[dict]:
+  """The dump's JSON-able record of every node, in node-id order; `decode` as for
+  `write_rollout_dump`."""
   if not tree.finalized:
     raise ValueError("node_records needs a finalized tree (call Tree.finalize())")
+  decoders = decode if isinstance(decode, (list, tuple)) else [decode] * tree.cfg.num_agents
   records = []
   for node in tree.nodes:
     rec = {
@@ -93,14 +95,18 @@ def node_records(tree: Tree, decode: Optional[Callable] = None) -> list[dict]:
     comps = node.completions or []
     rec["finish_reasons"] = [[c.finish_reason for c in agent] for agent in comps]
     if decode is not None:
-      rec["prompts"] = [decode(list(p)) for p in node.prompts]
-      rec["completions"] = [[decode(c.ids.tolist()) for c in agent] for agent in comps]
+      rec["prompts"] = [dec(list(p)) for dec, p in zip(decoders, node.prompts)]
+      rec["completions"] = [
+          [dec(c.ids.tolist()) for c in agent] for dec, agent in zip(decoders, comps)
+      ]
     else:
       rec["prompt_ids"] = [list(p) for p in node.prompts]
       rec["completion_ids"] = [[c.ids.tolist() for c in agent] for agent in comps]
     if tree.cfg.substeps:
       rec["substeps"] = node.substeps_B.tolist()
-      rec["segments"] = [[_segments(c, decode) for c in agent] for agent in comps]
+      rec["segments"] = [
+          [_segments(c, decode and dec) for c in agent] for dec, agent in zip(decoders, comps)
+      ]
     records.append(rec)
   return records
 
@@ -114,7 +120,7 @@ def _segments(comp, decode: Optional[Callable]) -> list[dict]:
   return out
 
 
-def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None) -> Optional[str]:
+def write_rollout_dump(tree: Tree, path: str, decode=None) -> Optional[str]:
   """Writes one JSON object per node to `path` (atomically) and returns the path.
 
   A dump is a diagnostic: when the file cannot be written (a full disk, a read-only
@@ -124,7 +130,8 @@ def write_rollout_dump(tree: Tree, path: str, decode: Optional[Callable] = None)
   Args:
     tree: a finalized tree.
     path: output file, usually `dump_path(workdir, step)`.
-    decode: token ids -> text (the tokenizer's `decode`); None writes ids.
+    decode: token ids -> text (the tokenizer's `decode`), or one such function per
+      agent (agents with tokenizers of their own); None writes ids.
   """
   records = node_records(tree, decode)
   tmp = f"{path}.tmp{os.getpid()}"

@@ -124,8 +124,9 @@ class EnvTransition:
   """Adapts environments to the tree engine.
 
   Args:
-    renderer: the `ChatRenderer` of the policy's chat format; its stop ids
-      must be the sampler's stop ids.
+    renderer: the `ChatRenderer` of the policy's chat format, or one per agent
+      (agents with tokenizers of their own, `train.groups`); an agent's stop
+      ids must be the ones its sampler stops at.
     num_agents: N; every environment must have `num_agents == N`.
     limits: turn cap / token budget / timeout / fault policy of each step.
     reward_cfg: reward composition weights (`mtrl_jax.envs.RewardConfig`).
@@ -136,14 +137,18 @@ class EnvTransition:
 
   def __init__(
       self,
-      renderer: ChatRenderer,
+      renderer: ChatRenderer | Sequence[ChatRenderer],
       num_agents: int = 1,
       *,
       limits: StepLimits = StepLimits(),
       reward_cfg=None,
       outcome_range: tuple = (0.0, 1.0),
   ):
-    self.renderer = renderer
+    self.renderers = (
+        tuple(renderer) if isinstance(renderer, (list, tuple)) else (renderer,) * num_agents
+    )
+    if len(self.renderers) != num_agents:
+      raise ValueError(f"EnvTransition: {len(self.renderers)} renderers for {num_agents} agents")
     self.num_agents = num_agents
     self.limits = limits
     self.reward_cfg = reward_cfg
@@ -162,7 +167,7 @@ class EnvTransition:
       raise ValueError(
           f"{type(env).__name__}.initial_threads returned {len(threads)} threads for {n} agents"
       )
-    return EnvState(env, tuple(render_thread(t, self.renderer) for t in threads), 0)
+    return EnvState(env, tuple(map(render_thread, threads, self.renderers)), 0)
 
   def root_states(self, factory, metadatas: Sequence[Mapping]) -> list[EnvState]:
     """One fresh environment per task from an `EnvironmentFactory`.
@@ -199,15 +204,15 @@ class EnvTransition:
     """The state of a root whose environment could not be made: empty prompts,
     `fault` recorded (masked) on every joint action. Shows the fault once."""
     show_fault_once(fault)
-    empty = render_thread(Thread(), self.renderer)
-    return EnvState(None, (empty,) * self.num_agents, 0, fault)
+    empty = tuple(render_thread(Thread(), r) for r in self.renderers)
+    return EnvState(None, empty, 0, fault)
 
   # ---------------------------------------------------------------- Transition
   def prompts(self, state: EnvState) -> list[list[int]]:
     out = []
-    for thread in state.threads:
+    for thread, renderer in zip(state.threads, self.renderers):
       ledger = thread.ledger.copy()
-      out.append(self.renderer.begin_assistant(ledger))
+      out.append(renderer.begin_assistant(ledger))
     return out
 
   def step(
@@ -216,8 +221,8 @@ class EnvTransition:
     """Steps one joint action; `seed` (from the engine) seeds the environment's model calls."""
     if state.fault is not None:  # a failed root
       return self._masked(state.fault)
-    vocab = self.renderer.tokenizer.vocab_size
     for i, comp in enumerate(actions):
+      vocab = self.renderers[i].tokenizer.vocab_size
       ids = np.asarray(comp.ids)
       bad = ids[(ids < 0) | (ids >= vocab)]
       if bad.size:
@@ -232,10 +237,10 @@ class EnvTransition:
         env.close()
       return self._masked(fault)
     acted = []
-    for i, (thread, comp) in enumerate(zip(forked, actions)):
+    for i, (thread, comp, renderer) in enumerate(zip(forked, actions, self.renderers)):
       ledger = thread.ledger
-      self.renderer.begin_assistant(ledger)
-      text = self.renderer.append_completion(
+      renderer.begin_assistant(ledger)
+      text = renderer.append_completion(
           ledger,
           comp.ids.tolist(),
           comp.logprobs.tolist(),
@@ -251,7 +256,7 @@ class EnvTransition:
         acted,
         self.limits,
         reward_cfg=self.reward_cfg,
-        renderer=self.renderer,
+        renderer=self.renderers,
         step_index=state.steps,
     )
     details = {
@@ -383,5 +388,7 @@ class EnvTransition:
     if state is not None and state.env is not None:
       state.env.close()
 
-  def decode(self, ids) -> str:
-    return self.renderer.tokenizer.decode(ids)
+  @property
+  def decoders(self) -> tuple:
+    """Each agent's token ids -> text (its tokenizer's `decode`): the rollout dump's."""
+    return tuple(r.tokenizer.decode for r in self.renderers)

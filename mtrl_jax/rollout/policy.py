@@ -130,6 +130,13 @@ class EnginePolicy:
       )
     self.states = states
 
+  def like(self, states, sampling, fanout: int) -> EnginePolicy:
+    """A policy over the same engine with other parameters, sampling and fanout (the
+    evaluations' greedy or independent single-path rollouts)."""
+    return EnginePolicy(
+        self.engine, states, sampling, stop_ids=self.stop_ids, pad_id=self.pad_id, fanout=fanout
+    )
+
   def start(self, fanout: int) -> None:
     params = self.states.params if self.separate else self.states
     self.engine.start(
@@ -153,3 +160,81 @@ class EnginePolicy:
 
   def finish(self) -> dict:
     return dict(self.engine.stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeamStates:
+  """A team of several architectures' parameters: one engine state per group (a plain
+  parameter tree for a group of one agent, else `StackedStates`), in group order."""
+
+  groups: tuple
+
+
+class TeamPolicy:
+  """`RolloutPolicy` of a team whose agent groups sample on engines of their own.
+
+  Each group of agents that share an architecture and tokenizer
+  (`train.groups`) has an `EnginePolicy` over its own `DecodeEngine`, with its
+  chat format's stop ids and its tokenizer's padding. A request of agent a goes
+  to a's group as that group's agent `members[g].index(a)`; keys are named by
+  the team's agent (`separate`), so an agent draws the same tokens as it would
+  stacked with agents of its own architecture. `step` runs one chunk on every
+  engine with work; samples come back in engine order.
+
+  Args:
+    policies: one `EnginePolicy` per group.
+    members: each group's agents (team indices).
+  """
+
+  separate = True
+
+  def __init__(self, policies, members):
+    self.policies, self.members = list(policies), [tuple(m) for m in members]
+    self.route = {a: (g, i) for g, agents in enumerate(members) for i, a in enumerate(agents)}
+    self._owner: dict[int, int] = {}  # id(handle) -> the engine holding its cache
+
+  def like(self, states: TeamStates, sampling, fanout: int) -> TeamPolicy:
+    """As `EnginePolicy.like`, group by group."""
+    return TeamPolicy(
+        [p.like(s, sampling, fanout) for p, s in zip(self.policies, states.groups)],
+        self.members,
+    )
+
+  def set_states(self, states: TeamStates | None) -> None:
+    for g, policy in enumerate(self.policies):
+      policy.set_states(None if states is None else states.groups[g])
+
+  def start(self, fanout: int) -> None:
+    self._owner.clear()
+    for policy in self.policies:
+      policy.start(fanout)
+
+  def submit(self, req: Request) -> None:
+    g, local = self.route[req.agent]
+    self.policies[g].submit(dataclasses.replace(req, agent=local))
+
+  def step(self, expect_more: bool = False):
+    out, go_on = [], False
+    working = [g for g, p in enumerate(self.policies) if p.busy] or [0]
+    for g in working:
+      samples, more = self.policies[g].step(expect_more)
+      for s in samples:
+        self._owner[id(s.handle)] = g
+      out += samples
+      go_on = go_on or more
+    return out, go_on or any(p.busy for p in self.policies)
+
+  def release(self, handle) -> None:
+    self.policies[self._owner.pop(id(handle))].release(handle)
+
+  @property
+  def busy(self) -> bool:
+    return any(p.busy for p in self.policies)
+
+  def finish(self) -> dict:
+    """Every engine's counters, summed."""
+    total: dict = {}
+    for policy in self.policies:
+      for k, v in policy.finish().items():
+        total[k] = total.get(k, 0) + v
+    return total

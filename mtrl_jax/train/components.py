@@ -30,9 +30,9 @@ from mtrl_jax.envs.reward import check_reward_dominance
 from mtrl_jax.registry import import_object
 from mtrl_jax.rollout.batching import BatchConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.policy import EnginePolicy
+from mtrl_jax.rollout.policy import EnginePolicy, StackedStates, TeamPolicy
 from mtrl_jax.sampling import DecodeEngine
-from mtrl_jax.train import export_lora, shapes as shapes_lib
+from mtrl_jax.train import export_lora, groups as groups_lib, shapes as shapes_lib
 from mtrl_jax.train.evaluate import Evaluator
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
 from mtrl_jax.train.inputs import TasksConfig, TokenizerConfig
@@ -40,6 +40,7 @@ from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.policies import Policies, SharedPolicy, StackedPolicies, agent_labels
 from mtrl_jax.train.separate_critic import SeparateCritic, make_critic_model
 from mtrl_jax.train.stacked import StackedTrainStep
+from mtrl_jax.train.team import TeamPolicies
 from mtrl_jax.train.step import TrainStep
 
 if TYPE_CHECKING:
@@ -61,13 +62,28 @@ class Components:
   eval_tasks: Any
   shapes: shapes_lib.ShapePlan
   batch_cfg: BatchConfig
-  engine: DecodeEngine  # decode slots shared by training rollouts and evaluations
-  rollout_policy: EnginePolicy  # the engine with the policies' parameters (training rollouts)
+  # Decode slots shared by training rollouts and evaluations: one engine, or one per
+  # group of a team of several architectures (`train.team`).
+  engines: tuple[DecodeEngine, ...]
+  rollout_policy: Any  # `EnginePolicy`, or `TeamPolicy` over the engines (training rollouts)
   transition: EnvTransition
   evaluator: Evaluator
   census: metrics_lib.CompileCensus  # compile counts of the run's jitted programs
   key: jax.Array  # PRNGKey(seed): per-step keys are fold_in(key, step)
   critic: Optional[SeparateCritic] = None  # a critic model of its own (critic.model)
+
+  def compile_targets(self, params) -> tuple[list, list]:
+    """What `shapes.precompile` compiles with the policies' `params`: (engine, the
+    parameters it samples with, number of stop ids) per engine, and the update programs."""
+    team = isinstance(self.rollout_policy, TeamPolicy)
+    policies = self.rollout_policy.policies if team else [self.rollout_policy]
+    states = self.policies.sampler_states(params)
+    engines = []
+    for engine, policy, state in zip(self.engines, policies, states.groups if team else [states]):
+      sampled = state.params if isinstance(state, StackedStates) else state
+      engines.append((engine, sampled, len(policy.stop_ids)))
+    steps = self.policies.train_step.steps if team else [self.policies.train_step]
+    return engines, steps
 
 
 def make_tokenizer(cfg: TokenizerConfig, model_path: str = ""):
@@ -174,11 +190,14 @@ def check_lora(exp: Experiment) -> None:
     export_lora.check_adapters(path, exp.model.arch.replace(lora=lora))
 
 
-def make_policies(exp: Experiment, model, mesh) -> Policies:
+def make_policies(exp: Experiment, model, mesh, team=None, team_tokenizers=()) -> Policies:
   """The shared policy, or one policy per agent (each from its `agents.paths` entry or
   the top-level model), with the train step that updates them (frozen agents,
   `agents.trainable`: `train.frozen_agents`). With `model.lora` the step trains adapters
-  over `model` (`models.lora.attach`), the policies' base."""
+  over `model` (`models.lora.attach`), the policies' base. `team`: the groups of a team
+  of several architectures (`train.groups.agent_groups`), each stacked on its own
+  (`train.team`; each group's adapters over its own base), with each group's
+  tokenizer in `team_tokenizers`."""
   # Several updates per batch, or rollouts a step behind: the clipped ratio uses
   # the trainer's own old logprobs (the loop adds them), the sampler's enter only
   # loss.is_correction.
@@ -199,15 +218,63 @@ def make_policies(exp: Experiment, model, mesh) -> Policies:
     return SharedPolicy([model], step, seed=exp.seed)
   n = exp.tree.num_agents
   paths = exp.agents.paths or ("",) * n
-  models = [make_model(exp, mesh, path=p) if p else model for p in paths]
-  rates = exp.agents.learning_rates or (exp.optim.learning_rate,) * n
-  if all(exp.agents.trainable):  # every agent trains (empty: the default)
+  if team is None:
+    models = [make_model(exp, mesh, path=p) if p else model for p in paths]
+    return _stacked(exp, objective, trained, models, range(n), mesh)
+  groups = []
+  for group in team:
+    models = [_agent_model(exp, mesh, a, group.arch, model) for a in group.agents]
+    trained = models[0]
+    if exp.model.lora.enabled:
+      from mtrl_jax.models import lora
+
+      trained = lora.attach(models[0], exp.model.lora, seed=exp.seed)
+    groups.append(_stacked(exp, objective, trained, models, group.agents, mesh))
+  return TeamPolicies(groups, [t.pad_id for t in team_tokenizers], seed=exp.seed)
+
+
+def _stacked(exp: Experiment, objective, trained, models, agents, mesh) -> StackedPolicies:
+  """The stacked policies of `agents` (team indices) over `trained` (their shared
+  architecture, adapters attached) with their own starting `models`."""
+  agents = tuple(agents)
+  every = exp.agents.learning_rates or (exp.optim.learning_rate,) * exp.tree.num_agents
+  rates = [every[a] for a in agents]
+  trainable = [exp.agents.trainable[a] for a in agents] if exp.agents.trainable else []
+  if all(trainable):  # every agent trains (empty: the default)
     step = StackedTrainStep(trained, objective, exp.optim, rates, mesh=mesh, step_cfg=exp.step)
   else:
     step = PartlyFrozenTrainStep(
-        trained, objective, exp.optim, rates, exp.agents.trainable, mesh=mesh, step_cfg=exp.step
+        trained, objective, exp.optim, rates, trainable, mesh=mesh, step_cfg=exp.step
     )
-  return StackedPolicies(models, step, seed=exp.seed)
+  return StackedPolicies(models, step, seed=exp.seed, agents=agents)
+
+
+def _agent_model(exp: Experiment, mesh, a: int, arch, model):
+  """Agent `a`'s starting model in a team: its checkpoint, its preset from scratch (the
+  run's seed), or the top-level `model`."""
+  from mtrl_jax import models
+
+  path = exp.agents.paths[a] if exp.agents.paths else ""
+  if path:
+    return make_model(exp, mesh, path=path)
+  if arch == exp.model.arch:
+    return model
+  return models.create_model(arch, seed=exp.seed, mesh=mesh)
+
+
+def _group_tokenizer(exp: Experiment, group, tokenizer):
+  """A team group's tokenizer: the run's, or its agents' checkpoint's (`train.groups`);
+  its vocabulary must fit the group's architecture."""
+  tok = tokenizer if group.tokenizer_dir == exp.model.path else None
+  if tok is None:
+    tok = make_tokenizer(exp.tokenizer, group.tokenizer_dir)
+  if tok.vocab_size > group.arch.vocab_size:
+    raise ValueError(
+        f"agent {group.agents[0]}'s tokenizer vocab_size={tok.vocab_size} exceeds its "
+        f"model's vocab_size={group.arch.vocab_size}; allowed: a checkpoint (agents.paths) "
+        "whose vocabulary holds its tokenizer's"
+    )
+  return tok
 
 
 def build(exp: Experiment) -> Components:
@@ -224,7 +291,17 @@ def build(exp: Experiment) -> Components:
   renderer = make_renderer(exp.tokenizer, tokenizer)
   model = make_model(exp, mesh)
   factory = make_factory(exp)
-  policies = make_policies(exp, model, mesh)
+  team = groups_lib.agent_groups(exp) if groups_lib.is_team(exp) else None
+  if team is None:
+    members = [tuple(range(exp.tree.num_agents))]
+    archs, tokenizers, renderers = [exp.model.arch], [tokenizer], [renderer]
+  else:
+    members, archs = [g.agents for g in team], [g.arch for g in team]
+    tokenizers = [_group_tokenizer(exp, g, tokenizer) for g in team]
+    renderers = [
+        renderer if t is tokenizer else make_renderer(exp.tokenizer, t) for t in tokenizers
+    ]
+  policies = make_policies(exp, model, mesh, team, tokenizers)
   shapes = shapes_lib.plan_shapes(
       shapes_lib.per_process(exp, distributed.process_count()), rows, rows
   )
@@ -239,25 +316,31 @@ def build(exp: Experiment) -> Components:
       keep_kl=exp.loss.kl_coef > 0,
       values=exp.critic.target if exp.critic.head else None,
   )
-  engine = DecodeEngine(exp.model.arch, shapes.engine, mesh=mesh, num_agents=len(policies.models))
-  rollout_policy = EnginePolicy(
-      engine,
-      None,
-      exp.sampling,
-      stop_ids=renderer.fmt.stop_ids,
-      pad_id=tokenizer.pad_id,
-      fanout=shapes.fanout,
+  stacked = team is not None or not exp.agents.share_policy
+  engines = tuple(
+      DecodeEngine(arch, shapes.engine, mesh=mesh, num_agents=len(m) if stacked else 1)
+      for arch, m in zip(archs, members)
   )
+  engine_policies = [
+      EnginePolicy(
+          e, None, exp.sampling, stop_ids=r.fmt.stop_ids, pad_id=t.pad_id, fanout=shapes.fanout
+      )
+      for e, r, t in zip(engines, renderers, tokenizers)
+  ]
+  rollout_policy = engine_policies[0] if team is None else TeamPolicy(engine_policies, members)
+  agent_renderers = [None] * exp.tree.num_agents
+  for m, r in zip(members, renderers):
+    for a in m:
+      agent_renderers[a] = r
   transition = EnvTransition(
-      renderer,
+      agent_renderers,
       exp.tree.num_agents,
       limits=exp.env.limits,
       reward_cfg=exp.reward,
       outcome_range=factory.outcome_range,
   )
   evaluator = Evaluator(
-      engine,
-      renderer,
+      rollout_policy,
       transition,
       factory,
       exp.tree,
@@ -265,7 +348,8 @@ def build(exp: Experiment) -> Components:
       success_threshold=exp.eval.success_threshold,
   )
   census = metrics_lib.CompileCensus()
-  census.register("engine", engine)
+  for g, engine in enumerate(engines):
+    census.register("engine" if g == 0 else f"engine_{g}", engine)
   census.register("train_step", policies.train_step)
   critic = None
   if exp.critic.separate:
@@ -285,7 +369,7 @@ def build(exp: Experiment) -> Components:
       eval_tasks=make_task_source(exp.tasks, exp.tasks.eval_split),
       shapes=shapes,
       batch_cfg=batch_cfg,
-      engine=engine,
+      engines=engines,
       rollout_policy=rollout_policy,
       transition=transition,
       evaluator=evaluator,

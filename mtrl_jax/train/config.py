@@ -265,10 +265,13 @@ class AgentsConfig:
     learning_rates: per-agent RL learning rates on `optim`'s schedule (empty:
       `optim.learning_rate` for every agent).
     paths: per-agent local HF checkpoint directories ('' or empty: the
-      top-level `model`); every agent must have the top-level architecture.
-    presets: per-agent model presets ('' or empty: the top-level `model`);
-      an agent's preset must give the top-level architecture (agents of
-      different architectures would need one program per agent: not built).
+      top-level `model`); with `tokenizer.kind='hf'` a directory holding a
+      tokenizer.json gives its agent that tokenizer.
+    presets: per-agent model presets built from scratch ('' or empty: the
+      top-level `model`). Agents of another architecture or tokenizer than the
+      top-level model's make a team: agents of one architecture and tokenizer
+      are stacked in one program, each such group has its own engine and
+      update program (`train.groups`, `train.team`).
     trainable: per-agent bools (empty: every agent trains); a False agent is
       frozen: it acts with its own weights but never updates, and has no
       optimizer state (`train.frozen_agents`). At least one True; a shared

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from mtrl_jax import distributed
-from mtrl_jax.rollout import EnginePolicy, TreeConfig, expand_tree
+from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.stats import path_results
 from mtrl_jax.sampling import SamplingConfig
 
@@ -27,13 +27,12 @@ from mtrl_jax.sampling import SamplingConfig
 class Evaluator:
   """Single-path rollouts of tasks with one policy: the SFT stop check and held-out eval.
 
-  Built once per run (`train.components`) from the run's engine, renderer,
+  Built once per run (`train.components`) from the run's rollout policy,
   transition and factory; the tree, sampling and success settings are the
   run's, with one generation per node and no early termination.
   """
 
-  engine: Any
-  renderer: Any
+  policy: Any  # the run's `EnginePolicy` or `TeamPolicy`: its engines, stop ids, padding
   transition: Any
   factory: Any
   tree: TreeConfig
@@ -65,14 +64,7 @@ class Evaluator:
     sampling = dataclasses.replace(self.sampling, greedy=greedy)
     if not greedy:
       sampling = dataclasses.replace(sampling, temperature=1.0, top_p=1.0, top_k=0)
-    policy = EnginePolicy(
-        self.engine,
-        params,
-        sampling,
-        stop_ids=self.renderer.fmt.stop_ids,
-        pad_id=self.renderer.tokenizer.pad_id,
-        fanout=self.tree.num_generations,
-    )
+    policy = self.policy.like(params, sampling, self.tree.num_generations)
     # Several processes: each rolls its own block of tasks, the per-root results
     # come back in process order (the single-process order) and every process
     # computes the same means.

@@ -28,7 +28,7 @@ from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train import budget, checks, components
+from mtrl_jax.train import budget, checks, components, groups
 from mtrl_jax.train.config import (
     AgentsConfig,
     CheckpointConfig,
@@ -306,7 +306,8 @@ def check_processes(exp: Experiment):
 
 
 def check_agents(exp: Experiment):
-  """Separate policies: one entry per agent, every agent of the top-level architecture."""
+  """Separate policies: one entry per agent; what a team of several architectures
+  (`train.groups`) cannot be combined with."""
   exp.agents.check(exp.tree.num_agents)
   if exp.tree.num_agents == 1 and not exp.agents.share_policy:
     raise ValueError(
@@ -330,36 +331,40 @@ def check_agents(exp: Experiment):
         "the base every agent's adapters share, a frozen agent's too; allowed: "
         "sft.steps=0, every agent trainable, or model.lora.rank=0"
     )
-  m = exp.model.arch
-  same = dict(remat=m.remat, attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype)
-  for a, preset in enumerate(exp.agents.presets):
-    if not preset:
-      continue
-    cfg = get_preset(preset).replace(**same)
-    if not exp.model.path:  # a from-scratch model's vocabulary is fitted to the tokenizer
-      cfg = cfg.replace(vocab_size=m.vocab_size)
-    if cfg != m:
-      raise ValueError(
-          f"config agents.presets[{a}]={preset!r}: its architecture differs from "
-          "the top-level model's; allowed: '' or a preset of the same architecture "
-          "(agents are stacked in one program; one program per agent for "
-          "different architectures is not built)"
-      )
   for a, path in enumerate(exp.agents.paths):
-    if not path:
-      continue
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if path and not os.path.isfile(os.path.join(path, "config.json")):
       raise ValueError(
           f"config agents.paths[{a}]={path!r} has no config.json; allowed: a local "
           "HF-format checkpoint directory, or '' for the top-level model"
       )
-    cfg = ModelConfig.from_hf_json(path).replace(**same)
-    if cfg != m:
+  for a, preset in enumerate(exp.agents.presets):
+    if preset:
+      get_preset(preset)  # an unknown name fails here, naming the presets
+  if exp.agents.share_policy or not groups.is_team(exp):
+    return
+  what = "agents of another architecture or tokenizer than the top-level model's"
+  for field, value, why in (
+      (
+          "sft.steps",
+          exp.sft.steps,
+          "the warm-up trains one shared start; warm each agent's "
+          "checkpoint in a run of its own and name it in agents.paths",
+      ),
+      (
+          "critic.kind",
+          exp.critic.kind != "none" and exp.critic.kind,
+          "a critic of a team of several architectures is not built",
+      ),
+      (
+          "model.lora.init_from",
+          exp.model.lora.init_from,
+          "adapters to start from are read for agents of the top-level architecture",
+      ),
+  ):
+    if value:
       raise ValueError(
-          f"config agents.paths[{a}]={path!r}: its architecture differs from the "
-          "top-level model's; allowed: the same architecture for every agent (agents "
-          "are stacked in one program; one program per agent for different "
-          "architectures is not built)"
+          f"config {field}={value!r} with {what} (agents.presets / agents.paths): {why}; "
+          "allowed: 0 / '' / 'none', or agents of the top-level architecture"
       )
 
 

@@ -18,7 +18,9 @@ warm-up, checkpoints and saved runs never ask which one they hold:
   per_policy(params)         one parameter tree per policy (export, `models()`)
 
 Checkpoint layout: a shared policy saves its tree as it is; stacked policies
-save one subtree per agent, {"agent_0": ..., "agent_1": ...}.
+save one subtree per agent, {"agent_0": ..., "agent_1": ...}. A team of several
+architectures (`train.team.TeamPolicies`) is one `StackedPolicies` per group of
+agents and saves the same layout.
 
 Frozen agents (`agents.trainable`, `train.frozen_agents`): a frozen agent acts
 with its own weights and never updates. It starts from its own model even
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -104,7 +107,7 @@ class Policies:
   def start_adapters(self):
     """With `model.lora.init_from`, the adapters each policy starts from (read from its
     PEFT directory: `export_lora.init_dirs`); else None (fresh adapters)."""
-    labels = agent_labels(len(self.models)) if self.per_agent else []
+    labels = self.labels if self.per_agent else []
     return export_lora.start_adapters(self.train_step.model_cfg, labels)
 
   def saved_params_target(self):
@@ -165,14 +168,22 @@ class SharedPolicy(Policies):
 
 
 class StackedPolicies(Policies):
-  """One policy per agent, stacked on a leading agent axis."""
+  """One policy per agent, stacked on a leading agent axis.
+
+  `agents`: the team indices of the stacked agents (empty: 0 .. A-1); a group of
+  a team of several architectures (`train.team`) names its members.
+  """
 
   per_agent = True
+
+  def __init__(self, models: list, train_step, seed: int, agents: Sequence[int] = ()):
+    super().__init__(models, train_step, seed)
+    self.agents = tuple(agents) or tuple(range(len(self.models)))
 
   @property
   def labels(self) -> list[str]:
     """Each agent's name in checkpoints, exports and metrics."""
-    return agent_labels(len(self.models))
+    return [f"agent_{a}" for a in self.agents]
 
   @property
   def trainable(self) -> tuple[bool, ...]:
@@ -201,8 +212,11 @@ class StackedPolicies(Policies):
 
   def _batch(self, tree, cfg, critic):
     if all(self.trainable):
-      return make_agent_batches(tree, cfg, critic)
-    batch, m = make_agent_batches(without_agents(tree, self.trainable), cfg)
+      return make_agent_batches(tree, cfg, critic, agents=self.agents)
+    trainable = [True] * tree.cfg.num_agents  # other groups' agents are never packed here
+    for a, t in zip(self.agents, self.trainable):
+      trainable[a] = t
+    batch, m = make_agent_batches(without_agents(tree, trainable), cfg, agents=self.agents)
     frozen = [label for label, t in zip(self.labels, self.trainable) if not t]
     m = {k: v for k, v in m.items() if not k.startswith(tuple(f"{f}/" for f in frozen))}
     if "batch/padding_fraction" in m:  # over the trained agents' rows, the ones updated

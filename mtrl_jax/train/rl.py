@@ -53,7 +53,7 @@ from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train import shapes as shapes_lib
 from mtrl_jax.train import saved
 from mtrl_jax.train import sft as sft_lib
-from mtrl_jax.train.rollouts import RolloutProducer, text_counts
+from mtrl_jax.train.rollouts import RolloutProducer, render_totals, text_counts
 from mtrl_jax.train.run_state import RunState
 from mtrl_jax.train.watch import LearningWatch
 
@@ -226,10 +226,7 @@ def _train(
   if exp.rl.precompile:
     info = shapes_lib.precompile(
         parts.shapes,
-        parts.engine,
-        policies.sampler_states(run_state.state.params),
-        train_step,
-        len(parts.renderer.fmt.stop_ids),
+        *parts.compile_targets(run_state.state.params),
         critic=parts.critic,
         progress=console.compiled,
     )
@@ -241,9 +238,9 @@ def _train(
   watch = LearningWatch(exp.rl, summary.get("learning"))  # a resumed run's counters go on
   summary["learning"] = watch.state()
   if not resumed:
-    before = parts.renderer.metrics()
+    before = render_totals(parts.transition.renderers)
     m = evaluate(0)
-    m.update(across_processes(text_counts(parts.renderer, before), {}))
+    m.update(across_processes(text_counts(parts.transition.renderers, before), {}))
     writer.write(0, m)
     summary["eval_start"] = m
     save(0)
@@ -299,14 +296,16 @@ def _train(
     if exp.curriculum.enabled:  # may move the level of the next step's tasks
       m.update(stream.observe(m["rollout/success"]))
     if writes and exp.rl.dump_every and step % exp.rl.dump_every == 0:
-      dump_lib.write_rollout_dump(tree, dump_lib.dump_path(workdir, step), parts.transition.decode)
+      dump_lib.write_rollout_dump(
+          tree, dump_lib.dump_path(workdir, step), parts.transition.decoders
+      )
     text = rollout.text_counts  # the rollout's own, counted while it ran
     if step % exp.eval.every == 0 or step == exp.rl.steps:
       with timer.section("eval"):
         producer.wait()  # the next rollout's renderer counts stay its own
-        before = parts.renderer.metrics()
+        before = render_totals(parts.transition.renderers)
         m.update(evaluate(step))
-        text = add_counts(text, text_counts(parts.renderer, before))
+        text = add_counts(text, text_counts(parts.transition.renderers, before))
     times = timer.split()  # time/rollout, time/train, time/eval
     times["time/rollout_wait"] = waited  # the loop waiting for the step's rollout
     if first_step is not None:  # from the start of `train` to the end of the first update

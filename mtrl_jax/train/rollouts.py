@@ -32,10 +32,21 @@ from mtrl_jax.rollout.critic import critic_advantages
 from mtrl_jax.rollout.stats import engine_metrics
 
 
-def text_counts(renderer, since: dict) -> dict:
-  """The renderer's re-tokenisation counters since the snapshot `since` (they are
-  cumulative), with this span's mismatch rate."""
-  now = renderer.metrics()
+def render_totals(renderers) -> dict:
+  """The re-tokenisation counters (cumulative) of the agents' renderers, each renderer
+  counted once (`EnvTransition.renderers`: one per agent, often the same one)."""
+  total: dict = {}
+  for r in {id(r): r for r in renderers}.values():
+    for k, v in r.metrics().items():
+      if not k.endswith("_rate"):
+        total[k] = total.get(k, 0) + v
+  return total
+
+
+def text_counts(renderers, since: dict) -> dict:
+  """The renderers' re-tokenisation counters since the snapshot `since` (a
+  `render_totals`), with this span's mismatch rate."""
+  now = render_totals(renderers)
   out = {k: v - since.get(k, 0) for k, v in now.items() if not k.endswith("_rate")}
   checked = out.get("text/completions_checked", 0)
   out["text/retokenize_mismatch_rate"] = out.get("text/retokenize_mismatches", 0) / max(checked, 1)
@@ -101,7 +112,7 @@ class RolloutProducer:
 
     def produce():
       parts = self.parts
-      before = parts.renderer.metrics()  # nothing else renders while a rollout runs
+      before = render_totals(parts.transition.renderers)  # nothing else renders meanwhile
       parts.rollout_policy.set_states(parts.policies.sampler_states(params))
       roots = parts.transition.root_states(parts.factory, tasks[distributed.share(len(tasks))])
       tree = expand_tree(exp.tree, parts.rollout_policy, parts.transition, roots, key)
@@ -126,7 +137,7 @@ class RolloutProducer:
           batch_m,
           engine_metrics(tree),
           staleness,
-          text_counts(parts.renderer, before),
+          text_counts(parts.transition.renderers, before),
           critic_batch,
       )
 

@@ -32,7 +32,7 @@ import ml_collections
 from flax import nnx
 
 from mtrl_jax import checkpoint, compile_cache
-from mtrl_jax.train import components, defaults
+from mtrl_jax.train import components, defaults, groups
 from mtrl_jax.train import evaluate as eval_lib
 from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train.components import Components
@@ -193,12 +193,12 @@ class SavedPolicy:
 
   def models(self) -> list:
     """One model per policy (the shared one, or one per agent) with the saved weights."""
-    if self.saved_params is None:
-      params = [nnx.state(self.parts.model, nnx.Param)]
-    else:
-      params = self.parts.policies.per_policy(self.saved_params)
-    graphdef = nnx.graphdef(self.parts.model)
-    return [nnx.merge(graphdef, p) for p in params]
+    if self.saved_params is None:  # as built: each policy's starting model
+      return list(self.parts.policies.models)
+    params = self.parts.policies.per_policy(self.saved_params)
+    # Each policy's own architecture (a team's agents may differ).
+    graphdefs = [nnx.graphdef(m) for m in self.parts.policies.models]
+    return [nnx.merge(g, p) for g, p in zip(graphdefs, params)]
 
   @property
   def model(self):
@@ -377,12 +377,19 @@ def export_policy(policy: SavedPolicy, out_dir: str) -> dict:
     policies: {'out': dir, 'agents': [that dict per agent]}.
   """
   if policy.parts.policies.per_agent:
+    renderers = policy.parts.transition.renderers  # each agent's tokenizer
     agents = [
-        _export_one(policy, model, os.path.join(out_dir, f"agent_{a}"))
+        _export_one(
+            policy,
+            model,
+            os.path.join(out_dir, f"agent_{a}"),
+            renderers[a].tokenizer,
+            groups.tokenizer_dir(policy.exp, a),
+        )
         for a, model in enumerate(policy.models())
     ]
     return {"out": os.path.abspath(out_dir), "agents": agents}
-  return _export_one(policy, policy.model, out_dir)
+  return _export_one(policy, policy.model, out_dir, policy.tokenizer, policy.exp.model.path)
 
 
 def clear_export(out_dir: str) -> list[str]:
@@ -414,11 +421,13 @@ def clear_export(out_dir: str) -> list[str]:
   return removed
 
 
-def _export_one(policy: SavedPolicy, model, out_dir: str) -> dict:
+def _export_one(policy: SavedPolicy, model, out_dir: str, tok, tokenizer_dir: str) -> dict:
+  """One policy's directory: `model` with the tokenizer `tok` (an HF tokenizer's files
+  copied from `tokenizer_dir`)."""
   from mtrl_jax.models import loading
 
   weights = loading.save_pretrained(model, out_dir)  # every process gathers
-  exp, tok = policy.exp, policy.tokenizer
+  exp = policy.exp
   if jax.process_index() != 0:
     return {"out": os.path.abspath(out_dir), "weights": weights, "tokenizer": [], "note": ""}
   # The special ids generation needs (config.json from ModelConfig has none).
@@ -438,7 +447,7 @@ def _export_one(policy: SavedPolicy, model, out_dir: str) -> dict:
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
   if exp.tokenizer.kind == "hf":
-    path = exp.model.path
+    path = tokenizer_dir
     copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
     for f in copied:
       shutil.copyfile(os.path.join(path, f), os.path.join(out_dir, f))

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Sequence
 
 import jax
 
 from mtrl_jax.buckets import round_up
 from mtrl_jax.rollout import plan_tree
-from mtrl_jax.rollout.policy import StackedStates
 from mtrl_jax.rollout.train_batch import TrainBatch, batch_spec, logit_buckets
 from mtrl_jax.train.compile import compile_values
 from mtrl_jax.sampling import EngineConfig
@@ -129,21 +129,22 @@ def per_process(exp, num_processes: int):
 
 def precompile(
     shapes: ShapePlan,
-    engine,
-    policy_state,
-    train_step,
-    num_stop_ids: int,
+    engines: Sequence[tuple],
+    train_steps: Sequence,
     threads: int = 2,
     critic=None,
     progress=None,
 ) -> dict:
   """Compiles every engine and train-step program of `shapes`; returns counts and seconds.
 
+  `engines`: (engine, the parameters it samples with, number of stop ids) per
+  engine (`Components.compile_targets`: one, or one per group of a team);
+  `train_steps`: the update programs (a `TrainStep` or `StackedTrainStep`, one
+  per group of a team).
   The engine compiles `threads` programs at a time (XLA compiles off the Python
   lock); train-step programs compile one after another: XLA's CPU compiler keeps
   more than one core busy on them alone, and two at a time did not finish sooner
   on 2 cores (docs/performance.md, "Start-up time").
-  `policy_state`: the shared policy's params, or `StackedStates` (separate policies).
   With a critic the value passes compile too: a head's on the policy's step, a
   separate independent critic's value pass and update (`critic`, a
   `train.separate_critic.SeparateCritic`) on the same buckets; a centralized
@@ -152,16 +153,19 @@ def precompile(
   `progress(kind, done, total)`, if given, is called with kind 'engine' and then
   'train-step', with done 0 before a kind's first program and after each one."""
   t0 = time.perf_counter()
-  params = policy_state.params if isinstance(policy_state, StackedStates) else policy_state
-  kw = {} if progress is None else {"progress": lambda d, n: progress("engine", d, n)}
-  engine_programs = engine.precompile(
-      params, shapes.samplings, num_stop_ids, shapes.fanout, threads=threads, **kw
-  )
+  engine_programs = 0
+  for engine, params, num_stop_ids in engines:
+    kw = {}
+    if progress is not None:
+      before = engine_programs
+      kw["progress"] = lambda d, n, b=before: progress("engine", b + d, b + n)
+    engine_programs += engine.precompile(
+        params, shapes.samplings, num_stop_ids, shapes.fanout, threads=threads, **kw
+    )
   t1 = time.perf_counter()
-  agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
   specs = shapes.train_specs()
   critic_specs = specs if critic is not None and critic.kind == "independent" else []
-  total = len(specs) * (2 if shapes.values else 1) + 2 * len(critic_specs)
+  total = len(train_steps) * len(specs) * (2 if shapes.values else 1) + 2 * len(critic_specs)
   programs = 0
 
   def done(n: int = 1):
@@ -171,16 +175,18 @@ def precompile(
       progress("train-step", programs, total)
 
   done(0)
-  for spec in specs:
-    if agents is not None:
-      spec = jax.tree.map(lambda v: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype), spec)
-    train_step.precompile(spec)
-    done()
-    if shapes.values:  # a value head: the rollout's value pass
-      compile_values(
-          train_step, spec, train_step.rules if agents is None else train_step.inner.rules
-      )
+  for train_step in train_steps:
+    agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
+    for spec in specs:
+      if agents is not None:
+        spec = jax.tree.map(lambda v: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype), spec)
+      train_step.precompile(spec)
       done()
+      if shapes.values:  # a value head: the rollout's value pass
+        compile_values(
+            train_step, spec, train_step.rules if agents is None else train_step.inner.rules
+        )
+        done()
   if critic is not None:
     precompile_critic(shapes, critic, done)
   t2 = time.perf_counter()

@@ -111,7 +111,7 @@ def test_golden_episodes_as_two_user_turns(tmp_path):
     np.testing.assert_allclose(old_logp_BxL[b, mask], np.concatenate(lps), rtol=1e-6)
     assert not mask[:p].any()
 
-  path = write_rollout_dump(tree, str(tmp_path / "step.jsonl"), decode=transition.decode)
+  path = write_rollout_dump(tree, str(tmp_path / "step.jsonl"), decode=transition.decoders)
   rec = json.loads(open(path).readline())
   segs = rec["segments"][0][0]
   assert [s["sampled"] for s in segs] == [True, False, True]
@@ -166,7 +166,7 @@ def test_schedules_and_arrival_order_never_change_a_calculator_tree(schedule):
     )
     roots = transition.root_states(resolve_factory("calculator"), tasks)
     got = node_records(
-        expand_tree(cfg, policy, transition, roots, jax.random.key(0)), transition.decode
+        expand_tree(cfg, policy, transition, roots, jax.random.key(0)), transition.decoders
     )
     assert len(got) == 3 * 3 and want in (None, got)
     want = got

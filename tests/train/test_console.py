@@ -163,7 +163,7 @@ def test_precompile_reports_each_engine_and_train_step_program():
   plan = shapes.plan_shapes(experiment.build(smoke_config()), row_multiple=2, local_shards=2)
   calls = []
   info = shapes.precompile(
-      plan, Engine(), "params", Step(), num_stop_ids=1, progress=lambda *a: calls.append(a)
+      plan, [(Engine(), "params", 1)], [Step()], progress=lambda *a: calls.append(a)
   )
   n = len(plan.train_specs())
   assert calls == (

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import calculator as calc_config
-from mtrl_jax import text
+from mtrl_jax import testing, text
 from mtrl_jax.train import components, experiment, saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -154,39 +154,8 @@ def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path):
 
 def test_export_of_an_hf_tokenizer_run_copies_its_tokenizer(tmp_path):
   transformers = pytest.importorskip("transformers")
-  from tokenizers import AddedToken, Tokenizer, decoders, models as tok_models
-  from tokenizers import pre_tokenizers, trainers
-  from mtrl_jax import models
-  from mtrl_jax.models import loading
-
   src = tmp_path / "base"
-  src.mkdir()
-  raw = Tokenizer(tok_models.BPE())
-  raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  raw.decoder = decoders.ByteLevel()
-  raw.train_from_iterator(
-      ["what is 12 + 30? call the calculator tool", "the answer is 42"] * 4,
-      trainer=trainers.BpeTrainer(
-          vocab_size=300,
-          special_tokens=["<|endoftext|>"],
-          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-          show_progress=False,
-      ),
-  )
-  raw.add_special_tokens(
-      [AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")]
-  )
-  raw.save(str(src / "tokenizer.json"))
-  (src / "tokenizer_config.json").write_text(
-      json.dumps(
-          {
-              "eos_token": "<|im_end|>",
-              "pad_token": "<|endoftext|>",
-              "tokenizer_class": "PreTrainedTokenizerFast",
-          }
-      )
-  )
-  loading.save_pretrained(models.create_model(models.get_preset("tiny", vocab_size=320)), str(src))
+  testing.hf_checkpoint(str(src))
   c = calc_config.get_config("smoke=True")
   c.model.path, c.tokenizer.kind, c.tokenizer.chat_format = str(src), "hf", "chatml"
   c.tokenizer.extra_specials, c.sft.steps = "", 0

@@ -7,7 +7,7 @@ import pytest
 from mtrl_jax import text
 from mtrl_jax.envs import Environment, StepLimits, Thread, Turn
 from mtrl_jax.graders import Grade
-from mtrl_jax.rollout import TreeConfig
+from mtrl_jax.rollout import EnginePolicy, TreeConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.testing import FakePolicy
@@ -64,9 +64,15 @@ def test_evaluate_samples_gives_pass_at_k(samples, yes_rows, success, pass_k):
   renderer = text.ChatRenderer(tok, text.compact(tok))
   transition = EnvTransition(renderer, 1, limits=StepLimits(max_turns=1))
   tasks = [{"task_index": i} for i in range(3)]
-  evaluator = eval_lib.Evaluator(
+  engine = EnginePolicy(
       _ScriptedEngine(tok, yes_rows),
-      renderer,
+      None,
+      SamplingConfig(),
+      stop_ids=renderer.fmt.stop_ids,
+      pad_id=tok.pad_id,
+  )
+  evaluator = eval_lib.Evaluator(
+      engine,
       transition,
       _Factory(),
       TreeConfig(num_turns=1, num_generations=4),

@@ -209,11 +209,10 @@ def test_shape_plan_sizes_the_engine_from_the_config():
   assert (plan.engine.slots, plan.engine.capacity) == (24, 512)
 
 
-def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policies():
-  """`shapes.precompile` with `StackedStates`: the engine compiles on the stacked
-  params, every train spec gets a leading agent axis; shared params: plain specs
+def test_precompile_gives_stacked_train_steps_an_agent_axis():
+  """`shapes.precompile` with a stacked train step: the engine compiles on the params it
+  is given, every train spec gets a leading agent axis; a plain step: plain specs
   (recording fakes, no compile)."""
-  from mtrl_jax.rollout.policy import StackedStates
   from mtrl_jax.rollout.train_batch import as_arrays
   from mtrl_jax.train import shapes
 
@@ -237,11 +236,11 @@ def test_precompile_takes_the_stacked_params_and_agent_axis_for_separate_policie
   plan = shapes.plan_shapes(experiment.build(smoke_config()), row_multiple=2, local_shards=2)
   n_specs = len(plan.train_specs())
   for states, step, kind in (
-      (StackedStates("params_AxP", 2), Step(2), "stacked"),
+      ("params_AxP", Step(2), "stacked"),
       ("params_P", Step(), "plain"),
   ):
     engine = Engine()
-    info = shapes.precompile(plan, engine, states, step, num_stop_ids=1)
+    info = shapes.precompile(plan, [(engine, states, 1)], [step])
     expected = "params_AxP" if kind == "stacked" else "params_P"
     assert engine.calls == [(expected, len(plan.samplings), plan.fanout)]
     assert info["engine_programs"] == 7

@@ -1,0 +1,213 @@
+"""A team of agents of several architectures: one update program and engine per group.
+
+Agents that share an architecture and a tokenizer form a group
+(`train.groups`); each group is a `StackedPolicies` of its own (its agents
+stacked, one `StackedTrainStep` or `PartlyFrozenTrainStep` program, one
+`DecodeEngine` parameter set with its own stop ids and padding).
+`TeamPolicies` answers the questions `train.policies.Policies` answers by
+asking each group and joining the answers in team order:
+
+  train state   `TeamState`: one stacked `TrainState` per group;
+  parameters    a tuple, one stacked tree per group;
+  batch         a tuple, one stacked `TrainBatch` per group (None for a group
+                with nothing to train this step: its update is skipped);
+  sampling      `rollout.policy.TeamStates` for a `rollout.policy.TeamPolicy`;
+  checkpoints   the stacked layout, {"agent_0": ..., "agent_1": ...}, so a
+                saved team restores, exports (`DIR/agent_<a>`, each agent with
+                its own architecture and tokenizer) and is read by the tools
+                like stacked agents.
+
+Metrics: `agent_<a>/train/*` and `agent_<a>/batch/*` per trained agent as for
+stacked agents; `train/<name>` is the mean over every trained agent of the
+team; `batch/*` counts the team's rows and tokens (`batch/rows` and
+`batch/length` are the largest group's).
+
+A team cannot warm up with SFT, carry a value critic or start from saved
+adapters (validation refuses each in one line, `train.experiment.check_agents`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from flax import struct
+
+from mtrl_jax.rollout.policy import TeamStates
+from mtrl_jax.train.policies import Policies, StackedPolicies, agent_labels
+from mtrl_jax.train.stacked import agent_slice
+
+
+@struct.dataclass
+class TeamState:
+  """One stacked `TrainState` per group, in group order."""
+
+  groups: tuple
+
+  @property
+  def params(self) -> tuple:
+    """Every group's stacked parameters."""
+    return tuple(s.params for s in self.groups)
+
+
+class TeamTrainStep:
+  """The groups' update programs, called one after another.
+
+  Args:
+    steps: one `StackedTrainStep` (or `PartlyFrozenTrainStep`) per group.
+  """
+
+  def __init__(self, steps: Sequence):
+    self.steps = list(steps)
+    first = self.steps[0]
+    self.objective, self.mesh, self.lora = first.objective, first.mesh, first.lora
+
+  @property
+  def num_compiles(self) -> int:
+    return sum(s.num_compiles for s in self.steps)
+
+  @property
+  def base(self):
+    """Each group's frozen base (None without adapters)."""
+    return None if self.lora is None else tuple(s.base for s in self.steps)
+
+  @property
+  def base_shardings(self):
+    return tuple(s.base_shardings for s in self.steps)
+
+  def set_base(self, base) -> None:
+    for s, b in zip(self.steps, base):
+      s.set_base(b)
+
+  def copy_params(self, params: tuple) -> tuple:
+    return tuple(s.copy_params(p) for s, p in zip(self.steps, params))
+
+  def merged(self, params: tuple) -> tuple:
+    return tuple(s.merged(p) for s, p in zip(self.steps, params))
+
+  def __call__(self, state: TeamState, ref_params, batch: tuple):
+    """One update of every group with a batch; (new state, metrics per group: None for a
+    group without a batch, whose state is unchanged)."""
+    states, metrics = [], []
+    for g, (step, s, b) in enumerate(zip(self.steps, state.groups, batch)):
+      if b is None:
+        states.append(s)
+        metrics.append(None)
+        continue
+      new, m = step(s, None if ref_params is None else ref_params[g], b)
+      states.append(new)
+      metrics.append(m)
+    return TeamState(tuple(states)), tuple(metrics)
+
+  def old_logprobs(self, params: tuple, batch: tuple) -> tuple:
+    return tuple(
+        b if b is None else s.old_logprobs(p, b) for s, p, b in zip(self.steps, params, batch)
+    )
+
+
+class TeamPolicies(Policies):
+  """Groups of stacked policies acting as one team (see the module docstring).
+
+  Args:
+    groups: one `StackedPolicies` per group, each naming its team agents.
+    pad_ids: each group's tokenizer's padding id (its batches' padding).
+  """
+
+  per_agent = True
+
+  def __init__(self, groups: Sequence[StackedPolicies], pad_ids: Sequence[int], seed: int):
+    self.groups, self.pad_ids = list(groups), tuple(pad_ids)
+    order = sorted((a, g, i) for g, p in enumerate(groups) for i, a in enumerate(p.agents))
+    self._where = [(g, i) for _, g, i in order]  # team agent -> (group, index in it)
+    models = [self.groups[g].models[i] for g, i in self._where]
+    super().__init__(models, TeamTrainStep([p.train_step for p in groups]), seed)
+
+  @property
+  def labels(self) -> list[str]:
+    return agent_labels(len(self.models))
+
+  @property
+  def trainable(self) -> tuple[bool, ...]:
+    return tuple(self.groups[g].trainable[i] for g, i in self._where)
+
+  def init_state(self, params=None):
+    if params is not None:
+      raise ValueError("a team of several architectures starts from its agents' own models")
+    return TeamState(tuple(p.init_state() for p in self.groups))
+
+  def sampler_states(self, params: tuple) -> TeamStates:
+    """Each group's engine state: its agents stacked, or one agent's plain parameters."""
+    out = []
+    for p, x in zip(self.groups, params):
+      s = p.sampler_states(x)
+      out.append(agent_slice(s.params, 0) if s.num_agents == 1 else s)
+    return TeamStates(tuple(out))
+
+  def one_for_all(self, params):
+    raise ValueError("a team of several architectures has no policy that acts for all")
+
+  def _batch(self, tree, cfg, critic):
+    batches, metrics = [], []
+    for p, pad in zip(self.groups, self.pad_ids):
+      b, m = p._batch(tree, dataclasses.replace(cfg, pad_id=pad), critic)
+      batches.append(b)
+      metrics.append(m)
+    return (None if all(b is None for b in batches) else tuple(batches)), _team_batch_metrics(
+        metrics
+    )
+
+  def train_metrics(self, device_metrics: tuple) -> dict:
+    out = {}
+    for p, m in zip(self.groups, device_metrics):
+      if m is not None:
+        out.update({k: v for k, v in p.train_metrics(m).items() if k.startswith("agent_")})
+    names = {k.split("/", 2)[2] for k in out}
+    for name in sorted(names):
+      rows = [v for k, v in out.items() if k.endswith(f"/train/{name}")]
+      out[f"train/{name}"] = float(sum(rows) / len(rows))
+    return out
+
+  def to_saved(self, tree):
+    parts = tree.groups if isinstance(tree, TeamState) else tree
+    out = {}
+    for p, x in zip(self.groups, parts):
+      out.update(p.to_saved(x))
+    return {label: out[label] for label in self.labels}
+
+  def state_from_saved(self, saved) -> TeamState:
+    return TeamState(tuple(p.state_from_saved(saved) for p in self.groups))
+
+  def params_from_saved(self, saved) -> tuple:
+    return tuple(p.params_from_saved(saved) for p in self.groups)
+
+  def saved_state_target(self):
+    out = {}
+    for p in self.groups:
+      out.update(p.saved_state_target())
+    return {label: out[label] for label in self.labels}
+
+  def per_policy(self, params: tuple) -> list:
+    each = [p.per_policy(x) for p, x in zip(self.groups, params)]
+    return [each[g][i] for g, i in self._where]
+
+  def critic_values(self, params, tree, cfg):
+    raise ValueError("a team of several architectures has no value critic")
+
+
+def _team_batch_metrics(groups: list[dict]) -> dict:
+  """The team's `batch/*` of its groups' (module docstring)."""
+  out = {k: v for m in groups for k, v in m.items() if k.startswith("agent_")}
+  out["batch/zero_variance_groups"] = groups[0]["batch/zero_variance_groups"]
+  out["batch/actions"] = float(sum(m["batch/actions"] for m in groups))
+  packed = [m for m in groups if "batch/rows" in m]
+  if not packed:
+    return out
+  for k in ("batch/rows", "batch/length"):
+    out[k] = max(m[k] for m in packed)
+  for k in ("batch/tokens_trained", "batch/tokens_rows_equivalent"):
+    out[k] = float(sum(m[k] for m in packed))
+  # Each group's padded capacity is its trained tokens over its non-padding share.
+  filled = [m for m in packed if m["batch/padding_fraction"] < 1.0]
+  capacity = sum(m["batch/tokens_trained"] / (1.0 - m["batch/padding_fraction"]) for m in filled)
+  out["batch/padding_fraction"] = 1.0 - out["batch/tokens_trained"] / capacity if filled else 1.0
+  return out

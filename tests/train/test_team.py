@@ -1,0 +1,229 @@
+"""A team of agents of different architectures (`train.groups`, `train.team`).
+
+- Grouping: agents of one architecture and tokenizer share a group; a team
+  is any run whose agents are not all the top-level model.
+- Equality with the plain layout: a team of one architecture split into one
+  group per agent samples the same tree and makes the same update as the same
+  agents stacked in one program.
+- The real loop: a team of a 2-layer d32 preset and a d128 checkpoint with a
+  larger vocabulary trains, resumes exactly and exports one directory per
+  agent, each with its own architecture.
+- Refusals: what a team cannot do is named in one line before any compute.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import coop as coop_config
+from mtrl_jax import models, testing
+from mtrl_jax.models import loading
+from mtrl_jax.rollout import expand_tree
+from mtrl_jax.rollout.dump import node_records
+from mtrl_jax.rollout.policy import TeamPolicy
+from mtrl_jax.train import components, experiment, groups, saved
+from mtrl_jax.train.evaluate import indexed
+from mtrl_jax.train.team import TeamPolicies
+from tests.train.test_separate_policies import _rows, run_on_one_device
+
+
+def _team_config(steps: int = 2, path: str = ""):
+  """The coop smoke run with one policy per agent and no warm-up (a team cannot share
+  one); agent 1 is `path`'s checkpoint when given."""
+  c = coop_config.get_config("smoke=True")
+  c.agents.share_policy = False
+  c.agents.learning_rates = (1e-3, 3e-3)
+  c.sft.steps = 0
+  c.rl.steps = steps
+  c.tree.advantage_mode = "raw"  # the smoke policies' sibling groups are often all-equal
+  c.reward.step_penalty = -0.05  # a non-zero return even when the smoke policy fails
+  c.loss.kl_coef = 0.01  # each agent's reference is its own
+  c.rl.updates_per_step = 2  # each agent's clipped ratio reads its own old logprobs
+  c.rl.dump_every = 0
+  c.eval.every = 1
+  if path:
+    c.agents.paths = ("", path)
+  return c
+
+
+def test_agents_of_one_architecture_and_tokenizer_share_a_group():
+  c = _team_config()
+  c.agents.presets = ("", "small")
+  exp = experiment.validate(c)
+  assert groups.is_team(exp)
+  got = [(g.agents, g.arch.d_model) for g in groups.agent_groups(exp)]
+  assert got == [((0,), exp.model.arch.d_model), ((1,), 128)]
+  # The preset keeps the run's (fitted) vocabulary: the byte tokenizer is every agent's.
+  assert groups.agent_groups(exp)[1].arch.vocab_size == exp.model.arch.vocab_size
+  c.agents.presets = ("small", "small")  # one group, but not the top-level model
+  exp = experiment.validate(c)
+  assert groups.is_team(exp) and [g.agents for g in groups.agent_groups(exp)] == [(0, 1)]
+  c.agents.presets = ("tiny", "")  # the smoke config's own architecture: stacked as ever
+  assert not groups.is_team(experiment.validate(c))
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("sft.steps", 4, r"sft.steps=4 with agents of another architecture"),
+        ("critic.kind", "independent", r"critic.kind='independent' with agents of another"),
+    ],
+)
+def test_what_a_team_cannot_do_is_refused_in_one_line(field, value, match):
+  c = _team_config()
+  c.agents.presets = ("", "small")
+  group, name = field.split(".")
+  c[group][name] = value
+  with pytest.raises(experiment.ConfigError, match=match):
+    experiment.validate(c)
+
+
+def _one_step(parts, key):
+  """One rollout of 2 train tasks and one update from the parts' fresh state: (tree
+  records, train metrics, every agent's parameters after the update)."""
+  exp, policies = parts.exp, parts.policies
+  state = policies.init_state()
+  ref = policies.train_step.copy_params(state.params)
+  parts.rollout_policy.set_states(policies.sampler_states(state.params))
+  roots = parts.transition.root_states(parts.factory, indexed(parts.train_tasks, 2))
+  tree = expand_tree(exp.tree, parts.rollout_policy, parts.transition, roots, key)
+  batch, _ = policies.make_batch(tree, parts.batch_cfg)
+  batch = policies.train_step.old_logprobs(state.params, batch)
+  state, dm = policies.train_step(state, ref, batch)
+  params = [nnx.to_pure_dict(p) for p in policies.per_policy(state.params)]
+  return node_records(tree), policies.train_metrics(dm), params
+
+
+def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_agents(
+    monkeypatch,
+):
+  exp = experiment.validate(_team_config())
+  assert not groups.is_team(exp)
+  key = jax.random.PRNGKey(3)
+  stacked = _one_step(components.build(exp), key)
+  split = [groups.AgentGroup((a,), exp.model.arch, "") for a in range(2)]
+  monkeypatch.setattr(groups, "is_team", lambda e: True)
+  monkeypatch.setattr(groups, "agent_groups", lambda e: split)
+  parts = components.build(exp)
+  assert isinstance(parts.policies, TeamPolicies)
+  assert isinstance(parts.rollout_policy, TeamPolicy) and len(parts.engines) == 2
+  team = _one_step(parts, key)
+  assert team[0] == stacked[0]  # the same tokens, rewards and advantages
+  assert set(team[1]) == set(stacked[1])
+  for k, v in stacked[1].items():
+    assert team[1][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+  # The updates agree to float32 rounding: each group pads its rows to its own length,
+  # so sums run in another order (Adam's steps are ~1e-3 here; rounding moves ~1e-6).
+  for a in range(2):
+    for x, y in zip(jax.tree.leaves(team[2][a]), jax.tree.leaves(stacked[2][a])):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def team_runs(tmp_path_factory):
+  """A team of the smoke preset (d32) and a d128 checkpoint of vocabulary 384:
+
+  full      the uninterrupted 2-step run
+  stopped   the rows of the same config stopped after step 1
+  resumed   that run continued to step 2
+  """
+  base = tmp_path_factory.mktemp("team")
+  teammate = str(base / "teammate")
+  teammate_model = models.create_model(models.get_preset("small", vocab_size=384), seed=5)
+  # A fresh preset's tied unit-variance embedding gives saturated logits (no gradient);
+  # a smaller one gives the teammate a policy that samples and learns.
+  teammate_model.embed[...] = teammate_model.embed[...] * 0.05
+  loading.save_pretrained(teammate_model, teammate)
+  me = "tests.train.test_team"
+  full, resumed = str(base / "full"), str(base / "resumed")
+  run_on_one_device(
+      [
+          {"config": [me, "_team_config", [2, teammate]], "workdir": full},
+          {
+              "config": [me, "_team_config", [1, teammate]],
+              "workdir": resumed,
+              "rows_to": str(base / "stopped"),
+          },
+          {"config": [me, "_team_config", [2, teammate]], "workdir": resumed},
+      ]
+  )
+  return {
+      "teammate": teammate,
+      "full": full,
+      "stopped": _rows(str(base / "stopped")),
+      "resumed": _rows(resumed),
+  }
+
+
+@pytest.mark.slow
+def test_a_team_of_two_architectures_trains_and_resumes_exactly(team_runs):
+  rows = _rows(team_runs["full"])
+  for a in (0, 1):
+    for k in ("train/loss", "train/kl", "batch/actions"):
+      assert f"agent_{a}/{k}" in rows[1], (a, k)
+  assert rows[1]["agent_1/train/learning_rate"] == pytest.approx(3e-3, rel=1e-6)
+  assert [r["step"] for r in team_runs["stopped"]] == [0, 1]
+  assert team_runs["resumed"] == rows
+
+
+@pytest.mark.slow
+def test_a_team_exports_each_agent_with_its_own_architecture(team_runs, tmp_path):
+  policy = saved.load_policy(team_runs["full"], "latest")
+  info = saved.export_policy(policy, str(tmp_path / "hf"))
+  assert [os.path.basename(a["out"]) for a in info["agents"]] == ["agent_0", "agent_1"]
+  widths = []
+  for a, model in enumerate(policy.models()):
+    out = tmp_path / "hf" / f"agent_{a}"
+    hf = json.loads((out / "config.json").read_text())
+    widths.append((hf["hidden_size"], hf["vocab_size"]))
+    back = loading.from_pretrained(str(out))
+    tokens = jnp.asarray(np.random.RandomState(a).randint(0, 260, (2, 9)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(back(tokens)), np.asarray(model(tokens)))
+  assert widths == [(policy.exp.model.arch.d_model, policy.exp.model.arch.vocab_size), (128, 384)]
+  # The teammate trained: its weights left the checkpoint it started from.
+  start = nnx.state(loading.from_pretrained(team_runs["teammate"]), nnx.Param)
+  now = nnx.state(policy.models()[1], nnx.Param)
+  moved = [
+      float(np.abs(np.asarray(x) - np.asarray(y)).max())
+      for x, y in zip(jax.tree.leaves(start), jax.tree.leaves(now))
+  ]
+  assert max(moved) > 0
+
+
+def test_each_agent_renders_with_its_own_tokenizer(tmp_path):
+  """Agent 1's checkpoint brings a tokenizer of its own (other merges, other special
+  ids): its prompts are its tokenizer's ids, agent 0's the run's, and both train."""
+  base = testing.hf_checkpoint(str(tmp_path / "base"))
+  teammate = testing.hf_checkpoint(
+      str(tmp_path / "teammate"),
+      preset="small",
+      tokenizer_vocab=270,  # fewer merges than the base's (its corpus allows 292)
+      model_vocab=384,
+      seed=1,
+      embed_scale=0.05,
+  )
+  c = _team_config(path=teammate)
+  c.model.path, c.tokenizer.kind, c.tokenizer.chat_format = base, "hf", "chatml"
+  c.tokenizer.extra_specials = ""
+  exp = experiment.validate(c)
+  assert [g.tokenizer_dir for g in groups.agent_groups(exp)] == [base, teammate]
+  parts = components.build(exp)
+  toks = [r.tokenizer for r in parts.transition.renderers]
+  start = [t.encode("<|im_start|>") for t in toks]
+  # Each tokenizer's own special id (added after its merges).
+  assert start == [[toks[0].vocab_size - 2], [toks[1].vocab_size - 2]] and start[0] != start[1]
+  records, metrics, _ = _one_step(parts, jax.random.PRNGKey(0))
+  for rec in records:
+    for a, tok in enumerate(toks):
+      ids = rec["prompt_ids"][a]
+      text = tok.decode(ids)
+      assert text.startswith("<|im_start|>") and tok.encode(text) == ids, (rec["node_id"], a)
+      other = toks[1 - a]  # the other tokenizer reads these ids otherwise, if at all
+      assert max(ids) >= other.vocab_size or other.decode(ids) != text, (rec["node_id"], a)
+  for a in (0, 1):
+    assert np.isfinite(metrics[f"agent_{a}/train/loss"]), a
