@@ -77,7 +77,8 @@ C_LABEL = "C (callers' categories)"
 # (module path prefix, function-name fragments or None for any, category); first match wins.
 # Paths are relative to the repository root or site-packages (`module_path`).
 RULES = (
-    ("mtrl_jax/sampling/engine.py", ("submit", "_plan", "_admit"), "admission"),
+    ("mtrl_jax/sampling/engine.py", ("submit", "_admit"), "admission"),
+    ("mtrl_jax/sampling/admission.py", None, "admission"),
     ("mtrl_jax/sampling/calls.py", ("admit",), "admission"),
     ("mtrl_jax/sampling/slots.py", ("take", "available", "lcp"), "admission"),
     ("mtrl_jax/sampling/", None, "sampling bookkeeping"),

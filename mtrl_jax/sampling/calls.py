@@ -41,7 +41,7 @@ def split_calls(items: list, owner: Callable, per_call: int) -> list[list]:
 
 
 def admit_arrays(
-    plans: list[dict],
+    plans: list,
     shards: int,
     agents: int,
     rows: int,
@@ -53,9 +53,9 @@ def admit_arrays(
   """(src, dst, tokens, start, count) of one admit call of `plans`.
 
   Args:
-    plans: at most `rows` per (shard, agent); each names its `shard`, `agent`,
-      source slot `src`, destination slots `dst` (at most `fanout`), start
-      column `start` and new tokens `ext` (at most `new_tokens`).
+    plans: `admission.Admission`s, at most `rows` per (shard, agent); each names
+      its `shard`, `agent`, source slot `src`, destination slots `dst` (at most
+      `fanout`), start column `start` and new tokens `ext` (at most `new_tokens`).
     shards, agents: the block's D and A.
     rows: E, rows of the call per (shard, agent).
     fanout: F, destination slots per row.
@@ -74,14 +74,15 @@ def admit_arrays(
   count = np.zeros((d, a, e), np.int32)
   used = collections.Counter()
   for p in plans:
-    sa = (p["shard"], p["agent"])
+    sa = (p.shard, p.agent)
     i = used[sa]
     used[sa] += 1
-    src[sa + (i,)] = p["src"]
-    dst[sa + (i,)][: len(p["dst"])] = p["dst"]
-    tokens[sa + (i,)][: len(p["ext"])] = p["ext"]
-    start[sa + (i,)] = p["start"]
-    count[sa + (i,)] = len(p["ext"])
+    ext = p.ext
+    src[sa + (i,)] = p.src
+    dst[sa + (i,)][: len(p.dst)] = p.dst
+    tokens[sa + (i,)][: len(ext)] = ext
+    start[sa + (i,)] = p.start
+    count[sa + (i,)] = len(ext)
   return src, dst, tokens, start, count
 
 

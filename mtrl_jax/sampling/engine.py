@@ -50,22 +50,39 @@ from mtrl_jax.models.cache import KVCache
 from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
 from mtrl_jax import distributed
 from mtrl_jax.buckets import bucket, next_pow2
+from mtrl_jax.sampling.admission import Admission, SlotTable
 from mtrl_jax.sampling.calls import admit_arrays, decode_arrays, split_calls
 from mtrl_jax.sampling.config import SamplingConfig
 from mtrl_jax.sampling.layout import DeviceLayout
 from mtrl_jax.sampling.programs import Programs
-from mtrl_jax.sampling.slots import (
-    STAT_KEYS,
-    EngineConfig,
-    Handle,
-    Request,
-    Row,
-    Sample,
-    SlotPool,
-    lcp,
-)
+from mtrl_jax.sampling.slots import EngineConfig, EngineStats, Handle, Request, Row, Sample
 
 __all__ = ["DecodeEngine"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+  """What `DecodeEngine.start` fixes for a run.
+
+  Attributes:
+    sampling: how tokens are chosen.
+    pad: the pad id.
+    fanout: the most samples a request of the run asks for.
+    stacked: parameters are stacked on a leading agent axis.
+    scalars: the decode program's replicated (stop ids, temperature, top_p, pad id).
+  """
+
+  sampling: SamplingConfig
+  pad: int
+  fanout: int
+  stacked: bool
+  scalars: tuple
+
+  @property
+  def static(self) -> dict:
+    """The decode program's static sampling choices."""
+    sp = self.sampling
+    return dict(greedy=sp.greedy, top_k=sp.top_k, use_top_p=sp.top_p < 1.0)
 
 
 class DecodeEngine:
@@ -99,8 +116,13 @@ class DecodeEngine:
     self.programs = Programs(layout.graphdef, layout.mesh, layout.kv_axis, agent_map)
     self._pool: Optional[KVCache] = None
     self._params = None
-    self._run = None
-    self.stats = dict.fromkeys(STAT_KEYS, 0)
+    self._run: Optional[RunSettings] = None
+    self._stats = EngineStats()
+
+  @property
+  def stats(self) -> dict:
+    """The run's counters so far, by metric name (`EngineStats`)."""
+    return self._stats.as_dict()
 
   @property
   def num_compiles(self) -> int:
@@ -145,7 +167,7 @@ class DecodeEngine:
     stop_arr = np.full((next_pow2(len(stop), 4),), -1, np.int32)
     stop_arr[: len(stop)] = stop
     rep = self.layout.replicated
-    self._run = dict(
+    self._run = RunSettings(
         sampling=sampling,
         pad=int(pad_id),
         fanout=int(fanout),
@@ -156,20 +178,13 @@ class DecodeEngine:
             rep(np.float32(sampling.top_p)),
             rep(np.int32(pad_id)),
         ),
-        static=dict(greedy=sampling.greedy, top_k=sampling.top_k, use_top_p=sampling.top_p < 1.0),
     )
     if self._pool is None:
       self._pool = self.layout.new_pool(self.cfg.slots, self.cfg.capacity)
-    self._slots = {
-        (d, a): SlotPool(self.cfg.slots)
-        for d in range(self.local_shards)
-        for a in range(self.num_agents)
-    }
-    self._rows: dict = {}  # (shard, agent, slot) -> _Row
+    self._slots = SlotTable(self.local_shards, self.num_agents, self.cfg.slots, self.cfg.reuse)
+    self._rows: dict = {}  # (shard, agent, slot) -> Row
     self._queue: list[Request] = []
-    self._deferred_free: list = []
-    self._reading = collections.defaultdict(set)
-    self.stats = dict.fromkeys(STAT_KEYS, 0)
+    self._stats = EngineStats()
 
   def free(self) -> None:
     """Drops the KV pool (device memory) until the next run."""
@@ -192,12 +207,12 @@ class DecodeEngine:
     if prompt.min() < 0 or prompt.max() >= self.model_cfg.vocab_size:
       raise ValueError(f"request {req.tag!r}: ids outside [0, {self.model_cfg.vocab_size})")
     rows = np.asarray(req.rows, np.uint32).reshape(-1)
-    if not 1 <= rows.size <= s["fanout"]:
+    if not 1 <= rows.size <= s.fanout:
       raise ValueError(
           f"request {req.tag!r}: {rows.size} samples; allowed: 1 .. "
-          f"{s['fanout']} (the run's fanout)"
+          f"{s.fanout} (the run's fanout)"
       )
-    max_new = s["sampling"].max_new_tokens if req.max_new is None else int(req.max_new)
+    max_new = s.sampling.max_new_tokens if req.max_new is None else int(req.max_new)
     if prompt.size + max_new + 1 > self.cfg.capacity:
       raise ValueError(
           f"request {req.tag!r}: a prompt of {prompt.size} tokens plus "
@@ -211,25 +226,18 @@ class DecodeEngine:
       )
     key = np.asarray(req.key, np.uint32).reshape(2)
     if req.parent is not None:
-      req.parent.refs += 1
+      self._slots.add_ref(req.parent)
     self._queue.append(
         dataclasses.replace(
             req, prompt=prompt.astype(np.int32), rows=rows, key=key, max_new=max_new
         )
     )
-    self.stats["requests"] += 1
+    self._stats.requests += 1
 
   def release(self, handle: Handle) -> None:
     """The caller will name `handle` in no further request; its slot frees once no
     queued request names it."""
-    handle.released = True
-    self._maybe_free(handle)
-
-  def _maybe_free(self, h: Handle) -> None:
-    if h.alive and h.released and h.refs == 0:
-      h.alive = False
-      self._slots[(h.shard, h.agent)].parked.pop(h.slot)
-      self._deferred_free.append((h.shard, h.agent, h.slot))
+    self._slots.release(handle)
 
   # ------------------------------------------------------------ one step
   def step(self, expect_more: bool = False) -> tuple[list[Sample], bool]:
@@ -242,21 +250,19 @@ class DecodeEngine:
       (samples finished in this step, whether any process has work left or
       expects more: the caller steps again while it is True).
     """
-    self._flush_frees()  # released since the last step: nothing reads them any more
-    self._reading = collections.defaultdict(set)  # (shard, agent) -> slots read as sources
-    plans = self._plan_admissions()
+    self._slots.begin_step()  # released since the last step: nothing reads them any more
+    plans, self._queue = self._slots.plan(self._queue, self._stats)
     groups: dict = collections.defaultdict(list)
     for plan in plans:
-      groups[bucket(len(plan["ext"]), self.cfg.extends, "admitted tokens")].append(plan)
+      groups[bucket(len(plan.ext), self.cfg.extends, "admitted tokens")].append(plan)
     calls = {
-        x: split_calls(g, lambda p: (p["shard"], p["agent"]), self.cfg.admit_rows)
+        x: split_calls(g, lambda p: (p.shard, p.agent), self.cfg.admit_rows)
         for x, g in groups.items()
     }
     for plan in plans:  # the rows now decode
-      for g, slot in enumerate(plan["dst"]):
-        key = (plan["shard"], plan["agent"], slot)
-        self._rows[key] = Row(
-            plan["req"], g, plan["shard"], plan["agent"], slot, plan["ctx"], plan["req"].max_new
+      for g, slot in enumerate(plan.dst):
+        self._rows[(plan.shard, plan.agent, slot)] = Row(
+            plan.req, g, plan.shard, plan.agent, slot, plan.ctx, plan.req.max_new
         )
     by_window: dict = collections.defaultdict(list)
     for row in self._rows.values():
@@ -276,7 +282,7 @@ class DecodeEngine:
       for k in range(max(m["admit"].get(x, 0) for m in everyone)):
         own = calls.get(x, [])
         self._admit(own[k] if k < len(own) else [], x)
-    self._flush_frees()  # sources this step's admits have read
+    self._slots.flush()  # sources this step's admits have read
     done: list[Sample] = []
     decoding = len(self._rows)
     for w in sorted({w for m in everyone for w in m["decode"]}):
@@ -284,11 +290,9 @@ class DecodeEngine:
       for k in range(max(m["decode"].get(w, 0) for m in everyone)):
         done += self._decode(own[k] if k < len(own) else [], w)
     if decode:
-      self.stats["chunks"] += 1
-      self.stats["occupancy_sum"] += decoding / (
-          self.local_shards * self.num_agents * self.cfg.slots
-      )
-    self.stats["device_seconds"] += time.perf_counter() - t0
+      self._stats.chunks += 1
+      self._stats.occupancy_sum += decoding / (self.local_shards * self.num_agents * self.cfg.slots)
+    self._stats.device_seconds += time.perf_counter() - t0
     go_on = any(m["more"] for m in everyone) or bool(self._queue or self._rows)
     return done, go_on
 
@@ -296,99 +300,45 @@ class DecodeEngine:
     """The columns `row` attends while it decodes: a bucket of its longest context."""
     return bucket(len(row.ctx) + row.max_new + 1, self.cfg.windows, "decode window")
 
-  def _flush_frees(self) -> None:
-    for shard, agent, slot in self._deferred_free:
-      self._slots[(shard, agent)].free.append(slot)
-    self._deferred_free = []
-
-  def _plan_admissions(self) -> list[dict]:
-    """Chooses slots for queued requests (FIFO; one that does not fit waits)."""
-    plans, waiting = [], []
-    for req in self._queue:
-      plan = self._plan(req)
-      (plans if plan is not None else waiting).append(plan if plan is not None else req)
-    self._queue = waiting
-    return plans
-
-  def _plan(self, req: Request) -> Optional[dict]:
-    g = len(req.rows)
-    ctx = req.prompt[:-1]
-    h = req.parent
-    if h is not None and h.alive and self.cfg.reuse:
-      pool = self._slots[(h.shard, h.agent)]
-      reading = self._reading[(h.shard, h.agent)]
-      takeover = h.released and h.refs == 1
-      fresh = pool.take(g - 1 if takeover else g, reading | {h.slot}, self.stats)
-      if fresh is None:
-        return None
-      start = lcp(h.ids, ctx)
-      h.refs -= 1
-      if takeover:
-        h.alive = False
-        pool.parked.pop(h.slot)
-        dst = [h.slot] + fresh
-      else:
-        dst = fresh
-        reading.add(h.slot)  # no later plan of this step may evict and overwrite it
-        pool.parked.move_to_end(h.slot)  # recently used
-        self._maybe_free(h)
-      plan = dict(shard=h.shard, src=h.slot, dst=dst, start=start)
-    else:
-      shard = max(
-          range(self.local_shards),
-          key=lambda d: (self._slots[(d, req.agent)].available(self._reading[(d, req.agent)]), -d),
-      )
-      dst = self._slots[(shard, req.agent)].take(g, self._reading[(shard, req.agent)], self.stats)
-      if dst is None:
-        return None
-      if h is not None:
-        h.refs -= 1
-        self._maybe_free(h)
-      plan = dict(shard=shard, src=dst[0], dst=dst, start=0)
-    plan.update(req=req, agent=req.agent, ctx=ctx, ext=ctx[plan["start"] :])
-    self.stats["prefill_tokens"] += len(plan["ext"])
-    self.stats["reused_tokens"] += plan["start"]
-    return plan
-
   # ------------------------------------------------------------ device calls
-  def _admit(self, plans: list[dict], x: int) -> None:
+  def _admit(self, plans: list[Admission], x: int) -> None:
     """One admit call of `plans` (at most `cfg.admit_rows` per (shard, agent)), padded."""
     arrays = admit_arrays(
         plans,
         self.local_shards,
         self.num_agents,
         self.cfg.admit_rows,
-        self._run["fanout"],
+        self._run.fanout,
         x,
         self.cfg.slots,
-        self._run["pad"],
+        self._run.pad,
     )
     self._pool = self.programs.admit(
-        self._params, self._pool, *map(self.layout.put_rows, arrays), stacked=self._run["stacked"]
+        self._params, self._pool, *map(self.layout.put_rows, arrays), stacked=self._run.stacked
     )
-    self.stats["admit_calls"] += 1
+    self._stats.admit_calls += 1
 
   def _decode(self, rows: list, window: int) -> list[Sample]:
     """One decode call over `rows` (at most `cfg.rows` per (shard, agent)), padded."""
     d, a, r = self.local_shards, self.num_agents, self.cfg.rows
     s = self._run
-    arrays, placed = decode_arrays(rows, d, a, r, self.cfg.slots, s["pad"])
+    arrays, placed = decode_arrays(rows, d, a, r, self.cfg.slots, s.pad)
     out = self.programs.decode(
         self._params,
         self._pool,
         *map(self.layout.put_rows, arrays),
-        *s["scalars"],
-        stacked=s["stacked"],
+        *s.scalars,
+        stacked=s.stacked,
         window=window,
         steps=self.cfg.chunk,
-        **s["static"],
+        **s.static,
     )
     self._pool = out[0]
     tokens, logps, counts, stopped = (distributed.local_rows(x) for x in out[1:5])
     ran = int(out[5])
-    st = self.stats
-    st["decode_calls"] += 1
-    st["slot_steps"] += d * a * r * ran
+    st = self._stats
+    st.decode_calls += 1
+    st.slot_steps += d * a * r * ran
     finished = []
     for idx, row in placed:
       n = int(counts[idx])
@@ -396,7 +346,7 @@ class DecodeEngine:
         row.ids.extend(tokens[idx][:n].tolist())
         row.logps.extend(logps[idx][:n].tolist())
         row.token, row.pos, row.t = int(tokens[idx][n - 1]), row.pos + n, row.t + n
-        st["decode_tokens"] += n
+        st.decode_tokens += n
       if stopped[idx] or row.t >= row.max_new:
         finished.append(self._finish(row, bool(stopped[idx])))
     return finished
@@ -406,7 +356,7 @@ class DecodeEngine:
     ids = np.asarray(row.ids, np.int32)
     cached = np.concatenate([row.ctx, row.req.prompt[-1:], ids[:-1]]).astype(np.int32)
     h = Handle(row.shard, row.agent, row.slot, cached)
-    self._slots[(row.shard, row.agent)].parked[row.slot] = h
+    self._slots.park(h)
     return Sample(
         row.req.tag,
         row.g,

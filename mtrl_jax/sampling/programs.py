@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -51,6 +52,32 @@ def sample_uniform(key_2, row, t):
   `key_2` is raw key data (uint32 [2]); a request's samples differ by `row`.
   """
   return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key_2, row), t))
+
+
+@flax.struct.dataclass
+class DecodeCarry:
+  """The decode loop's state over one agent's N rows (`Programs._decode`)."""
+
+  # Decode steps run so far: the column of `tokens_NxS` the next step writes.
+  step: jax.Array
+  # The rows' caches over the decode window ([N, K, window, Dh] per layer).
+  cache: KVCache
+  # [N] each row's next input token: its last sampled token (its prompt's last at first).
+  token_N: jax.Array
+  # [N] the column (and RoPE position) the next input token is written at.
+  pos_N: jax.Array
+  # [N] tokens the sample has drawn so far: the `t` of its next uniform.
+  t_N: jax.Array
+  # [N] rows that take no more steps: padding, stopped, or out of budget.
+  done_N: jax.Array
+  # [N] rows that sampled a stop id.
+  stopped_N: jax.Array
+  # [N] tokens sampled by this call.
+  count_N: jax.Array
+  # [N, steps] the token sampled at each step (the pad id where a row took none).
+  tokens_NxS: jax.Array
+  # [N, steps] its log q (0 where a row took none).
+  logq_NxS: jax.Array
 
 
 class Programs:
@@ -243,49 +270,52 @@ class Programs:
       model = nnx.merge(self.graphdef, params_a)
       n = tok_N.shape[0]
 
-      def cond(c):
-        i, _, _, _, _, done_N, _, _, _, _ = c
-        return (i < steps) & ~jnp.all(done_N)
+      def cond(c: DecodeCarry):
+        return (c.step < steps) & ~jnp.all(c.done_N)
 
-      def body(c):
-        i, cache_a, tok_N, pos_N, t_N, done_N, stopped_N, count_N, out_tok, out_lp = c
-        go_N = ~done_N
-        mask = (cols[None, :] <= pos_N[:, None])[:, None, :]
-        write = jnp.where(go_N, pos_N, window - 1)[:, None]
+      def body(c: DecodeCarry) -> DecodeCarry:
+        go_N = ~c.done_N
+        mask = (cols[None, :] <= c.pos_N[:, None])[:, None, :]
+        write = jnp.where(go_N, c.pos_N, window - 1)[:, None]
         logits_NxV, cache_a = model.forward_cached(
-            tok_N[:, None], pos_N[:, None], mask, cache_a, write, head="last"
+            c.token_N[:, None], c.pos_N[:, None], mask, c.cache, write, head="last"
         )
-        u_N = jax.vmap(sample_uniform)(key_Nx2, keyrow_N, t_N)
+        u_N = jax.vmap(sample_uniform)(key_Nx2, keyrow_N, c.t_N)
         new_N, logq_N = choose(logits_NxV, u_N)
         new_N = jnp.where(go_N, new_N, pad_id)
         logq_N = jnp.where(go_N, logq_N, 0.0)
-        out_tok = jax.lax.dynamic_update_index_in_dim(out_tok, new_N, i, axis=1)
-        out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, logq_N, i, axis=1)
+        tokens_NxS = jax.lax.dynamic_update_index_in_dim(c.tokens_NxS, new_N, c.step, axis=1)
+        logq_NxS = jax.lax.dynamic_update_index_in_dim(c.logq_NxS, logq_N, c.step, axis=1)
         hit_N = jnp.any(new_N[:, None] == stop_ids[None, :], axis=-1) & go_N
         step_N = go_N.astype(jnp.int32)
-        t_N, pos_N, count_N = t_N + step_N, pos_N + step_N, count_N + step_N
-        stopped_N = stopped_N | hit_N
-        done_N = done_N | hit_N | (t_N >= max_new_N)
-        tok_N = jnp.where(go_N, new_N, tok_N)
-        return (i + 1, cache_a, tok_N, pos_N, t_N, done_N, stopped_N, count_N, out_tok, out_lp)
+        t_N = c.t_N + step_N
+        return DecodeCarry(
+            step=c.step + 1,
+            cache=cache_a,
+            token_N=jnp.where(go_N, new_N, c.token_N),
+            pos_N=c.pos_N + step_N,
+            t_N=t_N,
+            done_N=c.done_N | hit_N | (t_N >= max_new_N),
+            stopped_N=c.stopped_N | hit_N,
+            count_N=c.count_N + step_N,
+            tokens_NxS=tokens_NxS,
+            logq_NxS=logq_NxS,
+        )
 
-      zeros = jnp.zeros((n,), jnp.int32)
-      init = (
-          jnp.int32(0),
-          cache_a,
-          tok_N,
-          pos_N,
-          t_N,
-          ~live_N,
-          jnp.zeros((n,), bool),
-          zeros,
-          jnp.full((n, steps), pad_id, jnp.int32),
-          jnp.zeros((n, steps), jnp.float32),
+      init = DecodeCarry(
+          step=jnp.int32(0),
+          cache=cache_a,
+          token_N=tok_N,
+          pos_N=pos_N,
+          t_N=t_N,
+          done_N=~live_N,
+          stopped_N=jnp.zeros((n,), bool),
+          count_N=jnp.zeros((n,), jnp.int32),
+          tokens_NxS=jnp.full((n, steps), pad_id, jnp.int32),
+          logq_NxS=jnp.zeros((n, steps), jnp.float32),
       )
-      i, cache_a, _, _, _, _, stopped_N, count_N, out_tok, out_lp = jax.lax.while_loop(
-          cond, body, init
-      )
-      return cache_a, out_tok, out_lp, count_N, stopped_N, i
+      c = jax.lax.while_loop(cond, body, init)
+      return c.cache, c.tokens_NxS, c.logq_NxS, c.count_N, c.stopped_N, c.step
 
     cache, out_tok, out_lp, count, stopped, ran = self._per_agent(
         one, params, stacked, cache, *flat

@@ -3,14 +3,15 @@
 `EngineConfig` sizes an engine; a `Request` asks for G samples of a prompt
 (optionally continuing a finished sample's cache, its `Handle`); a `Sample`
 comes back with the tokens, their log q and its own `Handle`. `SlotPool`
-tracks one (shard, agent) pool's free and parked slots; `Row` is a slot that
-is decoding.
+owns the state of one (shard, agent) pool's slots (`SlotState`); `Row` is a
+slot that is decoding; `EngineStats` counts what a run did.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 from typing import Any, Optional
 
 import jax
@@ -136,7 +137,13 @@ class Request:
 
 
 class Handle:
-  """A finished sample's parked cache: slot `slot` of (shard, agent) holds `ids`."""
+  """A finished sample's parked cache: slot `slot` of (shard, agent) holds `ids`.
+
+  Its flags are written by the pool of (shard, agent) only (`SlotPool`):
+  `alive` while the slot still holds `ids` (False once evicted, taken over or
+  freed), `released` once the caller names it in no further request, `refs`
+  the queued requests that name it.
+  """
 
   __slots__ = ("shard", "agent", "slot", "ids", "alive", "released", "refs")
 
@@ -182,17 +189,51 @@ class Row:
     self.ids, self.logps = [], []
 
 
+class SlotState(enum.Enum):
+  """Where a slot of a pool stands (`SlotPool.state`)."""
+
+  FREE = "free"  # in `free`: `take` hands it out
+  DECODING = "decoding"  # taken: a `Row` samples into it, or an admit is about to fill it
+  PARKED = "parked"  # in `parked` under its live `Handle`: a request may continue its cache
+  DEFERRED_FREE = "deferred_free"  # freed, but this step's admits may still read it (`flush`)
+
+
 class SlotPool:
-  """Host bookkeeping of one (shard, agent) pool: free and parked (LRU) slots."""
+  """Host bookkeeping of one (shard, agent) pool, and the only writer of its slots' state.
+
+  A slot is `SlotState.FREE` (in `free`), `PARKED` (in `parked`, an LRU of live
+  handles), `DEFERRED_FREE` (in `deferred`: freed while an admit of the step may
+  still read it) or else `DECODING`. The transitions:
+
+    take      FREE -> DECODING, evicting least recently used PARKED slots
+    park      DECODING -> PARKED (a finished sample's `Handle`)
+    touch     PARKED stays PARKED, most recently used
+    take_over PARKED -> DECODING (a released handle's last request writes into it)
+    add_ref   a queued request names a handle (its `refs`)
+    drop_ref  that request is planned; a released, unreferenced handle is freed
+              (PARKED -> DEFERRED_FREE)
+    release   the caller names the handle in no further request; freed likewise
+    flush     DEFERRED_FREE -> FREE (nothing reads those slots any more)
+  """
 
   def __init__(self, n):
     self.free = list(range(n - 1, -1, -1))  # pop() hands out the lowest first
     self.parked: collections.OrderedDict = collections.OrderedDict()  # slot -> Handle
+    self.deferred: list[int] = []  # freed slots, in the order they were freed
+
+  def state(self, slot: int) -> SlotState:
+    if slot in self.parked:
+      return SlotState.PARKED
+    if slot in self.deferred:
+      return SlotState.DEFERRED_FREE
+    if slot in self.free:
+      return SlotState.FREE
+    return SlotState.DECODING
 
   def available(self, protect=frozenset()) -> int:
     return len(self.free) + sum(1 for s in self.parked if s not in protect)
 
-  def take(self, count: int, protect, stats) -> Optional[list]:
+  def take(self, count: int, protect, stats: "EngineStats") -> Optional[list]:
     """`count` slots, evicting least recently used parked slots (unreferenced first)
     but none in `protect` (caches this step still reads)."""
     if self.available(protect) < count:
@@ -202,8 +243,39 @@ class SlotPool:
       victim = victims[0] if victims else next(s for s in self.parked if s not in protect)
       self.parked.pop(victim).alive = False
       self.free.append(victim)
-      stats["evictions"] += 1
+      stats.evictions += 1
     return [self.free.pop() for _ in range(count)]
+
+  def park(self, handle: Handle) -> None:
+    self.parked[handle.slot] = handle
+
+  def touch(self, handle: Handle) -> None:
+    self.parked.move_to_end(handle.slot)
+
+  def take_over(self, handle: Handle) -> None:
+    handle.alive = False
+    self.parked.pop(handle.slot)
+
+  def add_ref(self, handle: Handle) -> None:
+    handle.refs += 1
+
+  def drop_ref(self, handle: Handle) -> None:
+    handle.refs -= 1
+    self._maybe_free(handle)
+
+  def release(self, handle: Handle) -> None:
+    handle.released = True
+    self._maybe_free(handle)
+
+  def flush(self) -> None:
+    self.free.extend(self.deferred)
+    self.deferred = []
+
+  def _maybe_free(self, handle: Handle) -> None:
+    if handle.alive and handle.released and handle.refs == 0:
+      handle.alive = False
+      self.parked.pop(handle.slot)
+      self.deferred.append(handle.slot)
 
 
 def lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -213,16 +285,21 @@ def lcp(a: np.ndarray, b: np.ndarray) -> int:
   return int(diff[0]) if diff.size else n
 
 
-STAT_KEYS = (
-    "requests",
-    "prefill_tokens",
-    "reused_tokens",
-    "decode_tokens",
-    "slot_steps",
-    "chunks",
-    "occupancy_sum",
-    "evictions",
-    "admit_calls",
-    "decode_calls",
-    "device_seconds",
-)
+@dataclasses.dataclass
+class EngineStats:
+  """A run's counters (`DecodeEngine.stats`); `as_dict` keys are the metric names."""
+
+  requests: int = 0  # submitted
+  prefill_tokens: int = 0  # admitted (prefilled) prompt tokens
+  reused_tokens: int = 0  # prompt tokens found in a parent's cache
+  decode_tokens: int = 0  # sampled tokens
+  slot_steps: int = 0  # decode rows x steps run, padding included
+  chunks: int = 0  # steps that decoded
+  occupancy_sum: float = 0  # decoding slots / all slots, summed over chunks
+  evictions: int = 0  # parked caches evicted for room
+  admit_calls: int = 0
+  decode_calls: int = 0
+  device_seconds: float = 0  # wall time of the steps' device calls
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
