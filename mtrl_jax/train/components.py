@@ -83,7 +83,7 @@ class Components:
       sampled = state.params if isinstance(state, StackedStates) else state
       engines.append((engine, sampled, len(policy.stop_ids)))
     steps = self.policies.train_step.steps if team else [self.policies.train_step]
-    return engines, steps
+    return engines, [s for s in steps if getattr(s, "trained", True)]  # a frozen group: none
 
 
 def make_tokenizer(cfg: TokenizerConfig, model_path: str = ""):
@@ -242,9 +242,16 @@ def _stacked(exp: Experiment, objective, trained, models, agents, mesh) -> Stack
   trainable = [exp.agents.trainable[a] for a in agents] if exp.agents.trainable else []
   if all(trainable):  # every agent trains (empty: the default)
     step = StackedTrainStep(trained, objective, exp.optim, rates, mesh=mesh, step_cfg=exp.step)
-  else:
+  else:  # a team's group may be all frozen: it acts, and is never updated
     step = PartlyFrozenTrainStep(
-        trained, objective, exp.optim, rates, trainable, mesh=mesh, step_cfg=exp.step
+        trained,
+        objective,
+        exp.optim,
+        rates,
+        trainable,
+        mesh=mesh,
+        step_cfg=exp.step,
+        some_trained=len(agents) == exp.tree.num_agents,  # a team: checked by validation
     )
   return StackedPolicies(models, step, seed=exp.seed, agents=agents)
 

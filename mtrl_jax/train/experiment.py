@@ -345,12 +345,6 @@ def check_agents(exp: Experiment):
   what = "agents of another architecture or tokenizer than the top-level model's"
   for field, value, why in (
       (
-          "sft.steps",
-          exp.sft.steps,
-          "the warm-up trains one shared start; warm each agent's "
-          "checkpoint in a run of its own and name it in agents.paths",
-      ),
-      (
           "critic.kind",
           exp.critic.kind != "none" and exp.critic.kind,
           "a critic of a team of several architectures is not built",

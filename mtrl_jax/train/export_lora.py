@@ -94,10 +94,9 @@ def _per_agent(policies, params, out_dir: str) -> list[tuple[str, object]]:
   """(directory, one policy's tree) of each policy of `params` (a state's params)."""
   if not policies.per_agent:
     return [(out_dir, params)]
-  n = len(policies.models)
   return [
-      (os.path.join(out_dir, label), jax.tree.map(lambda x, a=a: x[a], params))
-      for a, label in zip(range(n), policies.labels)
+      (os.path.join(out_dir, label), p)
+      for label, p in zip(policies.labels, policies.agent_params(params))
   ]
 
 
@@ -117,10 +116,12 @@ def save_adapters(policies, params, out_dir: str, base_path: str = "") -> list[s
 
 def save_merged(policies, params, out_dir: str) -> list[str]:
   """Merged HF directories (W + scale * A @ B) of `params`: `out_dir`, or one per agent."""
-  graphdef = lora_lib.base_graphdef(policies.train_step.model_cfg)
+  graphdefs = [nnx.graphdef(m) for m in policies.models]  # each policy's plain model
   dirs = []
-  for (d, _), merged in zip(_per_agent(policies, params, out_dir), policies.per_policy(params)):
-    loading.save_pretrained(nnx.merge(graphdef, merged), d)
+  for (d, _), g, merged in zip(
+      _per_agent(policies, params, out_dir), graphdefs, policies.per_policy(params)
+  ):
+    loading.save_pretrained(nnx.merge(g, merged), d)
     dirs.append(d)
   return dirs
 

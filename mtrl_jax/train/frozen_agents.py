@@ -41,15 +41,18 @@ from mtrl_jax.train.stacked import StackedTrainStep, stack_trees
 from mtrl_jax.train.step import StepConfig, TrainState
 
 
-def check_trainable(trainable: Sequence[bool], num_agents: int) -> tuple[bool, ...]:
-  """`trainable` as a tuple, one bool per agent with at least one True; raises a one-line
-  ValueError otherwise."""
+def check_trainable(
+    trainable: Sequence[bool], num_agents: int, some_trained: bool = True
+) -> tuple[bool, ...]:
+  """`trainable` as a tuple, one bool per agent with at least one True (unless not
+  `some_trained`: a group of a team, `train.team`, may be all frozen); raises a
+  one-line ValueError otherwise."""
   trainable = tuple(trainable)
   if len(trainable) != num_agents or not all(isinstance(t, bool) for t in trainable):
     raise ValueError(
         f"agents.trainable={trainable!r}; allowed: True or False, one per agent ({num_agents})"
     )
-  if not any(trainable):
+  if some_trained and not any(trainable):
     raise ValueError(
         f"agents.trainable={trainable!r} freezes every agent: a run that trains "
         "nothing; allowed: at least one True"
@@ -63,7 +66,9 @@ class PartlyFrozenTrainStep(StackedTrainStep):
   Args:
     model, objective, optim_cfg, learning_rates, mesh, step_cfg, rules: as for
       `StackedTrainStep` (a frozen agent's learning rate is never used).
-    trainable: one bool per agent, at least one True.
+    trainable: one bool per agent, at least one True unless not `some_trained`
+      (a group of a team whose agents are all frozen: its state has no optimizer
+      state and it is never called).
   """
 
   def __init__(
@@ -76,11 +81,12 @@ class PartlyFrozenTrainStep(StackedTrainStep):
       mesh=None,
       step_cfg: StepConfig = StepConfig(),
       rules=sharding.TRAIN_RULES,
+      some_trained: bool = True,
   ):
     super().__init__(
         model, objective, optim_cfg, learning_rates, mesh=mesh, step_cfg=step_cfg, rules=rules
     )
-    self.trainable = check_trainable(trainable, self.num_agents)
+    self.trainable = check_trainable(trainable, self.num_agents, some_trained)
     self.trained = tuple(a for a, t in enumerate(self.trainable) if t)
     self._trained_T = np.asarray(self.trained, np.int32)
 
@@ -116,9 +122,12 @@ class PartlyFrozenTrainStep(StackedTrainStep):
 
       def stack(*s):
         every = stack_trees([x.replace(opt_state=None) for x in s])
+        if not self.trained:
+          return every
         return every.replace(opt_state=stack_trees([s[a].opt_state for a in self.trained]))
 
-      self._stack_fn = jax.jit(stack, out_shardings=self.state_shardings)
+      out = self.state_shardings if self.trained else self.state_shardings.replace(opt_state=None)
+      self._stack_fn = jax.jit(stack, out_shardings=out)
     return self._stack_fn(*states)
 
   def abstract_state(self) -> TrainState:
@@ -131,6 +140,8 @@ class PartlyFrozenTrainStep(StackedTrainStep):
     every = jax.tree.map(
         stacked(self.num_agents), one.replace(opt_state=None), shardings.replace(opt_state=None)
     )
+    if not self.trained:
+      return every
     return every.replace(
         opt_state=jax.tree.map(stacked(len(self.trained)), one.opt_state, shardings.opt_state)
     )

@@ -16,6 +16,8 @@ warm-up, checkpoints and saved runs never ask which one they hold:
   state_from_saved(saved)    ... and back; also `params_from_saved`
   saved_state_target()       the abstract saved state (a restore target)
   per_policy(params)         one parameter tree per policy (export, `models()`)
+  agent_params(params)       one policy's params each, unmerged (adapters: PEFT export)
+  warm_starts(model)         (model, agent) of each start the SFT warm-up trains
 
 Checkpoint layout: a shared policy saves its tree as it is; stacked policies
 save one subtree per agent, {"agent_0": ..., "agent_1": ...}. A team of several
@@ -104,6 +106,11 @@ class Policies:
       return batch, m
     return global_batch(batch, m, cfg, self.train_step.mesh)
 
+  def warm_starts(self, model) -> list[tuple]:
+    """What the SFT warm-up trains: [(the run's top-level `model`, agent 0)], one shared
+    start (its rows rendered as that agent's)."""
+    return [(model, 0)]
+
   def start_adapters(self):
     """With `model.lora.init_from`, the adapters each policy starts from (read from its
     PEFT directory: `export_lora.init_dirs`); else None (fresh adapters)."""
@@ -165,6 +172,9 @@ class SharedPolicy(Policies):
 
   def per_policy(self, params) -> list:
     return [self.train_step.merged(params)]
+
+  def agent_params(self, params) -> list:
+    return [params]
 
 
 class StackedPolicies(Policies):
@@ -255,3 +265,6 @@ class StackedPolicies(Policies):
   def per_policy(self, params) -> list:
     merged = self.train_step.merged(params)
     return [agent_slice(merged, a) for a in range(len(self.models))]
+
+  def agent_params(self, params) -> list:
+    return [agent_slice(params, a) for a in range(len(self.models))]

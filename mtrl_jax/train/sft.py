@@ -250,15 +250,15 @@ def file_conversation(task: Mapping[str, Any], path: str) -> list[tuple[str, str
   return list(rows[int(task.get("index", 0)) % len(rows)])
 
 
-def golden_batcher(parts, seed: int) -> SFTBatcher:
+def golden_batcher(parts, seed: int, renderer=None) -> SFTBatcher:
   """Batches of the golden conversations of the first `sft.num_examples` train tasks,
-  shuffled with `seed` (the warm-up's stream, or `SFTMix`'s with another seed)."""
+  rendered by `renderer` (default the run's) and shuffled with `seed` (the warm-up's
+  stream, or `SFTMix`'s with another seed)."""
   exp, cfg = parts.exp, parts.exp.sft
-  rows = conversation_rows(
-      conversation_maker(cfg), parts.renderer, parts.train_tasks, cfg.num_examples
-  )
+  renderer = parts.renderer if renderer is None else renderer
+  rows = conversation_rows(conversation_maker(cfg), renderer, parts.train_tasks, cfg.num_examples)
   return SFTBatcher(
-      rows, cfg.batch_size, exp.rl.length_buckets, seed=seed, pad_id=parts.tokenizer.pad_id
+      rows, cfg.batch_size, exp.rl.length_buckets, seed=seed, pad_id=renderer.tokenizer.pad_id
   )
 
 
@@ -334,32 +334,46 @@ def warm_up(parts, report: Optional[Callable[[dict], None]] = None) -> tuple[Any
   `sft.check_tasks` train tasks (not in the SFT data), and SFT stops once that
   reaches the threshold. `report(row)`, if given, sees each history row as it is
   logged (the console's progress lines).
+
+  A team of several architectures (`train.team`) warms up one start per group
+  (`Policies.warm_starts`), each on the rows its own tokenizer renders, in
+  lockstep; a history row holds the mean over the groups of each metric.
   """
   exp, cfg = parts.exp, parts.exp.sft
-  batcher = golden_batcher(parts, seed=exp.seed)
-  rows = batcher.source
   optim_cfg = optim.OptimConfig(
       learning_rate=cfg.learning_rate,
       total_steps=max(cfg.steps, 1),
       grad_clip_norm=exp.optim.grad_clip_norm,
   )
-  step_fn = make_sft_step(parts.model, optim_cfg, mesh=parts.mesh, step_cfg=exp.step)
-  parts.census.register("sft_step", step_fn)
-  state = step_fn.init_state(nnx.state(parts.model, nnx.Param), seed=exp.seed)
-  check = indexed(parts.train_tasks, cfg.check_tasks, start=len(rows))
+  starts = parts.policies.warm_starts(parts.model)
+  batchers, step_fns, states = [], [], []
+  for g, (model, agent) in enumerate(starts):
+    batchers.append(
+        golden_batcher(parts, seed=exp.seed, renderer=parts.transition.renderers[agent])
+    )
+    step_fns.append(make_sft_step(model, optim_cfg, mesh=parts.mesh, step_cfg=exp.step))
+    parts.census.register("sft_step" if g == 0 else f"sft_step_{g}", step_fns[-1])
+    states.append(step_fns[-1].init_state(nnx.state(model, nnx.Param), seed=exp.seed))
+  check = indexed(parts.train_tasks, cfg.check_tasks, start=len(batchers[0].source))
+  team = len(starts) > 1
+  params = lambda: [s.params for s in states] if team else states[0].params
   history = []
   for i in range(1, cfg.steps + 1):
-    state, m = step_fn(state, None, distributed.take_rows(next(batcher), parts.mesh))
+    fetched = []
+    for g, (step_fn, batcher) in enumerate(zip(step_fns, batchers)):
+      states[g], m = step_fn(states[g], None, distributed.take_rows(next(batcher), parts.mesh))
+      fetched.append(m)
     if i % cfg.check_every and i != cfg.steps:
       continue
-    row = {"sft_step": i, **step_fn.fetch_metrics(m)}
+    host = [step_fn.fetch_metrics(m) for step_fn, m in zip(step_fns, fetched)]
+    row = {"sft_step": i, **{k: float(np.mean([h[k] for h in host])) for k in host[0]}}
     if cfg.until_success > 0 and check:
       row["check_success"] = parts.evaluator(
-          parts.policies.one_for_all(state.params), check, greedy=True, key=parts.key
+          parts.policies.one_for_all(params()), check, greedy=True, key=parts.key
       )["success"]
     history.append(row)
     if report is not None:
       report(row)
     if row.get("check_success", 0.0) >= cfg.until_success > 0:
       break
-  return parts.policies.init_state(state.params), history
+  return parts.policies.init_state(params()), history

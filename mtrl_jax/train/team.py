@@ -22,8 +22,10 @@ stacked agents; `train/<name>` is the mean over every trained agent of the
 team; `batch/*` counts the team's rows and tokens (`batch/rows` and
 `batch/length` are the largest group's).
 
-A team cannot warm up with SFT, carry a value critic or start from saved
-adapters (validation refuses each in one line, `train.experiment.check_agents`).
+The SFT warm-up trains one start per group (`warm_starts`: its first agent's
+model, on the rows its tokenizer renders). A team cannot carry a value critic
+or start from saved adapters (validation refuses each in one line,
+`train.experiment.check_agents`).
 """
 
 from __future__ import annotations
@@ -131,20 +133,25 @@ class TeamPolicies(Policies):
     return tuple(self.groups[g].trainable[i] for g, i in self._where)
 
   def init_state(self, params=None):
-    if params is not None:
-      raise ValueError("a team of several architectures starts from its agents' own models")
-    return TeamState(tuple(p.init_state() for p in self.groups))
+    """A fresh state from every agent's model or, after the warm-up, from each group's
+    warmed-up start (`params`: one per group) for its trained agents."""
+    params = [None] * len(self.groups) if params is None else params
+    return TeamState(tuple(p.init_state(x) for p, x in zip(self.groups, params)))
+
+  def warm_starts(self, model) -> list[tuple]:
+    """One start per group: its first agent's model, its rows rendered as that agent's."""
+    return [(p.models[0], p.agents[0]) for p in self.groups]
 
   def sampler_states(self, params: tuple) -> TeamStates:
     """Each group's engine state: its agents stacked, or one agent's plain parameters."""
-    out = []
-    for p, x in zip(self.groups, params):
-      s = p.sampler_states(x)
-      out.append(agent_slice(s.params, 0) if s.num_agents == 1 else s)
-    return TeamStates(tuple(out))
+    return TeamStates(
+        tuple(_engine_state(p.sampler_states(x)) for p, x in zip(self.groups, params))
+    )
 
-  def one_for_all(self, params):
-    raise ValueError("a team of several architectures has no policy that acts for all")
+  def one_for_all(self, params) -> TeamStates:
+    """Each group's warm-up params acting for its trained agents (`params`: one per
+    group), a frozen agent keeping its own: the warm-up's stop check."""
+    return TeamStates(tuple(_engine_state(p.one_for_all(x)) for p, x in zip(self.groups, params)))
 
   def _batch(self, tree, cfg, critic):
     batches, metrics = [], []
@@ -190,8 +197,18 @@ class TeamPolicies(Policies):
     each = [p.per_policy(x) for p, x in zip(self.groups, params)]
     return [each[g][i] for g, i in self._where]
 
+  def agent_params(self, params: tuple) -> list:
+    each = [p.agent_params(x) for p, x in zip(self.groups, params)]
+    return [each[g][i] for g, i in self._where]
+
   def critic_values(self, params, tree, cfg):
     raise ValueError("a team of several architectures has no value critic")
+
+
+def _engine_state(stacked):
+  """A group's `StackedStates` as its engine takes them: one agent's plain parameters
+  (an engine of one parameter set) or the stacked ones."""
+  return agent_slice(stacked.params, 0) if stacked.num_agents == 1 else stacked
 
 
 def _team_batch_metrics(groups: list[dict]) -> dict:

@@ -178,8 +178,6 @@ def test_export_writes_one_hf_directory_per_agent(runs, tmp_path):
     [
         ("agents.learning_rates", (1e-3,), "1 entries; allowed: 2"),
         ("agents.paths", ("/nonexistent", ""), "no config.json"),
-        # Agents of another architecture form a team, which cannot share the warm-up.
-        ("agents.presets", ("", "small"), r"sft.steps=\d+ with agents of another architecture"),
     ],
 )
 def test_bad_agents_config_is_refused_in_one_line(field, value, match):

@@ -26,7 +26,7 @@ from mtrl_jax.models import loading
 from mtrl_jax.rollout import expand_tree
 from mtrl_jax.rollout.dump import node_records
 from mtrl_jax.rollout.policy import TeamPolicy
-from mtrl_jax.train import components, experiment, groups, saved
+from mtrl_jax.train import components, experiment, groups, saved, sft
 from mtrl_jax.train.evaluate import indexed
 from mtrl_jax.train.team import TeamPolicies
 from tests.train.test_separate_policies import _rows, run_on_one_device
@@ -70,7 +70,6 @@ def test_agents_of_one_architecture_and_tokenizer_share_a_group():
 @pytest.mark.parametrize(
     "field, value, match",
     [
-        ("sft.steps", 4, r"sft.steps=4 with agents of another architecture"),
         ("critic.kind", "independent", r"critic.kind='independent' with agents of another"),
     ],
 )
@@ -84,10 +83,11 @@ def test_what_a_team_cannot_do_is_refused_in_one_line(field, value, match):
 
 
 def _one_step(parts, key):
-  """One rollout of 2 train tasks and one update from the parts' fresh state: (tree
-  records, train metrics, every agent's parameters after the update)."""
+  """One rollout of 2 train tasks and one update from the parts' first state (after the
+  warm-up, if any): (tree records, train metrics, every agent's parameters after the
+  update)."""
   exp, policies = parts.exp, parts.policies
-  state = policies.init_state()
+  state = sft.warm_up(parts)[0] if exp.sft.steps else policies.init_state()
   ref = policies.train_step.copy_params(state.params)
   parts.rollout_policy.set_states(policies.sampler_states(state.params))
   roots = parts.transition.root_states(parts.factory, indexed(parts.train_tasks, 2))
@@ -102,7 +102,11 @@ def _one_step(parts, key):
 def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_agents(
     monkeypatch,
 ):
-  exp = experiment.validate(_team_config())
+  """Warm-up (each group warms its own start: here the same model on the same rows),
+  rollout and update."""
+  c = _team_config()
+  c.sft.steps, c.sft.check_every = 2, 2
+  exp = experiment.validate(c)
   assert not groups.is_team(exp)
   key = jax.random.PRNGKey(3)
   stacked = _one_step(components.build(exp), key)
@@ -227,3 +231,45 @@ def test_each_agent_renders_with_its_own_tokenizer(tmp_path):
       assert max(ids) >= other.vocab_size or other.decode(ids) != text, (rec["node_id"], a)
   for a in (0, 1):
     assert np.isfinite(metrics[f"agent_{a}/train/loss"]), a
+
+
+def test_a_lora_team_with_a_frozen_agent_updates_only_the_trained_adapters(tmp_path):
+  """Adapters over each group's own base; agent 1 (another architecture) frozen: its
+  merged weights stay bit-identical, and each agent exports its adapters (PEFT) and
+  its merged weights with its own architecture."""
+  from mtrl_jax.train import export_lora
+
+  c = _team_config()
+  c.agents.presets = ("", "small")
+  c.agents.trainable = (True, False)
+  c.model.lora.rank = 4
+  parts = components.build(experiment.validate(c))
+  policies = parts.policies
+  state = policies.init_state()
+  before = [jax.device_get(nnx.to_pure_dict(p)) for p in policies.per_policy(state.params)]
+  parts.rollout_policy.set_states(policies.sampler_states(state.params))
+  roots = parts.transition.root_states(parts.factory, indexed(parts.train_tasks, 2))
+  tree = expand_tree(
+      parts.exp.tree, parts.rollout_policy, parts.transition, roots, jax.random.PRNGKey(1)
+  )
+  batch, _ = policies.make_batch(tree, parts.batch_cfg)
+  batch = policies.train_step.old_logprobs(state.params, batch)
+  state, dm = policies.train_step(state, None, batch)
+  metrics = policies.train_metrics(dm)
+  assert "agent_0/train/loss" in metrics and not any(k.startswith("agent_1/") for k in metrics)
+  after = [jax.device_get(nnx.to_pure_dict(p)) for p in policies.per_policy(state.params)]
+  for x, y in zip(jax.tree.leaves(before[1]), jax.tree.leaves(after[1])):
+    np.testing.assert_array_equal(x, y)
+  moved = [
+      np.abs(x - y).max() for x, y in zip(jax.tree.leaves(before[0]), jax.tree.leaves(after[0]))
+  ]
+  assert max(moved) > 0
+  peft = export_lora.save_adapters(policies, state.params, str(tmp_path / "peft"))
+  assert [os.path.basename(d) for d in peft] == ["agent_0", "agent_1"]
+  merged = export_lora.save_merged(policies, state.params, str(tmp_path / "merged"))
+  widths = [json.loads(open(os.path.join(d, "config.json")).read())["hidden_size"] for d in merged]
+  assert widths == [parts.exp.model.arch.d_model, 128]
+  for d, want in zip(merged, after):
+    back = nnx.to_pure_dict(nnx.state(loading.from_pretrained(d), nnx.Param))
+    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(x), y)
