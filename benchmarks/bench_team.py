@@ -13,9 +13,9 @@ for --steps RL steps, in this process, one after the other:
 
 Each row: the median over steps 2..N of `time/step`, `time/rollout`,
 `time/generation` and `time/train` (seconds), and `engine/slot_occupancy`.
-The models are fresh presets (no warm-up), so both arms sample the full
---max-new tokens almost every turn: the rows compare the programs, not what
-the agents say.
+The models are fresh presets (no warm-up) whose samples of a task are alike;
+raw returns with a step penalty (no zero-variance filter) make every sample
+train, so the rows compare the programs, not what the agents say.
 """
 
 import json
@@ -53,6 +53,11 @@ def arm_config(arm: str):
   c.eval.every = _STEPS.value  # held-out evaluation at step 0 and the last only
   c.eval.num_tasks = 8
   c.checkpoint.every = _STEPS.value
+  # Fresh presets' samples of a task are alike (zero-variance groups): raw returns with
+  # a step penalty give every sample an advantage, so every step trains.
+  c.tree.advantage_mode = "raw"
+  c.reward.step_penalty = -0.05
+  c.rl.zero_variance_filter = False
   if arm == "team":
     c.agents.presets = ("", _SMALL.value)
   elif arm != "stacked":
