@@ -36,7 +36,7 @@ from absl import app, flags
 from configs import calculator as calculator_config
 from mtrl_jax.envs import rollout_scripted
 from mtrl_jax.tasks import calculator
-from mtrl_jax.train import components
+from mtrl_jax.train import builders, components
 from mtrl_jax.train import experiment as exp_lib
 
 _TASKS = flags.DEFINE_integer("tasks", 300, "golden episodes per timed pass")
@@ -58,8 +58,8 @@ def _pass(factory, episodes, limits, reward, renderer) -> tuple[float, int]:
 def main(argv):
   del argv
   exp = exp_lib.build(calculator_config.get_config())
-  renderer = components.make_renderer(
-      exp.tokenizer, components.make_tokenizer(exp.tokenizer, exp.model.path)
+  renderer = builders.make_renderer(
+      exp.tokenizer, builders.make_tokenizer(exp.tokenizer, exp.model.path)
   )
   factory = components.make_factory(exp)
   tasks = [calculator.make_task("train", i) for i in range(_TASKS.value)]

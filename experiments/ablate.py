@@ -21,8 +21,7 @@ import os
 
 from absl import app, flags
 
-from experiments import cli, outputs
-from mtrl_jax.train import report
+from experiments import cli, outputs, report
 
 _RUNS = flags.DEFINE_multi_string("runs", None, "glob of run directories (repeat for several)")
 _LEVEL = flags.DEFINE_float(

@@ -15,8 +15,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import cli
-from mtrl_jax.train import recipes, report
+from experiments import cli, report
+from mtrl_jax.train import recipes
 
 DEFAULT_CONFIG = "configs/calculator.py"
 # No default here: config_flags would load it and apply --config.<key> overrides at import,

@@ -37,8 +37,8 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_dict
 
-from experiments import cli
-from mtrl_jax.train import budget, experiment, report
+from experiments import cli, report
+from mtrl_jax.train import budget, experiment
 
 _CONFIG = flags.DEFINE_string("config", None, "config file (path[:arg])")
 _SWEEP = flags.DEFINE_string("sweep", "", "argument of get_sweep(arg)")

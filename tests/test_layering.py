@@ -25,6 +25,10 @@ and a name is imported from the module that defines it (or a package's
 it, so a name moved to another module cannot stay behind as a re-export.
 
 Every module stays at most `MAX_LINES` long (docs/design.md, Conventions).
+
+Validation sits below composition: `train.experiment` and `train.checks` never
+import the composition root `train.components` (the builders both use live in
+`train.builders`).
 """
 
 from __future__ import annotations
@@ -208,6 +212,25 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_no_upward_imports_and_no_package_cycles():
   problems = violations()
   assert not problems, "layering violations:\n" + "\n".join(problems)
+
+
+# Module -> modules it must not import (directly): validation below composition.
+FORBIDDEN_IMPORTS = {
+    "mtrl_jax.train.experiment": ("mtrl_jax.train.components",),
+    "mtrl_jax.train.checks": ("mtrl_jax.train.components",),
+}
+
+
+def test_validation_does_not_import_the_composition_root():
+  graph = import_graph()
+  problems = [
+      f"{module} imports {t}"
+      for module, banned in sorted(FORBIDDEN_IMPORTS.items())
+      for t in banned
+      if t in graph[module]
+  ]
+  assert not problems, "validation imports composition:\n" + "\n".join(problems)
+  assert "mtrl_jax.train.checks" in graph["mtrl_jax.train.experiment"]  # the graph sees them
 
 
 def test_graph_sees_function_level_and_importlib_imports(tmp_path):

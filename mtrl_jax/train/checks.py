@@ -5,6 +5,8 @@ and before any model is built. Each refusal is one `ValueError` naming the
 field, its value and what is allowed (`experiment.validate` turns it into a
 `ConfigError`):
 
+  check_lora           what low-rank adapters cannot be combined with, and that
+                       `model.lora.init_from` fits the base;
   check_imports        the SFT conversations and tokenizer specials resolve;
   make_tokenizer       the tokenizer loads (a checkpoint's tokenizer.json);
   check_environment    the factory and both task splits build, their first
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING
 from mtrl_jax.envs import ContractError, fork_error_message, resolve_factory
 from mtrl_jax.registry import import_object
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.train import components
+from mtrl_jax.train import builders
 from mtrl_jax.train.config import success_threshold_for
 
 if TYPE_CHECKING:
@@ -69,6 +71,40 @@ class _Resolving:
     if "allowed" not in msg and "registered" not in msg:
       msg += f"; allowed: {self.allowed}"
     raise ValueError(f"config {self.what}: {msg}") from err
+
+
+def check_lora(exp: Experiment) -> None:
+  """What low-rank adapters (`model.lora.rank` > 0) cannot be combined with, refused in
+  one line (validation calls it): the frozen base is the KL reference and every agent's;
+  `model.lora.init_from` must fit the base (`export_lora.check_adapters`, tensors unread)
+  and the base must be the one it was trained over (no warm-up changes it)."""
+  lora = exp.model.lora
+  if not lora.enabled:
+    return
+  for field, value, why in (
+      ("rl.ref_reset_every", exp.rl.ref_reset_every, "the reference is the frozen base"),
+      ("sft.mix_every", exp.sft.mix_every, "SFT mix steps train every weight"),
+      ("agents.paths", exp.agents.paths, "the agents' adapters share one base"),
+  ):
+    if any(value) if isinstance(value, tuple) else value:
+      raise ValueError(
+          f"config {field}={value!r} with model.lora.rank={lora.rank}: "
+          f"{why}; allowed: 0 / empty, or model.lora.rank=0"
+      )
+  if not lora.init_from:
+    return
+  if exp.sft.steps:
+    raise ValueError(
+        f"config sft.steps={exp.sft.steps} with model.lora.init_from="
+        f"{lora.init_from!r}: the warm-up trains the base the adapters were "
+        "fitted to; allowed: sft.steps=0, or model.lora.init_from=''"
+    )
+  from mtrl_jax.train import export_lora  # reads the adapters' headers (jax, safetensors)
+  from mtrl_jax.train.policies import agent_labels
+
+  labels = [] if exp.agents.share_policy else agent_labels(exp.tree.num_agents)
+  for path in dict.fromkeys(export_lora.init_dirs(lora.init_from, labels)):
+    export_lora.check_adapters(path, exp.model.arch.replace(lora=lora))
 
 
 def check_imports(exp: Experiment):
@@ -104,7 +140,7 @@ def make_tokenizer(exp: Experiment):
       f"tokenizer.kind={exp.tokenizer.kind!r} with model.path={exp.model.path!r}",
       "a checkpoint directory holding its tokenizer.json",
   ):
-    return components.make_tokenizer(exp.tokenizer, exp.model.path)
+    return builders.make_tokenizer(exp.tokenizer, exp.model.path)
 
 
 def check_environment(exp: Experiment, tokenizer):
@@ -132,7 +168,7 @@ def check_environment(exp: Experiment, tokenizer):
         f"tasks.source={tasks.source!r} with {field}={split!r}",
         "a registered name or 'pkg.module:fn(split, **tasks.kwargs)' serving that split",
     ):
-      source = sources[field] = components.make_task_source(tasks, split)
+      source = sources[field] = builders.make_task_source(tasks, split)
       if len(source) == 0:
         raise ValueError("the split has no tasks")
       for i in range(min(SAMPLE_TASKS, len(source))):
@@ -174,7 +210,7 @@ def _check_first_prompt(exp: Experiment, environment, tokenizer):
   completion must stay under `env.max_tokens`: else every trajectory is truncated
   after its first turn and no group ever differs."""
   limit, new = exp.env.max_tokens, exp.sampling.max_new_tokens
-  renderer = components.make_renderer(exp.tokenizer, tokenizer)
+  renderer = builders.make_renderer(exp.tokenizer, tokenizer)
   transition = EnvTransition(renderer, exp.tree.num_agents)
   with _Resolving(
       f"env.factory={exp.env.factory!r}: the initial thread of the first task "
@@ -257,7 +293,7 @@ def check_curriculum(exp: Experiment):
         f"{tasks.source!r} with {cur.level_key}={level}",
         f"a task source taking {cur.level_key}=0 .. num_levels - 1",
     ):
-      if len(components.make_level_source(tasks, cur, level)) == 0:
+      if len(builders.make_level_source(tasks, cur, level)) == 0:
         raise ValueError("the level has no tasks")
 
 

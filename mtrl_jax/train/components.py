@@ -7,8 +7,10 @@ over it), transition, shape plan, batch config and the `Evaluator` shared by
 the SFT stop check and held-out evaluation. The RL loop (`train.rl`), the SFT
 warm-up (`train.sft.warm_up`) and the saved-policy tools (`train.saved`) all
 take their parts from here, so a part is built one way only. The `make_*`
-builders are the pieces `build` uses; validation (`train.experiment`) calls
-the tokenizer and task-source ones to check that they work.
+builders are the pieces `build` uses; the tokenizer, renderer and task-source
+ones live in `train.builders`, below both this module and validation
+(`train.experiment`, `train.checks`), which builds each once to check that it
+works.
 
 `build` takes the experiment as validation left it (a from-scratch model's
 vocabulary fitted to the tokenizer) and never changes it. Nothing here
@@ -27,17 +29,16 @@ import jax
 from mtrl_jax import data, distributed, metrics as metrics_lib, sharding
 from mtrl_jax.envs import resolve_factory
 from mtrl_jax.envs.reward import check_reward_dominance
-from mtrl_jax.registry import import_object
 from mtrl_jax.rollout.batching import BatchConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.policy import EnginePolicy, StackedStates, TeamPolicy
 from mtrl_jax.sampling import DecodeEngine
-from mtrl_jax.train import export_lora, groups as groups_lib, shapes as shapes_lib
+from mtrl_jax.train import groups as groups_lib, shapes as shapes_lib
+from mtrl_jax.train.builders import make_level_source, make_renderer, make_task_source, make_tokenizer
 from mtrl_jax.train.evaluate import Evaluator
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
-from mtrl_jax.train.inputs import TasksConfig, TokenizerConfig
 from mtrl_jax.train.objectives import PolicyObjective
-from mtrl_jax.train.policies import Policies, SharedPolicy, StackedPolicies, agent_labels
+from mtrl_jax.train.policies import Policies, SharedPolicy, StackedPolicies
 from mtrl_jax.train.separate_critic import SeparateCritic, make_critic_model
 from mtrl_jax.train.stacked import StackedTrainStep
 from mtrl_jax.train.team import TeamPolicies
@@ -86,25 +87,6 @@ class Components:
     return engines, [s for s in steps if getattr(s, "trained", True)]  # a frozen group: none
 
 
-def make_tokenizer(cfg: TokenizerConfig, model_path: str = ""):
-  """The policy's tokenizer: `model_path`'s tokenizer.json ('hf') or the byte tokenizer
-  with `cfg.extra_specials`."""
-  from mtrl_jax import text
-
-  if cfg.kind == "hf":
-    return text.HFTokenizer.from_dir(model_path)
-  extra = tuple(import_object(cfg.extra_specials)) if cfg.extra_specials else ()
-  return text.ByteTokenizer(extra_specials=extra)
-
-
-def make_renderer(cfg: TokenizerConfig, tokenizer):
-  """The chat renderer of `tokenizer` in `cfg.chat_format`."""
-  from mtrl_jax import text
-
-  fmt = text.chatml(tokenizer) if cfg.chat_format == "chatml" else text.compact(tokenizer)
-  return text.ChatRenderer(tokenizer, fmt, strip_thinking=cfg.strip_thinking)
-
-
 def make_model(exp: Experiment, mesh, path: str = ""):
   """The policy model: from `path` (an agent's checkpoint), `model.path`, or the preset."""
   from mtrl_jax import models
@@ -137,16 +119,6 @@ def make_factory(exp: Experiment):
   return factory
 
 
-def make_task_source(tasks: TasksConfig, split: str):
-  return data.resolve_task_source(tasks.source, split, **dict(tasks.kwargs))
-
-
-def make_level_source(tasks: TasksConfig, curriculum: data.CurriculumConfig, level: int):
-  """The train split's task source at curriculum level `level`."""
-  kwargs = {**dict(tasks.kwargs), curriculum.level_key: level}
-  return data.resolve_task_source(tasks.source, tasks.train_split, **kwargs)
-
-
 def make_train_stream(exp: Experiment, train_tasks):
   """The RL loop's task stream: a `data.CurriculumStream` when `curriculum.enabled`,
   else a `data.TaskStream` over `train_tasks`. Both checkpoint via state()/restore()."""
@@ -157,37 +129,6 @@ def make_train_stream(exp: Experiment, train_tasks):
         seed=exp.seed,
     )
   return data.TaskStream(train_tasks, seed=exp.seed)
-
-
-def check_lora(exp: Experiment) -> None:
-  """What low-rank adapters (`model.lora.rank` > 0) cannot be combined with, refused in
-  one line (validation calls it): the frozen base is the KL reference and every agent's;
-  `model.lora.init_from` must fit the base (`export_lora.check_adapters`, tensors unread)
-  and the base must be the one it was trained over (no warm-up changes it)."""
-  lora = exp.model.lora
-  if not lora.enabled:
-    return
-  for field, value, why in (
-      ("rl.ref_reset_every", exp.rl.ref_reset_every, "the reference is the frozen base"),
-      ("sft.mix_every", exp.sft.mix_every, "SFT mix steps train every weight"),
-      ("agents.paths", exp.agents.paths, "the agents' adapters share one base"),
-  ):
-    if any(value) if isinstance(value, tuple) else value:
-      raise ValueError(
-          f"config {field}={value!r} with model.lora.rank={lora.rank}: "
-          f"{why}; allowed: 0 / empty, or model.lora.rank=0"
-      )
-  if not lora.init_from:
-    return
-  if exp.sft.steps:
-    raise ValueError(
-        f"config sft.steps={exp.sft.steps} with model.lora.init_from="
-        f"{lora.init_from!r}: the warm-up trains the base the adapters were "
-        "fitted to; allowed: sft.steps=0, or model.lora.init_from=''"
-    )
-  labels = [] if exp.agents.share_policy else agent_labels(exp.tree.num_agents)
-  for path in dict.fromkeys(export_lora.init_dirs(lora.init_from, labels)):
-    export_lora.check_adapters(path, exp.model.arch.replace(lora=lora))
 
 
 def make_policies(exp: Experiment, model, mesh, team=None, team_tokenizers=()) -> Policies:

@@ -28,7 +28,7 @@ from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train import budget, checks, components, groups
+from mtrl_jax.train import budget, checks, groups
 from mtrl_jax.train.config import (
     AgentsConfig,
     CheckpointConfig,
@@ -153,7 +153,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     exp = dataclasses.replace(
         exp, model=dataclasses.replace(exp.model, arch=exp.model.arch.replace(value_head=True))
     )
-  components.check_lora(exp)  # what adapters cannot be combined with; init_from fits the base
+  checks.check_lora(exp)  # what adapters cannot be combined with; init_from fits the base
   check_processes(exp)
   # Size the tree before launch: a config that cannot fit fails here.
   plan_tree(

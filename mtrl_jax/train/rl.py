@@ -29,15 +29,20 @@ and runs their environments, the engine and train step run on global arrays
 (`DecodeEngine`, `rollout.batching.global_batch`), the finalized trees are merged
 for metrics and the dump (`rollout.gather`), and process 0 alone writes files.
 Checkpoints are saved and restored by every process.
+
+`train` reads top to bottom: build the run's parts, resume or start (warm-up,
+precompile, the step-0 evaluation), the RL loop, the end (summary.json, curves).
+One RL step is `_Loop.step`: rollout, update, its metrics row, held-out
+evaluation, the learning watch and the checkpoint; what the run records (each
+step's metrics row, the run's summary) gathers in `train.run_record.RunRecord`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import os
 import time
-from typing import Any
 
 import jax
 import ml_collections
@@ -45,7 +50,6 @@ import ml_collections
 from mtrl_jax import checkpoint, distributed, metrics as metrics_lib, storage
 from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout.gather import gather_tree
-from mtrl_jax.rollout.stats import add_fault_totals, rollout_metrics
 from mtrl_jax.train import components as components_lib
 from mtrl_jax.train.console import Console, eval_score
 from mtrl_jax.train import evaluate as eval_lib
@@ -53,36 +57,10 @@ from mtrl_jax.train import experiment as exp_lib
 from mtrl_jax.train import shapes as shapes_lib
 from mtrl_jax.train import saved
 from mtrl_jax.train import sft as sft_lib
-from mtrl_jax.train.rollouts import RolloutProducer, render_totals, text_counts
+from mtrl_jax.train.rollouts import Rollout, RolloutProducer, render_totals, text_counts
 from mtrl_jax.train.run_state import RunState
+from mtrl_jax.train.run_record import RunRecord, across_processes
 from mtrl_jax.train.watch import LearningWatch
-
-
-def add_counts(a: dict, b: dict) -> dict:
-  out = {k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b) if not k.endswith("_rate")}
-  out["text/retokenize_mismatch_rate"] = out.get("text/retokenize_mismatches", 0) / max(
-      out.get("text/completions_checked", 0), 1
-  )
-  return out
-
-
-def across_processes(text: dict, times: dict, engine: dict = None) -> dict:
-  """This step's text counters and engine token counts summed, engine ratios averaged
-  and wall times maxed over processes (the identity with one process); compile counts
-  stay per process."""
-  engine = engine or {}
-  if distributed.process_count() == 1:
-    return {**text, **times, **engine}
-  parts = distributed.allgather((text, times, engine))
-  out = {k: sum(t.get(k, 0) for t, _, _ in parts) for k in text}
-  for k in engine:
-    vals = [e[k] for _, _, e in parts]
-    out[k] = sum(vals) if k.endswith(("tokens", "evictions")) else sum(vals) / len(vals)
-  out["text/retokenize_mismatch_rate"] = out.get("text/retokenize_mismatches", 0) / max(
-      out.get("text/completions_checked", 0), 1
-  )
-  out.update({k: max(tm[k] for _, tm, _ in parts) for k in times})
-  return out
 
 
 def held_out(parts: components_lib.Components, params, step: int) -> dict:
@@ -95,24 +73,6 @@ def held_out(parts: components_lib.Components, params, step: int) -> dict:
     res = parts.evaluator(params, tasks, greedy=greedy, key=key)
     out.update({f"eval/{mode}/{k}": v for k, v in res.items()})
   return out
-
-
-def _first_state(parts: components_lib.Components, console: Console, summary: dict):
-  """A fresh run's first train state: the SFT warm-up's (its lines on the console, its
-  history in `summary`) or, without one, the initial state."""
-  sft = parts.exp.sft
-  if not sft.steps:
-    return parts.policies.init_state()
-  t0 = time.time()
-  console.sft_start(sft)
-  state, history = sft_lib.warm_up(parts, lambda row: console.sft_row(row, sft.steps))
-  console.sft_end(history, sft)
-  summary.update(
-      sft_history=history,
-      sft_steps_run=history[-1]["sft_step"] if history else 0,
-      sft_seconds=round(time.time() - t0, 1),
-  )
-  return state
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
@@ -135,15 +95,94 @@ def train(
   the holder's pid) before it reads or writes anything there.
   """
   launched = time.perf_counter()  # time/first_step counts from here
+  with _workdir_held(workdir), contextlib.ExitStack() as closing:
+    writes = distributed.is_writer()  # process 0 alone writes files
+    saved.check_resume(config, workdir)  # another run's workdir: refused before any compute
+    if writes:
+      saved.save_config(config, workdir)
+    parts = components_lib.build(exp)
+    if writes:
+      print(exp_lib.describe(exp), flush=True)
+    mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None
+    stream = components_lib.make_train_stream(exp, parts.train_tasks)
+    run_state = RunState.of(exp, parts.policies, stream, mix, critic_model=parts.critic)
+    # With several processes Orbax's background commit runs collectives of its own,
+    # which must not interleave with the engine's lockstep calls: saves block there.
+    ckpt = checkpoint.Checkpointer(
+        workdir, keep=exp.checkpoint.keep, async_save=distributed.process_count() == 1
+    )
+    closing.callback(_close_on_the_way_out, ckpt)  # every way out; then a no-op
+    record = RunRecord(workdir)
+
+    # ---- start: resume the latest checkpoint, or initialise (with SFT warm-up)
+    resumed, start = _resume(ckpt, run_state, record, workdir)
+    console = Console(writes, record.summary.get("eval_history"))
+    if resumed:
+      console.say(f"resumed from {workdir}/ckpt at step {start}")
+    else:
+      run_state.start(_first_state(parts, console, record))
+    writer = (
+        metrics_lib.MetricsWriter(workdir, resume_step=start if resumed else None)
+        if writes
+        else metrics_lib.NullWriter()
+    )
+    if exp.rl.precompile:
+      record.precompiled(_precompile(parts, run_state, mix, console))
+    producer = RolloutProducer(parts, stream, critic_state=lambda: run_state.critic)
+    closing.callback(producer.close)  # an in-flight rollout ends before the checkpointer
+    watch = LearningWatch(exp.rl, record.summary.get("learning"))  # a resume's counters go on
+    record.learning(watch)
+    dump_dir = workdir if writes else ""  # process 0 alone writes rollout dumps
+    loop = _Loop(
+        parts, run_state, producer, ckpt, writer, watch, console, record, launched, dump_dir
+    )
+    if not resumed:
+      loop.evaluate_start()
+    # Warm-up ends here: the step-0 evaluation and checkpoint compile their
+    # one-time helpers (Orbax slices each array it saves once per shape).
+    parts.census.mark_warm()
+    console.rl_start(start + 1, exp.rl.steps, exp.eval.every, exp.rl.precompile)
+    console.open_bar(exp.rl.steps, start, progress)
+
+    # ---- the RL loop: rollout -> batch -> update -> metrics, eval, checkpoint
+    step = start
+    for step in range(start + 1, exp.rl.steps + 1):
+      if loop.step(step, first=step == start + 1):
+        break  # halted
+    if watch.final():  # every RL step of the run (resumes included) trained nothing
+      ckpt.wait()  # the last save's summary stays as it was
+      console.say(record.trained_nothing(watch.final()))
+
+    # ---- end: flush, summary, curves
+    producer.close()
+    console.close_bar()
+    writer.close()
+    ckpt.wait()
+    record.finish(ckpt.best(), parts.census.counts())
+    if writes:
+      record.write(workdir)
+      metrics_lib.plot_metrics(workdir, out_png=os.path.join(workdir, "curves.png"))
+    ckpt.close()
+    halted = "halted" in record.summary
+    console.end(
+        start + 1, step, time.perf_counter() - launched, record.summary["workdir"], halted=halted
+    )
+    return record.summary
+
+
+@contextlib.contextmanager
+def _workdir_held(workdir: str):
+  """Holds `workdir`'s lock in the process that writes files (process 0; the others
+  hold nothing): a held lock is refused as a `ConfigError`."""
   if not distributed.is_writer():  # process 0 alone writes files, and locks
-    with contextlib.ExitStack() as closing:
-      return _train(exp, config, workdir, launched, progress, closing)
+    yield
+    return
   try:
     lock = storage.WorkdirLock(workdir)
   except storage.WorkdirBusy as e:
     raise exp_lib.ConfigError(str(e)) from None
-  with lock, contextlib.ExitStack() as closing:
-    return _train(exp, config, workdir, launched, progress, closing)
+  with lock:
+    yield
 
 
 def _close_on_the_way_out(ckpt: checkpoint.Checkpointer) -> None:
@@ -157,103 +196,106 @@ def _close_on_the_way_out(ckpt: checkpoint.Checkpointer) -> None:
     pass
 
 
-def _train(
-    exp: exp_lib.Experiment,
-    config: ml_collections.ConfigDict,
-    workdir: str,
-    launched: float,
-    progress: bool,
-    closing: contextlib.ExitStack,
-) -> dict:
-  writes = distributed.is_writer()  # process 0 alone writes files
-  saved.check_resume(config, workdir)  # another run's workdir: refused before any compute
-  if writes:
-    saved.save_config(config, workdir)
-  parts = components_lib.build(exp)
-  if writes:
-    print(exp_lib.describe(exp), flush=True)
-  policies, train_step = parts.policies, parts.policies.train_step
-  mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None
-  stream = components_lib.make_train_stream(exp, parts.train_tasks)
-  run_state = RunState.of(exp, policies, stream, mix, critic_model=parts.critic)
-  # With several processes Orbax's background commit runs collectives of its own,
-  # which must not interleave with the engine's lockstep calls: saves block there.
-  ckpt = checkpoint.Checkpointer(
-      workdir, keep=exp.checkpoint.keep, async_save=distributed.process_count() == 1
-  )
-  closing.callback(_close_on_the_way_out, ckpt)  # every way out; then a no-op
-  summary: dict[str, Any] = {"workdir": os.path.abspath(workdir)}
-
-  # ---- start: resume the latest checkpoint, or initialise (with SFT warm-up)
-  try:  # the newest checkpoint that reads back (a warning line names each one skipped)
+def _resume(ckpt: checkpoint.Checkpointer, run_state: RunState, record: RunRecord, workdir):
+  """Restores the newest checkpoint that reads back (a warning line names each one
+  skipped) into `run_state`, and its summary into `record`: (True, its step), or
+  (False, 0) when there is none."""
+  try:
     latest = ckpt.restore_latest(run_state.target())
   except checkpoint.CheckpointError as e:
     raise exp_lib.ConfigError(
         f"{e}; allowed: repair them, or move {workdir}/ckpt away to start afresh"
     ) from None
-  resumed = latest is not None
-  if resumed:
-    start, restored, meta = latest
-    run_state.restore(restored, meta)
-    summary.update(meta.get("summary", {}))
-  console = Console(writes, summary.get("eval_history"))
-  say = console.say  # one line on the console (above the progress bar), process 0 only
-  if resumed:
-    say(f"resumed from {workdir}/ckpt at step {start}")
-  else:
-    start = 0
-    run_state.start(_first_state(parts, console, summary))
+  if latest is None:
+    return False, 0
+  start, restored, meta = latest
+  run_state.restore(restored, meta)
+  record.resumed(meta)
+  return True, start
 
-  def save(step):
-    tree, meta = run_state.checkpoint_tree(in_flight=producer.pending)
-    ckpt.save(step, tree, meta={**meta, "summary": summary})
 
-  def evaluate(step) -> dict:
-    producer.wait()  # an in-flight rollout shares the engine
-    m = held_out(parts, policies.sampler_states(run_state.state.params), step)
-    score = eval_score(m)
-    if score is not None:
-      ckpt.maybe_save_best(step, score, policies.to_saved(run_state.state), meta={"eval": m})
-      summary.setdefault("eval_history", []).append({"step": step, **m})
-    console.evaluated(step, m)
-    return m
+def _first_state(parts: components_lib.Components, console: Console, record: RunRecord):
+  """A fresh run's first train state: the SFT warm-up's (its lines on the console, its
+  history in the summary) or, without one, the initial state."""
+  sft = parts.exp.sft
+  if not sft.steps:
+    return parts.policies.init_state()
+  t0 = time.time()
+  console.sft_start(sft)
+  state, history = sft_lib.warm_up(parts, lambda row: console.sft_row(row, sft.steps))
+  console.sft_end(history, sft)
+  record.warmed_up(history, time.time() - t0)
+  return state
 
-  writer = (
-      metrics_lib.MetricsWriter(workdir, resume_step=start if resumed else None)
-      if writes
-      else metrics_lib.NullWriter()
+
+def _precompile(parts: components_lib.Components, run_state: RunState, mix, console) -> dict:
+  """Compiles every program of the run's shape plan before the first step (and the SFT
+  mix step's); returns what `shapes.precompile` reports."""
+  info = shapes_lib.precompile(
+      parts.shapes,
+      *parts.compile_targets(run_state.state.params),
+      critic=parts.critic,
+      progress=console.compiled,
   )
-  if exp.rl.precompile:
-    info = shapes_lib.precompile(
-        parts.shapes,
-        *parts.compile_targets(run_state.state.params),
-        critic=parts.critic,
-        progress=console.compiled,
-    )
-    if mix is not None:
-      mix.precompile(exp.sft.batch_size)
-    summary["precompile"] = info
-  producer = RolloutProducer(parts, stream, critic_state=lambda: run_state.critic)
-  closing.callback(producer.close)  # an in-flight rollout ends before the checkpointer
-  watch = LearningWatch(exp.rl, summary.get("learning"))  # a resumed run's counters go on
-  summary["learning"] = watch.state()
-  if not resumed:
-    before = render_totals(parts.transition.renderers)
-    m = evaluate(0)
-    m.update(across_processes(text_counts(parts.transition.renderers, before), {}))
-    writer.write(0, m)
-    summary["eval_start"] = m
-    save(0)
-  # Warm-up ends here: the step-0 evaluation and checkpoint compile their
-  # one-time helpers (Orbax slices each array it saves once per shape).
-  parts.census.mark_warm()
-  console.rl_start(start + 1, exp.rl.steps, exp.eval.every, exp.rl.precompile)
-  console.open_bar(exp.rl.steps, start, progress)
-  step = start
+  if mix is not None:
+    mix.precompile(parts.exp.sft.batch_size)
+  return info
 
-  # ---- the RL loop: rollout -> batch -> update -> metrics, eval, checkpoint
-  for step in range(start + 1, exp.rl.steps + 1):
+
+@dataclasses.dataclass
+class _Loop:
+  """The long-lived parts an RL step uses (`train` builds them) and the step itself:
+  rollout -> update -> its metrics row -> evaluation and checkpoint."""
+
+  parts: components_lib.Components
+  run_state: RunState  # with the task stream and the SFT mix (`sft.SFTMix`, or None)
+  producer: RolloutProducer
+  ckpt: checkpoint.Checkpointer
+  writer: object  # `metrics.MetricsWriter` (process 0) or `metrics.NullWriter`
+  watch: LearningWatch
+  console: Console
+  record: RunRecord
+  launched: float  # `perf_counter()` at the start of `train`: time/first_step
+  dump_dir: str  # where this process writes rollout dumps ('': none)
+
+  @property
+  def exp(self) -> exp_lib.Experiment:
+    return self.parts.exp
+
+  def step(self, step: int, first: bool) -> str:
+    """RL step `step` (`first`: the first of this start or resume); returns why the run
+    halts after it ('' to go on)."""
+    exp, record = self.exp, self.record
     timer = metrics_lib.StepTimer()
+    rollout, waited = self._rollout(step, timer)
+    tree = gather_tree(rollout.tree)  # every process's roots, for metrics and the dump
+    train_m = self._update(step, rollout, timer)
+    first_step = time.perf_counter() - self.launched if first else None
+    if exp.rl.ref_reset_every and step % exp.rl.ref_reset_every == 0:
+      self.run_state.reset_ref()
+    record.begin(tree, rollout, train_m, self.parts.census.counts(), exp.eval.success_threshold)
+    if exp.curriculum.enabled:  # may move the level of the next step's tasks
+      record.add(self.run_state.stream.observe(record.metrics["rollout/success"]))
+    if self.dump_dir and exp.rl.dump_every and step % exp.rl.dump_every == 0:
+      dump_lib.write_rollout_dump(
+          tree, dump_lib.dump_path(self.dump_dir, step), self.parts.transition.decoders
+      )
+    if step % exp.eval.every == 0 or step == exp.rl.steps:
+      with timer.section("eval"):
+        self.producer.wait()  # the next rollout's renderer counts stay its own
+        before = render_totals(self.parts.transition.renderers)
+        record.add(self.evaluate(step))
+        record.add_text(text_counts(self.parts.transition.renderers, before))
+    # time/rollout, time/train, time/eval
+    m = record.end_step(timer.split(), waited, first_step, rollout.engine_metrics)
+    self.writer.write(step, m)
+    return self._watch_and_save(step, tree, rollout.batch_metrics, m)
+
+  def _rollout(self, step: int, timer) -> tuple[Rollout, float]:
+    """The step's rollout (time/rollout) and the seconds the loop waited for it; with
+    rollouts one step ahead, the next step's rollout then starts, to sample during this
+    step's update."""
+    producer, run_state = self.producer, self.run_state
     with timer.section("rollout"):
       if not producer.pending:  # on time, or the first step after a start or a resume
         if run_state.behaviour is None:
@@ -263,94 +305,73 @@ def _train(
       rollout, waited = producer.result()
     if producer.ahead:  # the next rollout samples during the update, with its parameters
       run_state.next_rollout_ahead()
-      if step < exp.rl.steps:
+      if step < self.exp.rl.steps:
         producer.submit(step + 1, run_state.behaviour, version=step - 1)
-    batch, batch_m, engine_m = rollout.batch, rollout.batch_metrics, rollout.engine_metrics
-    tree = gather_tree(rollout.tree)  # every process's roots, for metrics and the dump
-    train_m = {}
+    return rollout, waited
+
+  def _update(self, step: int, rollout: Rollout, timer) -> dict:
+    """The step's updates (time/train): `rl.updates_per_step` policy updates on the
+    batch, a separate critic's own, and an SFT mix step when due; returns their metrics."""
+    exp, run_state, parts = self.exp, self.run_state, self.parts
+    train_step, batch, train_m = parts.policies.train_step, rollout.batch, {}
     with timer.section("train"):
       if batch is not None and exp.rl.updates_per_step:
         if train_step.objective.recompute_old:  # pi_old before the first update
           batch = train_step.old_logprobs(run_state.state.params, batch)
         for _ in range(exp.rl.updates_per_step):
           run_state.state, dm = train_step(run_state.state, run_state.ref, batch)
-        train_m = policies.train_metrics(dm)
+        train_m = parts.policies.train_metrics(dm)
         if rollout.critic_batch is not None:  # a separate critic's own updates
           run_state.critic, critic_m = parts.critic.update(run_state.critic, rollout.critic_batch)
           train_m.update(critic_m)
-      if mix is not None and mix.due(step):
-        run_state.state, mix_m = mix(run_state.state)
+      if run_state.mix is not None and run_state.mix.due(step):
+        run_state.state, mix_m = run_state.mix(run_state.state)
         train_m.update({f"sft_mix/{k}": mix_m[k] for k in ("nll", "grad_norm", "tokens")})
-    first_step = time.perf_counter() - launched if step == start + 1 else None
-    if exp.rl.ref_reset_every and step % exp.rl.ref_reset_every == 0:
-      run_state.reset_ref()
-    m = {
-        **tree.metrics(),
-        **rollout_metrics(tree, exp.eval.success_threshold),
-        **batch_m,
-        **train_m,
-        **parts.census.counts(),
-        "rollout/staleness": float(rollout.staleness),
-    }
-    summary["faults"] = add_fault_totals(summary.get("faults"), tree)  # run totals per kind
-    if exp.curriculum.enabled:  # may move the level of the next step's tasks
-      m.update(stream.observe(m["rollout/success"]))
-    if writes and exp.rl.dump_every and step % exp.rl.dump_every == 0:
-      dump_lib.write_rollout_dump(
-          tree, dump_lib.dump_path(workdir, step), parts.transition.decoders
-      )
-    text = rollout.text_counts  # the rollout's own, counted while it ran
-    if step % exp.eval.every == 0 or step == exp.rl.steps:
-      with timer.section("eval"):
-        producer.wait()  # the next rollout's renderer counts stay its own
-        before = render_totals(parts.transition.renderers)
-        m.update(evaluate(step))
-        text = add_counts(text, text_counts(parts.transition.renderers, before))
-    times = timer.split()  # time/rollout, time/train, time/eval
-    times["time/rollout_wait"] = waited  # the loop waiting for the step's rollout
-    if first_step is not None:  # from the start of `train` to the end of the first update
-      times["time/first_step"] = summary["time/first_step"] = first_step
-    times.update({k: v for k, v in engine_m.items() if k.startswith("time/")})
-    engine_m = {k: v for k, v in engine_m.items() if k.startswith("engine/")}
-    m.update(across_processes(text, times, engine_m))
-    writer.write(step, m)
-    warning, halt = watch.observe(
-        step, tree, batch_m, success=m.get("rollout/success"), metrics=m, last=step == exp.rl.steps
-    )
-    summary["learning"] = watch.state()
-    for line in warning.splitlines():  # one line per warning
-      say(f"warning: {line}")
-    ckpt.check()  # a background save that failed (a full disk) ends the run at the next step
-    if step % exp.checkpoint.every == 0 or step == exp.rl.steps or halt:
-      save(step)  # a halted run's last step is saved too
-    if halt:  # once the save has written its copy of the summary: a resume is not halted
-      ckpt.wait()
-      summary["halted"] = f"step {step}: {halt}"
-      say(f"halted at {summary['halted']}")
-    console.step_done(m)
-    if halt:
-      break
-  if watch.final():  # every RL step of the run (resumes included) trained nothing
-    ckpt.wait()  # the last save's summary stays as it was
-    summary["trained_nothing"] = watch.final()
-    say(summary["trained_nothing"])
+    return train_m
 
-  # ---- end: flush, summary, curves
-  producer.close()
-  console.close_bar()
-  writer.close()
-  ckpt.wait()
-  summary.update(best=ckpt.best(), compiles=parts.census.counts())
-  if writes:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=1, default=float)
-    metrics_lib.plot_metrics(workdir, out_png=os.path.join(workdir, "curves.png"))
-  ckpt.close()
-  console.end(
-      start + 1,
-      step,
-      time.perf_counter() - launched,
-      summary["workdir"],
-      halted="halted" in summary,
-  )
-  return summary
+  def _watch_and_save(self, step: int, tree, batch_m: dict, m: dict) -> str:
+    """The learning watch's verdict on the step (its warnings on the console), then the
+    checkpoint when due; returns why the run halts ('' to go on)."""
+    last = step == self.exp.rl.steps
+    warning, halt = self.watch.observe(
+        step, tree, batch_m, success=m.get("rollout/success"), metrics=m, last=last
+    )
+    self.record.learning(self.watch)
+    for line in warning.splitlines():  # one line per warning
+      self.console.say(f"warning: {line}")
+    self.ckpt.check()  # a background save that failed (a full disk) ends the run at the next step
+    if step % self.exp.checkpoint.every == 0 or last or halt:
+      self.save(step)  # a halted run's last step is saved too
+    if halt:  # once the save has written its copy of the summary: a resume is not halted
+      self.ckpt.wait()
+      self.console.say(f"halted at {self.record.halted(step, halt)}")
+    self.console.step_done(m)
+    return halt
+
+  def evaluate(self, step: int) -> dict:
+    """Held-out evaluation at `step`: a scored one may be the best checkpoint and joins
+    the summary's history; its console line; returns its metrics."""
+    self.producer.wait()  # an in-flight rollout shares the engine
+    policies, state = self.parts.policies, self.run_state.state
+    m = held_out(self.parts, policies.sampler_states(state.params), step)
+    score = eval_score(m)
+    if score is not None:
+      self.ckpt.maybe_save_best(step, score, policies.to_saved(state), meta={"eval": m})
+      self.record.evaluated(step, m)
+    self.console.evaluated(step, m)
+    return m
+
+  def evaluate_start(self) -> None:
+    """A fresh run's step 0: held-out evaluation of the first state (its metrics row and
+    the summary's `eval_start`), then its checkpoint."""
+    renderers = self.parts.transition.renderers
+    before = render_totals(renderers)
+    m = self.evaluate(0)
+    m.update(across_processes(text_counts(renderers, before), {}))
+    self.writer.write(0, m)
+    self.record.started(m)
+    self.save(0)
+
+  def save(self, step: int) -> None:
+    tree, meta = self.run_state.checkpoint_tree(in_flight=self.producer.pending)
+    self.ckpt.save(step, tree, meta={**meta, "summary": self.record.summary})

@@ -15,7 +15,7 @@ from configs import coop as coop_config
 from configs import humaneval as humaneval_config
 from configs import refine as refine_config
 from mtrl_jax.envs import Environment, EnvironmentFactory
-from mtrl_jax.train import components, experiment
+from mtrl_jax.train import builders, components, experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALC = calc_config.get_config().sft.conversations.partition(":")[0]  # the task's module
@@ -204,7 +204,7 @@ def test_start_validates_once_and_refuses_in_one_line():
 def test_vocabulary_is_fitted_and_checked_during_validation():
   c = _config("calculator", {})
   exp = experiment.validate(c)
-  tokenizer = components.make_tokenizer(exp.tokenizer, exp.model.path)
+  tokenizer = builders.make_tokenizer(exp.tokenizer, exp.model.path)
   assert exp.model.arch.vocab_size == tokenizer.vocab_size  # from scratch: the tokenizer's
   c.tokenizer.extra_specials = ""
   assert experiment.validate(c).model.arch.vocab_size < exp.model.arch.vocab_size
@@ -240,7 +240,7 @@ def test_curriculum_config_builds_the_stream_and_bad_values_fail_in_one_line():
   exp = experiment.validate(c)
   assert not exp.curriculum.enabled  # off by default: the plain stream
   assert isinstance(
-      components.make_train_stream(exp, components.make_task_source(exp.tasks, "train")),
+      components.make_train_stream(exp, builders.make_task_source(exp.tasks, "train")),
       data.TaskStream,
   )
   c.curriculum.enabled = True

@@ -13,9 +13,10 @@ import time
 import pytest
 
 from configs import calculator as calc_config
+from experiments import report
 from mtrl_jax import checkpoint
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import experiment, report, rl
+from mtrl_jax.train import experiment, rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.usefixtures("no_curves")

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from mtrl_jax.train import report
+from experiments import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALC = os.path.join(ROOT, "configs", "calculator.py")
