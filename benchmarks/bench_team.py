@@ -90,7 +90,10 @@ def main(argv):
       results[arm] = medians(workdir)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
-  agents = {"stacked": f"{_LARGE.value} + {_LARGE.value}", "team": f"{_LARGE.value} + {_SMALL.value}"}
+  agents = {
+      "stacked": f"{_LARGE.value} + {_LARGE.value}",
+      "team": f"{_LARGE.value} + {_SMALL.value}",
+  }
   print(f"load average {os.getloadavg()[0]:.1f} at the end")
   print("| arm | agents | step s | rollout s | generation s | train s | slot occupancy |")
   print("|---|---|---|---|---|---|---|")
