@@ -86,7 +86,7 @@ def get_sweep(arg=None):
   feedback), joint (align vs cross), feedback (the turn-2 message shows the
   partner's answer or not), policy (one shared policy vs one per agent), shape
   (tree vs chain at equal joint actions per root), team (agent 1 of another
-  architecture: the `tiny` preset beside agent 0's `small`), trainer (CoMLRL's trainers:
+  architecture: the `bench` preset, d256, beside agent 0's `small`, d128), trainer (CoMLRL's trainers:
   MAGRPO, the config's sibling baselines; IAC, an independent value-head critic
   per agent, and MAAC, one centralized critic model over the joint history,
   each with a REINFORCE loss and batch-normalised TD(0) advantages, at G = 4
@@ -100,8 +100,8 @@ def get_sweep(arg=None):
       "policy": [{"agents.share_policy": True}, {"agents.share_policy": False}],
       # Equal joint actions per root (rollout.config.generations_per_root): 4 + 16 = 10 x 2.
       "shape": [{"tree.shape": "tree"}, {"tree.shape": "chain", "tree.num_generations": 10}],
-      # A team of two architectures: agent 1 the 2-layer d32 `tiny` preset (train.team).
-      "team": [{}, {"agents.presets": ("", "tiny")}],
+      # A team of two architectures: agent 1 the 2-layer d256 `bench` preset (train.team).
+      "team": [{}, {"agents.presets": ("", "bench")}],
       "trainer": [{}]
       + [
           {
