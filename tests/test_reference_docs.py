@@ -141,7 +141,7 @@ def test_keys_of_agents_critics_corrections_faults_and_evaluations_have_entries(
   keys = {**tree.metrics(), **rollout_metrics(tree, 0.5)}.keys() | set(
       make_agent_batches(tree, BatchConfig(length_buckets=(64,), zero_variance_filter=False))[1]
   )
-  assert "agent_1/influence" in keys and "agent_1/batch/actions" in keys
+  assert {"agent_1/influence", "credit/varied_nodes", "agent_1/batch/actions"} <= keys
   train = _policy_and_value_keys()
   assert {"train/kl", "train/sampler_gap", "train/value_explained_var"} <= train
   keys |= train | {f"{label}/{k}" for label in agent_labels(2) for k in train}

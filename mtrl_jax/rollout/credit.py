@@ -42,10 +42,14 @@ reward of all G^N graded combinations plus the mean aligned continuation.
 
 Influence (cross and marginal, N >= 2): at a node, the share of the team
 reward's variance over its valid combinations that agent a's choice explains,
-Var_k(mean over the combinations with agent a's sample k) / Var(r), 0 where
-Var(r) = 0; `agent_<a>/influence` averages it over the nodes with a valid
-combination. An agent whose samples make no difference (a lazy agent) reads
-0; the shares of all agents and the interaction add up to 1 on a full grid.
+Var_k(mean over the combinations with agent a's sample k) / Var(r);
+`agent_<a>/influence` averages it over the nodes whose valid combinations'
+team rewards differ (`credit/varied_nodes`: their share of the nodes with a
+valid combination). A node where every combination scored alike says nothing
+about who mattered: counting it as 0 would make a team that always succeeds
+(or always fails) read as two lazy agents. An agent whose samples make no
+difference where the outcome varies (a lazy agent) reads 0; the shares of all
+agents and the interaction add up to 1 on a full grid.
 """
 
 from __future__ import annotations
@@ -135,17 +139,16 @@ def influence(
 ) -> Optional[np.ndarray]:
   """Per agent, the share of the variance of the valid combinations' rewards explained by
   its choice: Var_k(mean reward of the combinations with its sample k) / Var(r), over
-  its samples in some valid combination; 0 where Var(r) = 0. None: no valid combination.
+  its samples in some valid combination. None where it is undefined: no valid
+  combination, or all of them scored alike (Var(r) = 0).
 
   Returns:
     float64 [N], or None.
   """
   r = rewards_B[valid_B]
   n = joint_BxN.shape[1]
-  if r.size == 0:
+  if r.size == 0 or np.all(r == r[0]):
     return None
-  if np.all(r == r[0]):
-    return np.zeros(n)
   total = r.var()
   out = np.zeros(n)
   for i in range(n):
@@ -162,7 +165,8 @@ def credit_metrics(tree) -> dict[str, float]:
   """Per agent, over the tree's valid joint actions: `agent_<a>/reward/team`, `.../local`
   (its local reward, the team reward where it had none), `.../total` (the mixed reward
   it is trained on), `.../local_graded` (share of actions that scored it alone), and in
-  cross and marginal modes `agent_<a>/influence`. {} for one agent."""
+  cross and marginal modes `credit/varied_nodes` and, where some node's rewards varied,
+  `agent_<a>/influence`. {} for one agent."""
   cfg = tree.cfg
   n = cfg.num_agents
   nodes = [node for node in tree.nodes if node.recorded and node.valid_B.any()]
@@ -189,6 +193,9 @@ def credit_metrics(tree) -> dict[str, float]:
         )
         for node in nodes
     ]
-    mean_N = np.mean([s for s in shares if s is not None], axis=0)
-    out.update({f"agent_{a}/influence": float(mean_N[a]) for a in range(n)})
+    varied = [s for s in shares if s is not None]
+    out["credit/varied_nodes"] = len(varied) / len(shares)
+    if varied:
+      mean_N = np.mean(varied, axis=0)
+      out.update({f"agent_{a}/influence": float(mean_N[a]) for a in range(n)})
   return out

@@ -67,7 +67,10 @@ SECTIONS = (
         ("agent_<a>/reward/local_graded", "share of the joint actions that graded agent a "
          "alone", "fraction"),
         ("agent_<a>/influence", "`cross` and `marginal` joint modes: share of the variance of "
-         "a node's joint rewards explained by agent a's choice of sample, mean over nodes",
+         "a node's joint rewards explained by agent a's choice of sample, mean over the nodes "
+         "whose rewards varied (absent where none did)", "fraction"),
+        ("credit/varied_nodes", "`cross` and `marginal` joint modes: share of the nodes "
+         "with a valid joint action whose joint rewards varied (the nodes influence averages)",
          "fraction"),
         ("agent_<a>/batch/actions", "separate policies: agent a's actions in the train batch",
          "count"),

@@ -322,17 +322,20 @@ def test_marginal_g3_two_turns_masks_ends_and_termination():
   with pytest.raises(ValueError, match="unaligned combination"):
     tree.add_child(nodes[0], 3, [[2], [2]])
   # Influence against the definition, averaged over the four nodes.
-  want = np.mean([_influence(n) for n in nodes], axis=0)
+  shares = [_influence(n) for n in nodes]
+  want = np.mean([s for s in shares if s is not None], axis=0)
   m = credit_metrics(tree)
+  assert m["credit/varied_nodes"] == sum(s is not None for s in shares) / len(nodes)
   np.testing.assert_allclose([m["agent_0/influence"], m["agent_1/influence"]], want, atol=1e-12)
   assert 0.0 <= path_success(tree, 0.5) <= 1.0
 
 
 def _influence(node):
+  """The definition over one G=3 node; None where its rewards do not vary."""
   joint = _joint("cross", 3, 2)
   r = [node.rewards_B[j] for j in range(9) if node.valid_B[j]]
   if max(r) == min(r):
-    return [0.0, 0.0]
+    return None
   out = []
   for i in range(2):
     means = []
@@ -344,20 +347,25 @@ def _influence(node):
   return out
 
 
-def test_influence_shows_a_lazy_agent():
+def test_influence_shows_a_lazy_agent_and_skips_nodes_that_say_nothing():
   # Agent 0's choice decides the reward, agent 1's never does; a second node has no
-  # variance (0 for both). Mean over the two nodes: (0.5, 0).
+  # variance (undefined: left out of the mean, not counted as 0 for both).
   joint = np.asarray(_joint("cross", 2, 2))
   np.testing.assert_allclose(
       influence(joint, np.array([1.0, 1, 0, 0]), np.ones(4, bool), 2), [1.0, 0.0]
   )
-  np.testing.assert_array_equal(influence(joint, np.full(4, 0.5), np.ones(4, bool), 2), [0, 0])
+  assert influence(joint, np.full(4, 0.5), np.ones(4, bool), 2) is None
   assert influence(joint, np.zeros(4), np.zeros(4, bool), 2) is None
   cfg = TreeConfig(num_turns=2, num_generations=2, num_agents=2, joint_mode="cross")
   spec = _node([1, 1, 0, 0], children={0: _node([0.5] * 4)})
   tree, _ = _build(cfg, spec)
   m = credit_metrics(tree)
-  assert (m["agent_0/influence"], m["agent_1/influence"]) == (0.5, 0.0)
+  assert (m["agent_0/influence"], m["agent_1/influence"]) == (1.0, 0.0)
+  assert m["credit/varied_nodes"] == 0.5
+  # A team that always scores alike: no node varies, so no influence is reported.
+  tree, _ = _build(cfg, _node([1.0] * 4, children={0: _node([1.0] * 4)}))
+  m = credit_metrics(tree)
+  assert m["credit/varied_nodes"] == 0.0 and "agent_0/influence" not in m
 
 
 def test_marginal_plan_counts_align_nodes_and_cross_grades():
