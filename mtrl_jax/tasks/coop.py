@@ -12,7 +12,7 @@ x‖y, x's digits then y's (e.g. x = 37, y = 52: both answer 3752). An episode
     assistant:  <answer>3752</answer>    (golden: own half + partner's half, A first)
 
 Reward of every joint action (CoMLRL style, one grade per turn): +1 when both
-answers equal x‖y, else 0. The grade also scores each agent alone
+answers equal x‖y, else 0 (`team_reward='all'`). The grade also scores each agent alone
 (`Grade.agent_scores`: 1 when its own answer is x‖y), the local reward that
 `agents.team_weight` < 1 mixes in. The env stops itself after `num_turns` joint
 actions, so configs weigh per-turn grades and the final one alike
@@ -30,6 +30,16 @@ turn 2 (R = r + gamma * mean child return), i.e. through the tree.
 Why turn-2 feedback helps: it is the only channel between the agents. With
 `show_partner=False` (the ablation: the user turn says only ok / no) turn 2
 is as blind as turn 1, and the joint success rate stays at chance.
+
+A team reward that lets an agent free-ride (`team_reward='any'`): the team
+scores +1 when ANY agent answers x‖y (a best-of-team reward: the team
+submits whichever answer is right). Each agent still needs its partner's
+turn-1 reveal, but at turn 2 one agent that answers right carries the team,
+so under the team reward alone the other's answer earns nothing once its
+partner is reliable: the setting where a lazy agent is a local optimum and
+local rewards (`agents.team_weight` < 1) or marginal credit
+(`tree.joint_mode='marginal'`, which also logs each agent's influence) are
+meant to help. The local grades are unchanged (each agent's own hit).
 
 A byte-level episode is under 40 tokens per agent per turn (about 30 in
 all). Tasks are generated from (split, index), so data order is reproducible
@@ -113,21 +123,26 @@ def golden_conversation_agent1(task: Mapping[str, Any]) -> list[tuple[str, str]]
   return golden_conversation(task, 1)
 
 
-def grade_joint_answers(env: Environment, threads: Sequence[Thread], target: str, source: str):
+TEAM_REWARDS = ("all", "any")
+
+
+def grade_joint_answers(
+    env: Environment, threads: Sequence[Thread], target: str, source: str, team: str = "all"
+):
   """(answers, success, grades) of a joint action: each agent's last <answer> (a missing
   one reported as a model_format fault of `env`), and the joint grade: 1 when every
-  answer equals `target`, with each agent's own hit as a component and as its local
-  grade (`Grade.agent_scores`)."""
+  answer equals `target` (`team='all'`; 'any': when some answer does), with each
+  agent's own hit as a component and as its local grade (`Grade.agent_scores`)."""
   answers = [extract_answer(t.last_assistant) for t in threads]
   for i, a in enumerate(answers):
     if a is None:
       env.report_fault("model_format", f"agent {i}: no <answer>...</answer>", source)
   correct = [a == target for a in answers]
-  success = all(correct)
+  success = all(correct) if team == "all" else any(correct)
   info = {"success": float(success)}
   info.update({f"agent_{i}_correct": float(c) for i, c in enumerate(correct)})
   reason = (
-      "every agent answered the joint code"
+      f"{'every' if team == 'all' else 'an'} agent answered the joint code"
       if success
       else f"answers {answers}; joint code {target}"
   )
@@ -142,19 +157,29 @@ class CoopEnv(Environment):
     metadata: a `make_task` dict.
     num_turns: joint actions per episode; the env stops after the last.
     show_partner: False hides the partner's answer (the no-channel ablation).
+    team_reward: 'all' (both answers right) or 'any' (one right answer scores the team).
   """
 
   num_agents = 2
 
-  def __init__(self, metadata: Mapping[str, Any], num_turns: int = 2, show_partner: bool = True):
+  def __init__(
+      self,
+      metadata: Mapping[str, Any],
+      num_turns: int = 2,
+      show_partner: bool = True,
+      team_reward: str = "all",
+  ):
     super().__init__(metadata)
     if isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < 1:
       raise ValueError(f"coop num_turns={num_turns!r}; must be an int >= 1")
+    if team_reward not in TEAM_REWARDS:
+      raise ValueError(f"coop team_reward={team_reward!r}; allowed: {list(TEAM_REWARDS)}")
     for key in ("parts", "target"):
       if key not in self.metadata:
         raise ValueError(f"coop task lacks {key!r}; build tasks with coop.make_task")
     self.num_turns = num_turns
     self.show_partner = bool(show_partner)
+    self.team_reward = team_reward
 
   def initial_threads(self) -> list[Thread]:
     return [
@@ -165,7 +190,9 @@ class CoopEnv(Environment):
   def react_to_joint(self, threads: Sequence[Thread]):
     if len(threads) != 2:
       raise ValueError(f"CoopEnv has 2 agents, got {len(threads)} threads")
-    answers, success, grades = grade_joint_answers(self, threads, self.metadata["target"], "coop")
+    answers, success, grades = grade_joint_answers(
+        self, threads, self.metadata["target"], "coop", self.team_reward
+    )
     if threads[0].count("assistant") >= self.num_turns:
       return None, grades
     return [
@@ -178,12 +205,12 @@ class CoopEnv(Environment):
 class CoopFactory(EnvironmentFactory):
   """Fresh `CoopEnv` per trajectory."""
 
-  def __init__(self, num_turns: int = 2, show_partner: bool = True):
-    CoopEnv({"parts": ["1", "2"], "target": "12"}, num_turns, show_partner)  # validates
-    self.num_turns, self.show_partner = num_turns, show_partner
+  def __init__(self, num_turns: int = 2, show_partner: bool = True, team_reward: str = "all"):
+    CoopEnv({"parts": ["1", "2"], "target": "12"}, num_turns, show_partner, team_reward)
+    self.num_turns, self.show_partner, self.team_reward = num_turns, show_partner, team_reward
 
   def create_environment(self, metadata: Mapping[str, Any]) -> CoopEnv:
-    return CoopEnv(metadata, self.num_turns, self.show_partner)
+    return CoopEnv(metadata, self.num_turns, self.show_partner, self.team_reward)
 
 
 @data.register_task_source("coop")

@@ -130,6 +130,25 @@ def test_feedback_text_success_flag_and_format_faults():
   assert grades["joint"].score == 1.0 and nxt[0].turns[-1].content == f"B:{x}{y} ok"
 
 
+def test_team_reward_any_scores_one_right_answer_and_keeps_each_agents_own_grade():
+  task = coop.make_task("train", 3)
+  x, y = task["parts"]
+  answers = [f"<answer>{x}{y}</answer>", f"<answer>{y}{x}</answer>"]
+  scores = {}
+  for team in ("all", "any"):
+    env = make_env(task, team_reward=team)
+    nxt, grades = env.react_to_joint(
+        [t.append(Turn("assistant", a)) for t, a in zip(env.initial_threads(), answers)]
+    )
+    grade = grades["joint"]
+    scores[team] = (grade.score, grade.agent_scores, nxt[0].turns[-1].content[-2:])
+  # 'all': one right answer of two fails the team; 'any': it carries the team (and the
+  # verdict the agents read says ok). The local grades are each agent's own hit either way.
+  assert scores == {"all": (0.0, {0: 1.0, 1: 0.0}, "no"), "any": (1.0, {0: 1.0, 1: 0.0}, "ok")}
+  with pytest.raises(ValueError, match="team_reward='some'; allowed: \\['all', 'any'\\]"):
+    make_env(task, team_reward="some")
+
+
 class ThreadPolicy(FakePolicy):
   """Plays `cooperative_policy` on the decoded prompt (G equal samples)."""
 
