@@ -39,6 +39,7 @@ def get_config(arg=None):
   c.env.kwargs = dict(
       num_turns=num_turns,  # the env stops after the T-th joint action
       show_partner=True,  # False: the turn-2 message hides the partner's answer (ablation)
+      team_reward="all",  # 'any': one right answer scores the team (room to free-ride)
   )
   c.env.max_turns = num_turns
   c.env.max_tokens = 48  # a whole episode is ~30 tokens per agent
