@@ -177,24 +177,24 @@ class SavedPolicy:
   parts: Components
   step: int
   checkpoint: str  # 'best' | 'latest' | 'step'
-  saved_params: Any = None  # None: the parts' model as built
+  saved_params: Any = None  # None: every policy's starting weights, as built
   score: Optional[tuple[str, float]] = None  # the best checkpoint's (metric, value)
 
   exp = property(lambda self: self.parts.exp)
   tokenizer = property(lambda self: self.parts.tokenizer)
   renderer = property(lambda self: self.parts.renderer)
 
+  def __post_init__(self):
+    if self.saved_params is None:  # as built, in a checkpoint's layout (stacked, per group)
+      self.saved_params = self.parts.policies.init_state().params
+
   @property
   def params(self):
     """What the engine samples with: the policy's params, or every agent's stacked."""
-    if self.saved_params is None:
-      return nnx.state(self.parts.model, nnx.Param)
     return self.parts.policies.sampler_states(self.saved_params)
 
   def models(self) -> list:
     """One model per policy (the shared one, or one per agent) with the saved weights."""
-    if self.saved_params is None:  # as built: each policy's starting model
-      return list(self.parts.policies.models)
     params = self.parts.policies.per_policy(self.saved_params)
     # Each policy's own architecture (a team's agents may differ).
     graphdefs = [nnx.graphdef(m) for m in self.parts.policies.models]

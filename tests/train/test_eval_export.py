@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import calculator as calc_config
 from mtrl_jax import testing, text
@@ -171,3 +172,23 @@ def test_export_of_an_hf_tokenizer_run_copies_its_tokenizer(tmp_path):
   theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
   sample = "<|im_start|>user\nwhat is 12 + 30?<|im_end|>"
   assert theirs(sample)["input_ids"] == tok.encode(sample)
+
+
+def test_a_policy_as_built_samples_every_agents_starting_weights(tmp_path):
+  """No checkpoint restored: the engine samples each agent's own starting weights, stacked
+  on the agent axis as a restored checkpoint's would be."""
+  from configs import coop as coop_config
+  from mtrl_jax.rollout.policy import StackedStates
+
+  c = coop_config.get_config("smoke=True")
+  c.sft.steps = 0
+  parts = components.build(experiment.validate(c))
+  policy = saved.SavedPolicy(str(tmp_path), parts, step=0, checkpoint="latest")
+  states = policy.params
+  assert isinstance(states, StackedStates) and states.num_agents == 2
+  starts = [nnx.state(m, nnx.Param) for m in parts.policies.models]
+  for a, start in enumerate(starts):
+    got = jax.tree.map(lambda x, a=a: np.asarray(x[a]), states.params)
+    jax.tree.map(np.testing.assert_array_equal, got, jax.tree.map(np.asarray, start))
+  for model, start in zip(policy.models(), starts):
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param), start)
