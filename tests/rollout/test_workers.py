@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtrl_jax.envs import RewardConfig, resolve_factory
+from mtrl_jax.envs import RewardConfig, StepLimits, resolve_factory
 from mtrl_jax.envs.faults import FaultKind
 from mtrl_jax.rollout import TreeConfig, expand_tree, node_records
 from mtrl_jax.rollout.env_transition import EnvTransition
@@ -19,7 +19,7 @@ from mtrl_jax.rollout.stats import fault_counts
 from mtrl_jax.rollout.workers import StepWorkers, check_workers
 from mtrl_jax.sampling.batching import BatchingGenerator
 from mtrl_jax.sampling.generation import LocalLLM
-from mtrl_jax.tasks import coop
+from mtrl_jax.tasks import calculator, coop
 from mtrl_jax.testing import FakePolicy, byte_renderer
 from mtrl_jax.train.inputs import EnvConfig
 
@@ -127,6 +127,56 @@ def test_processes_expand_the_threads_tree_token_for_token():
     assert checked == 2 * 2 * sum(len(n.actions) for n in got.nodes)
   finally:
     workers.close()
+
+
+CALC_RENDERER = byte_renderer(calculator.EXTRA_SPECIALS)
+CALC_TOK = CALC_RENDERER.tokenizer
+
+
+class CalcCoinPolicy(FakePolicy):
+  """Calculator messages: by a coin drawn from the sample's key, the golden next message
+  (a `calculate` tool call, or the answer) or a wrong answer."""
+
+  def __init__(self, tasks, **latency):
+    super().__init__(vocab=64, **latency)
+    self.tasks = tasks
+
+  def completion(self, req, g):
+    ids, _, _ = super().completion(req, g)
+    text = CALC_TOK.decode(list(req.prompt))
+    (task,) = [t for t in self.tasks if f"<|user|>{t['question']}<|end|>" in text]
+    golden = [c for r, c in calculator.golden_conversation(task) if r == "assistant"]
+    stage = min(text.count("<|assistant|>") - 1, len(golden) - 1)
+    msg = "<answer>0</answer>" if int(ids[0]) % 3 == 0 else golden[stage]
+    out = CALC_TOK.encode(msg) + [CALC_RENDERER.fmt.stop_ids[0]]
+    return np.asarray(out, np.int32), -0.1 * np.ones(len(out), np.float32), "stop"
+
+
+def test_calculator_tools_run_in_worker_processes_as_on_threads():
+  # A `@tool` function and the ToolSet's cache cross to the workers; tool calls are
+  # sub-steps of one action (branch_on='user_turn').
+  tasks = [calculator.make_task("eval", i) for i in range(3)]
+  cfg = TreeConfig(num_turns=2, num_generations=2, branch_on="user_turn")
+  reward = RewardConfig(outcome_weight=1.0, step_penalty=-0.05, tool_penalty=-0.2)
+  trees = []
+  for mode in ("threads", "processes"):
+    transition = EnvTransition(CALC_RENDERER, reward_cfg=reward, limits=StepLimits(max_turns=8))
+    workers = StepWorkers(mode, 2, transition)
+    try:
+      roots = transition.root_states(resolve_factory("calculator"), tasks)
+      policy = CalcCoinPolicy(tasks, max_latency=3, latency_seed=len(trees))
+      tree = expand_tree(cfg, policy, transition, roots, jax.random.key(3), executor=workers)
+    finally:
+      workers.close()
+    trees.append(node_records(tree, CALC_TOK.decode))
+  assert trees[0] == trees[1]
+  calls = [s for rec in trees[0] for a in rec["actions"] for s in a.get("steps", [a])]
+  assert any(sum(step.get("tool_calls", ())) for step in calls)  # the tool ran
+  assert len({a["reward"] for rec in trees[0] for a in rec["actions"]}) > 1
+  # A `@tool` Tool pickles by its module's name; a ToolSet's cache gets its own lock.
+  assert pickle.loads(pickle.dumps(calculator.calculate)) is calculator.calculate
+  env = resolve_factory("calculator").create_environment(tasks[0])
+  assert pickle.loads(pickle.dumps(env)).tools.names == ["calculate"]
 
 
 @pytest.mark.parametrize("cap", [1, 3])
