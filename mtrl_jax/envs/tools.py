@@ -32,7 +32,9 @@ Long results are cut in characters before anything tokenises them
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterable, Optional
@@ -85,6 +87,20 @@ class Tool:
   def spec(self) -> dict:
     """The schema shown to the policy: name, description, parameters."""
     return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+  def __reduce__(self):
+    # A `@tool`-decorated function's module name holds this Tool, not `fn`, so `fn`
+    # does not pickle by reference: the Tool does, by that name (worker processes,
+    # `rollout.workers`). Otherwise field by field.
+    module, name = getattr(self.fn, "__module__", None), getattr(self.fn, "__qualname__", "")
+    if getattr(sys.modules.get(module), name, None) is self:
+      return _module_attribute, (module, name)
+    return type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+def _module_attribute(module: str, name: str):
+  """`module.name`, importing the module (how a `@tool` Tool is unpickled)."""
+  return getattr(importlib.import_module(module), name)
 
 
 def tool(
@@ -152,6 +168,15 @@ class ToolCache(SharedResource):
     self._data: dict[tuple[str, str], str] = {}
     self.hits = 0
     self.misses = 0
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    del state["_lock"]  # a pickled copy (a worker process) gets its own lock
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._lock = threading.Lock()
 
   def get(self, key):
     with self._lock:

@@ -1,8 +1,8 @@
 """Tree rollouts: T turns x G generations x N agents, returns, advantages, packing.
 
 `expand_tree` grows one tree per task on the rollout engine (decode slots
-whose KV cache persists; environment steps on a thread pool, no level
-barrier), `Tree.finalize` computes discounted returns and sibling-baseline
+whose KV cache persists; environment steps on a thread pool or worker
+processes, `rollout.workers`; no level barrier), `Tree.finalize` computes discounted returns and sibling-baseline
 advantages, `batching.make_train_batch` packs it into the fixed-shape
 `TrainBatch` (`rollout.train_batch`) and
 `write_rollout_dump` the per-node JSONL dump. With

@@ -7,8 +7,11 @@ slots whose KV cache persists, `mtrl_jax.sampling.engine`) and a
   * a node's agents each submit one request for G samples; a root's prompt
     is prefilled once and forked into G slots, a child's request names the
     parent sample's cache, so only the environment's new turns are prefilled;
-  * a joint action's environment step goes to the thread pool as soon as its
-    own samples are finished, not when the level's are;
+  * a joint action's environment step goes to the step workers (a thread
+    pool, or worker processes: `rollout.workers`, config `env.workers`) as
+    soon as its own samples are finished, not when the level's are; with
+    `max_concurrency` set, a step past the cap waits in a queue until one in
+    flight returns;
   * a step that returns hands its child node's requests to the engine at
     once (the engine admits them between decode chunks), or, under
     `branch_on='user_turn'` when the environment answered with tool turns, a
@@ -44,6 +47,7 @@ the others until no process has work.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import queue
@@ -58,8 +62,9 @@ from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.rollout.config import TreeConfig
 from mtrl_jax.rollout.inflight import (ActRun, NodeRun, RolloutTimes, action_seed, takes_seed)
 from mtrl_jax.rollout.policy import RolloutPolicy, request_keys
-from mtrl_jax.rollout.records import ActionOutcome, ActionRecord, Transition, step_record
+from mtrl_jax.rollout.records import ActionRecord, Transition, step_record
 from mtrl_jax.rollout.tree import Tree
+from mtrl_jax.rollout.workers import StepWorkers
 from mtrl_jax.sampling.slots import Request, Sample
 from mtrl_jax.seeds import call_seed
 
@@ -73,11 +78,13 @@ class _Rollout:
       policy: RolloutPolicy,
       transition: Transition,
       key,
-      executor: concurrent.futures.Executor,
+      workers: StepWorkers,
   ):
     self.cfg, self.policy, self.transition, self.key = cfg, policy, transition, key
     self.barrier = cfg.schedule == "barrier"
-    self.executor = executor
+    self.workers = workers
+    self.running = 0  # steps submitted to the workers (in_flight counts the queued too)
+    self.queued: collections.deque = collections.deque()  # steps past max_concurrency
     self.tree = Tree(cfg)
     self.close = getattr(transition, "close", None) or (lambda state: None)
     self.cut = getattr(transition, "cut", None)
@@ -183,23 +190,31 @@ class _Rollout:
     # At the last turn a step that goes on is a cut, unless a sub-step continues it.
     last = node.turn == self.cfg.num_turns - 1 and self.cut is not None
     may_continue = self.cfg.substeps and substep < self.cfg.max_substeps
-    future = self.executor.submit(self.step_env, state, comps, kw, last, may_continue)
-    future.add_done_callback(lambda f, a=act, st=state: self.done_q.put((a, st, f)))
+    item = (act, state, comps, kw, last, may_continue)
+    cap = self.workers.max_concurrency
+    if cap and self.running >= cap:
+      self.queued.append(item)
+    else:
+      self.submit_step(*item)
 
-  def step_env(self, state, comps, kw: dict, last: bool, may_continue: bool):
-    """One environment step (on a worker thread); at the last turn a step that goes
-    on past the tree is graded as ended there (`Transition.cut`)."""
-    out = self.transition.step(state, comps, **kw)
-    if last and isinstance(out, ActionOutcome) and out.next_state is not None:
-      if out.step.valid and not (may_continue and out.step.continues_turn):
-        out = self.cut(out, self.cfg.num_turns)
-    return out
+  def submit_step(self, act: ActRun, state, comps, kw: dict, last: bool, may_continue: bool):
+    """Hands one step to the workers (`rollout.workers.step_action`)."""
+    self.running += 1
+    args = (self.transition, state, comps, kw, last, may_continue, self.cfg.num_turns)
+    future = self.workers.submit(*args)
+    future.add_done_callback(lambda f, a=act, st=state: self.done_q.put((a, st, f)))
 
   def on_step_done(self, act: ActRun, state, future) -> None:
     self.in_flight -= 1
+    self.running -= 1
     if self.in_flight == 0:
       self.times.environment += time.perf_counter() - self._env_since
-    out = future.result()  # a transition reports environment faults in its record
+    # A transition reports environment faults in its record; a dead worker process
+    # comes back as a masked step, its pool replaced (`StepWorkers.outcome`) before
+    # the next queued step goes in.
+    out = self.workers.outcome(future)
+    if self.queued:
+      self.submit_step(*self.queued.popleft())
     nr = act.nr
     record = step_record(out)
     answered = act.segment if act.steps else act.completions()[-1]
@@ -388,7 +403,7 @@ def expand_tree(
     root_states: Sequence[Any],
     key: jax.Array,
     *,
-    executor: Optional[concurrent.futures.Executor] = None,
+    executor: Optional[concurrent.futures.Executor | StepWorkers] = None,
     max_workers: int = 32,
 ) -> Tree:
   """Rolls out one tree per root state; returns the finalized tree.
@@ -401,8 +416,9 @@ def expand_tree(
     root_states: one initial state per task; the engine takes ownership and
       closes them (`transition.close`) once every action has stepped from them.
     key: PRNG key of the rollout (see the module docstring).
-    executor: thread pool for environment steps (default: a pool of
-      `max_workers` threads created for this call).
+    executor: where environment steps run: the run's `StepWorkers` (threads or
+      worker processes, `rollout.workers`), or a thread pool (default: a pool
+      of `max_workers` threads created for this call).
     max_workers: size of the default pool.
 
   Returns:
@@ -413,8 +429,11 @@ def expand_tree(
   own_pool = executor is None
   if own_pool:
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers)
+  workers = executor if getattr(executor, "is_step_workers", False) else None
+  if workers is None:
+    workers = StepWorkers("threads", executor=executor)
   try:
-    run = _Rollout(cfg, policy, transition, key, executor)
+    run = _Rollout(cfg, policy, transition, key, workers)
     tree = run.run(root_states)
   finally:
     if own_pool:

@@ -54,6 +54,14 @@ class BatchingGenerator(SharedResource):
 
   fault_source = "judge"  # see LocalLLM
 
+  def __reduce__(self):
+    # It samples on a model in this process: a pickled copy (a worker process of
+    # env.workers='processes') would have none to call.
+    raise TypeError(
+        f"{type(self).__name__} samples on a model in the engine's process and cannot be "
+        "pickled (an LLM judge or user simulator cannot run in a worker process)"
+    )
+
   def __init__(self, inner, max_wait_s: float = 0.005, max_batch: int = 256):
     if max_batch < 1 or max_wait_s < 0:
       raise ValueError(

@@ -166,6 +166,14 @@ class LocalLLM(SharedResource):
   # (`mtrl_jax.envs.fault_source`): judges are its main users.
   fault_source = "judge"
 
+  def __reduce__(self):
+    # It samples on a model in this process: a pickled copy (a worker process of
+    # env.workers='processes') would have none to call.
+    raise TypeError(
+        f"{type(self).__name__} samples on a model in the engine's process and cannot be "
+        "pickled (an LLM judge or user simulator cannot run in a worker process)"
+    )
+
   def __init__(
       self,
       model,

@@ -20,6 +20,7 @@ one guess (`tree.branch_on='user_turn'`: the tool call continues its turn), so
 T = `tree.num_turns` guesses; docs/recipes.md relates T to `env.max_turns`.
 """
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -103,7 +104,10 @@ class GuessEnv(Environment):
     super().__init__(metadata, tools=ToolSet([midpoint]), system=SYSTEM)
     self.max_guesses = max_guesses
     self.turn_grader = FunctionGrader(
-        lambda t: consistent(t, metadata["high"]), name="consistent", scope="turn"
+        # A partial, not a lambda: the environment pickles (env.workers='processes').
+        functools.partial(consistent, high=metadata["high"]),
+        name="consistent",
+        scope="turn",
     )
     self.final_grader = FunctionGrader(found)
 

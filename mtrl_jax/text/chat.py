@@ -314,6 +314,23 @@ class ChatRenderer:
       self.render_turn(ledger, role, content, trainable=train_assistant and role == "assistant")
     return ledger
 
+  def add_counts(self, counts: dict) -> None:
+    """Adds counters a copy of this renderer counted elsewhere (a worker process,
+    `rollout.workers`), keyed as `metrics` names them."""
+    with self._lock:
+      self.completions_checked += counts.get("text/completions_checked", 0)
+      self.retokenize_mismatches += counts.get("text/retokenize_mismatches", 0)
+      self.history_rewrites += counts.get("text/history_rewrites", 0)
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    del state["_lock"]  # a lock does not pickle; a copy gets its own
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._lock = threading.Lock()
+
   def metrics(self) -> dict:
     """Counters for the run's metrics log."""
     with self._lock:

@@ -15,7 +15,8 @@ field, its value and what is allowed (`experiment.validate` turns it into a
                        rendered first prompt (system prompt with tool
                        schemas) plus `sampling.max_new_tokens` fits
                        `env.max_tokens`, and it and its initial threads
-                       fork (tree rollouts fork them at every branch);
+                       fork (tree rollouts fork them at every branch), and
+                       with `env.workers='processes'` its root state pickles;
                        returns the factory;
   check_microbatches   `step.num_microbatches` divides every planned train
                        batch (`train/shapes.plan_shapes`) and the SFT batch;
@@ -34,11 +35,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import pickle
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from mtrl_jax.envs import ContractError, fork_error_message, resolve_factory
 from mtrl_jax.registry import import_object
+from mtrl_jax.rollout import workers as workers_lib
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.train import builders
 from mtrl_jax.train.config import success_threshold_for
@@ -199,6 +202,8 @@ def check_environment(exp: Experiment, tokenizer):
       )
     root = _check_first_prompt(exp, environment, tokenizer)
     _check_fork(exp, environment, root.threads)
+    if env.workers == "processes":
+      _check_pickles(exp, root)
   finally:
     if hasattr(environment, "close"):
       environment.close()
@@ -244,6 +249,18 @@ def _check_fork(exp: Experiment, environment, threads):
       ) from e
     if child is not obj and hasattr(child, "close") and callable(child.close):
       child.close()
+
+
+def _check_pickles(exp: Experiment, root):
+  """`env.workers='processes'` ships every step's state (the environment and its threads)
+  to a worker process by pickle: the first task's root state must pickle (an environment
+  holding a lock, an open file, or a text generator that samples on the engine does not)."""
+  try:
+    pickle.dumps(root)
+  except Exception as e:  # any failure of user code: reported, never a traceback
+    raise ValueError(
+        f"config env.factory={exp.env.factory!r}: {workers_lib.unpicklable_message('state', e)}"
+    ) from e
 
 
 def check_microbatches(exp: Experiment):

@@ -32,6 +32,7 @@ from mtrl_jax.envs.reward import check_reward_dominance
 from mtrl_jax.rollout.batching import BatchConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.policy import EnginePolicy, StackedStates, TeamPolicy
+from mtrl_jax.rollout.workers import StepWorkers
 from mtrl_jax.sampling import DecodeEngine
 from mtrl_jax.train import groups as groups_lib, shapes as shapes_lib
 from mtrl_jax.train.builders import make_level_source, make_renderer, make_task_source, make_tokenizer
@@ -68,6 +69,9 @@ class Components:
   engines: tuple[DecodeEngine, ...]
   rollout_policy: Any  # `EnginePolicy`, or `TeamPolicy` over the engines (training rollouts)
   transition: EnvTransition
+  # Where environment steps run (`env.workers`): one pool for the run, its rollouts and
+  # evaluations; the RL loop closes it at the end.
+  workers: StepWorkers
   evaluator: Evaluator
   census: metrics_lib.CompileCensus  # compile counts of the run's jitted programs
   key: jax.Array  # PRNGKey(seed): per-step keys are fold_in(key, step)
@@ -287,6 +291,7 @@ def build(exp: Experiment) -> Components:
       reward_cfg=exp.reward,
       outcome_range=factory.outcome_range,
   )
+  workers = StepWorkers(exp.env.workers, exp.env.max_concurrency, transition)
   evaluator = Evaluator(
       rollout_policy,
       transition,
@@ -294,6 +299,7 @@ def build(exp: Experiment) -> Components:
       exp.tree,
       exp.sampling,
       success_threshold=exp.eval.success_threshold,
+      workers=workers,
   )
   census = metrics_lib.CompileCensus()
   for g, engine in enumerate(engines):
@@ -320,6 +326,7 @@ def build(exp: Experiment) -> Components:
       engines=engines,
       rollout_policy=rollout_policy,
       transition=transition,
+      workers=workers,
       evaluator=evaluator,
       census=census,
       key=jax.random.PRNGKey(exp.seed),

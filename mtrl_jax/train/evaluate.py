@@ -38,6 +38,7 @@ class Evaluator:
   tree: TreeConfig
   sampling: SamplingConfig
   success_threshold: float  # the run's resolved `eval.success_threshold`
+  workers: Any = None  # the run's `rollout.workers.StepWorkers` (None: a thread pool per call)
 
   def __call__(
       self, params, tasks: Sequence[dict], *, greedy: bool, key, samples: int = 1
@@ -70,7 +71,7 @@ class Evaluator:
     # computes the same means.
     mine = list(tasks)[distributed.share(len(tasks))]
     roots = self.transition.root_states(self.factory, [t for t in mine for _ in range(samples)])
-    tree = expand_tree(tree_cfg, policy, self.transition, roots, key)
+    tree = expand_tree(tree_cfg, policy, self.transition, roots, key, executor=self.workers)
     res = distributed.gather_lists(path_results(tree))
     solved = [r["ended"] and r["outcome"] > self.success_threshold for r in res]
     out = {

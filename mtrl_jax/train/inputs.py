@@ -16,6 +16,7 @@ from typing import Optional
 
 from mtrl_jax.envs import FaultPolicy, StepLimits
 from mtrl_jax.models.config import LoraConfig, ModelConfig
+from mtrl_jax.rollout.workers import check_workers
 
 _MODEL_DTYPES = ("", "float32", "bfloat16")
 
@@ -134,6 +135,16 @@ class EnvConfig:
       policy and goes on.
     max_tool_output_chars: characters of one tool turn; longer output is cut,
       with a note, before it is tokenised (None: 16 x max_tokens).
+    workers: where environment steps run: 'threads' (a thread pool in the
+      engine's process) or 'processes' (a pool of worker processes, for
+      environments whose Python would hold the engine's interpreter lock; the
+      environment must pickle and must not sample on the engine, checked at
+      start; a dead worker masks its steps as infrastructure faults).
+      docs/running.md, "Environment workers".
+    max_concurrency: most environment steps (joint actions, all agents
+      together) in flight at once in a rollout (training and evaluation
+      alike); also the pool's size (0: unbounded, with 32 threads or one
+      process per CPU).
     limits: the `envs.StepLimits` of the fields above (not a config field).
   """
 
@@ -145,10 +156,13 @@ class EnvConfig:
   max_retries: int = FaultPolicy.max_retries
   tool_timeout: str = FaultPolicy.tool_timeout
   max_tool_output_chars: Optional[int] = None
+  workers: str = "threads"
+  max_concurrency: int = 0
   limits: StepLimits = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
     object.__setattr__(self, "kwargs", kwargs_pairs(self.kwargs))
+    check_workers(self.workers, self.max_concurrency)
     object.__setattr__(
         self,
         "limits",

@@ -101,6 +101,7 @@ def train(
     if writes:
       saved.save_config(config, workdir)
     parts = components_lib.build(exp)
+    closing.callback(parts.workers.close)  # the run's environment workers, after its rollouts
     if writes:
       print(exp_lib.describe(exp), flush=True)
     mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None

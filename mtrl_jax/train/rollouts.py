@@ -115,7 +115,9 @@ class RolloutProducer:
       before = render_totals(parts.transition.renderers)  # nothing else renders meanwhile
       parts.rollout_policy.set_states(parts.policies.sampler_states(params))
       roots = parts.transition.root_states(parts.factory, tasks[distributed.share(len(tasks))])
-      tree = expand_tree(exp.tree, parts.rollout_policy, parts.transition, roots, key)
+      tree = expand_tree(
+          exp.tree, parts.rollout_policy, parts.transition, roots, key, executor=parts.workers
+      )
       critic = critic_batch = None
       if exp.critic.enabled:  # the critic's advantages replace the sibling baselines
         if parts.critic is not None:  # a model of its own

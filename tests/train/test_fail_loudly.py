@@ -111,6 +111,39 @@ def test_an_environment_that_cannot_fork_is_refused_naming_fork_and_shared_resou
   experiment.validate(c)
 
 
+class _JudgedEnv(Environment):
+  """Holds an LLM judge (a `LocalLLM`: it samples on the engine, shared across forks)."""
+
+  def __init__(self, metadata):
+    from mtrl_jax.sampling.generation import LocalLLM
+
+    super().__init__({**metadata, "prompt": metadata["question"]})
+    self.judge = object.__new__(LocalLLM)
+
+  def react_to(self, thread):
+    return None, 1.0
+
+
+class JudgedFactory(EnvironmentFactory):
+
+  def create_environment(self, metadata):
+    return _JudgedEnv(metadata)
+
+
+@pytest.mark.parametrize("factory", ["LockedFactory", "JudgedFactory"])
+def test_worker_processes_refuse_an_environment_that_cannot_be_pickled(factory):
+  # Forks (the lock and the judge are shared resources), but cannot cross to a process.
+  kwargs = {"shared": True} if factory == "LockedFactory" else {}
+  c = _config(**{"env.factory": f"{__name__}:{factory}", "env.kwargs": kwargs})
+  experiment.validate(c)  # threads: shared in the engine's process
+  c.env.workers = "processes"
+  msg = _refusal(c)
+  assert f"env.factory='{__name__}:{factory}'" in msg, msg
+  assert "env.workers='processes'" in msg and "env.workers='threads'" in msg, msg
+  want = "lock" if factory == "LockedFactory" else "LocalLLM samples on a model"
+  assert want in msg, msg
+
+
 def test_microbatches_that_do_not_divide_a_planned_batch_are_refused():
   msg = _refusal(_config(**{"step.num_microbatches": 3}))
   assert msg.startswith("config step.num_microbatches=3 does not divide"), msg
