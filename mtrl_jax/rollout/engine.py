@@ -429,9 +429,9 @@ def expand_tree(
   own_pool = executor is None
   if own_pool:
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers)
-  workers = executor if getattr(executor, "is_step_workers", False) else None
-  if workers is None:
-    workers = StepWorkers("threads", executor=executor)
+  workers = (
+      executor if isinstance(executor, StepWorkers) else StepWorkers("threads", executor=executor)
+  )
   try:
     run = _Rollout(cfg, policy, transition, key, workers)
     tree = run.run(root_states)

@@ -234,9 +234,6 @@ class StepWorkers:
     if pool is not None and self._own:
       pool.shutdown(wait=True)
 
-  # `expand_tree` tells a `StepWorkers` from a plain executor by this attribute.
-  is_step_workers = True
-
 
 def check_workers(mode: str, max_concurrency: int) -> None:
   """Refuses a bad `env.workers` / `env.max_concurrency` in one line naming the field."""
