@@ -167,3 +167,24 @@ def test_remat_same_logits_and_gradients():
     np.testing.assert_allclose(b, a, atol=1e-6 * max(1.0, np.abs(a).max()), rtol=0, err_msg=str(p))
   # Gradients are not trivially zero (the comparison means something).
   assert np.abs(np.asarray(flat0[("blocks", 0, "attn", "q")].get_value())).max() > 1e-4
+
+
+def test_a_fresh_tied_model_starts_with_logits_of_unit_scale():
+  """The embedding is drawn with std 1/sqrt(d_model), so a fresh model's tied head gives
+  logits of about unit scale and a high-entropy first policy (a std of 1 gave logits of
+  std sqrt(d_model) and near-one-hot sampling)."""
+  for preset in ("tiny", "small"):
+    cfg = models.get_preset(preset)
+    assert cfg.tie_embeddings
+    model = models.create_model(cfg, seed=0)
+    embed = np.asarray(model.embed[...], np.float64)
+    assert abs(embed.std() - 1 / np.sqrt(cfg.d_model)) < 0.05 / np.sqrt(cfg.d_model)
+    tokens, mask, positions = _batch(cfg)
+    graphdef, state = nnx.split(model)
+    logits = np.asarray(_forward(graphdef, state, tokens, positions, mask), np.float64)[mask]
+    assert 0.5 < logits.std() < 2.0, (preset, logits.std())
+    # Entropy of the next-token distribution: most of log(V) (uniform), far from 0.
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    entropy = -(p * np.log(p)).sum(-1).mean()
+    assert entropy > 0.7 * np.log(cfg.vocab_size), (preset, entropy)
