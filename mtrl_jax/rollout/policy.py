@@ -137,10 +137,18 @@ class EnginePolicy:
         self.engine, states, sampling, stop_ids=self.stop_ids, pad_id=self.pad_id, fanout=fanout
     )
 
+  def compile_targets(self, states) -> list[tuple]:
+    """What `train.shapes.precompile` compiles for `states` (as `set_states` takes them):
+    [(the engine, the parameters it samples with, number of stop ids)]."""
+    return [(self.engine, _engine_params(states), len(self.stop_ids))]
+
   def start(self, fanout: int) -> None:
-    params = self.states.params if self.separate else self.states
     self.engine.start(
-        params, self.sampling, self.stop_ids, self.pad_id, fanout=max(fanout, self.fanout)
+        _engine_params(self.states),
+        self.sampling,
+        self.stop_ids,
+        self.pad_id,
+        fanout=max(fanout, self.fanout),
     )
 
   def submit(self, req: Request) -> None:
@@ -160,6 +168,12 @@ class EnginePolicy:
 
   def finish(self) -> dict:
     return dict(self.engine.stats)
+
+
+def _engine_params(states):
+  """The parameters an engine samples with: stacked separate policies' stacked tree, or
+  a shared policy's."""
+  return states.params if isinstance(states, StackedStates) else states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +226,10 @@ class TeamPolicy:
   def set_states(self, states: TeamStates | None) -> None:
     for g, policy in enumerate(self.policies):
       policy.set_states(None if states is None else states.groups[g])
+
+  def compile_targets(self, states: TeamStates) -> list[tuple]:
+    """As `EnginePolicy.compile_targets`, one per group's engine in group order."""
+    return [t for p, s in zip(self.policies, states.groups) for t in p.compile_targets(s)]
 
   def start(self, fanout: int) -> None:
     for policy in self.policies:

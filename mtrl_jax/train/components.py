@@ -31,7 +31,7 @@ from mtrl_jax.envs import resolve_factory
 from mtrl_jax.envs.reward import check_reward_dominance
 from mtrl_jax.rollout.batching import BatchConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.policy import EnginePolicy, StackedStates, TeamPolicy
+from mtrl_jax.rollout.policy import EnginePolicy, TeamPolicy
 from mtrl_jax.sampling import DecodeEngine
 from mtrl_jax.train import groups as groups_lib, shapes as shapes_lib
 from mtrl_jax.train.builders import make_level_source, make_renderer, make_task_source, make_tokenizer
@@ -75,16 +75,10 @@ class Components:
 
   def compile_targets(self, params) -> tuple[list, list]:
     """What `shapes.precompile` compiles with the policies' `params`: (engine, the
-    parameters it samples with, number of stop ids) per engine, and the update programs."""
-    team = isinstance(self.rollout_policy, TeamPolicy)
-    policies = self.rollout_policy.policies if team else [self.rollout_policy]
-    states = self.policies.sampler_states(params)
-    engines = []
-    for engine, policy, state in zip(self.engines, policies, states.groups if team else [states]):
-      sampled = state.params if isinstance(state, StackedStates) else state
-      engines.append((engine, sampled, len(policy.stop_ids)))
-    steps = self.policies.train_step.steps if team else [self.policies.train_step]
-    return engines, [s for s in steps if getattr(s, "trained", True)]  # a frozen group: none
+    parameters it samples with, number of stop ids) per engine, and the update programs
+    that train (none for a team's group of frozen agents)."""
+    engines = self.rollout_policy.compile_targets(self.policies.sampler_states(params))
+    return engines, self.policies.trained_steps()
 
 
 def make_model(exp: Experiment, mesh, path: str = ""):

@@ -18,6 +18,7 @@ warm-up, checkpoints and saved runs never ask which one they hold:
   per_policy(params)         one parameter tree per policy (export, `models()`)
   agent_params(params)       one policy's params each, unmerged (adapters: PEFT export)
   warm_starts(model)         (model, agent) of each start the SFT warm-up trains
+  trained_steps()            the update programs that train (what start-up precompiles)
 
 Checkpoint layout: a shared policy saves its tree as it is; stacked policies
 save one subtree per agent, {"agent_0": ..., "agent_1": ...}. A team of several
@@ -111,6 +112,11 @@ class Policies:
     start (its rows rendered as that agent's)."""
     return [(model, 0)]
 
+  def trained_steps(self) -> list:
+    """The update programs that train (`shapes.precompile` compiles them): the train
+    step."""
+    return [self.train_step]
+
   def start_adapters(self):
     """With `model.lora.init_from`, the adapters each policy starts from (read from its
     PEFT directory: `export_lora.init_dirs`); else None (fresh adapters)."""
@@ -199,6 +205,11 @@ class StackedPolicies(Policies):
   def trainable(self) -> tuple[bool, ...]:
     """Whether each agent trains (`agents.trainable`: a frozen agent acts, never updates)."""
     return getattr(self.train_step, "trainable", (True,) * len(self.models))
+
+  def trained_steps(self) -> list:
+    """The train step, or none when every agent is frozen (a team's group: it acts and is
+    never updated)."""
+    return [self.train_step] if any(self.trainable) else []
 
   def init_state(self, params=None):
     """A fresh state from every agent's model, or (after the SFT warm-up) from `params`

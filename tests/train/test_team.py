@@ -246,6 +246,14 @@ def test_a_lora_team_with_a_frozen_agent_updates_only_the_trained_adapters(tmp_p
   parts = components.build(experiment.validate(c))
   policies = parts.policies
   state = policies.init_state()
+  # Start-up compiles both groups' engines (agent 1's alone: its plain parameters) and
+  # only the update of the group that trains.
+  engines, steps = parts.compile_targets(state.params)
+  assert [e for e, _, _ in engines] == list(parts.engines)
+  assert [n for *_, n in engines] == [len(p.stop_ids) for p in parts.rollout_policy.policies]
+  shapes = [x.shape for x in jax.tree.leaves(nnx.state(policies.models[1], nnx.Param))]
+  assert [x.shape for x in jax.tree.leaves(engines[1][1])] == shapes
+  assert steps == [policies.train_step.steps[0]]
   before = [jax.device_get(nnx.to_pure_dict(p)) for p in policies.per_policy(state.params)]
   parts.rollout_policy.set_states(policies.sampler_states(state.params))
   roots = parts.transition.root_states(parts.factory, indexed(parts.train_tasks, 2))
