@@ -232,8 +232,17 @@ class StackedPolicies(Policies):
     return StackedStates(stack_trees(trees), len(self.models))
 
   def _batch(self, tree, cfg, critic):
+    batch, m, _ = self.sized_batch(tree, cfg, critic)
+    return batch, m
+
+  def sized_batch(self, tree, cfg, critic=None):
+    """(batch | None, metrics, token slots) of a tree: `make_batch`'s on this process, and
+    the token slots of the rows the update reads (the trained agents' rows times their
+    length; 0 without a batch), whose share that is not trained is
+    `batch/padding_fraction`."""
     if all(self.trainable):
-      return make_agent_batches(tree, cfg, critic, agents=self.agents)
+      batch, m = make_agent_batches(tree, cfg, critic, agents=self.agents)
+      return batch, m, _token_slots(batch, len(self.models))
     trainable = [True] * tree.cfg.num_agents  # other groups' agents are never packed here
     for a, t in zip(self.agents, self.trainable):
       trainable[a] = t
@@ -243,7 +252,7 @@ class StackedPolicies(Policies):
     if "batch/padding_fraction" in m:  # over the trained agents' rows, the ones updated
       n, t = len(self.models), sum(self.trainable)
       m["batch/padding_fraction"] = 1.0 - (1.0 - m["batch/padding_fraction"]) * n / t
-    return batch, m
+    return batch, m, _token_slots(batch, sum(self.trainable))
 
   def train_metrics(self, device_metrics) -> dict:
     """`agent_<a>/train/<name>` per trained agent, and `train/<name>` the mean over them
@@ -279,3 +288,8 @@ class StackedPolicies(Policies):
 
   def agent_params(self, params) -> list:
     return [agent_slice(params, a) for a in range(len(self.models))]
+
+
+def _token_slots(batch, agents: int) -> int:
+  """The token slots of `agents` agents' rows of a stacked `batch` (0 for None)."""
+  return 0 if batch is None else agents * int(np.prod(batch.tokens_BxL.shape[1:]))

@@ -158,14 +158,14 @@ class TeamPolicies(Policies):
     return TeamStates(tuple(_engine_state(p.one_for_all(x)) for p, x in zip(self.groups, params)))
 
   def _batch(self, tree, cfg, critic):
-    batches, metrics = [], []
+    batches, metrics, slots = [], [], []
     for p, pad in zip(self.groups, self.pad_ids):
-      b, m = p._batch(tree, dataclasses.replace(cfg, pad_id=pad), critic)
+      b, m, n = p.sized_batch(tree, dataclasses.replace(cfg, pad_id=pad), critic)
       batches.append(b)
       metrics.append(m)
-    return (None if all(b is None for b in batches) else tuple(batches)), _team_batch_metrics(
-        metrics
-    )
+      slots.append(n)
+    batch = None if all(b is None for b in batches) else tuple(batches)
+    return batch, _team_batch_metrics(metrics, slots)
 
   def train_metrics(self, device_metrics: tuple) -> dict:
     out = {}
@@ -215,8 +215,9 @@ def _engine_state(stacked):
   return agent_slice(stacked.params, 0) if stacked.num_agents == 1 else stacked
 
 
-def _team_batch_metrics(groups: list[dict]) -> dict:
-  """The team's `batch/*` of its groups' (module docstring)."""
+def _team_batch_metrics(groups: list[dict], slots: list[int]) -> dict:
+  """The team's `batch/*` of its groups' metrics and token slots (`StackedPolicies.
+  sized_batch`; module docstring)."""
   out = {k: v for m in groups for k, v in m.items() if k.startswith("agent_")}
   out["batch/zero_variance_groups"] = groups[0]["batch/zero_variance_groups"]
   out["batch/actions"] = float(sum(m["batch/actions"] for m in groups))
@@ -227,8 +228,5 @@ def _team_batch_metrics(groups: list[dict]) -> dict:
     out[k] = max(m[k] for m in packed)
   for k in ("batch/tokens_trained", "batch/tokens_rows_equivalent"):
     out[k] = float(sum(m[k] for m in packed))
-  # Each group's padded capacity is its trained tokens over its non-padding share.
-  filled = [m for m in packed if m["batch/padding_fraction"] < 1.0]
-  capacity = sum(m["batch/tokens_trained"] / (1.0 - m["batch/padding_fraction"]) for m in filled)
-  out["batch/padding_fraction"] = 1.0 - out["batch/tokens_trained"] / capacity if filled else 1.0
+  out["batch/padding_fraction"] = 1.0 - out["batch/tokens_trained"] / float(sum(slots))
   return out

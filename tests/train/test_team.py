@@ -85,18 +85,18 @@ def test_what_a_team_cannot_do_is_refused_in_one_line(field, value, match):
 def _one_step(parts, key):
   """One rollout of 2 train tasks and one update from the parts' first state (after the
   warm-up, if any): (tree records, train metrics, every agent's parameters after the
-  update)."""
+  update, (the batch, its metrics))."""
   exp, policies = parts.exp, parts.policies
   state = sft.warm_up(parts)[0] if exp.sft.steps else policies.init_state()
   ref = policies.train_step.copy_params(state.params)
   parts.rollout_policy.set_states(policies.sampler_states(state.params))
   roots = parts.transition.root_states(parts.factory, indexed(parts.train_tasks, 2))
   tree = expand_tree(exp.tree, parts.rollout_policy, parts.transition, roots, key)
-  batch, _ = policies.make_batch(tree, parts.batch_cfg)
+  batch, batch_metrics = policies.make_batch(tree, parts.batch_cfg)
   batch = policies.train_step.old_logprobs(state.params, batch)
   state, dm = policies.train_step(state, ref, batch)
   params = [nnx.to_pure_dict(p) for p in policies.per_policy(state.params)]
-  return node_records(tree), policies.train_metrics(dm), params
+  return node_records(tree), policies.train_metrics(dm), params, (batch, batch_metrics)
 
 
 def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_agents(
@@ -126,6 +126,11 @@ def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_ag
   for a in range(2):
     for x, y in zip(jax.tree.leaves(team[2][a]), jax.tree.leaves(stacked[2][a])):
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-5)
+  # The team's padding is over every group's padded token slots (each agent trains).
+  batches, m = team[3]
+  assert m["batch/tokens_trained"] == stacked[3][1]["batch/tokens_trained"]
+  slots = sum(b.tokens_BxL.size for b in batches if b is not None)
+  assert m["batch/padding_fraction"] == 1.0 - m["batch/tokens_trained"] / slots
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +226,7 @@ def test_each_agent_renders_with_its_own_tokenizer(tmp_path):
   start = [t.encode("<|im_start|>") for t in toks]
   # Each tokenizer's own special id (added after its merges).
   assert start == [[toks[0].vocab_size - 2], [toks[1].vocab_size - 2]] and start[0] != start[1]
-  records, metrics, _ = _one_step(parts, jax.random.PRNGKey(0))
+  records, metrics, *_ = _one_step(parts, jax.random.PRNGKey(0))
   for rec in records:
     for a, tok in enumerate(toks):
       ids = rec["prompt_ids"][a]
@@ -260,7 +265,9 @@ def test_a_lora_team_with_a_frozen_agent_updates_only_the_trained_adapters(tmp_p
   tree = expand_tree(
       parts.exp.tree, parts.rollout_policy, parts.transition, roots, jax.random.PRNGKey(1)
   )
-  batch, _ = policies.make_batch(tree, parts.batch_cfg)
+  batch, m = policies.make_batch(tree, parts.batch_cfg)
+  assert batch[1] is None  # the frozen group's: nothing to pack, no token slots
+  assert m["batch/padding_fraction"] == 1.0 - m["batch/tokens_trained"] / batch[0].tokens_BxL.size
   batch = policies.train_step.old_logprobs(state.params, batch)
   state, dm = policies.train_step(state, None, batch)
   metrics = policies.train_metrics(dm)
