@@ -33,7 +33,7 @@ from mtrl_jax.rollout.batching import BatchConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.policy import EnginePolicy, TeamPolicy
 from mtrl_jax.sampling import DecodeEngine
-from mtrl_jax.train import groups as groups_lib, shapes as shapes_lib
+from mtrl_jax.train import shapes as shapes_lib
 from mtrl_jax.train.builders import make_level_source, make_renderer, make_task_source, make_tokenizer
 from mtrl_jax.train.evaluate import Evaluator
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
@@ -130,7 +130,7 @@ def make_policies(exp: Experiment, model, mesh, team=None, team_tokenizers=()) -
   the top-level model), with the train step that updates them (frozen agents,
   `agents.trainable`: `train.frozen_agents`). With `model.lora` the step trains adapters
   over `model` (`models.lora.attach`), the policies' base. `team`: the groups of a team
-  of several architectures (`train.groups.agent_groups`), each stacked on its own
+  of several architectures (`exp.agents.team`, `train.groups`), each stacked on its own
   (`train.team`; each group's adapters over its own base), with each group's
   tokenizer in `team_tokenizers`."""
   # Several updates per batch, or rollouts a step behind: the clipped ratio uses
@@ -233,7 +233,7 @@ def build(exp: Experiment) -> Components:
   renderer = make_renderer(exp.tokenizer, tokenizer)
   model = make_model(exp, mesh)
   factory = make_factory(exp)
-  team = groups_lib.agent_groups(exp) if groups_lib.is_team(exp) else None
+  team = list(exp.agents.team) or None
   if team is None:
     members = [tuple(range(exp.tree.num_agents))]
     archs, tokenizers, renderers = [exp.model.arch], [tokenizer], [renderer]

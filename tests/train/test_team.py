@@ -11,6 +11,7 @@
 - Refusals: what a team cannot do is named in one line before any compute.
 """
 
+import dataclasses
 import json
 import os
 
@@ -56,13 +57,14 @@ def test_agents_of_one_architecture_and_tokenizer_share_a_group():
   c.agents.presets = ("", "small")
   exp = experiment.validate(c)
   assert groups.is_team(exp)
-  got = [(g.agents, g.arch.d_model) for g in groups.agent_groups(exp)]
+  got = [(g.agents, g.arch.d_model) for g in exp.agents.team]
   assert got == [((0,), exp.model.arch.d_model), ((1,), 128)]
   # The preset keeps the run's (fitted) vocabulary: the byte tokenizer is every agent's.
-  assert groups.agent_groups(exp)[1].arch.vocab_size == exp.model.arch.vocab_size
+  assert exp.agents.team[1].arch.vocab_size == exp.model.arch.vocab_size
+  assert exp.agents.team == groups.team_groups(exp)
   c.agents.presets = ("small", "small")  # one group, but not the top-level model
   exp = experiment.validate(c)
-  assert groups.is_team(exp) and [g.agents for g in groups.agent_groups(exp)] == [(0, 1)]
+  assert groups.is_team(exp) and [g.agents for g in exp.agents.team] == [(0, 1)]
   c.agents.presets = ("tiny", "")  # the smoke config's own architecture: stacked as ever
   assert not groups.is_team(experiment.validate(c))
 
@@ -99,9 +101,7 @@ def _one_step(parts, key):
   return node_records(tree), policies.train_metrics(dm), params, (batch, batch_metrics)
 
 
-def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_agents(
-    monkeypatch,
-):
+def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_agents():
   """Warm-up (each group warms its own start: here the same model on the same rows),
   rollout and update."""
   c = _team_config()
@@ -110,10 +110,10 @@ def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_ag
   assert not groups.is_team(exp)
   key = jax.random.PRNGKey(3)
   stacked = _one_step(components.build(exp), key)
-  split = [groups.AgentGroup((a,), exp.model.arch, "") for a in range(2)]
-  monkeypatch.setattr(groups, "is_team", lambda e: True)
-  monkeypatch.setattr(groups, "agent_groups", lambda e: split)
-  parts = components.build(exp)
+  split = tuple(groups.AgentGroup((a,), exp.model.arch, "") for a in range(2))
+  parts = components.build(
+      dataclasses.replace(exp, agents=dataclasses.replace(exp.agents, team=split))
+  )
   assert isinstance(parts.policies, TeamPolicies)
   assert isinstance(parts.rollout_policy, TeamPolicy) and len(parts.engines) == 2
   team = _one_step(parts, key)
@@ -204,9 +204,10 @@ def test_a_team_exports_each_agent_with_its_own_architecture(team_runs, tmp_path
   assert max(moved) > 0
 
 
-def test_each_agent_renders_with_its_own_tokenizer(tmp_path):
+def test_each_agent_renders_with_its_own_tokenizer(tmp_path, monkeypatch):
   """Agent 1's checkpoint brings a tokenizer of its own (other merges, other special
-  ids): its prompts are its tokenizer's ids, agent 0's the run's, and both train."""
+  ids): its prompts are its tokenizer's ids, agent 0's the run's, and both train.
+  Validation and the build read each agent's checkpoint once."""
   base = testing.hf_checkpoint(str(tmp_path / "base"))
   teammate = testing.hf_checkpoint(
       str(tmp_path / "teammate"),
@@ -219,9 +220,15 @@ def test_each_agent_renders_with_its_own_tokenizer(tmp_path):
   c = _team_config(path=teammate)
   c.model.path, c.tokenizer.kind, c.tokenizer.chat_format = base, "hf", "chatml"
   c.tokenizer.extra_specials = ""
+  reads = []
+  monkeypatch.setattr(
+      groups, "read_checkpoints", lambda e, real=groups.read_checkpoints: reads.append(1) or real(e)
+  )
   exp = experiment.validate(c)
-  assert [g.tokenizer_dir for g in groups.agent_groups(exp)] == [base, teammate]
+  assert [g.tokenizer_dir for g in exp.agents.team] == [base, teammate]
+  assert [groups.agent_tokenizer_dir(exp, a) for a in (0, 1)] == [base, teammate]
   parts = components.build(exp)
+  assert len(reads) == 1
   toks = [r.tokenizer for r in parts.transition.renderers]
   start = [t.encode("<|im_start|>") for t in toks]
   # Each tokenizer's own special id (added after its merges).
