@@ -18,6 +18,8 @@ warm-up, checkpoints and saved runs never ask which one they hold:
   per_policy(params)         one parameter tree per policy (export, `models()`)
   agent_params(params)       one policy's params each, unmerged (adapters: PEFT export)
   warm_starts(model)         (model, agent) of each start the SFT warm-up trains
+  warmed(params)             those starts' trained params, as `init_state` and
+                             `one_for_all` take them
   trained_steps()            the update programs that train (what start-up precompiles)
 
 Checkpoint layout: a shared policy saves its tree as it is; stacked policies
@@ -111,6 +113,12 @@ class Policies:
     """What the SFT warm-up trains: [(the run's top-level `model`, agent 0)], one shared
     start (its rows rendered as that agent's)."""
     return [(model, 0)]
+
+  def warmed(self, params: list):
+    """The SFT warm-up's trained params, one per `warm_starts` entry, as `init_state` and
+    `one_for_all` take them: the one start's."""
+    (one,) = params
+    return one
 
   def trained_steps(self) -> list:
     """The update programs that train (`shapes.precompile` compiles them): the train

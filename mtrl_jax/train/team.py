@@ -142,6 +142,10 @@ class TeamPolicies(Policies):
     """One start per group: its first agent's model, its rows rendered as that agent's."""
     return [(p.models[0], p.agents[0]) for p in self.groups]
 
+  def warmed(self, params: list) -> tuple:
+    """The warm-up's params, one per group (a team of one group too)."""
+    return tuple(params)
+
   def trained_steps(self) -> list:
     """Every group's update program but an all-frozen group's, in group order."""
     return [s for p in self.groups for s in p.trained_steps()]

@@ -29,7 +29,7 @@ from mtrl_jax.rollout.dump import node_records
 from mtrl_jax.rollout.policy import TeamPolicy
 from mtrl_jax.train import components, experiment, groups, saved, sft
 from mtrl_jax.train.evaluate import indexed
-from mtrl_jax.train.team import TeamPolicies
+from mtrl_jax.train.team import TeamPolicies, TeamState
 from tests.train.test_separate_policies import _rows, run_on_one_device
 
 
@@ -131,6 +131,29 @@ def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_ag
   assert m["batch/tokens_trained"] == stacked[3][1]["batch/tokens_trained"]
   slots = sum(b.tokens_BxL.size for b in batches if b is not None)
   assert m["batch/padding_fraction"] == 1.0 - m["batch/tokens_trained"] / slots
+
+
+def test_a_team_of_one_group_warms_up_one_start_for_its_agents():
+  """Agents of one architecture other than the top-level model's: one group, one warm-up
+  start, whose parameters start both agents."""
+  c = _team_config()
+  c.model.num_layers = 1  # the top-level model: one block; the agents: the preset's two
+  c.agents.presets = ("tiny", "tiny")
+  c.sft.steps, c.sft.check_every, c.sft.until_success = 1, 1, 0.0
+  parts = components.build(experiment.validate(c))
+  assert [g.agents for g in parts.exp.agents.team] == [(0, 1)]
+  start = jax.device_get(nnx.to_pure_dict(nnx.state(parts.policies.models[0], nnx.Param)))
+  state, history = sft.warm_up(parts)
+  assert isinstance(state, TeamState) and [r["sft_step"] for r in history] == [1]
+  first, second = [nnx.to_pure_dict(p) for p in parts.policies.per_policy(state.params)]
+  assert jax.tree.structure(first) == jax.tree.structure(start)
+  for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  moved = [
+      np.abs(np.asarray(x) - np.asarray(y)).max()
+      for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(start))
+  ]
+  assert max(moved) > 0
 
 
 @pytest.fixture(scope="module")
