@@ -137,10 +137,18 @@ class EnginePolicy:
         self.engine, states, sampling, stop_ids=self.stop_ids, pad_id=self.pad_id, fanout=fanout
     )
 
+  def compile_targets(self, states) -> list[tuple]:
+    """What `train.shapes.precompile` compiles for `states` (as `set_states` takes them):
+    [(the engine, the parameters it samples with, number of stop ids)]."""
+    return [(self.engine, _engine_params(states), len(self.stop_ids))]
+
   def start(self, fanout: int) -> None:
-    params = self.states.params if self.separate else self.states
     self.engine.start(
-        params, self.sampling, self.stop_ids, self.pad_id, fanout=max(fanout, self.fanout)
+        _engine_params(self.states),
+        self.sampling,
+        self.stop_ids,
+        self.pad_id,
+        fanout=max(fanout, self.fanout),
     )
 
   def submit(self, req: Request) -> None:
@@ -162,12 +170,26 @@ class EnginePolicy:
     return dict(self.engine.stats)
 
 
+def _engine_params(states):
+  """The parameters an engine samples with: stacked separate policies' stacked tree, or
+  a shared policy's."""
+  return states.params if isinstance(states, StackedStates) else states
+
+
 @dataclasses.dataclass(frozen=True)
 class TeamStates:
   """A team of several architectures' parameters: one engine state per group (a plain
   parameter tree for a group of one agent, else `StackedStates`), in group order."""
 
   groups: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class TeamHandle:
+  """A team's sample cache: `handle`, of the engine of group `group`."""
+
+  group: int
+  handle: Any
 
 
 class TeamPolicy:
@@ -179,7 +201,9 @@ class TeamPolicy:
   to a's group as that group's agent `members[g].index(a)`; keys are named by
   the team's agent (`separate`), so an agent draws the same tokens as it would
   stacked with agents of its own architecture. `step` runs one chunk on every
-  engine with work; samples come back in engine order.
+  engine with work; samples come back in engine order, each sample's handle a
+  `TeamHandle` naming the group whose engine holds its cache (where `release`
+  and a request naming it as parent go).
 
   Args:
     policies: one `EnginePolicy` per group.
@@ -191,7 +215,6 @@ class TeamPolicy:
   def __init__(self, policies, members):
     self.policies, self.members = list(policies), [tuple(m) for m in members]
     self.route = {a: (g, i) for g, agents in enumerate(members) for i, a in enumerate(agents)}
-    self._owner: dict[int, int] = {}  # id(handle) -> the engine holding its cache
 
   def like(self, states: TeamStates, sampling, fanout: int) -> TeamPolicy:
     """As `EnginePolicy.like`, group by group."""
@@ -204,28 +227,30 @@ class TeamPolicy:
     for g, policy in enumerate(self.policies):
       policy.set_states(None if states is None else states.groups[g])
 
+  def compile_targets(self, states: TeamStates) -> list[tuple]:
+    """As `EnginePolicy.compile_targets`, one per group's engine in group order."""
+    return [t for p, s in zip(self.policies, states.groups) for t in p.compile_targets(s)]
+
   def start(self, fanout: int) -> None:
-    self._owner.clear()
     for policy in self.policies:
       policy.start(fanout)
 
   def submit(self, req: Request) -> None:
     g, local = self.route[req.agent]
-    self.policies[g].submit(dataclasses.replace(req, agent=local))
+    parent = None if req.parent is None else req.parent.handle
+    self.policies[g].submit(dataclasses.replace(req, agent=local, parent=parent))
 
   def step(self, expect_more: bool = False):
     out, go_on = [], False
     working = [g for g, p in enumerate(self.policies) if p.busy] or [0]
     for g in working:
       samples, more = self.policies[g].step(expect_more)
-      for s in samples:
-        self._owner[id(s.handle)] = g
-      out += samples
+      out += [dataclasses.replace(s, handle=TeamHandle(g, s.handle)) for s in samples]
       go_on = go_on or more
     return out, go_on or any(p.busy for p in self.policies)
 
-  def release(self, handle) -> None:
-    self.policies[self._owner.pop(id(handle))].release(handle)
+  def release(self, handle: TeamHandle) -> None:
+    self.policies[handle.group].release(handle.handle)
 
   @property
   def busy(self) -> bool:

@@ -31,10 +31,10 @@ from mtrl_jax.envs import resolve_factory
 from mtrl_jax.envs.reward import check_reward_dominance
 from mtrl_jax.rollout.batching import BatchConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.policy import EnginePolicy, StackedStates, TeamPolicy
+from mtrl_jax.rollout.policy import EnginePolicy, TeamPolicy
 from mtrl_jax.rollout.workers import StepWorkers
 from mtrl_jax.sampling import DecodeEngine
-from mtrl_jax.train import groups as groups_lib, shapes as shapes_lib
+from mtrl_jax.train import shapes as shapes_lib
 from mtrl_jax.train.builders import make_level_source, make_renderer, make_task_source, make_tokenizer
 from mtrl_jax.train.evaluate import Evaluator
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
@@ -79,16 +79,10 @@ class Components:
 
   def compile_targets(self, params) -> tuple[list, list]:
     """What `shapes.precompile` compiles with the policies' `params`: (engine, the
-    parameters it samples with, number of stop ids) per engine, and the update programs."""
-    team = isinstance(self.rollout_policy, TeamPolicy)
-    policies = self.rollout_policy.policies if team else [self.rollout_policy]
-    states = self.policies.sampler_states(params)
-    engines = []
-    for engine, policy, state in zip(self.engines, policies, states.groups if team else [states]):
-      sampled = state.params if isinstance(state, StackedStates) else state
-      engines.append((engine, sampled, len(policy.stop_ids)))
-    steps = self.policies.train_step.steps if team else [self.policies.train_step]
-    return engines, [s for s in steps if getattr(s, "trained", True)]  # a frozen group: none
+    parameters it samples with, number of stop ids) per engine, and the update programs
+    that train (none for a team's group of frozen agents)."""
+    engines = self.rollout_policy.compile_targets(self.policies.sampler_states(params))
+    return engines, self.policies.trained_steps()
 
 
 def make_model(exp: Experiment, mesh, path: str = ""):
@@ -140,7 +134,7 @@ def make_policies(exp: Experiment, model, mesh, team=None, team_tokenizers=()) -
   the top-level model), with the train step that updates them (frozen agents,
   `agents.trainable`: `train.frozen_agents`). With `model.lora` the step trains adapters
   over `model` (`models.lora.attach`), the policies' base. `team`: the groups of a team
-  of several architectures (`train.groups.agent_groups`), each stacked on its own
+  of several architectures (`exp.agents.team`, `train.groups`), each stacked on its own
   (`train.team`; each group's adapters over its own base), with each group's
   tokenizer in `team_tokenizers`."""
   # Several updates per batch, or rollouts a step behind: the clipped ratio uses
@@ -243,7 +237,7 @@ def build(exp: Experiment) -> Components:
   renderer = make_renderer(exp.tokenizer, tokenizer)
   model = make_model(exp, mesh)
   factory = make_factory(exp)
-  team = groups_lib.agent_groups(exp) if groups_lib.is_team(exp) else None
+  team = list(exp.agents.team) or None
   if team is None:
     members = [tuple(range(exp.tree.num_agents))]
     archs, tokenizers, renderers = [exp.model.arch], [tokenizer], [renderer]

@@ -280,6 +280,9 @@ class AgentsConfig:
       (1 - lambda) * local_i, local_i its own grade (`Grade.agent_scores`;
       the team reward where the environment grades only jointly). 1: the
       team reward only. Validation hands it to `TreeConfig.team_weight`.
+    team: the groups of a team of several architectures or tokenizers
+      (`train.groups.AgentGroup`, set by validation, not a config field);
+      empty when every agent has the top-level model's.
   """
 
   share_policy: bool = True
@@ -288,6 +291,7 @@ class AgentsConfig:
   presets: tuple = ()
   trainable: tuple = ()
   team_weight: float = 1.0
+  team: tuple = ()
 
   def __post_init__(self):
     w = self.team_weight
@@ -321,6 +325,7 @@ class AgentsConfig:
     object.__setattr__(self, "learning_rates", tuple(self.learning_rates))
     object.__setattr__(self, "paths", tuple(self.paths))
     object.__setattr__(self, "presets", tuple(self.presets))
+    object.__setattr__(self, "team", tuple(self.team))
     if any(
         isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0
         for r in self.learning_rates

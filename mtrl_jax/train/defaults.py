@@ -57,7 +57,7 @@ GROUPS = {
     "sft": (SFTConfig, ()),
     "rl": (RLConfig, ()),
     "eval": (EvalConfig, ()),
-    "agents": (AgentsConfig, ()),
+    "agents": (AgentsConfig, ("team",)),  # team: the agents' groups (`train.groups`)
     "critic": (CriticGroup, ()),
     "curriculum": (data.CurriculumConfig, ()),
     "checkpoint": (CheckpointConfig, ()),

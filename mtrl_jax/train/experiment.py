@@ -4,7 +4,8 @@ Only this module and the entry points read the ConfigDict (docs/design.md,
 Conventions). `build` turns each config group into its frozen dataclass and
 fails with one line naming the field on any invalid value or unsafe
 combination, before any compute (invariant 8): it resolves the model's
-architecture, fits a from-scratch model's vocabulary to the tokenizer, and
+architecture, fits a from-scratch model's vocabulary to the tokenizer, groups
+the agents by architecture and tokenizer (`exp.agents.team`, `train.groups`), and
 builds the environment factory and both task splits once to see that they
 work (`train/checks.py`: the first prompt fits the token budget, an
 environment forks, micro-batches divide every batch, the success threshold).
@@ -148,6 +149,8 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       distributed=distributed_config(c),
   )
   check_agents(exp)
+  checkpoints = groups.read_checkpoints(exp)  # each agents.paths entry's, read once
+  check_team(exp, groups.team_groups(exp, checkpoints))
   exp.critic.check(exp)
   if exp.critic.head:  # the critic is a value head on each policy
     exp = dataclasses.replace(
@@ -172,7 +175,10 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   )
   checks.check_microbatches(exp)
   checks.check_curriculum(exp)
-  return fit_vocab(exp, tokenizer)
+  exp = fit_vocab(exp, tokenizer)
+  # The agents' groups of the resolved architecture, from the checkpoints read above.
+  team = groups.team_groups(exp, checkpoints)
+  return dataclasses.replace(exp, agents=dataclasses.replace(exp.agents, team=team))
 
 
 # ------------------------------------------------------------------ validation
@@ -306,8 +312,7 @@ def check_processes(exp: Experiment):
 
 
 def check_agents(exp: Experiment):
-  """Separate policies: one entry per agent; what a team of several architectures
-  (`train.groups`) cannot be combined with."""
+  """Separate policies: one entry per agent, each checkpoint and preset there."""
   exp.agents.check(exp.tree.num_agents)
   if exp.tree.num_agents == 1 and not exp.agents.share_policy:
     raise ValueError(
@@ -340,7 +345,12 @@ def check_agents(exp: Experiment):
   for a, preset in enumerate(exp.agents.presets):
     if preset:
       get_preset(preset)  # an unknown name fails here, naming the presets
-  if exp.agents.share_policy or not groups.is_team(exp):
+
+
+def check_team(exp: Experiment, team: tuple):
+  """What a team of several architectures (`team`: its groups, `train.groups`) cannot be
+  combined with."""
+  if not team:
     return
   what = "agents of another architecture or tokenizer than the top-level model's"
   for field, value, why in (

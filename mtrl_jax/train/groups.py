@@ -20,13 +20,18 @@ An agent's tokenizer: with `tokenizer.kind='hf'` an agent from a checkpoint
 reads that directory's tokenizer.json when it has one (its own vocabulary),
 else the top-level `model.path`'s; with the byte tokenizer every agent shares
 it. Every agent renders in `tokenizer.chat_format`.
+
+Validation reads each agent's checkpoint once (`read_checkpoints`: its
+config.json, whether it holds a tokenizer.json), works the groups out from
+that (`team_groups`) and keeps a team's in `exp.agents.team`; the composition
+root, the exports and `is_team` read them there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from mtrl_jax.models.config import ModelConfig, get_preset
 
@@ -50,44 +55,90 @@ class AgentGroup:
   tokenizer_dir: str
 
 
-def agent_arch(exp: Experiment, a: int) -> ModelConfig:
-  """Agent `a`'s architecture (see the module docstring)."""
-  m = exp.model.arch
-  same = dict(remat=m.remat, attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype)
-  path = exp.agents.paths[a] if exp.agents.paths else ""
-  preset = exp.agents.presets[a] if exp.agents.presets else ""
-  if path:
-    return ModelConfig.from_hf_json(path).replace(value_head=m.value_head, **same)
-  if preset:
-    return get_preset(preset).replace(vocab_size=m.vocab_size, value_head=m.value_head, **same)
-  return m
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+  """What the agents' checkpoints (`agents.paths`) say, read once (`read_checkpoints`).
+
+  Attributes:
+    archs: per agent its checkpoint's config.json architecture as written (None for
+      an agent without a checkpoint).
+    tokenizer_dirs: per agent the directory its HF tokenizer is read from ('' for
+      the byte tokenizer).
+  """
+
+  archs: tuple[Optional[ModelConfig], ...]
+  tokenizer_dirs: tuple[str, ...]
 
 
-def tokenizer_dir(exp: Experiment, a: int) -> str:
-  """The directory agent `a`'s HF tokenizer is read from ('' for the byte tokenizer)."""
+def read_checkpoints(exp: Experiment) -> Checkpoints:
+  """Reads each agent checkpoint's config.json and looks for its tokenizer.json."""
+  paths = exp.agents.paths or ("",) * exp.tree.num_agents
+  return Checkpoints(
+      tuple(ModelConfig.from_hf_json(p) if p else None for p in paths),
+      tuple(_tokenizer_dir(exp, p) for p in paths),
+  )
+
+
+def _tokenizer_dir(exp: Experiment, path: str) -> str:
+  """The directory the HF tokenizer of an agent from checkpoint `path` ('': none) is read
+  from ('' for the byte tokenizer)."""
   if exp.tokenizer.kind != "hf":
     return ""
-  path = exp.agents.paths[a] if exp.agents.paths else ""
   if path and os.path.isfile(os.path.join(path, "tokenizer.json")):
     return path
   return exp.model.path
 
 
-def agent_groups(exp: Experiment) -> list[AgentGroup]:
-  """The team's groups in order of their first agent; one group of every agent when all
-  share the top-level architecture and tokenizer (and for a shared policy)."""
+def agent_arch(exp: Experiment, a: int, read: Checkpoints) -> ModelConfig:
+  """Agent `a`'s architecture (see the module docstring); `read`: the agents'
+  checkpoints."""
+  m = exp.model.arch
+  same = dict(remat=m.remat, attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype)
+  preset = exp.agents.presets[a] if exp.agents.presets else ""
+  if read.archs[a] is not None:
+    return read.archs[a].replace(value_head=m.value_head, **same)
+  if preset:
+    return get_preset(preset).replace(vocab_size=m.vocab_size, value_head=m.value_head, **same)
+  return m
+
+
+def agent_groups(exp: Experiment, read: Optional[Checkpoints] = None) -> list[AgentGroup]:
+  """The agents' groups in order of their first agent; one group of every agent when all
+  share the top-level architecture and tokenizer (and for a shared policy). `read`:
+  the agents' checkpoints (None: read them now)."""
   n = exp.tree.num_agents
   if exp.agents.share_policy:
-    return [AgentGroup(tuple(range(n)), exp.model.arch, tokenizer_dir(exp, 0))]
+    return [AgentGroup(tuple(range(n)), exp.model.arch, _tokenizer_dir(exp, ""))]
+  read = read_checkpoints(exp) if read is None else read
   keys: dict = {}
   for a in range(n):
-    keys.setdefault((agent_arch(exp, a), tokenizer_dir(exp, a)), []).append(a)
+    keys.setdefault((agent_arch(exp, a, read), read.tokenizer_dirs[a]), []).append(a)
   return [AgentGroup(tuple(agents), arch, tok) for (arch, tok), agents in keys.items()]
+
+
+def team_groups(exp: Experiment, read: Optional[Checkpoints] = None) -> tuple[AgentGroup, ...]:
+  """The groups of a team of several architectures (`agent_groups`), or () when every
+  agent has the top-level model's architecture and tokenizer (and for a shared
+  policy): validation's answer, kept as `exp.agents.team`."""
+  if exp.agents.share_policy:
+    return ()
+  groups = agent_groups(exp, read)
+  top = (exp.model.arch, exp.model.path if exp.tokenizer.kind == "hf" else "")
+  if len(groups) > 1 or (groups[0].arch, groups[0].tokenizer_dir) != top:
+    return tuple(groups)
+  return ()
 
 
 def is_team(exp: Experiment) -> bool:
   """Whether some agent's architecture or tokenizer is not the top-level model's: the
   agents are then trained as a team of groups (`train.team`), one program each."""
-  groups = agent_groups(exp)
-  top = (exp.model.arch, exp.model.path if exp.tokenizer.kind == "hf" else "")
-  return len(groups) > 1 or (groups[0].arch, groups[0].tokenizer_dir) != top
+  return bool(exp.agents.team)
+
+
+def agent_tokenizer_dir(exp: Experiment, a: int) -> str:
+  """The directory agent `a`'s HF tokenizer was read from ('' for the byte tokenizer):
+  its team group's, else the top-level model's."""
+  for group in exp.agents.team:
+    if a in group.agents:
+      return group.tokenizer_dir
+  return exp.model.path if exp.tokenizer.kind == "hf" else ""

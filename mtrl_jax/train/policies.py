@@ -18,6 +18,9 @@ warm-up, checkpoints and saved runs never ask which one they hold:
   per_policy(params)         one parameter tree per policy (export, `models()`)
   agent_params(params)       one policy's params each, unmerged (adapters: PEFT export)
   warm_starts(model)         (model, agent) of each start the SFT warm-up trains
+  warmed(params)             those starts' trained params, as `init_state` and
+                             `one_for_all` take them
+  trained_steps()            the update programs that train (what start-up precompiles)
 
 Checkpoint layout: a shared policy saves its tree as it is; stacked policies
 save one subtree per agent, {"agent_0": ..., "agent_1": ...}. A team of several
@@ -111,6 +114,17 @@ class Policies:
     start (its rows rendered as that agent's)."""
     return [(model, 0)]
 
+  def warmed(self, params: list):
+    """The SFT warm-up's trained params, one per `warm_starts` entry, as `init_state` and
+    `one_for_all` take them: the one start's."""
+    (one,) = params
+    return one
+
+  def trained_steps(self) -> list:
+    """The update programs that train (`shapes.precompile` compiles them): the train
+    step."""
+    return [self.train_step]
+
   def start_adapters(self):
     """With `model.lora.init_from`, the adapters each policy starts from (read from its
     PEFT directory: `export_lora.init_dirs`); else None (fresh adapters)."""
@@ -200,6 +214,11 @@ class StackedPolicies(Policies):
     """Whether each agent trains (`agents.trainable`: a frozen agent acts, never updates)."""
     return getattr(self.train_step, "trainable", (True,) * len(self.models))
 
+  def trained_steps(self) -> list:
+    """The train step, or none when every agent is frozen (a team's group: it acts and is
+    never updated)."""
+    return [self.train_step] if any(self.trainable) else []
+
   def init_state(self, params=None):
     """A fresh state from every agent's model, or (after the SFT warm-up) from `params`
     for the trained agents and their own model for the frozen ones."""
@@ -221,8 +240,17 @@ class StackedPolicies(Policies):
     return StackedStates(stack_trees(trees), len(self.models))
 
   def _batch(self, tree, cfg, critic):
+    batch, m, _ = self.sized_batch(tree, cfg, critic)
+    return batch, m
+
+  def sized_batch(self, tree, cfg, critic=None):
+    """(batch | None, metrics, token slots) of a tree: `make_batch`'s on this process, and
+    the token slots of the rows the update reads (the trained agents' rows times their
+    length; 0 without a batch), whose share that is not trained is
+    `batch/padding_fraction`."""
     if all(self.trainable):
-      return make_agent_batches(tree, cfg, critic, agents=self.agents)
+      batch, m = make_agent_batches(tree, cfg, critic, agents=self.agents)
+      return batch, m, _token_slots(batch, len(self.models))
     trainable = [True] * tree.cfg.num_agents  # other groups' agents are never packed here
     for a, t in zip(self.agents, self.trainable):
       trainable[a] = t
@@ -232,7 +260,7 @@ class StackedPolicies(Policies):
     if "batch/padding_fraction" in m:  # over the trained agents' rows, the ones updated
       n, t = len(self.models), sum(self.trainable)
       m["batch/padding_fraction"] = 1.0 - (1.0 - m["batch/padding_fraction"]) * n / t
-    return batch, m
+    return batch, m, _token_slots(batch, sum(self.trainable))
 
   def train_metrics(self, device_metrics) -> dict:
     """`agent_<a>/train/<name>` per trained agent, and `train/<name>` the mean over them
@@ -268,3 +296,8 @@ class StackedPolicies(Policies):
 
   def agent_params(self, params) -> list:
     return [agent_slice(params, a) for a in range(len(self.models))]
+
+
+def _token_slots(batch, agents: int) -> int:
+  """The token slots of `agents` agents' rows of a stacked `batch` (0 for None)."""
+  return 0 if batch is None else agents * int(np.prod(batch.tokens_BxL.shape[1:]))

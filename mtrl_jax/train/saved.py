@@ -384,7 +384,7 @@ def export_policy(policy: SavedPolicy, out_dir: str) -> dict:
             model,
             os.path.join(out_dir, f"agent_{a}"),
             renderers[a].tokenizer,
-            groups.tokenizer_dir(policy.exp, a),
+            groups.agent_tokenizer_dir(policy.exp, a),
         )
         for a, model in enumerate(policy.models())
     ]

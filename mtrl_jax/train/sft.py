@@ -355,8 +355,7 @@ def warm_up(parts, report: Optional[Callable[[dict], None]] = None) -> tuple[Any
     parts.census.register("sft_step" if g == 0 else f"sft_step_{g}", step_fns[-1])
     states.append(step_fns[-1].init_state(nnx.state(model, nnx.Param), seed=exp.seed))
   check = indexed(parts.train_tasks, cfg.check_tasks, start=len(batchers[0].source))
-  team = len(starts) > 1
-  params = lambda: [s.params for s in states] if team else states[0].params
+  params = lambda: parts.policies.warmed([s.params for s in states])
   history = []
   for i in range(1, cfg.steps + 1):
     fetched = []

@@ -142,6 +142,14 @@ class TeamPolicies(Policies):
     """One start per group: its first agent's model, its rows rendered as that agent's."""
     return [(p.models[0], p.agents[0]) for p in self.groups]
 
+  def warmed(self, params: list) -> tuple:
+    """The warm-up's params, one per group (a team of one group too)."""
+    return tuple(params)
+
+  def trained_steps(self) -> list:
+    """Every group's update program but an all-frozen group's, in group order."""
+    return [s for p in self.groups for s in p.trained_steps()]
+
   def sampler_states(self, params: tuple) -> TeamStates:
     """Each group's engine state: its agents stacked, or one agent's plain parameters."""
     return TeamStates(
@@ -154,14 +162,14 @@ class TeamPolicies(Policies):
     return TeamStates(tuple(_engine_state(p.one_for_all(x)) for p, x in zip(self.groups, params)))
 
   def _batch(self, tree, cfg, critic):
-    batches, metrics = [], []
+    batches, metrics, slots = [], [], []
     for p, pad in zip(self.groups, self.pad_ids):
-      b, m = p._batch(tree, dataclasses.replace(cfg, pad_id=pad), critic)
+      b, m, n = p.sized_batch(tree, dataclasses.replace(cfg, pad_id=pad), critic)
       batches.append(b)
       metrics.append(m)
-    return (None if all(b is None for b in batches) else tuple(batches)), _team_batch_metrics(
-        metrics
-    )
+      slots.append(n)
+    batch = None if all(b is None for b in batches) else tuple(batches)
+    return batch, _team_batch_metrics(metrics, slots)
 
   def train_metrics(self, device_metrics: tuple) -> dict:
     out = {}
@@ -211,8 +219,9 @@ def _engine_state(stacked):
   return agent_slice(stacked.params, 0) if stacked.num_agents == 1 else stacked
 
 
-def _team_batch_metrics(groups: list[dict]) -> dict:
-  """The team's `batch/*` of its groups' (module docstring)."""
+def _team_batch_metrics(groups: list[dict], slots: list[int]) -> dict:
+  """The team's `batch/*` of its groups' metrics and token slots (`StackedPolicies.
+  sized_batch`; module docstring)."""
   out = {k: v for m in groups for k, v in m.items() if k.startswith("agent_")}
   out["batch/zero_variance_groups"] = groups[0]["batch/zero_variance_groups"]
   out["batch/actions"] = float(sum(m["batch/actions"] for m in groups))
@@ -223,8 +232,5 @@ def _team_batch_metrics(groups: list[dict]) -> dict:
     out[k] = max(m[k] for m in packed)
   for k in ("batch/tokens_trained", "batch/tokens_rows_equivalent"):
     out[k] = float(sum(m[k] for m in packed))
-  # Each group's padded capacity is its trained tokens over its non-padding share.
-  filled = [m for m in packed if m["batch/padding_fraction"] < 1.0]
-  capacity = sum(m["batch/tokens_trained"] / (1.0 - m["batch/padding_fraction"]) for m in filled)
-  out["batch/padding_fraction"] = 1.0 - out["batch/tokens_trained"] / capacity if filled else 1.0
+  out["batch/padding_fraction"] = 1.0 - out["batch/tokens_trained"] / float(sum(slots))
   return out

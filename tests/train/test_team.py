@@ -11,6 +11,7 @@
 - Refusals: what a team cannot do is named in one line before any compute.
 """
 
+import dataclasses
 import json
 import os
 
@@ -28,7 +29,7 @@ from mtrl_jax.rollout.dump import node_records
 from mtrl_jax.rollout.policy import TeamPolicy
 from mtrl_jax.train import components, experiment, groups, saved, sft
 from mtrl_jax.train.evaluate import indexed
-from mtrl_jax.train.team import TeamPolicies
+from mtrl_jax.train.team import TeamPolicies, TeamState
 from tests.train.test_separate_policies import _rows, run_on_one_device
 
 
@@ -56,13 +57,14 @@ def test_agents_of_one_architecture_and_tokenizer_share_a_group():
   c.agents.presets = ("", "small")
   exp = experiment.validate(c)
   assert groups.is_team(exp)
-  got = [(g.agents, g.arch.d_model) for g in groups.agent_groups(exp)]
+  got = [(g.agents, g.arch.d_model) for g in exp.agents.team]
   assert got == [((0,), exp.model.arch.d_model), ((1,), 128)]
   # The preset keeps the run's (fitted) vocabulary: the byte tokenizer is every agent's.
-  assert groups.agent_groups(exp)[1].arch.vocab_size == exp.model.arch.vocab_size
+  assert exp.agents.team[1].arch.vocab_size == exp.model.arch.vocab_size
+  assert exp.agents.team == groups.team_groups(exp)
   c.agents.presets = ("small", "small")  # one group, but not the top-level model
   exp = experiment.validate(c)
-  assert groups.is_team(exp) and [g.agents for g in groups.agent_groups(exp)] == [(0, 1)]
+  assert groups.is_team(exp) and [g.agents for g in exp.agents.team] == [(0, 1)]
   c.agents.presets = ("tiny", "")  # the smoke config's own architecture: stacked as ever
   assert not groups.is_team(experiment.validate(c))
 
@@ -85,23 +87,21 @@ def test_what_a_team_cannot_do_is_refused_in_one_line(field, value, match):
 def _one_step(parts, key):
   """One rollout of 2 train tasks and one update from the parts' first state (after the
   warm-up, if any): (tree records, train metrics, every agent's parameters after the
-  update)."""
+  update, (the batch, its metrics))."""
   exp, policies = parts.exp, parts.policies
   state = sft.warm_up(parts)[0] if exp.sft.steps else policies.init_state()
   ref = policies.train_step.copy_params(state.params)
   parts.rollout_policy.set_states(policies.sampler_states(state.params))
   roots = parts.transition.root_states(parts.factory, indexed(parts.train_tasks, 2))
   tree = expand_tree(exp.tree, parts.rollout_policy, parts.transition, roots, key)
-  batch, _ = policies.make_batch(tree, parts.batch_cfg)
+  batch, batch_metrics = policies.make_batch(tree, parts.batch_cfg)
   batch = policies.train_step.old_logprobs(state.params, batch)
   state, dm = policies.train_step(state, ref, batch)
   params = [nnx.to_pure_dict(p) for p in policies.per_policy(state.params)]
-  return node_records(tree), policies.train_metrics(dm), params
+  return node_records(tree), policies.train_metrics(dm), params, (batch, batch_metrics)
 
 
-def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_agents(
-    monkeypatch,
-):
+def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_agents():
   """Warm-up (each group warms its own start: here the same model on the same rows),
   rollout and update."""
   c = _team_config()
@@ -110,10 +110,10 @@ def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_ag
   assert not groups.is_team(exp)
   key = jax.random.PRNGKey(3)
   stacked = _one_step(components.build(exp), key)
-  split = [groups.AgentGroup((a,), exp.model.arch, "") for a in range(2)]
-  monkeypatch.setattr(groups, "is_team", lambda e: True)
-  monkeypatch.setattr(groups, "agent_groups", lambda e: split)
-  parts = components.build(exp)
+  split = tuple(groups.AgentGroup((a,), exp.model.arch, "") for a in range(2))
+  parts = components.build(
+      dataclasses.replace(exp, agents=dataclasses.replace(exp.agents, team=split))
+  )
   assert isinstance(parts.policies, TeamPolicies)
   assert isinstance(parts.rollout_policy, TeamPolicy) and len(parts.engines) == 2
   team = _one_step(parts, key)
@@ -126,6 +126,34 @@ def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_ag
   for a in range(2):
     for x, y in zip(jax.tree.leaves(team[2][a]), jax.tree.leaves(stacked[2][a])):
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-5)
+  # The team's padding is over every group's padded token slots (each agent trains).
+  batches, m = team[3]
+  assert m["batch/tokens_trained"] == stacked[3][1]["batch/tokens_trained"]
+  slots = sum(b.tokens_BxL.size for b in batches if b is not None)
+  assert m["batch/padding_fraction"] == 1.0 - m["batch/tokens_trained"] / slots
+
+
+def test_a_team_of_one_group_warms_up_one_start_for_its_agents():
+  """Agents of one architecture other than the top-level model's: one group, one warm-up
+  start, whose parameters start both agents."""
+  c = _team_config()
+  c.model.num_layers = 1  # the top-level model: one block; the agents: the preset's two
+  c.agents.presets = ("tiny", "tiny")
+  c.sft.steps, c.sft.check_every, c.sft.until_success = 1, 1, 0.0
+  parts = components.build(experiment.validate(c))
+  assert [g.agents for g in parts.exp.agents.team] == [(0, 1)]
+  start = jax.device_get(nnx.to_pure_dict(nnx.state(parts.policies.models[0], nnx.Param)))
+  state, history = sft.warm_up(parts)
+  assert isinstance(state, TeamState) and [r["sft_step"] for r in history] == [1]
+  first, second = [nnx.to_pure_dict(p) for p in parts.policies.per_policy(state.params)]
+  assert jax.tree.structure(first) == jax.tree.structure(start)
+  for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  moved = [
+      np.abs(np.asarray(x) - np.asarray(y)).max()
+      for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(start))
+  ]
+  assert max(moved) > 0
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +227,10 @@ def test_a_team_exports_each_agent_with_its_own_architecture(team_runs, tmp_path
   assert max(moved) > 0
 
 
-def test_each_agent_renders_with_its_own_tokenizer(tmp_path):
+def test_each_agent_renders_with_its_own_tokenizer(tmp_path, monkeypatch):
   """Agent 1's checkpoint brings a tokenizer of its own (other merges, other special
-  ids): its prompts are its tokenizer's ids, agent 0's the run's, and both train."""
+  ids): its prompts are its tokenizer's ids, agent 0's the run's, and both train.
+  Validation and the build read each agent's checkpoint once."""
   base = testing.hf_checkpoint(str(tmp_path / "base"))
   teammate = testing.hf_checkpoint(
       str(tmp_path / "teammate"),
@@ -214,14 +243,20 @@ def test_each_agent_renders_with_its_own_tokenizer(tmp_path):
   c = _team_config(path=teammate)
   c.model.path, c.tokenizer.kind, c.tokenizer.chat_format = base, "hf", "chatml"
   c.tokenizer.extra_specials = ""
+  reads = []
+  monkeypatch.setattr(
+      groups, "read_checkpoints", lambda e, real=groups.read_checkpoints: reads.append(1) or real(e)
+  )
   exp = experiment.validate(c)
-  assert [g.tokenizer_dir for g in groups.agent_groups(exp)] == [base, teammate]
+  assert [g.tokenizer_dir for g in exp.agents.team] == [base, teammate]
+  assert [groups.agent_tokenizer_dir(exp, a) for a in (0, 1)] == [base, teammate]
   parts = components.build(exp)
+  assert len(reads) == 1
   toks = [r.tokenizer for r in parts.transition.renderers]
   start = [t.encode("<|im_start|>") for t in toks]
   # Each tokenizer's own special id (added after its merges).
   assert start == [[toks[0].vocab_size - 2], [toks[1].vocab_size - 2]] and start[0] != start[1]
-  records, metrics, _ = _one_step(parts, jax.random.PRNGKey(0))
+  records, metrics, *_ = _one_step(parts, jax.random.PRNGKey(0))
   for rec in records:
     for a, tok in enumerate(toks):
       ids = rec["prompt_ids"][a]
@@ -246,13 +281,23 @@ def test_a_lora_team_with_a_frozen_agent_updates_only_the_trained_adapters(tmp_p
   parts = components.build(experiment.validate(c))
   policies = parts.policies
   state = policies.init_state()
+  # Start-up compiles both groups' engines (agent 1's alone: its plain parameters) and
+  # only the update of the group that trains.
+  engines, steps = parts.compile_targets(state.params)
+  assert [e for e, _, _ in engines] == list(parts.engines)
+  assert [n for *_, n in engines] == [len(p.stop_ids) for p in parts.rollout_policy.policies]
+  shapes = [x.shape for x in jax.tree.leaves(nnx.state(policies.models[1], nnx.Param))]
+  assert [x.shape for x in jax.tree.leaves(engines[1][1])] == shapes
+  assert steps == [policies.train_step.steps[0]]
   before = [jax.device_get(nnx.to_pure_dict(p)) for p in policies.per_policy(state.params)]
   parts.rollout_policy.set_states(policies.sampler_states(state.params))
   roots = parts.transition.root_states(parts.factory, indexed(parts.train_tasks, 2))
   tree = expand_tree(
       parts.exp.tree, parts.rollout_policy, parts.transition, roots, jax.random.PRNGKey(1)
   )
-  batch, _ = policies.make_batch(tree, parts.batch_cfg)
+  batch, m = policies.make_batch(tree, parts.batch_cfg)
+  assert batch[1] is None  # the frozen group's: nothing to pack, no token slots
+  assert m["batch/padding_fraction"] == 1.0 - m["batch/tokens_trained"] / batch[0].tokens_BxL.size
   batch = policies.train_step.old_logprobs(state.params, batch)
   state, dm = policies.train_step(state, None, batch)
   metrics = policies.train_metrics(dm)
