@@ -17,13 +17,19 @@ imports it). `tests/conftest.py` hands the builders to tests as fixtures.
   hf_checkpoint(dir, ...)
                       a local HF checkpoint: a preset's random weights and a
                       byte-level BPE tokenizer trained on a few sentences
+  built_once(tmp_path_factory, name, build)
+                      a directory built once per test session, whichever
+                      pytest-xdist worker asks first (the others wait and reuse it)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import hashlib
+import os
+import shutil
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -53,6 +59,7 @@ __all__ = [
     "byte_renderer",
     "tiny_model",
     "hf_checkpoint",
+    "built_once",
 ]
 
 
@@ -474,3 +481,38 @@ def hf_checkpoint(
     model.embed[...] = model.embed[...] * embed_scale
   loading.save_pretrained(model, out_dir)
   return out_dir
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[str], None]) -> str:
+  """The directory `name`, built by `build(dir)` once per test session.
+
+  A module-scoped fixture runs once per pytest-xdist worker that runs one of the
+  module's tests; an expensive one (a training run) would run again on each. Here the
+  first worker to ask builds it in the directory the workers share
+  (`tmp_path_factory`'s base directory's parent under xdist) while the others wait on a
+  file lock, then every worker reads the same directory (read only). A failed build
+  raises RuntimeError with its message in every worker that asks.
+  """
+  base = tmp_path_factory.getbasetemp()
+  shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+  out, done = os.path.join(shared, name), os.path.join(shared, name + ".done")
+  with open(os.path.join(shared, name + ".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      if not os.path.exists(done):
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        failure = ""
+        try:
+          build(out)
+        except Exception as e:  # noqa: BLE001  (reported to every worker below)
+          failure = f"{type(e).__name__}: {e}"
+        with open(done, "w") as f:
+          f.write(failure)
+      with open(done) as f:
+        failure = f.read()
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+  if failure:
+    raise RuntimeError(f"building {name} failed: {failure}")
+  return out

@@ -20,6 +20,7 @@ from configs import coop as coop_config
 from configs import guess as guess_config
 from configs import humaneval as humaneval_config
 from configs import refine as refine_config
+from mtrl_jax import testing
 
 SMOKE_RUNS = [
     ("configs.humaneval", "smoke=True,agents=2"),
@@ -47,24 +48,30 @@ for module, arg, workdir in json.loads(sys.argv[1]):
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
   """{(module, arg): workdir} of the smoke runs, run by one process on one CPU device."""
-  root = tmp_path_factory.mktemp("smoke")
-  jobs = [(module, arg, str(root / f"run_{i}")) for i, (module, arg) in enumerate(SMOKE_RUNS)]
-  env = dict(os.environ)
-  flags = [
-      f
-      for f in env.get("XLA_FLAGS", "").split()
-      if not f.startswith("--xla_force_host_platform_device_count")
-  ]
-  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
-  done = subprocess.run(
-      [sys.executable, "-c", _RUN_CONFIGS, json.dumps(jobs)],
-      env=env,
-      cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-      capture_output=True,
-      text=True,
-  )
-  assert done.returncode == 0, done.stderr[-5000:]
-  return {(module, arg): workdir for module, arg, workdir in jobs}
+
+  def train(root):
+    jobs = [(module, arg, f"{root}/run_{i}") for i, (module, arg) in enumerate(SMOKE_RUNS)]
+    env = dict(os.environ)
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN_CONFIGS, json.dumps(jobs)],
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+
+  # Once per session, whichever xdist worker asks first (the others reuse it).
+  root = testing.built_once(tmp_path_factory, "task_config_smoke_runs", train)
+  return {
+      (module, arg): os.path.join(root, f"run_{i}") for i, (module, arg) in enumerate(SMOKE_RUNS)
+  }
 
 
 @pytest.mark.slow

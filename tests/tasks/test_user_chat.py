@@ -22,7 +22,7 @@ from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.seeds import call_seed
 from mtrl_jax.tasks.user_chat import UserChatFactory, user_chat_tasks
-from mtrl_jax.testing import FakePolicy, byte_renderer
+from mtrl_jax.testing import FakePolicy, built_once, byte_renderer
 from mtrl_jax.train import rl
 
 
@@ -157,16 +157,20 @@ def runs(tmp_path_factory):
   """(full, resumed): the run of `_config` to its end, and a copy in the state a SIGKILL
   between step 2's metrics row and its checkpoint leaves, resumed. Neither draws
   curves.png (matplotlib takes over a second of CPU per run; nothing here reads it)."""
-  root = tmp_path_factory.mktemp("user_chat")
-  full, killed = str(root / "full"), str(root / "killed")
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(metrics_lib, "plot_metrics", lambda *args, **kwargs: None)
-    rl.run(_config(), full, progress=False)
-    shutil.copytree(full, killed)
-    shutil.rmtree(os.path.join(killed, "ckpt", "2"))
-    os.remove(os.path.join(killed, "rollouts", "step_000002.jsonl"))
-    rl.run(_config(), killed, progress=False)
-  return full, killed
+
+  def train(root):
+    full, killed = os.path.join(root, "full"), os.path.join(root, "killed")
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(metrics_lib, "plot_metrics", lambda *args, **kwargs: None)
+      rl.run(_config(), full, progress=False)
+      shutil.copytree(full, killed)
+      shutil.rmtree(os.path.join(killed, "ckpt", "2"))
+      os.remove(os.path.join(killed, "rollouts", "step_000002.jsonl"))
+      rl.run(_config(), killed, progress=False)
+
+  # Once per session, whichever xdist worker asks first (the others reuse it).
+  root = built_once(tmp_path_factory, "user_chat_runs", train)
+  return os.path.join(root, "full"), os.path.join(root, "killed")
 
 
 @pytest.mark.slow

@@ -15,10 +15,11 @@ from configs import calculator as calc_config
 from configs import coop as coop_config
 from mtrl_jax import sharding
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import components, experiment, rl, saved
+from mtrl_jax.train import components, experiment, saved
+
+from tests.train.test_separate_policies import run_on_one_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.usefixtures("no_curves")
 
 
 def _calc(steps):
@@ -36,6 +37,37 @@ def _calc(steps):
   return c
 
 
+def _separate_config(steps):
+  """Coop with one LoRA adapter per agent over the one warmed-up base."""
+  c = coop_config.get_config("smoke=True")
+  c.agents.share_policy = False
+  c.agents.learning_rates = (1e-3, 3e-3)
+  c.model.lora.rank = 2
+  c.tree.advantage_mode = "raw"
+  c.reward.step_penalty = -0.05
+  c.loss.kl_coef = 0.01
+  c.rl.steps, c.rl.dump_every = steps, 0
+  c.eval.every = 1  # the run stopped at step 1 evaluates there: so does this one
+  c.checkpoint.every = 2  # the stopped run saves its last step
+  return c
+
+
+def _full_and_resumed(tmp_path, config):
+  """Trains `config(2)` into tmp_path/full, and `config(1)` then `config(2)` into
+  tmp_path/resumed, in one process on one CPU device (test_separate_policies); returns
+  the two workdirs."""
+  full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+  me = "tests.train.test_lora_run"
+  run_on_one_device(
+      [
+          {"config": [me, config, [2]], "workdir": full},
+          {"config": [me, config, [1]], "workdir": resumed},
+          {"config": [me, config, [2]], "workdir": resumed},
+      ]
+  )
+  return full, resumed
+
+
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [
@@ -46,8 +78,7 @@ def _rows(workdir):
 
 @pytest.mark.slow
 def test_a_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
-  full = str(tmp_path / "full")
-  rl.run(_calc(2), full, progress=False)
+  full, resumed = _full_and_resumed(tmp_path, "_calc")
   rows = _rows(full)
   assert [r["step"] for r in rows] == [0, 1, 2]
   assert rows[1]["train/kl"] >= 0 and rows[2]["train/grad_norm"] > 0
@@ -81,33 +112,13 @@ def test_a_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
   assert any(
       not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(loaded))
   )
-  resumed = str(tmp_path / "resumed")
-  rl.run(_calc(1), resumed, progress=False)
-  rl.run(_calc(2), resumed, progress=False)
   assert _rows(resumed) == rows
 
 
 @pytest.mark.slow
 def test_separate_lora_agents_over_one_base_resume_exactly(tmp_path):
-  def config(steps):
-    c = coop_config.get_config("smoke=True")
-    c.agents.share_policy = False
-    c.agents.learning_rates = (1e-3, 3e-3)
-    c.model.lora.rank = 2
-    c.tree.advantage_mode = "raw"
-    c.reward.step_penalty = -0.05
-    c.loss.kl_coef = 0.01
-    c.rl.steps, c.rl.dump_every = steps, 0
-    c.eval.every = 1  # the run stopped at step 1 evaluates there: so does this one
-    c.checkpoint.every = 2  # the stopped run saves its last step
-    return c
-
-  full = str(tmp_path / "full")
-  rl.run(config(2), full, progress=False)
+  full, resumed = _full_and_resumed(tmp_path, "_separate_config")
   rows = _rows(full)
   assert [r["step"] for r in rows] == [0, 1, 2]
   assert "agent_1/train/kl" in rows[1] and "agent_0/train/grad_norm" in rows[2]
-  resumed = str(tmp_path / "resumed")
-  rl.run(config(1), resumed, progress=False)
-  rl.run(config(2), resumed, progress=False)
   assert _rows(resumed) == rows

@@ -1,5 +1,6 @@
 """The learning-rate schedule as an argument of the train step: a resume with another
-`rl.steps` recompiles nothing and its rate continues the cosine (`train.optim`).
+`rl.steps` recompiles nothing and its rate continues the cosine (`train.optim`). The
+precompiled run it resumes also checks that nothing compiles after the warm-up.
 
 References are numpy float64 values of the stretched cosine as docs/design.md
 defines it, and optax's own AdamW on `optax.warmup_cosine_decay_schedule`.
@@ -258,24 +259,59 @@ def _smoke(steps):
   c.rl.steps = steps
   c.optim.schedule, c.optim.warmup_steps = "cosine", 1
   c.rl.precompile = True  # every train program before step 1: the resume's warm-up
-  c.rl.length_buckets = (256,)  # one length bucket keeps the program count small
+  # One length bucket and one root per step keep the program count small (3 train-step
+  # programs: one row bucket, three logit buckets).
+  c.rl.length_buckets = (256,)
+  c.rl.roots_per_step = 1
+  c.sft.steps = 0  # the warm-up runs before precompilation: not what this test is about
+  c.sft.mix_every = 2  # SFT steps mixed into RL compile with the rest
   return c
 
 
 @pytest.mark.slow
-def test_a_run_resumed_with_more_steps_compiles_no_train_program_and_keeps_its_rate(tmp_path):
-  """A 4-step run stopped after step 2, resumed with rl.steps=6: every train-step
-  program loads from the persistent compilation cache (none compiles), nothing
-  compiles after the warm-up, and the logged rate goes on from the old run's value."""
+def test_precompiled_run_compiles_nothing_after_warmup_and_resumes_at_its_rate_from_the_cache(
+    tmp_path, capsys
+):
+  """A 4-step run stopped after step 2: docs/design.md invariant 5, every shape bucket
+  compiles before step 1 and none after, the console counting them as they compile.
+  Resumed with rl.steps=6: every train-step program loads from the persistent
+  compilation cache (none compiles), nothing compiles after the warm-up, and the logged
+  rate goes on from the old run's value."""
   workdir = str(tmp_path / "run")
   config = _smoke(4)
   exp = experiment.start(config)  # the schedule's total: 4 updates; the loop stops at 2
-  rl.train(
+  summary = rl.train(
       dataclasses.replace(exp, rl=dataclasses.replace(exp.rl, steps=2)),
       config,
       workdir,
       progress=False,
   )
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  pre = summary["precompile"]
+  assert pre["engine_programs"] > 0 and pre["train_programs"] == 3
+  assert "sft_mix/nll" in rows[2] and "sft_mix/nll" not in rows[1]
+  for r in rows[1:]:
+    assert r["compiles/after_warmup"] == 0, r
+    assert r["compiles/train_step"] == pre["train_programs"]
+    assert r["compiles/sft_mix_step"] == 1
+  assert summary["compiles"]["compiles/after_warmup"] == 0
+  err = capsys.readouterr().err.splitlines()
+  n = pre["engine_programs"]
+  said = [l.split(" (")[0] for l in err if l.startswith(("compil", "rl:"))]
+  # First and last of each kind (a kind that takes 15 s or more says how far it got).
+  ends = lambda kind: [[l for l in said if kind in l][i] for i in (0, -1)]
+  assert ends(" engine ") == [
+      f"compiling {n} engine programs",
+      f"compiled {n}/{n} engine programs",
+  ], err
+  assert ends(" train-step ") == [
+      "compiling 3 train-step programs",
+      "compiled 3/3 train-step programs",
+  ], err
+  assert said[-1] == "rl: steps 1-2, held-out evaluation every 2 steps", err
+  assert said.index("compiling 3 train-step programs") > said.index(ends(" engine ")[1])
+
   logger, cache = logging.getLogger("jax._src.compiler"), _CacheLog()
   level = logger.level
   logger.setLevel(logging.DEBUG)

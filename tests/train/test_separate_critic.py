@@ -22,7 +22,7 @@ from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.rollout.batching import BatchConfig, critic_values
 from mtrl_jax.rollout.critic import CriticConfig, critic_advantages
-from mtrl_jax.train import OptimConfig, StepConfig, TrainStep, experiment, make_optimizer, rl
+from mtrl_jax.train import OptimConfig, StepConfig, TrainStep, experiment, make_optimizer
 from mtrl_jax.train import critic_config, shapes
 from mtrl_jax.train.compile import compile_values
 from mtrl_jax.train.objectives import PolicyObjective, ValueObjective
@@ -30,6 +30,7 @@ from mtrl_jax.train.separate_critic import SeparateCritic
 from mtrl_jax.train.shapes import ShapePlan
 
 from tests.rollout.test_tree_packing import random_tree
+from tests.train.test_separate_policies import run_on_one_device  # one CPU device
 
 CFG = models.get_preset("tiny").replace(value_head=True)
 FAST = StepConfig(compiler_options=(("xla_backend_optimization_level", 0),))
@@ -216,6 +217,7 @@ def _config(steps):
   # Penalties make returns differ from the zero-initialised values: the critic learns.
   c.reward.step_penalty, c.reward.tool_penalty = -0.05, -0.1
   c.rl.steps, c.checkpoint.every = steps, 1
+  c.sft.steps = 0  # the warm-up is not what this run checks (its own programs, its own time)
   return c
 
 
@@ -226,7 +228,8 @@ def _rows(workdir):
 
 def test_centralized_critic_run_learns_and_resumes_exactly(tmp_path):
   full = str(tmp_path / "full")
-  rl.run(_config(2), full, progress=False)
+  job = {"config": ["tests.train.test_separate_critic", "_config", [2]]}
+  run_on_one_device([dict(job, workdir=full)])
   rows = _rows(full)
   last = rows[-1]
   assert last["critic/value_slots"] > 0 and last["critic/value_loss"] > 0
@@ -237,7 +240,7 @@ def test_centralized_critic_run_learns_and_resumes_exactly(tmp_path):
   resumed = str(tmp_path / "resumed")
   shutil.copytree(full, resumed)
   shutil.rmtree(os.path.join(resumed, "ckpt", "2"))
-  rl.run(_config(2), resumed, progress=False)
+  run_on_one_device([dict(job, workdir=resumed)])
   bound = tuple(metrics_lib.RUN_BOUND_PREFIXES)
   got, want = _rows(resumed)[-1], rows[-1]
   assert got["step"] == want["step"] == 2

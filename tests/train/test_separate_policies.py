@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from configs import coop as coop_config
+from mtrl_jax import testing
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.train import experiment, saved
 
@@ -101,20 +102,28 @@ def runs(tmp_path_factory):
   resumed    that run continued to step 2
   all_true   the 1-step run with agents.trainable=(True, True)
   """
-  base = tmp_path_factory.mktemp("separate")
-  full, resumed, all_true = (str(base / name) for name in ("full", "resumed", "all_true"))
   me = "tests.train.test_separate_policies"
-  run_on_one_device(
-      [
-          {"config": [me, "_config", [2]], "workdir": full},
-          {"config": [me, "_config", [1]], "workdir": resumed, "rows_to": str(base / "stopped")},
-          {"config": [me, "_config", [2]], "workdir": resumed},
-          {"config": [me, "_config", [1, [True, True]]], "workdir": all_true},
-      ]
-  )
+
+  def train(base):
+    run_on_one_device(
+        [
+            {"config": [me, "_config", [2]], "workdir": f"{base}/full"},
+            {
+                "config": [me, "_config", [1]],
+                "workdir": f"{base}/resumed",
+                "rows_to": f"{base}/stopped",
+            },
+            {"config": [me, "_config", [2]], "workdir": f"{base}/resumed"},
+            {"config": [me, "_config", [1, [True, True]]], "workdir": f"{base}/all_true"},
+        ]
+    )
+
+  # Once per session, whichever xdist worker asks first (the others reuse it).
+  base = testing.built_once(tmp_path_factory, "separate_policies_runs", train)
+  full, resumed, all_true = (os.path.join(base, name) for name in ("full", "resumed", "all_true"))
   return {
       "full": full,
-      "stopped": _rows(str(base / "stopped")),
+      "stopped": _rows(os.path.join(base, "stopped")),
       "resumed": _rows(resumed),
       "all_true": _rows(all_true),
   }

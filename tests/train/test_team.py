@@ -164,31 +164,35 @@ def team_runs(tmp_path_factory):
   stopped   the rows of the same config stopped after step 1
   resumed   that run continued to step 2
   """
-  base = tmp_path_factory.mktemp("team")
-  teammate = str(base / "teammate")
-  teammate_model = models.create_model(models.get_preset("small", vocab_size=384), seed=5)
-  # A fresh preset's tied unit-variance embedding gives saturated logits (no gradient);
-  # a smaller one gives the teammate a policy that samples and learns.
-  teammate_model.embed[...] = teammate_model.embed[...] * 0.05
-  loading.save_pretrained(teammate_model, teammate)
   me = "tests.train.test_team"
-  full, resumed = str(base / "full"), str(base / "resumed")
-  run_on_one_device(
-      [
-          {"config": [me, "_team_config", [2, teammate]], "workdir": full},
-          {
-              "config": [me, "_team_config", [1, teammate]],
-              "workdir": resumed,
-              "rows_to": str(base / "stopped"),
-          },
-          {"config": [me, "_team_config", [2, teammate]], "workdir": resumed},
-      ]
-  )
+
+  def train(base):
+    teammate = os.path.join(base, "teammate")
+    teammate_model = models.create_model(models.get_preset("small", vocab_size=384), seed=5)
+    # A fresh preset's tied unit-variance embedding gives saturated logits (no gradient);
+    # a smaller one gives the teammate a policy that samples and learns.
+    teammate_model.embed[...] = teammate_model.embed[...] * 0.05
+    loading.save_pretrained(teammate_model, teammate)
+    full, resumed = os.path.join(base, "full"), os.path.join(base, "resumed")
+    run_on_one_device(
+        [
+            {"config": [me, "_team_config", [2, teammate]], "workdir": full},
+            {
+                "config": [me, "_team_config", [1, teammate]],
+                "workdir": resumed,
+                "rows_to": os.path.join(base, "stopped"),
+            },
+            {"config": [me, "_team_config", [2, teammate]], "workdir": resumed},
+        ]
+    )
+
+  # Once per session, whichever xdist worker asks first (the others reuse it).
+  base = testing.built_once(tmp_path_factory, "team_runs", train)
   return {
-      "teammate": teammate,
-      "full": full,
-      "stopped": _rows(str(base / "stopped")),
-      "resumed": _rows(resumed),
+      "teammate": os.path.join(base, "teammate"),
+      "full": os.path.join(base, "full"),
+      "stopped": _rows(os.path.join(base, "stopped")),
+      "resumed": _rows(os.path.join(base, "resumed")),
   }
 
 
