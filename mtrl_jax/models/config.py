@@ -16,6 +16,9 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
+EMBED_INITS = ("unit", "scaled")  # `ModelConfig.embed_init`
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
   """Low-rank adapters over a frozen base (`config.model.lora`, `mtrl_jax.models.lora`).
@@ -108,6 +111,11 @@ class ModelConfig:
   attention: str = "xla"
   # Low-rank adapters on the linear layers (`mtrl_jax.models.lora`); None: none.
   lora: Optional[LoraConfig] = None
+  # How a model built from scratch draws its embedding (a checkpoint's is loaded as
+  # saved): 'unit', standard deviation 1; 'scaled', 1/sqrt(d_model), so that with tied
+  # embeddings a fresh model's logits are of unit scale (docs/internals.md,
+  # "Initialisation": 'unit' saturates them and a warm-up barely moves a fresh model).
+  embed_init: str = "unit"
   # A linear value head on the final hidden state (`Transformer.values_at`): the
   # critic of `critic.kind` != 'none', trained with the policy; never exported.
   value_head: bool = False
@@ -115,6 +123,8 @@ class ModelConfig:
   def __post_init__(self):
     if self.attention not in ("xla", "cudnn"):
       raise ValueError(f"ModelConfig.attention={self.attention!r}; allowed: ['cudnn', 'xla']")
+    if self.embed_init not in EMBED_INITS:
+      raise ValueError(f"ModelConfig.embed_init={self.embed_init!r}; allowed: {list(EMBED_INITS)}")
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; allowed: {sorted(_DTYPES)}")

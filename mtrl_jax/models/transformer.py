@@ -286,14 +286,12 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     pd = cfg.jnp_param_dtype
-    # Standard deviation 1/sqrt(d_model): with tied embeddings the LM head is this
-    # table, and a unit-RMS hidden state then gives logits of about unit scale at init
-    # (a std of 1 gave logits of std sqrt(d_model), near-one-hot sampling and a warm-up
-    # that barely moved a fresh model: docs/internals.md, "Initialisation").
+    # `embed_init`: with tied embeddings this table is also the LM head, so 'scaled'
+    # (std 1/sqrt(d_model)) gives a unit-RMS hidden state logits of about unit scale;
+    # 'unit' (std 1) gives logits of std ~sqrt(d_model) (docs/internals.md, "Initialisation").
+    std = 1.0 / math.sqrt(cfg.d_model) if cfg.embed_init == "scaled" else 1.0
     self.embed = nnx.Param(
-        nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.d_model))(
-            rngs.params(), (cfg.vocab_size, cfg.d_model), pd
-        ),
+        nnx.initializers.normal(stddev=std)(rngs.params(), (cfg.vocab_size, cfg.d_model), pd),
         out_sharding=("vocab", "embed"),
     )
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])

@@ -93,7 +93,11 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     arch = get_preset(model.preset)
     if model.num_layers:
       arch = arch.replace(num_layers=int(model.num_layers))
-  overrides = {"remat": bool(model.remat), "attention": model.attention}
+  overrides = {
+      "remat": bool(model.remat),
+      "attention": model.attention,
+      "embed_init": model.embed_init,  # a checkpoint's weights are loaded, never drawn
+  }
   if model.dtype:
     overrides.update(dtype=model.dtype, param_dtype=model.dtype)
   model = dataclasses.replace(model, arch=arch.replace(**overrides))

@@ -14,7 +14,7 @@ An agent's architecture:
   preset   the preset, with the top-level model's vocabulary (the tokenizer is
            the run's: a from-scratch model's vocabulary is fitted to it);
   neither  the top-level model's.
-`remat`, `attention` and the dtypes are the top-level model's for every agent.
+`remat`, `attention`, `embed_init` and the dtypes are the top-level model's for every agent.
 
 An agent's tokenizer: with `tokenizer.kind='hf'` an agent from a checkpoint
 reads that directory's tokenizer.json when it has one (its own vocabulary),
@@ -93,7 +93,13 @@ def agent_arch(exp: Experiment, a: int, read: Checkpoints) -> ModelConfig:
   """Agent `a`'s architecture (see the module docstring); `read`: the agents'
   checkpoints."""
   m = exp.model.arch
-  same = dict(remat=m.remat, attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype)
+  same = dict(
+      remat=m.remat,
+      attention=m.attention,
+      dtype=m.dtype,
+      param_dtype=m.param_dtype,
+      embed_init=m.embed_init,  # how a preset built from scratch draws its embedding
+  )
   preset = exp.agents.presets[a] if exp.agents.presets else ""
   if read.archs[a] is not None:
     return read.archs[a].replace(value_head=m.value_head, **same)

@@ -40,6 +40,10 @@ class ModelGroup:
     remat: rematerialise blocks in the backward pass.
     attention: training attention, 'xla' (any device) or 'cudnn' (GPU fused
       flash attention, bfloat16).
+    embed_init: a model built from scratch draws its embedding with standard
+      deviation 1 ('unit') or 1/sqrt(d_model) ('scaled': unit-scale logits at
+      init, a warm-up that moves a fresh model; docs/internals.md,
+      "Initialisation"); every agent's preset too. A checkpoint's is loaded.
     lora: low-rank adapters over the frozen model (`models.config.LoraConfig`:
       rank, alpha, targets, init_from; rank 0, the default, trains every
       weight); a group in the config, its `LoraConfig` here.
@@ -53,6 +57,7 @@ class ModelGroup:
   dtype: str = ""
   remat: bool = ModelConfig.remat
   attention: str = ModelConfig.attention
+  embed_init: str = ModelConfig.embed_init
   lora: LoraConfig = dataclasses.field(default_factory=lambda: dataclasses.asdict(LoraConfig()))
   arch: Optional[ModelConfig] = None
 

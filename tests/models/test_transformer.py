@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from mtrl_jax import models
@@ -169,22 +170,32 @@ def test_remat_same_logits_and_gradients():
   assert np.abs(np.asarray(flat0[("blocks", 0, "attn", "q")].get_value())).max() > 1e-4
 
 
-def test_a_fresh_tied_model_starts_with_logits_of_unit_scale():
-  """The embedding is drawn with std 1/sqrt(d_model), so a fresh model's tied head gives
-  logits of about unit scale and a high-entropy first policy (a std of 1 gave logits of
-  std sqrt(d_model) and near-one-hot sampling)."""
+def test_a_fresh_tied_model_with_scaled_embeddings_starts_with_logits_of_unit_scale():
+  """`embed_init='scaled'` draws the embedding with std 1/sqrt(d_model), so a fresh model's
+  tied head gives logits of about unit scale and a high-entropy first policy; 'unit' (std
+  1) gives logits of std about sqrt(d_model) and a near-one-hot policy."""
   for preset in ("tiny", "small"):
-    cfg = models.get_preset(preset)
-    assert cfg.tie_embeddings
-    model = models.create_model(cfg, seed=0)
-    embed = np.asarray(model.embed[...], np.float64)
-    assert abs(embed.std() - 1 / np.sqrt(cfg.d_model)) < 0.05 / np.sqrt(cfg.d_model)
-    tokens, mask, positions = _batch(cfg)
-    graphdef, state = nnx.split(model)
-    logits = np.asarray(_forward(graphdef, state, tokens, positions, mask), np.float64)[mask]
-    assert 0.5 < logits.std() < 2.0, (preset, logits.std())
-    # Entropy of the next-token distribution: most of log(V) (uniform), far from 0.
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    entropy = -(p * np.log(p)).sum(-1).mean()
-    assert entropy > 0.7 * np.log(cfg.vocab_size), (preset, entropy)
+    for init, want_std in (("scaled", 1 / np.sqrt(preset_d(preset))), ("unit", 1.0)):
+      cfg = models.get_preset(preset).replace(embed_init=init)
+      assert cfg.tie_embeddings
+      model = models.create_model(cfg, seed=0)
+      embed = np.asarray(model.embed[...], np.float64)
+      assert abs(embed.std() - want_std) < 0.05 * want_std, (preset, init, embed.std())
+      tokens, mask, positions = _batch(cfg)
+      graphdef, state = nnx.split(model)
+      logits = np.asarray(_forward(graphdef, state, tokens, positions, mask), np.float64)[mask]
+      p = np.exp(logits - logits.max(-1, keepdims=True))
+      p /= p.sum(-1, keepdims=True)
+      entropy = -(p * np.log(p)).sum(-1).mean()  # of the next-token distribution
+      if init == "scaled":
+        assert 0.5 < logits.std() < 2.0, (preset, logits.std())
+        assert entropy > 0.7 * np.log(cfg.vocab_size), (preset, entropy)
+      else:
+        assert logits.std() > 0.5 * np.sqrt(cfg.d_model), (preset, logits.std())
+        assert entropy < 0.3 * np.log(cfg.vocab_size), (preset, entropy)
+  with pytest.raises(ValueError, match=r"embed_init='normal'; allowed: \['unit', 'scaled'\]"):
+    models.get_preset("tiny").replace(embed_init="normal")
+
+
+def preset_d(name):
+  return models.get_preset(name).d_model
