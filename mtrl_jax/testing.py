@@ -18,7 +18,7 @@ imports it). `tests/conftest.py` hands the builders to tests as fixtures.
                       a local HF checkpoint: a preset's random weights and a
                       byte-level BPE tokenizer trained on a few sentences
   built_once(tmp_path_factory, name, build)
-                      a directory built once per test session, whichever
+                      a directory built once per `pytest` run, whichever
                       pytest-xdist worker asks first (the others wait and reuse it)
 """
 
@@ -484,7 +484,7 @@ def hf_checkpoint(
 
 
 def built_once(tmp_path_factory, name: str, build: Callable[[str], None]) -> str:
-  """The directory `name`, built by `build(dir)` once per test session.
+  """The directory `name`, built by `build(dir)` once per `pytest` run.
 
   A module-scoped fixture runs once per pytest-xdist worker that runs one of the
   module's tests; an expensive one (a training run) would run again on each. Here the

@@ -2,8 +2,8 @@
 
 The backend optimisation level only changes how hard LLVM optimises the CPU
 code (the XLA program is the same); level 0 halves compile time, which
-dominates this suite. A session-wide persistent compilation cache (below)
-turns repeated compiles of the same program into loads.
+dominates this suite. A persistent compilation cache shared by the whole
+`pytest` run (below) turns repeated compiles of the same program into loads.
 
 Fixtures (built by `mtrl_jax.testing`, which also holds the scripted fakes):
 `byte_tokenizer`, `renderer` (compact chat format on it, fresh per test) and
@@ -19,7 +19,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One persistent compilation cache per test session, shared by the xdist
+# One persistent compilation cache per `pytest` run, shared by the xdist
 # workers and the entry-point subprocesses tests start (they inherit the
 # environment): many tests compile the same tiny-model programs, and a cache
 # hit replaces a compile. The first process creates it and removes it at exit.

@@ -6,7 +6,7 @@ The commands run one after another in one subprocess on one CPU device
 fresh flag set, the config file with its `:arg` and `--config.*` overrides)
 and trained as that entry point trains it (`experiment.start`, then
 `rl.train`): one process pays the imports once for every recipe, and one
-device (not the test session's eight) keeps each smoke run's programs small.
+device (not the eight the suite's conftest makes) keeps each smoke run's programs small.
 """
 
 import inspect

@@ -67,7 +67,7 @@ def smoke_runs(tmp_path_factory):
     )
     assert done.returncode == 0, done.stderr[-5000:]
 
-  # Once per session, whichever xdist worker asks first (the others reuse it).
+  # Built once per `pytest` run: the first xdist worker to ask builds it, the others reuse it.
   root = testing.built_once(tmp_path_factory, "task_config_smoke_runs", train)
   return {
       (module, arg): os.path.join(root, f"run_{i}") for i, (module, arg) in enumerate(SMOKE_RUNS)

@@ -168,7 +168,7 @@ def runs(tmp_path_factory):
       os.remove(os.path.join(killed, "rollouts", "step_000002.jsonl"))
       rl.run(_config(), killed, progress=False)
 
-  # Once per session, whichever xdist worker asks first (the others reuse it).
+  # Built once per `pytest` run: the first xdist worker to ask builds it, the others reuse it.
   root = built_once(tmp_path_factory, "user_chat_runs", train)
   return os.path.join(root, "full"), os.path.join(root, "killed")
 

@@ -118,7 +118,7 @@ def runs(tmp_path_factory):
         ]
     )
 
-  # Once per session, whichever xdist worker asks first (the others reuse it).
+  # Built once per `pytest` run: the first xdist worker to ask builds it, the others reuse it.
   base = testing.built_once(tmp_path_factory, "separate_policies_runs", train)
   full, resumed, all_true = (os.path.join(base, name) for name in ("full", "resumed", "all_true"))
   return {

@@ -186,7 +186,7 @@ def team_runs(tmp_path_factory):
         ]
     )
 
-  # Once per session, whichever xdist worker asks first (the others reuse it).
+  # Built once per `pytest` run: the first xdist worker to ask builds it, the others reuse it.
   base = testing.built_once(tmp_path_factory, "team_runs", train)
   return {
       "teammate": os.path.join(base, "teammate"),
