@@ -8,7 +8,8 @@ of a config variation train their own runs.
 
 Under pytest-xdist every worker that asks for it gets the same run: the first
 trains it into the directory the workers share while the others wait on a
-file lock, so a test that reads it can run on any worker.
+file lock (`mtrl_jax.testing.built_once`), so a test that reads it can run on
+any worker.
 
 `no_curves` (module scope) turns off the curves.png a finished `rl.run` draws:
 matplotlib takes seconds of CPU per run, and only `smoke_run`'s is looked at.
@@ -17,10 +18,8 @@ matplotlib takes seconds of CPU per run, and only `smoke_run`'s is looked at.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -28,6 +27,7 @@ import pytest
 
 from configs import calculator as calc_config
 from mtrl_jax import metrics as metrics_lib
+from mtrl_jax import testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Every checkpoint kept (steps 0-3), so a test can load the step the best one was kept at.
@@ -62,9 +62,9 @@ class SmokeRun:
       return f.read()
 
 
-def _train(workdir: str) -> str:
-  """Trains the run into `workdir`, its stderr kept in `workdir`.stderr; returns '' or why
-  it failed."""
+def _train(workdir: str) -> None:
+  """Trains the run into `workdir`, its stderr kept in `workdir`.stderr; raises
+  RuntimeError saying why it failed."""
   cmd = [
       sys.executable,
       "-m",
@@ -76,32 +76,17 @@ def _train(workdir: str) -> str:
   try:
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
   except subprocess.TimeoutExpired as e:
-    return f"{' '.join(cmd)} timed out after {e.timeout} s"
+    raise RuntimeError(f"{' '.join(cmd)} timed out after {e.timeout} s") from e
   with open(workdir + ".stderr", "w") as f:
     f.write(out.stderr)
   if out.returncode:
-    return f"{' '.join(cmd)} exited {out.returncode}:\n{out.stderr[-4000:]}"
-  return ""
+    raise RuntimeError(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stderr[-4000:]}")
 
 
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory) -> SmokeRun:
   """The finished calculator smoke run (see the module docstring)."""
-  base = tmp_path_factory.getbasetemp()
-  shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-  workdir, done = shared / "smoke_run", shared / "smoke_run.done"
-  with open(shared / "smoke_run.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-      if not done.exists():
-        shutil.rmtree(workdir, ignore_errors=True)
-        done.write_text(_train(str(workdir)))
-      failure = done.read_text()
-    finally:
-      fcntl.flock(lock, fcntl.LOCK_UN)
-  if failure:
-    pytest.fail(f"the shared smoke run failed: {failure}")
-  return SmokeRun(str(workdir))
+  return SmokeRun(testing.built_once(tmp_path_factory, "smoke_run", _train))
 
 
 @pytest.fixture(scope="module")
