@@ -184,9 +184,8 @@ class StepWorkers:
       payload = pickle.dumps((state, comps))
     except Exception as e:  # masked; the start-up check refuses such a run earlier
       future = concurrent.futures.Future()
-      future.set_result(
-          ("local", masked_outcome(FaultKind.CONTRACT, unpicklable_message("state", e)))
-      )
+      masked = masked_outcome(FaultKind.CONTRACT, unpicklable_message("state", e))
+      future.set_result((pickle.dumps(masked), []))  # as a worker's (outcome, no counts)
       return future
     pool = self._pool()
     try:
@@ -211,8 +210,6 @@ class StepWorkers:
           f"an environment worker process died during the step (env.workers='processes': "
           f"{' '.join(str(e).split())}); the step is masked and the pool replaced",
       )
-    if result[0] == "local":
-      return result[1]
     data, deltas = result
     for renderer, delta in zip(_renderers(self.transition), deltas):
       renderer.add_counts(delta)
