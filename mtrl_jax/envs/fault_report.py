@@ -91,6 +91,7 @@ class FaultConsole:
     self._lock = threading.Lock()
     self._seen: set = set()
     self.stream = stream  # None: sys.stderr at the time of printing
+    self._kept: list | None = None  # (key, line) kept instead of printed (`keep_lines`)
 
   def show(self, fault: Fault) -> bool:
     """Prints `fault.console_line()` if its (kind, source) was not shown yet."""
@@ -105,10 +106,29 @@ class FaultConsole:
       if key in self._seen:
         return False
       self._seen.add(key)
+      if self._kept is not None:
+        self._kept.append((key, line))
+        return True
     if not _writes_files():
       return False
     print(line, file=self.stream or sys.stderr, flush=True)
     return True
+
+  def keep_lines(self) -> None:
+    """From now on keeps each first line instead of printing it, until `take_lines`: the
+    console of an environment worker process, whose lines the engine's process shows
+    through its own console (`rollout.workers`), so each is shown once per run, not once
+    per worker."""
+    with self._lock:
+      self._kept = []
+
+  def take_lines(self) -> list:
+    """The (key, line) pairs kept since the last call (none unless `keep_lines`)."""
+    with self._lock:
+      kept = self._kept or []
+      if self._kept is not None:
+        self._kept = []
+    return kept
 
   def reset(self) -> None:
     """Forgets what was shown (tests, or a new run in the same process)."""

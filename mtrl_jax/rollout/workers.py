@@ -30,7 +30,10 @@ Refusals and faults under `processes`:
   * a worker that dies (killed, `os._exit`, out of memory) breaks the pool:
     every step in flight on it comes back masked with an infrastructure fault
     (source 'framework', not retried: the step may be what killed it), the pool
-    is replaced by a fresh one, and the rollout goes on.
+    is replaced by a fresh one, and the rollout goes on;
+  * a fault or notice a worker sees is kept, not printed, and comes back with
+    the step: the engine's process shows it, once per run however many
+    workers saw it (`FaultConsole.keep_lines`).
 
 `max_concurrency` (>= 1; 0: unbounded) caps the environment steps in flight in
 both modes (the engine queues the rest in order of readiness); it also sizes
@@ -50,7 +53,7 @@ import threading
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Optional
 
-from mtrl_jax.envs.fault_report import show_fault_once
+from mtrl_jax.envs.fault_report import FAULT_CONSOLE, show_fault_once
 from mtrl_jax.envs.faults import Fault, FaultKind
 from mtrl_jax.rollout.records import ActionOutcome, StepRecord
 
@@ -95,11 +98,13 @@ def _init_worker(transition) -> None:
   the package) stays on the CPU, so a worker never claims the accelerator."""
   if "jax" in sys.modules:
     sys.modules["jax"].config.update("jax_platforms", "cpu")
+  FAULT_CONSOLE.keep_lines()  # the engine's process shows them (`StepWorkers.outcome`)
   _WORKER["transition"] = transition
 
 
 def _worker_step(payload: bytes, kw: dict, last: bool, may_continue: bool, num_turns: int):
-  """One step in a worker process: (pickled outcome, per renderer its counter deltas)."""
+  """One step in a worker process: (pickled outcome, per renderer its counter deltas, the
+  console lines of the faults and notices it saw first)."""
   transition = _WORKER["transition"]
   renderers = _renderers(transition)
   before = _counts(renderers)
@@ -113,7 +118,7 @@ def _worker_step(payload: bytes, kw: dict, last: bool, may_continue: bool, num_t
     data = pickle.dumps(masked_outcome(FaultKind.CONTRACT, unpicklable_message("outcome", e)))
   after = _counts(renderers)
   deltas = [{k: a[k] - b.get(k, 0) for k in a} for a, b in zip(after, before)]
-  return data, deltas
+  return data, deltas, FAULT_CONSOLE.take_lines()
 
 
 def unpicklable_message(what: str, exc: BaseException) -> str:
@@ -127,6 +132,15 @@ def unpicklable_message(what: str, exc: BaseException) -> str:
 
 
 # ------------------------------------------------------------------ the engine side
+def usable_cpus() -> int:
+  """CPUs this process may run on (its affinity mask: `taskset`, a cgroup cpuset), which can
+  be fewer than the machine's `os.cpu_count()`."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # no affinity call on this platform (macOS)
+    return os.cpu_count() or 1
+
+
 class StepWorkers:
   """The run's pool of environment-step workers (see the module docstring).
 
@@ -156,7 +170,7 @@ class StepWorkers:
     self._executor, self._own = executor, executor is None
     self._lock = threading.Lock()
     self.replaced = 0  # pools replaced after a worker died
-    default = DEFAULT_THREADS if mode == "threads" else (os.cpu_count() or 1)
+    default = DEFAULT_THREADS if mode == "threads" else usable_cpus()
     self.size = max_concurrency or default
 
   def _pool(self) -> concurrent.futures.Executor:
@@ -185,7 +199,7 @@ class StepWorkers:
     except Exception as e:  # masked; the start-up check refuses such a run earlier
       future = concurrent.futures.Future()
       masked = masked_outcome(FaultKind.CONTRACT, unpicklable_message("state", e))
-      future.set_result((pickle.dumps(masked), []))  # as a worker's (outcome, no counts)
+      future.set_result((pickle.dumps(masked), [], []))  # as a worker's: no counts, no lines
       return future
     pool = self._pool()
     try:
@@ -210,9 +224,11 @@ class StepWorkers:
           f"an environment worker process died during the step (env.workers='processes': "
           f"{' '.join(str(e).split())}); the step is masked and the pool replaced",
       )
-    data, deltas = result
+    data, deltas, lines = result
     for renderer, delta in zip(_renderers(self.transition), deltas):
       renderer.add_counts(delta)
+    for key, line in lines:  # each worker shows a line once; this console, once per run
+      FAULT_CONSOLE.notice(key, line)
     return pickle.loads(data)
 
   def _replace(self, broken) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mtrl_jax.envs import RewardConfig, StepLimits, resolve_factory
+from mtrl_jax.envs.fault_report import FAULT_CONSOLE
 from mtrl_jax.envs.faults import FaultKind
 from mtrl_jax.rollout import TreeConfig, expand_tree, node_records
 from mtrl_jax.rollout.env_transition import EnvTransition
@@ -265,6 +266,40 @@ def test_an_outcome_that_cannot_be_pickled_is_a_masked_contract_fault():
       assert not record.valid and fault.kind == FaultKind.CONTRACT
       assert fault.source == "environment" and "_thread.lock" in fault.message
       assert "env.workers='processes'" in fault.message
+
+
+class RaisingCoopEnv(coop.CoopEnv):
+  """Raises at every joint action, after a moment (so that every worker takes steps)."""
+
+  def react_to_joint(self, threads):
+    time.sleep(0.02)
+    raise RuntimeError("the environment's own bug")
+
+
+class RaisingFactory(DyingFactory):
+
+  def __init__(self):
+    super().__init__("")
+
+  def create_environment(self, metadata):
+    return RaisingCoopEnv(metadata)
+
+
+def test_a_fault_seen_by_several_workers_is_shown_once_by_the_engine(capfd):
+  FAULT_CONSOLE.reset()
+  transition = _transition()
+  workers = StepWorkers("processes", 2, transition)
+  try:
+    capfd.readouterr()
+    got = _expand(transition, workers, RaisingFactory())
+    out, err = capfd.readouterr()
+  finally:
+    workers.close()
+  kinds = {f.kind for node in got.nodes for record in node.actions for f in record.faults}
+  assert sum(fault_counts(got).values()) == 4 * 4 and len(kinds) == 1  # every first step
+  lines = [line for line in (out + err).splitlines() if line.startswith("fault ")]
+  assert len(lines) == 1, lines
+  assert "from environment" in lines[0] and "the environment's own bug" in lines[0]
 
 
 def test_engine_bound_generators_refuse_to_be_pickled():
