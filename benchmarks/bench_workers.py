@@ -35,7 +35,7 @@ from absl import app, flags
 from mtrl_jax.envs import RewardConfig
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.rollout.workers import StepWorkers
+from mtrl_jax.rollout.workers import StepWorkers, usable_cpus
 from mtrl_jax.tasks import coop
 from mtrl_jax.testing import FakePolicy, byte_renderer
 
@@ -117,7 +117,7 @@ def main(argv):
   load = os.getloadavg()
   print(f"command: {' '.join([sys.executable] + sys.argv)}")
   print(
-      f"{os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+      f"{usable_cpus()} of {os.cpu_count()} cores usable, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
       f"coop, FakePolicy, T=2 G=4 N=2, {_ROOTS.value} roots, react_to {_REACT_MS.value:g} ms "
       f"of Python ({iterations:,} loop iterations); median of {_REPEATS.value} rollouts"
   )
