@@ -35,7 +35,7 @@ then the next level): the reference for equality tests and the baseline of
 the benchmarks.
 
 Keys: level t has the key fold_in(key, t); the G samples of agent i at a
-node are drawn as the level-by-level sampler drew them (`policy.request_keys`)
+node are drawn as the level-by-level sampler drew them (`policy.request_rows`)
 and sub-step round k of a level uses fold_in(level key, k). Environment
 steps get `action_seed(call_seed(level key, 'env'), root, node, action,
 sub-step)` when `Transition.step` takes a `seed`.
@@ -61,7 +61,7 @@ from mtrl_jax import distributed
 from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.rollout.config import TreeConfig
 from mtrl_jax.rollout.inflight import (ActRun, NodeRun, RolloutTimes, action_seed, takes_seed)
-from mtrl_jax.rollout.policy import RolloutPolicy, request_keys
+from mtrl_jax.rollout.policy import RolloutPolicy, call_key, request_rows
 from mtrl_jax.rollout.records import ActionRecord, Transition, step_record
 from mtrl_jax.rollout.tree import Tree
 from mtrl_jax.rollout.workers import StepWorkers
@@ -115,6 +115,15 @@ class _Rollout:
       self._keys[(turn, rnd)] = jax.random.fold_in(self.level_key(turn), rnd)
     return self._keys[(turn, rnd)]
 
+  def call_key(self, turn: int, rnd: Optional[int], agent: int) -> np.ndarray:
+    """`policy.call_key` of the level's (rnd None) or sub-step round's samples of `agent`,
+    once per rollout."""
+    s = agent if self.policy.separate else 0
+    if ("call", turn, rnd, s) not in self._keys:
+      base = self.level_key(turn) if rnd is None else self.round_key(turn, rnd)
+      self._keys[("call", turn, rnd, s)] = call_key(base, agent, self.policy.separate)
+    return self._keys[("call", turn, rnd, s)]
+
   def level_sizes(self, total_roots: int) -> list[int]:
     """Nodes per level of the complete tree, over every process's roots."""
     sizes, width = [], total_roots
@@ -127,12 +136,13 @@ class _Rollout:
   def add_node(self, node) -> None:
     cfg = self.cfg
     g = cfg.generations_at(node.turn)
-    nr = NodeRun(node, self.tree.node_joint(node), g, self.level_key(node.turn))
+    nr = NodeRun(node, self.tree.node_joint(node), g)
     self.open_actions[node.turn] += len(nr.acts)
     index = node.full_id - self.offsets[node.turn]
     parent = self.runs.get(node.parent_id)
     for i, prompt in enumerate(node.prompts):
-      key, rows = request_keys(nr.level_key, i, index, cfg.num_agents, g, self.policy.separate)
+      key = self.call_key(node.turn, None, i)
+      rows = request_rows(i, index, cfg.num_agents, g, self.policy.separate)
       handle = None
       if parent is not None:
         handle = parent.handles[i][int(parent.joint[node.parent_action, i])]
@@ -253,13 +263,9 @@ class _Rollout:
     act.context = prompt[len(done) :]
     rnd = len(act.steps)
     index = nr.node.full_id - self.offsets[nr.node.turn]
-    key, rows = request_keys(
-        self.round_key(nr.node.turn, rnd),
-        0,
-        index * self.cfg.actions_at(nr.node.turn) + act.j,
-        1,
-        1,
-        self.policy.separate,
+    key = self.call_key(nr.node.turn, rnd, 0)
+    rows = request_rows(
+        0, index * self.cfg.actions_at(nr.node.turn) + act.j, 1, 1, self.policy.separate
     )
     handle = nr.handles[0][g]
     req = Request(("cont", act), prompt, key, rows, agent=0, parent=handle)

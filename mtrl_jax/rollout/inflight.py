@@ -38,8 +38,8 @@ def takes_seed(transition) -> bool:
 class NodeRun:
   """A node while its samples and actions are under way."""
 
-  def __init__(self, node: Node, joint_BxN: np.ndarray, g: int, level_key):
-    self.node, self.joint, self.g, self.level_key = node, joint_BxN, g, level_key
+  def __init__(self, node: Node, joint_BxN: np.ndarray, g: int):
+    self.node, self.joint, self.g = node, joint_BxN, g
     n = joint_BxN.shape[1]
     self.comps = [[None] * g for _ in range(n)]
     self.handles = [[None] * g for _ in range(n)]

@@ -3,7 +3,7 @@
 `RolloutPolicy` is what `rollout.engine.expand_tree` needs: runs of
 requests over decode slots (`start`, `submit`, `step`, `release`,
 `finish`), and `separate`, whether each agent samples with its own
-parameters (which decides how sampling keys are named, `request_keys`).
+parameters (which decides how sampling keys are named, `call_key`).
 `EnginePolicy` serves it with `mtrl_jax.sampling.engine.DecodeEngine`: a
 shared policy has one parameter set for every agent; separate policies are
 `StackedStates`, parameters stacked on an agent axis, and every agent's
@@ -63,21 +63,28 @@ def key_data(key) -> np.ndarray:
   return np.asarray(key, np.uint32).reshape(2)
 
 
-def request_keys(
-    level_key, agent: int, index: int, num_agents: int, num_samples: int, separate: bool
-) -> tuple[np.ndarray, np.ndarray]:
-  """(key, rows) of the samples of one (node or action, agent).
+def call_key(level_key, agent: int, separate: bool) -> np.ndarray:
+  """Raw key data of the samples of one parameter set at a level (or sub-step round):
+  fold_in(level key, s), s = the agent for separate policies, 0 for a shared one. A
+  rollout computes it once per (level, round, s) and reuses it for every request there:
+  an eager key operation per request would cost a device round trip each."""
+  return key_data(jax.random.fold_in(level_key, agent if separate else 0))
+
+
+def request_rows(
+    agent: int, index: int, num_agents: int, num_samples: int, separate: bool
+) -> np.ndarray:
+  """Rows (uint32 [num_samples]) of the samples of one (node or action, agent) under their
+  `call_key`.
 
   `index` is the node's (or, for a tool continuation, the action's) position
   in its level of the complete tree. Keys follow the level-by-level sampler
-  this engine replaced: one call per parameter set s (0 for a shared policy,
-  the agent for separate ones) keyed fold_in(level key, s), whose row
+  this engine replaced: one call per parameter set s keyed `call_key`, whose row
   p * G + g was sample g of its p-th prompt: p = index * N + agent with a
   shared policy (every agent's prompts in one call), p = index with separate
   ones. A complete tree therefore draws the same tokens as that sampler did.
   """
   g = np.arange(num_samples, dtype=np.int64)
-  key = jax.random.fold_in(level_key, agent if separate else 0)
   if separate:
     rows = index * num_samples + g
   else:
@@ -87,7 +94,7 @@ def request_keys(
         f"sample row {int(rows.max())} does not fit 32 bits: the complete tree "
         "has too many nodes per level for its sampling keys"
     )
-  return key_data(key), rows.astype(np.uint32)
+  return rows.astype(np.uint32)
 
 
 class EnginePolicy:

@@ -33,7 +33,7 @@ class _Factory:
 
 class _ScriptedEngine(FakePolicy):
   """An engine answering 'yes' to the roots listed in `yes_rows`, 'no' elsewhere (G = 1):
-  a root's one sample draws row (root index) in its level (`policy.request_keys`)."""
+  a root's one sample draws row (root index) in its level (`policy.request_rows`)."""
 
   num_agents = 1
 
