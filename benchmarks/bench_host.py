@@ -14,11 +14,13 @@ profiles `--steps` steps of the loop's body (rollout, train batch, train step, s
 metrics).
 
 Every Python thread is profiled: the main thread with its own `cProfile.Profile`, and
-each thread started after that (the environment pool `expand_tree` creates per
-rollout, the rollout producer's thread when rollouts run ahead) with one of its own,
-enabled by a `threading.setprofile` hook when the profiled steps begin. The calculator
-tool runs on `envs/faults.py`'s pooled timed-call workers; the benchmark gives the
-profiled steps a fresh pool, so those workers start, and are profiled, there too. The
+each thread started after that (the run's environment-step pool, `env.workers`; the
+rollout producer's thread when rollouts run ahead) with one of its own, enabled by a
+`threading.setprofile` hook when the profiled steps begin. The environment-step pool
+lives for the run, and the calculator tool runs on `envs/faults.py`'s pooled timed-call
+workers; the benchmark gives the profiled steps a fresh pool of each, so their threads
+start, and are profiled, there too (`env.workers='processes'`: the worker processes are
+not profiled, only the engine's side of their steps). The
 output names the threads covered, and the threads running before (idle in the profiled
 steps, not covered).
 
@@ -427,8 +429,10 @@ def main(argv):
       print(f"warm-up step {step}: {time.perf_counter() - t0:.1f} s", flush=True)
     before = parts.census.counts()
     rows = []
-    # Fresh timed-call workers (the calculator tool's guard, `envs/faults.py`): started in
-    # the profiled steps, so profiled; the warm-up's stay idle.
+    # Fresh pools, started in the profiled steps and so profiled (the warm-up's stay idle):
+    # the environment steps' (closed, the next step starts a new one) and the calculator
+    # tool's timed-call workers (its guard, `envs/faults.py`).
+    parts.workers.close()
     faults._WORKERS = faults._TimedWorkers()
     profiles.start()
     t0 = time.perf_counter()
