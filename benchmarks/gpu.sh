@@ -5,7 +5,7 @@
 #
 # Runs on a machine whose python3 already has jax with CUDA (the lent H100/H200
 # image: jax 0.11.2). Packages that image lacks travel as wheels in .whl/
-# (ml_collections, tensorboardX, and the flax / orbax-checkpoint versions the
+# (ml_collections and the flax / orbax-checkpoint versions the
 # project pins); they are installed into /tmp/site. Each benchmark's full
 # output is written to OUTDIR (default: /tmp/gpu_bench) and echoed.
 set -u

@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_host.sh [OUTDIR]
 #
 # Same set-up as benchmarks/gpu_tree.sh (flax and orbax are the machine's own; .whl/
-# carries ml_collections, tensorboardX and nest_asyncio). Figures: docs/performance.md.
+# carries ml_collections and nest_asyncio). Figures: docs/performance.md.
 #   workers_C   benchmarks/bench_workers.py pinned to C cores (`taskset`; the process
 #               pool takes one worker per usable core): threads vs processes.
 #   demo_MODE   the demo config (configs/calculator.py: SFT warm-up until 30% success,

@@ -5,7 +5,7 @@
 #
 # Same set-up as benchmarks/gpu.sh, except that flax and orbax are the machine's
 # own (flax 0.12.8 does not import on its jax 0.11.2); .whl/ carries only
-# ml_collections, tensorboardX and nest_asyncio. Figures: docs/performance.md. Each benchmark runs
+# ml_collections and nest_asyncio. Figures: docs/performance.md. Each benchmark runs
 # under its own time limit, so one that fails (out of memory, an unsupported
 # cuDNN mask) leaves the others' figures.
 set -u

@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from mtrl_jax import event_file
+
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 # Prefixes of the keys that depend on the process, the wall clock or the
@@ -92,7 +94,7 @@ class MetricsWriter:
           f"{self.path}.{n}, the run starts at step 0"
       )
     self._file = open(self.path, "a")
-    self._tb = _EventFile(os.path.join(workdir, TB_DIR)) if tensorboard else None
+    self._tb = event_file.EventFile(os.path.join(workdir, TB_DIR)) if tensorboard else None
     self._failed_rows = 0  # rows a write error kept off the disk (warned once)
 
   def _resume(self, step: int):
@@ -164,32 +166,6 @@ class MetricsWriter:
 
   def __exit__(self, *exc):
     self.close()
-
-
-class _EventFile:
-  """TensorBoard scalars, written and flushed in the caller's thread. (tensorboardX's
-  SummaryWriter writes from a thread through a bounded queue: once a full disk ends
-  that thread, the queue fills and the next write blocks forever.)"""
-
-  def __init__(self, logdir: str):
-    from tensorboardX.event_file_writer import EventsWriter  # heavy import, only when used
-
-    os.makedirs(logdir, exist_ok=True)
-    self._writer = EventsWriter(os.path.join(logdir, "events"))
-    self.closed = False
-
-  def add(self, step: int, values: Mapping[str, float]) -> None:
-    from tensorboardX.proto import event_pb2
-    from tensorboardX.summary import scalar
-
-    now = time.time()
-    for k, v in values.items():
-      self._writer.write_event(event_pb2.Event(wall_time=now, step=step, summary=scalar(k, v)))
-    self._writer.flush()
-
-  def close(self) -> None:
-    self.closed = True
-    self._writer.close()
 
 
 class NullWriter:

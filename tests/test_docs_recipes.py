@@ -80,11 +80,9 @@ def test_the_doc_commands_parse_and_cite_existing_files():
 def run_all(root: str, commands: list[str]):
   """Trains each command in `root`/run<i>; prints one JSON line per finished run.
 
-  The runs write no curves.png and no TensorBoard events (as `no_curves` in
-  tests/train/conftest.py): matplotlib and tensorboardX's import of torch would be
-  a quarter of the time, and neither is what a recipe teaches."""
+  The runs draw no curves.png (as `no_curves` in tests/train/conftest.py):
+  matplotlib takes seconds of CPU per run, and a plot is not what a recipe teaches."""
   metrics_lib.plot_metrics = lambda *args, **kwargs: None
-  metrics_lib.MetricsWriter.__init__.__defaults__ = (None, False)  # tensorboard=False
   for i, command in enumerate(commands):
     summary = run_command(command, os.path.join(root, f"run{i}"))
     print(json.dumps({"command": command, "halted": bool(summary.get("halted"))}), flush=True)

@@ -7,8 +7,8 @@ an import from a lower layer into a higher one or a cycle between packages.
 
 Layers, bottom to top (a package may import its own layer and the ones below):
 
-  infrastructure: sharding, distributed, checkpoint, storage, metrics, registry, data,
-                  buckets, resources, seeds, compile_cache
+  infrastructure: sharding, distributed, checkpoint, storage, metrics, event_file,
+                  registry, data, buckets, resources, seeds, compile_cache
   text, models, losses
   sampling
   envs
@@ -51,6 +51,7 @@ LAYERS = (
         "checkpoint",
         "storage",
         "metrics",
+        "event_file",
         "registry",
         "data",
         "buckets",

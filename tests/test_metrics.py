@@ -4,7 +4,6 @@ import glob
 import json
 import math
 import os
-import struct
 import time
 
 import jax
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.test_event_file import read_events
 from mtrl_jax.metrics import (
     DEFAULT_PLOT_KEYS,
     CompileCensus,
@@ -41,17 +41,10 @@ def _rows():
 
 
 def _tb_scalars(workdir):
-  """Reads TensorBoard event files (TFRecord framing, Event protos) without TensorFlow."""
-  from tensorboardX.proto import event_pb2
-
+  """The TensorBoard scalars of a run directory, read with tensorboardX (test_event_file)."""
   out = {}
   for path in glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*")):
-    data = open(path, "rb").read()
-    pos = 0
-    while pos < len(data):
-      (length,) = struct.unpack("<Q", data[pos : pos + 8])
-      event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
-      pos += 12 + length + 4  # length, its crc, payload, payload crc
+    for event in read_events(path):
       for v in event.summary.value:
         out.setdefault(v.tag, []).append((event.step, v.simple_value))
   return out
