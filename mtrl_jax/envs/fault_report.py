@@ -125,10 +125,10 @@ class FaultConsole:
   def take_lines(self) -> list:
     """The (key, line) pairs kept since the last call (none unless `keep_lines`)."""
     with self._lock:
-      kept = self._kept or []
-      if self._kept is not None:
-        self._kept = []
-    return kept
+      if self._kept is None:
+        return []
+      kept, self._kept = self._kept, []
+      return kept
 
   def reset(self) -> None:
     """Forgets what was shown (tests, or a new run in the same process)."""

@@ -121,7 +121,7 @@ class _Rollout:
     s = agent if self.policy.separate else 0
     if ("call", turn, rnd, s) not in self._keys:
       base = self.level_key(turn) if rnd is None else self.round_key(turn, rnd)
-      self._keys[("call", turn, rnd, s)] = call_key(base, agent, self.policy.separate)
+      self._keys[("call", turn, rnd, s)] = call_key(base, s)
     return self._keys[("call", turn, rnd, s)]
 
   def level_sizes(self, total_roots: int) -> list[int]:

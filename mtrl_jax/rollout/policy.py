@@ -63,12 +63,12 @@ def key_data(key) -> np.ndarray:
   return np.asarray(key, np.uint32).reshape(2)
 
 
-def call_key(level_key, agent: int, separate: bool) -> np.ndarray:
+def call_key(level_key, param_set: int) -> np.ndarray:
   """Raw key data of the samples of one parameter set at a level (or sub-step round):
   fold_in(level key, s), s = the agent for separate policies, 0 for a shared one. A
   rollout computes it once per (level, round, s) and reuses it for every request there:
   an eager key operation per request would cost a device round trip each."""
-  return key_data(jax.random.fold_in(level_key, agent if separate else 0))
+  return key_data(jax.random.fold_in(level_key, param_set))
 
 
 def request_rows(

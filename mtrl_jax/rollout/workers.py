@@ -99,14 +99,13 @@ def _init_worker(transition) -> None:
   if "jax" in sys.modules:
     sys.modules["jax"].config.update("jax_platforms", "cpu")
   FAULT_CONSOLE.keep_lines()  # the engine's process shows them (`StepWorkers.outcome`)
-  _WORKER["transition"] = transition
+  _WORKER["transition"], _WORKER["renderers"] = transition, _renderers(transition)
 
 
 def _worker_step(payload: bytes, kw: dict, last: bool, may_continue: bool, num_turns: int):
   """One step in a worker process: (pickled outcome, per renderer its counter deltas, the
   console lines of the faults and notices it saw first)."""
-  transition = _WORKER["transition"]
-  renderers = _renderers(transition)
+  transition, renderers = _WORKER["transition"], _WORKER["renderers"]
   before = _counts(renderers)
   state, comps = pickle.loads(payload)
   out = step_action(transition, state, comps, kw, last, may_continue, num_turns)
@@ -167,6 +166,7 @@ class StepWorkers:
     if mode == "processes" and executor is not None:
       raise ValueError("StepWorkers(mode='processes') makes its own pool; executor must be None")
     self.mode, self.max_concurrency, self.transition = mode, max_concurrency, transition
+    self._renderers = _renderers(transition)  # in the order the workers count them
     self._executor, self._own = executor, executor is None
     self._lock = threading.Lock()
     self.replaced = 0  # pools replaced after a worker died
@@ -225,7 +225,7 @@ class StepWorkers:
           f"{' '.join(str(e).split())}); the step is masked and the pool replaced",
       )
     data, deltas, lines = result
-    for renderer, delta in zip(_renderers(self.transition), deltas):
+    for renderer, delta in zip(self._renderers, deltas):
       renderer.add_counts(delta)
     for key, line in lines:  # each worker shows a line once; this console, once per run
       FAULT_CONSOLE.notice(key, line)
