@@ -80,3 +80,25 @@ def apply_smoke(
     c.sft.batch_size = 8
     c.sft.num_examples = 16
   return c
+
+
+def critic_trainer_arms(generations, **overrides) -> list[dict]:
+  """CoMLRL's critic trainers as sweep arms (`get_sweep`'s 'trainer' axes), beside MAGRPO.
+
+  IAC: a value head per agent on its own history; MAAC: one centralized critic
+  model over the joint history. Each trains with a REINFORCE loss and
+  batch-normalised TD(0) advantages, once per G in `generations`; `overrides`
+  (flag -> value) are added to every arm.
+  """
+  return [
+      {
+          "critic.kind": kind,
+          "critic.model": model,
+          "critic.estimator": "td0",
+          "loss.algorithm": "reinforce",
+          "tree.num_generations": g,
+          **overrides,
+      }
+      for kind, model in (("independent", "head"), ("centralized", "separate"))
+      for g in generations
+  ]

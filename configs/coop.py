@@ -25,7 +25,7 @@ measurable ingredient.
 from ml_collections import config_dict
 
 from configs import base
-from configs.common import apply_smoke, parse_arg
+from configs.common import apply_smoke, critic_trainer_arms, parse_arg
 
 
 def get_config(arg=None):
@@ -103,18 +103,7 @@ def get_sweep(arg=None):
       "shape": [{"tree.shape": "tree"}, {"tree.shape": "chain", "tree.num_generations": 10}],
       # A team of two architectures: agent 1 the 2-layer d256 `bench` preset (train.team).
       "team": [{}, {"agents.presets": ("", "bench")}],
-      "trainer": [{}]
-      + [
-          {
-              "critic.kind": kind,
-              "critic.model": model,
-              "critic.estimator": "td0",
-              "loss.algorithm": "reinforce",
-              "tree.num_generations": g,
-          }
-          for kind, model in (("independent", "head"), ("centralized", "separate"))
-          for g in (4, 1)
-      ],
+      "trainer": [{}] + critic_trainer_arms((4, 1)),
   }
   axes["all"] = [{}, axes["turns"][0], axes["turns"][2]] + axes["joint"][1:] + axes["feedback"][1:]
   # 'cpu': the subset docs/ablations.md ran on 2 CPU cores.

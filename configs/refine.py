@@ -30,7 +30,7 @@ warm-up episodes.
 from ml_collections import config_dict
 
 from configs import base
-from configs.common import apply_smoke, parse_arg
+from configs.common import apply_smoke, critic_trainer_arms, parse_arg
 
 
 def get_config(arg=None):
@@ -109,22 +109,9 @@ def get_sweep(arg=None):
       # Equal joint actions per root (rollout.config.generations_per_root): 4 + 16 = 10 x 2.
       "shape": [{"tree.shape": "tree"}, {"tree.shape": "chain", "tree.num_generations": 10}],
       "joint": [{"tree.joint_mode": "align"}, {"tree.joint_mode": "cross"}],
-      # CoMLRL's trainers beside MAGRPO (the base): IAC, a value head per agent on its own
-      # history, and MAAC, one centralized critic model over the joint history, each with a
-      # REINFORCE loss and batch-normalised TD(0) advantages on chains (G = 1), at a fifth of
-      # the base's rate (coop's critic trainers collapsed at its full rate: docs/ablations.md).
-      "trainer": [{}]
-      + [
-          {
-              "critic.kind": kind,
-              "critic.model": model,
-              "critic.estimator": "td0",
-              "loss.algorithm": "reinforce",
-              "tree.num_generations": 1,
-              "optim.learning_rate": 1e-4,
-          }
-          for kind, model in (("independent", "head"), ("centralized", "separate"))
-      ],
+      # CoMLRL's IAC and MAAC beside MAGRPO (the base) on chains (G = 1), at a fifth of the
+      # base's rate: coop's critic trainers collapsed at its full rate (docs/ablations.md).
+      "trainer": [{}] + critic_trainer_arms((1,), **{"optim.learning_rate": 1e-4}),
   }
   if arg == "all":
     runs = [{}] + [arm for arms in axes.values() for arm in arms[1:]]
