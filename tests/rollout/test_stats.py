@@ -119,7 +119,7 @@ def test_engine_counters_become_metrics():
   m = stats.engine_metrics(tree)
   assert m["engine/kv_reuse"] == pytest.approx(0.75)  # 90 of 120 context tokens cached
   assert m["engine/decode_efficiency"] == pytest.approx(0.8)
-  assert m["engine/slot_occupancy"] == pytest.approx(0.75)
+  assert m["engine/slot_occupancy"] == pytest.approx(0.75) and m["engine/decode_chunks"] == 4
   assert m["engine/evictions"] == 2 and m["engine/prefill_tokens"] == 30
   assert m["time/overlap"] == 0.5 and m["time/device_idle"] == 0.25
 
