@@ -24,9 +24,13 @@ Workloads (random weights; token-level environments from `mtrl_jax.testing`):
   skew     64 requests of G = 1, half with a budget of 8 tokens and half of 128
            (no stop id: each sample runs to its budget), 16 slots (`bench` preset).
            Arms: level-sync (all requests of a level decoded together until the
-           longest ends: one decode call per level, `chunk = 128`, 64 slots) and the
-           engine (chunk 8: a finished slot takes a queued request at the next
-           chunk). Figure: sampled tokens / decoded slot-steps.
+           longest ends: one decode call per level, `chunk = 128`, 64 slots), the
+           same with 16 slots (the engine's memory: 16 requests at a time, each
+           wave decoded until its longest ends) and the engine (chunk 8: a finished
+           slot takes a queued request at the next chunk). Figures: sampled tokens
+           / decoded slot-steps, and decode steps (summed over calls: the steps a
+           device runs one after another, what sets the time where a step costs
+           the same at any row count, as on a GPU at this size).
 
 Every arm runs `--warmup` untimed steps (compilation) and reports the median of
 `--steps`; the compile counts must not move during the timed steps.
@@ -290,9 +294,13 @@ def bench_skew(preset, dtype, warmup, steps):
   cfg, state = _model(preset or "bench", dtype)
   num, prompt, short, long = 64, 32, 8, 128
   capacity = prompt + long + 16
+  slots = 16
   arms = {
       "level-sync": DecodeEngine(cfg, EngineConfig(slots=num, capacity=capacity, chunk=long)),
-      "engine": DecodeEngine(cfg, EngineConfig(slots=16, capacity=capacity, chunk=8)),
+      f"level-sync, {slots} slots": DecodeEngine(
+          cfg, EngineConfig(slots=slots, capacity=capacity, chunk=long)
+      ),
+      "engine": DecodeEngine(cfg, EngineConfig(slots=slots, capacity=capacity, chunk=8)),
   }
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=long)
   rng = np.random.default_rng(0)
@@ -320,6 +328,7 @@ def bench_skew(preset, dtype, warmup, steps):
         "useful": st["decode_tokens"],
         "slot_steps": st["slot_steps"],
         "ratio": st["decode_tokens"] / st["slot_steps"],
+        "steps": st["decode_steps"],
     }
 
   res = _timed({k: _Arm(v) for k, v in arms.items()}, run, warmup, steps)
@@ -327,12 +336,15 @@ def bench_skew(preset, dtype, warmup, steps):
       f"\nskew ({preset or 'bench'}): {num} requests, half of {short} and half of {long} "
       f"tokens, median of {steps}"
   )
-  print("| arm | sampled tokens | decoded slot-steps | sampled / slot-steps | seconds |")
-  print("|---|---|---|---|---|")
+  print(
+      "| arm | sampled tokens | decoded slot-steps | sampled / slot-steps | decode steps "
+      "| seconds |"
+  )
+  print("|---|---|---|---|---|---|")
   for name, r in res.items():
     print(
         f"| {name} | {r['useful']:,.0f} | {r['slot_steps']:,.0f} | {r['ratio']:.2f} | "
-        f"{r['seconds']:.3f} |"
+        f"{r['steps']:,.0f} | {r['seconds']:.3f} |"
     )
 
 

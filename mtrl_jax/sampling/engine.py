@@ -339,6 +339,7 @@ class DecodeEngine:
     st = self._stats
     st.decode_calls += 1
     st.slot_steps += d * a * r * ran
+    st.decode_steps += ran
     finished = []
     for idx, row in placed:
       n = int(counts[idx])

@@ -294,6 +294,7 @@ class EngineStats:
   reused_tokens: int = 0  # prompt tokens found in a parent's cache
   decode_tokens: int = 0  # sampled tokens
   slot_steps: int = 0  # decode rows x steps run, padding included
+  decode_steps: int = 0  # steps run, summed over decode calls (one after another on a device)
   chunks: int = 0  # steps that decoded
   occupancy_sum: float = 0  # decoding slots / all slots, summed over chunks
   evictions: int = 0  # parked caches evicted for room

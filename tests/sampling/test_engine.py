@@ -317,11 +317,17 @@ def test_stop_ids_end_samples_and_are_included(state):
 def test_decode_chunk_changes_nothing(plain_state, chunk):
   cfg = SamplingConfig(max_new_tokens=NEW, temperature=0.8)
   ref = _run(_engine(chunk=4), plain_state, _requests(PROMPTS, 2), cfg, stop=[9])
-  out = _run(_engine(chunk=chunk), plain_state, _requests(PROMPTS, 2), cfg, stop=[9])
+  engine = _engine(chunk=chunk)
+  out = _run(engine, plain_state, _requests(PROMPTS, 2), cfg, stop=[9])
   for tag, s in ref.items():
     np.testing.assert_array_equal(out[tag].ids, s.ids)
     np.testing.assert_allclose(out[tag].logprobs, s.logprobs, rtol=0, atol=TOL)
     assert out[tag].finish_reason == s.finish_reason
+  # Every row decodes in one window, so the steps run one after another are the
+  # longest sample's, whatever the chunk: NEW steps, in ceil(NEW / chunk) calls.
+  longest = max(len(s.ids) for s in out.values())
+  assert engine.stats["decode_steps"] == longest
+  assert engine.stats["decode_calls"] == -(-longest // chunk)
 
 
 def test_new_weights_and_sizes_in_the_same_buckets_do_not_recompile(state):
