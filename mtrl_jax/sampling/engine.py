@@ -314,7 +314,7 @@ class DecodeEngine:
         self._run.pad,
     )
     self._pool = self.programs.admit(
-        self._params, self._pool, *map(self.layout.put_rows, arrays), stacked=self._run.stacked
+        self._params, self._pool, *self.layout.put_rows(arrays), stacked=self._run.stacked
     )
     self._stats.admit_calls += 1
 
@@ -326,7 +326,7 @@ class DecodeEngine:
     out = self.programs.decode(
         self._params,
         self._pool,
-        *map(self.layout.put_rows, arrays),
+        *self.layout.put_rows(arrays),
         *s.scalars,
         stacked=s.stacked,
         window=window,
@@ -334,6 +334,8 @@ class DecodeEngine:
         **s.static,
     )
     self._pool = out[0]
+    for x in out[1:6]:  # the five fetches start together: one wait for the device, not five
+      x.copy_to_host_async()
     tokens, logps, counts, stopped = (distributed.local_rows(x) for x in out[1:5])
     ran = int(out[5])
     st = self._stats

@@ -59,4 +59,4 @@ def test_stats_as_dict_names_every_counter():
   stats = EngineStats()
   stats.evictions += 2
   d = stats.as_dict()
-  assert d["evictions"] == 2 and d["requests"] == 0 and len(d) == 11
+  assert d["evictions"] == 2 and d["requests"] == 0 and len(d) == 12
