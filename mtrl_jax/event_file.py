@@ -13,7 +13,8 @@ dashboard reads. The few proto fields used are encoded here by hand:
   Summary.Value:  1 tag (string), 2 simple_value (float)
 
 (tensorboardX, the library this replaces, imports torch whenever torch is
-installed: about 5 s and some hundreds of MB at the start of every run.)
+installed: seconds and about 180 MB of resident memory at the start of every
+run; docs/performance.md.)
 """
 
 from __future__ import annotations
