@@ -225,8 +225,9 @@ def rollout_metrics(tree, success_threshold: float) -> dict[str, float]:
 
 
 def path_results(tree) -> list[dict]:
-  """Per root of a single-path tree (G = 1): outcome, return, turns, success inputs, and
-  whether the tree cut the episode (`is_cut`)."""
+  """Per root of a single-path tree (G = 1): outcome, return, turns, success inputs,
+  whether the tree cut the episode (`is_cut`), and per agent its local reward of the
+  ending joint action and whether the environment graded it alone there."""
   by_id = {n.node_id: n for n in tree.nodes}
   out = []
   for root in (n for n in tree.nodes if n.parent_id < 0):
@@ -247,6 +248,8 @@ def path_results(tree) -> list[dict]:
             "turns": turns,
             "masked": not bool(node.valid_B[0]),
             "cut": is_cut(tree, node, 0),
+            "local": [float(x) for x in node.local_BxN[0]],
+            "local_graded": [bool(x) for x in node.local_graded_BxN[0]],
         }
     )
   return out

@@ -86,7 +86,23 @@ class Evaluator:
       out[f"pass@{samples}"] = float(
           np.mean([any(solved[i : i + samples]) for i in range(0, len(solved), samples)])
       )
-    return out
+    return {**out, **agent_local_means(res, self.tree.num_agents)}
+
+
+def agent_local_means(results: Sequence[dict], num_agents: int) -> dict[str, float]:
+  """`agent_<a>/local`: agent a's mean local reward of the ending joint action (its own
+  grade: `Grade.agent_scores`), over the paths whose ending action graded it alone; absent
+  for an agent never graded alone, and for one agent. With a team reward an agent can
+  free-ride on (coop's `team_reward='any'`), this tells a lazy agent from a team that
+  succeeds through its partner."""
+  if num_agents < 2:
+    return {}
+  out = {}
+  for a in range(num_agents):
+    graded = [r["local"][a] for r in results if not r["masked"] and r["local_graded"][a]]
+    if graded:
+      out[f"agent_{a}/local"] = float(np.mean(graded))
+  return out
 
 
 def indexed(source, count: int, start: int = 0) -> list[dict]:

@@ -206,6 +206,9 @@ SECTIONS = (
         ("eval/<mode>/masked", "share of paths whose last action was masked", "fraction"),
         ("eval/<mode>/cut_fraction", "share of paths the tree cut at its last turn",
          "fraction"),
+        ("eval/<mode>/agent_<a>/local", "several agents: agent a's mean local reward (its "
+         "own grade) of the ending joint action, over paths whose ending action graded it "
+         "alone", "reward"),
         ("curriculum/level", "`curriculum.enabled`: the level the step's tasks came from",
          "level"),
         ("curriculum/rolling_success", "mean `rollout/success` over the window so far",

@@ -95,6 +95,8 @@ def test_smoke_config_runs_an_rl_step(smoke_runs, module, arg):
   share_policy = config["agents"]["share_policy"]
   assert share_policy == ("share_policy=True" in arg)
   assert all((f"agent_{a}/batch/actions" in rows[1]) != share_policy for a in (0, 1))
+  if module == "configs.coop":  # its grade scores each agent's own answer too
+    assert {"eval/greedy/agent_0/local", "eval/greedy/agent_1/local"} <= set(rows[0])
 
 
 @pytest.mark.parametrize(

@@ -88,3 +88,38 @@ def test_evaluate_samples_gives_pass_at_k(samples, yes_rows, success, pass_k):
     assert out[f"pass@{samples}"] == pytest.approx(pass_k, abs=1e-12)
   with pytest.raises(ValueError, match="samples"):
     evaluator(None, tasks, greedy=True, key=None, samples=0)
+
+
+# ------------------------------------------------------------------ per-agent local grades
+def test_held_out_local_means_count_only_paths_that_graded_the_agent_alone():
+  """Two-agent single paths built by hand: agent a's `local` is its own grade of the
+  ending joint action, averaged over the unmasked paths that graded it alone."""
+  from mtrl_jax.rollout import Tree
+  from mtrl_jax.rollout.records import ActionRecord, StepRecord
+  from mtrl_jax.rollout.stats import path_results
+
+  cfg = TreeConfig(num_turns=2, num_generations=1, num_agents=2)
+  tree = Tree(cfg)
+  # (turn-0 step, ending step) per root: team reward, validity, local grades.
+  paths = [
+      ((0.0, True, ()), (1.0, True, (1.0, 0.0))),  # agent 0 right, agent 1 wrong
+      ((0.0, True, ()), (1.0, True, (1.0, 1.0))),  # both right
+      ((0.0, True, (0.0, 0.0)), (0.0, True, ())),  # graded alone at turn 0 only
+      ((0.0, True, ()), (0.0, False, (0.0, 1.0))),  # a masked ending: not counted
+  ]
+  for first, last in paths:
+    node = tree.add_root([[1], [1]])
+    for k, (team, valid, local) in enumerate((first, last)):
+      rec = ActionRecord((StepRecord(team, valid, done=k == 1, local_rewards=local),))
+      tree.record(node, [rec.reward], [valid], [rec])
+      if k == 0:
+        node = tree.add_child(node, 0, [[2], [2]])
+  tree.finalize()
+  res = path_results(tree)
+  assert [r["local_graded"] for r in res] == [[True, True], [True, True], [False, False]] + [
+      [True, True]
+  ]
+  assert res[0]["local"] == [1.0, 0.0] and res[2]["local"] == [0.0, 0.0]  # team where ungraded
+  assert eval_lib.agent_local_means(res, 2) == {"agent_0/local": 1.0, "agent_1/local": 0.5}
+  assert eval_lib.agent_local_means(res[2:3], 2) == {}  # never graded alone at the end
+  assert eval_lib.agent_local_means(res, 1) == {}
