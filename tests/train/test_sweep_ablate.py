@@ -254,6 +254,7 @@ def test_refine_axes_share_one_base_arm_and_follow_their_field_references(tmp_pa
       "shape",
       "discount",
       "agents",
+      "trainer",
   ):
     runs = report.expand_sweep(path, axis, str(tmp_path))
     names[axis] = [os.path.basename(w) for w, _, _ in runs]
