@@ -43,7 +43,8 @@ class Evaluator:
   def __call__(
       self, params, tasks: Sequence[dict], *, greedy: bool, key, samples: int = 1
   ) -> dict[str, float]:
-    """Mean success, outcome, return, turns, masked and cut fraction over `tasks`.
+    """Mean success, outcome, return, turns, masked and cut fraction over `tasks`, and with
+    several agents each one's own grade (`agent_local_means`).
 
     `cut_fraction`: the share of episodes the tree cut at its last turn (the
     environment would have gone on); their outcome is the cut's grade
