@@ -220,7 +220,13 @@ class ThreadProfiles:
   `start()` and `stop()`. Threads already running at `start()` are not covered (Python
   3.11 cannot profile another running thread); `uncovered` names them. No profiler is
   touched from another thread while its own thread runs.
+
+  From Python 3.12 `cProfile` runs on `sys.monitoring`, whose events are process-wide
+  and which holds one profiler at a time: the main thread's profiler then records every
+  thread (`merged`), already running ones too, and no per-thread profiler is started.
   """
+
+  merged = sys.version_info >= (3, 12)
 
   def __init__(self):
     self._lock = threading.Lock()
@@ -237,13 +243,15 @@ class ThreadProfiles:
 
   def start(self) -> None:
     main = threading.main_thread()
-    self.uncovered = [t.name for t in threading.enumerate() if t is not main]
-    threading.setprofile(self._hook)
+    if not self.merged:
+      self.uncovered = [t.name for t in threading.enumerate() if t is not main]
+      threading.setprofile(self._hook)
     self._main.enable()
 
   def stop(self) -> None:
     self._main.disable()
-    threading.setprofile(None)
+    if not self.merged:
+      threading.setprofile(None)
 
   def stats(self) -> list[tuple[str, dict]]:
     """(thread name, pstats dict) per profiled thread, the main thread first; a thread
@@ -281,6 +289,7 @@ def _build(config):
     shapes.precompile(
         parts.shapes,
         *parts.compile_targets(run_state.state.params),
+        train_threads=shapes.compile_threads(),
         critic=parts.critic,
     )
     print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -452,8 +461,11 @@ def main(argv):
   )
   compiles = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
   print(f"compiles during the profiled steps: {compiles or 'none'}")
-  names = collections.Counter(thread_kind(t) for t, _ in threads)
-  print("threads covered: " + ", ".join(f"{k} x{v}" for k, v in names.items()))
+  if profiles.merged:
+    print("threads covered: every thread, in one profile (Python 3.12+: sys.monitoring)")
+  else:
+    names = collections.Counter(thread_kind(t) for t, _ in threads)
+    print("threads covered: " + ", ".join(f"{k} x{v}" for k, v in names.items()))
   print(
       "threads not covered (running before the profiled steps; idle in them): "
       + (", ".join(profiles.uncovered) or "none")

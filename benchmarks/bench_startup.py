@@ -2,6 +2,7 @@ r"""Start-up time: launch to the first RL step, and precompilation, cold and war
 
   .venv/bin/python -m benchmarks.bench_startup
   .venv/bin/python -m benchmarks.bench_startup --runs=demo --threads=1,2
+  .venv/bin/python -m benchmarks.bench_startup --runs=demo --train_threads=1,2
 
 Every measurement is a fresh process with its own compilation cache directory
 (`compile_cache`, mtrl_jax/compile_cache.py): 'cold' starts it empty, 'warm'
@@ -17,8 +18,9 @@ sweep arm on the same machine finds it. Runs:
   demo         `configs/calculator.py` (the demo): `shapes.precompile` alone, in a
                process that builds the run's parts and compiles every program
                `rl.train` precompiles (no SFT warm-up, no RL step), the
-               engine's `--threads` programs at a time (the train step's one
-               after another).
+               engine's `--threads` programs at a time and the train step's
+               `--train_threads` (`shapes.compile_threads` picks a run's: 1 on
+               the CPU backend).
 
 Targets on 2 quiet cores (docs/performance.md, "Start-up time"): coop cold at
 most 60 s to the first RL step, warm at most 15 s; the demo's precompilation at
@@ -42,11 +44,14 @@ _RUNS = flags.DEFINE_list("runs", ["coop", "coop_pre", "demo"], "coop, coop_pre 
 _THREADS = flags.DEFINE_list(
     "threads", ["2"], "demo: engine programs compiled at a time (each a cold and a warm row)"
 )
+_TRAIN_THREADS = flags.DEFINE_list(
+    "train_threads", ["1"], "demo: train-step programs compiled at a time (rows per value)"
+)
 _WORKER = flags.DEFINE_string("worker", None, "internal: 'demo' runs one precompilation")
 _CACHE = flags.DEFINE_string("cache", "", "internal: the worker's compile_cache")
 
 
-def _demo_worker(cache: str, threads: int) -> dict:
+def _demo_worker(cache: str, threads: int, train_threads: int) -> dict:
   """Builds the demo's parts and precompiles them as `rl.train` does (this process)."""
   from configs import calculator
   from mtrl_jax.train import components, experiment, shapes
@@ -56,7 +61,12 @@ def _demo_worker(cache: str, threads: int) -> dict:
   exp = experiment.start(c)
   parts = components.build(exp)
   state = parts.policies.init_state()
-  info = shapes.precompile(parts.shapes, *parts.compile_targets(state.params), threads=threads)
+  info = shapes.precompile(
+      parts.shapes,
+      *parts.compile_targets(state.params),
+      threads=threads,
+      train_threads=train_threads,
+  )
   return {**info, "backend_compiles": parts.census.counts()["compiles/backend_total"]}
 
 
@@ -111,7 +121,7 @@ def _train(cache: str, workdir: str, precompile: bool) -> dict:
   }
 
 
-def _demo(cache: str, threads: int) -> dict:
+def _demo(cache: str, threads: int, train_threads: int) -> dict:
   cmd = [
       sys.executable,
       "-m",
@@ -119,6 +129,7 @@ def _demo(cache: str, threads: int) -> dict:
       "--worker=demo",
       f"--cache={cache}",
       f"--threads={threads}",
+      f"--train_threads={train_threads}",
   ]
   t0 = time.perf_counter()
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -157,7 +168,8 @@ def _row(name: str, kind: str, r: dict, entries: int) -> str:
 def main(argv):
   del argv
   if _WORKER.value == "demo":
-    print(json.dumps(_demo_worker(_CACHE.value, int(_THREADS.value[0]))), flush=True)
+    threads, train_threads = int(_THREADS.value[0]), int(_TRAIN_THREADS.value[0])
+    print(json.dumps(_demo_worker(_CACHE.value, threads, train_threads)), flush=True)
     return
   unknown = sorted(set(_RUNS.value) - {"coop", "coop_pre", "demo"})
   if unknown:
@@ -174,7 +186,11 @@ def main(argv):
     jobs = []
     for run in _RUNS.value:
       if run == "demo":
-        jobs += [(f"demo, {t} threads", lambda c, w, t=int(t): _demo(c, t)) for t in _THREADS.value]
+        jobs += [
+            (f"demo, {t} + {tt} threads", lambda c, w, t=int(t), tt=int(tt): _demo(c, t, tt))
+            for t in _THREADS.value
+            for tt in _TRAIN_THREADS.value
+        ]
       else:
         jobs.append((run, lambda c, w, p=run == "coop_pre": _train(c, w, p)))
     for i, (name, fn) in enumerate(jobs):

@@ -28,7 +28,10 @@ first RL step, so the compile census stays flat for the rest of the run.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
+import os
 import time
 from typing import Sequence
 
@@ -37,7 +40,7 @@ import jax
 from mtrl_jax.buckets import round_up
 from mtrl_jax.rollout import plan_tree
 from mtrl_jax.rollout.train_batch import TrainBatch, batch_spec, logit_buckets
-from mtrl_jax.train.compile import compile_values
+from mtrl_jax.train.compile import lower_values
 from mtrl_jax.sampling import EngineConfig
 
 
@@ -132,6 +135,7 @@ def precompile(
     engines: Sequence[tuple],
     train_steps: Sequence,
     threads: int = 2,
+    train_threads: int = 1,
     critic=None,
     progress=None,
 ) -> dict:
@@ -142,9 +146,9 @@ def precompile(
   `train_steps`: the update programs (a `TrainStep` or `StackedTrainStep`, one
   per group of a team).
   The engine compiles `threads` programs at a time (XLA compiles off the Python
-  lock); train-step programs compile one after another: XLA's CPU compiler keeps
-  more than one core busy on them alone, and two at a time did not finish sooner
-  on 2 cores (docs/performance.md, "Start-up time").
+  lock). Train-step programs are lowered one after another on this thread and
+  compiled `train_threads` at a time on others (`compile_threads`), so lowering
+  the next overlaps compiling the last.
   With a critic the value passes compile too: a head's on the policy's step, a
   separate independent critic's value pass and update (`critic`, a
   `train.separate_critic.SeparateCritic`) on the same buckets; a centralized
@@ -163,52 +167,69 @@ def precompile(
         params, shapes.samplings, num_stop_ids, shapes.fanout, threads=threads, **kw
     )
   t1 = time.perf_counter()
-  specs = shapes.train_specs()
-  critic_specs = specs if critic is not None and critic.kind == "independent" else []
-  total = len(train_steps) * len(specs) * (2 if shapes.values else 1) + 2 * len(critic_specs)
-  programs = 0
-
-  def done(n: int = 1):
-    nonlocal programs
-    programs += n
-    if progress is not None:
-      progress("train-step", programs, total)
-
-  done(0)
+  units = []  # per program reported: a function giving its lowered computations
   for train_step in train_steps:
     agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
-    for spec in specs:
+    for spec in shapes.train_specs():
       if agents is not None:
         spec = jax.tree.map(lambda v: jax.ShapeDtypeStruct((agents,) + v.shape, v.dtype), spec)
-      train_step.precompile(spec)
-      done()
+      units.append(functools.partial(train_step.lower, spec))
       if shapes.values:  # a value head: the rollout's value pass
-        compile_values(
-            train_step, spec, train_step.rules if agents is None else train_step.inner.rules
-        )
-        done()
+        rules = train_step.rules if agents is None else train_step.inner.rules
+        units.append(lambda s=train_step, b=spec, r=rules: [lower_values(s, b, r)])
   if critic is not None:
-    precompile_critic(shapes, critic, done)
+    units += _critic_units(shapes, critic)
+  report = (lambda n: progress("train-step", n, len(units))) if progress else (lambda n: None)
+  _compile_all(units, train_threads, report)
   t2 = time.perf_counter()
   return {
       "engine_programs": engine_programs,
       "engine_seconds": round(t1 - t0, 1),
-      "train_programs": programs,
+      "train_programs": len(units),
       "train_seconds": round(t2 - t1, 1),
   }
 
 
-def precompile_critic(shapes: ShapePlan, critic, done=lambda n=1: None) -> int:
-  """Compiles a separate independent critic's value pass and update for every train
-  bucket of `shapes` (its batches are the packed tree's, with the value fields); returns
-  the programs compiled (0 for a centralized critic: its joint rows compile on use).
-  `done()` is called after each program."""
+def compile_threads() -> int:
+  """Train-step programs to compile at a time on this machine: one on the CPU backend
+  (XLA's CPU compiler keeps more than one core busy on a program alone, and two at a
+  time did not finish sooner on 2 cores: docs/performance.md, "Start-up time"); with an
+  accelerator, where compiling is mostly single-threaded host work (8 s a program on
+  a 16-core GPU host), one per two host cores, at most 8."""
+  if jax.default_backend() == "cpu":
+    return 1
+  return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def _compile_all(units: Sequence, threads: int, done=lambda n: None) -> None:
+  """Lowers each unit on this thread (tracing is Python) and compiles what it gives
+  `threads` units at a time (XLA compiles off the interpreter lock); `done(n)` sees 0,
+  then the units compiled, in order."""
+  done(0)
+  with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
+    compiling = [ex.submit(lambda ls=unit(): [l.compile() for l in ls]) for unit in units]
+    for n, future in enumerate(compiling, 1):
+      future.result()
+      done(n)
+
+
+def _critic_units(shapes: ShapePlan, critic) -> list:
+  """A separate independent critic's programs for every train bucket of `shapes` (its
+  batches are the packed tree's, with the value fields): the update and the value pass
+  per bucket, as `precompile`'s units; none for a centralized critic (its joint rows
+  compile on use)."""
   if critic.kind != "independent":
-    return 0
-  specs = dataclasses.replace(shapes, values=True).train_specs()
-  for spec in specs:
-    critic.step.precompile(spec)
-    done()
-    compile_values(critic.step, spec, critic.step.rules)
-    done()
-  return 2 * len(specs)
+    return []
+  step, units = critic.step, []
+  for spec in dataclasses.replace(shapes, values=True).train_specs():
+    units.append(functools.partial(step.lower, spec))
+    units.append(lambda b=spec: [lower_values(step, b, step.rules)])
+  return units
+
+
+def precompile_critic(shapes: ShapePlan, critic, threads: int = 1) -> int:
+  """Compiles a separate independent critic's programs (`_critic_units`); returns how
+  many (0 for a centralized critic)."""
+  units = _critic_units(shapes, critic)
+  _compile_all(units, threads)
+  return len(units)

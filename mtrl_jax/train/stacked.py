@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mtrl_jax import sharding
 from mtrl_jax.models import lora as lora_lib
 from mtrl_jax.rollout.train_batch import TrainBatch, as_arrays
-from mtrl_jax.train.compile import compile_step
+from mtrl_jax.train.compile import lower_step
 from mtrl_jax.train.step import StepConfig, TrainState, TrainStep
 
 
@@ -256,7 +256,12 @@ class StackedTrainStep:
   def precompile(self, batch: TrainBatch, with_ref=None) -> None:
     """Compiles the step for this stacked batch's shapes (arrays or ShapeDtypeStructs);
     with several updates per batch also the old-logprob forward (as `TrainStep`)."""
-    compile_step(
+    for lowered in self.lower(batch, with_ref):
+      lowered.compile()
+
+  def lower(self, batch: TrainBatch, with_ref=None) -> list:
+    """`precompile`'s programs lowered, not yet compiled (`train.compile.lower_step`)."""
+    return lower_step(
         self,
         batch,
         with_ref,

@@ -45,7 +45,7 @@ from mtrl_jax.models import lora as lora_lib
 from mtrl_jax.train import optim
 from mtrl_jax.rollout.train_batch import TrainBatch
 from mtrl_jax.train.forward import forward_logprobs, forward_values
-from mtrl_jax.train.compile import compile_step
+from mtrl_jax.train.compile import lower_step
 from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.update import one_update
 
@@ -433,7 +433,12 @@ class TrainStep:
     can compile all its shape buckets before the first step.
     `with_ref` defaults to whether the objective needs reference logprobs.
     """
-    compile_step(
+    for lowered in self.lower(batch, with_ref):
+      lowered.compile()
+
+  def lower(self, batch: TrainBatch, with_ref: Optional[bool] = None) -> list:
+    """`precompile`'s programs lowered, not yet compiled (`train.compile.lower_step`)."""
+    return lower_step(
         self,
         batch,
         with_ref,

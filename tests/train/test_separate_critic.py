@@ -24,7 +24,7 @@ from mtrl_jax.rollout.batching import BatchConfig, critic_values
 from mtrl_jax.rollout.critic import CriticConfig, critic_advantages
 from mtrl_jax.train import OptimConfig, StepConfig, TrainStep, experiment, make_optimizer
 from mtrl_jax.train import critic_config, shapes
-from mtrl_jax.train.compile import compile_values
+from mtrl_jax.train.compile import lower_values
 from mtrl_jax.train.objectives import PolicyObjective, ValueObjective
 from mtrl_jax.train.separate_critic import SeparateCritic
 from mtrl_jax.train.shapes import ShapePlan
@@ -251,8 +251,9 @@ def test_centralized_critic_run_learns_and_resumes_exactly(tmp_path):
 
 def test_precompiled_critic_programs_are_the_ones_a_rollout_uses():
   """docs/design.md invariant 5: an independent separate critic's value pass and update
-  compile before step 1 (`shapes.precompile_critic`) for the buckets its batches take,
-  and a head's value pass too (`compile.compile_values`): running them compiles nothing."""
+  compile before step 1 (`shapes.precompile_critic`, two programs at a time) for the
+  buckets its batches take, and a head's value pass too (`compile.lower_values`):
+  running them compiles nothing."""
   tree = random_tree(7, turns=2, gens=2, agents=2, mode="align")
   bcfg = BatchConfig(packing="rows", length_buckets=(64,), row_buckets=(32, 64))
   plan = ShapePlan(
@@ -266,7 +267,7 @@ def test_precompiled_critic_programs_are_the_ones_a_rollout_uses():
       seed=0,
   )
   critic = SeparateCritic(exp, _model(), None, bcfg)
-  assert shapes.precompile_critic(plan, critic) == 4
+  assert shapes.precompile_critic(plan, critic, threads=2) == 4
   compiled = critic.step.num_compiles
   state = critic.init_state()
   values, rows = critic.values(state.params, tree)
@@ -277,7 +278,7 @@ def test_precompiled_critic_programs_are_the_ones_a_rollout_uses():
   model = _model()
   step = TrainStep(model, PolicyObjective(LossConfig(), value_coef=0.5), OPT, step_cfg=FAST)
   for spec in dataclasses.replace(plan, values=True).train_specs():
-    compile_values(step, spec, step.rules)
+    lower_values(step, spec, step.rules).compile()
   compiled, params = step.num_compiles, step.init_state(model).params
   got = critic_values(
       tree,
