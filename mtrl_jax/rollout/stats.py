@@ -259,6 +259,7 @@ def engine_metrics(tree) -> dict[str, float]:
   """`engine/*` and `time/*` of the rollout that built `tree` (`expand_tree`):
 
   engine/slot_occupancy   decoding slots / all slots, mean over decode chunks
+  engine/slot_parked      parked slots (caches kept for a continuation) / all slots, likewise
   engine/decode_chunks    decode chunks run (one device call each, every slot stepping)
   engine/prefill_tokens   prompt tokens prefilled (new tokens only where a cache was reused)
   engine/decode_tokens    tokens sampled
@@ -279,6 +280,7 @@ def engine_metrics(tree) -> dict[str, float]:
     out.update(
         {
             "engine/slot_occupancy": stats["occupancy_sum"] / max(stats["chunks"], 1),
+            "engine/slot_parked": stats["parked_sum"] / max(stats["chunks"], 1),
             "engine/decode_chunks": float(stats["chunks"]),
             "engine/prefill_tokens": float(stats["prefill_tokens"]),
             "engine/decode_tokens": float(stats["decode_tokens"]),

@@ -82,6 +82,10 @@ class SlotTable:
     """`h`'s sample finished: its slot keeps the cache."""
     self._pool(h).park(h)
 
+  def parked(self) -> int:
+    """Parked slots over every pool."""
+    return sum(len(p.parked) for p in self.pools.values())
+
   def flush(self) -> None:
     """Slots freed so far become free (no admit reads them any more)."""
     for pool in self.pools.values():

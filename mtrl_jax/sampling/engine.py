@@ -284,14 +284,16 @@ class DecodeEngine:
         self._admit(own[k] if k < len(own) else [], x)
     self._slots.flush()  # sources this step's admits have read
     done: list[Sample] = []
-    decoding = len(self._rows)
+    decoding, parked = len(self._rows), self._slots.parked()  # beside this chunk
     for w in sorted({w for m in everyone for w in m["decode"]}):
       own = decode.get(w, [])
       for k in range(max(m["decode"].get(w, 0) for m in everyone)):
         done += self._decode(own[k] if k < len(own) else [], w)
     if decode:
+      all_slots = self.local_shards * self.num_agents * self.cfg.slots
       self._stats.chunks += 1
-      self._stats.occupancy_sum += decoding / (self.local_shards * self.num_agents * self.cfg.slots)
+      self._stats.occupancy_sum += decoding / all_slots
+      self._stats.parked_sum += parked / all_slots
     self._stats.device_seconds += time.perf_counter() - t0
     go_on = any(m["more"] for m in everyone) or bool(self._queue or self._rows)
     return done, go_on

@@ -297,6 +297,7 @@ class EngineStats:
   decode_steps: int = 0  # steps run, summed over decode calls (one after another on a device)
   chunks: int = 0  # steps that decoded
   occupancy_sum: float = 0  # decoding slots / all slots, summed over chunks
+  parked_sum: float = 0  # parked slots (caches kept for a continuation) / all slots, likewise
   evictions: int = 0  # parked caches evicted for room
   admit_calls: int = 0
   decode_calls: int = 0

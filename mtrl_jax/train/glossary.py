@@ -228,6 +228,8 @@ SECTIONS = (
      "(`metrics.RUN_BOUND_PREFIXES`)", (
         ("engine/slot_occupancy", "decoding slots / all slots, mean over decode chunks",
          "fraction"),
+        ("engine/slot_parked", "parked slots (caches kept for a continuation) / all slots, "
+         "mean over decode chunks", "fraction"),
         ("engine/decode_chunks", "decode chunks run (one device call each, every slot "
          "stepping)", "count"),
         ("engine/prefill_tokens", "prompt tokens prefilled (only new ones where a cache was "

@@ -111,6 +111,7 @@ def test_engine_counters_become_metrics():
       "slot_steps": 50,
       "chunks": 4,
       "occupancy_sum": 3.0,
+      "parked_sum": 1.0,
       "evictions": 2,
   }
   tree.times = RolloutTimes(
@@ -120,6 +121,7 @@ def test_engine_counters_become_metrics():
   assert m["engine/kv_reuse"] == pytest.approx(0.75)  # 90 of 120 context tokens cached
   assert m["engine/decode_efficiency"] == pytest.approx(0.8)
   assert m["engine/slot_occupancy"] == pytest.approx(0.75) and m["engine/decode_chunks"] == 4
+  assert m["engine/slot_parked"] == pytest.approx(0.25)
   assert m["engine/evictions"] == 2 and m["engine/prefill_tokens"] == 30
   assert m["time/overlap"] == 0.5 and m["time/device_idle"] == 0.25
 

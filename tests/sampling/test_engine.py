@@ -450,3 +450,21 @@ def test_bad_runs_and_configs_raise_naming_the_field(state):
     engine.start(state, SamplingConfig(), [CFG.vocab_size], PAD, fanout=1)
   with pytest.raises(ValueError, match="max_new_tokens=70"):
     engine.start(state, SamplingConfig(max_new_tokens=70), [], PAD, fanout=1)
+
+
+def test_slot_shares_count_decoding_and_parked_slots_per_chunk(state):
+  """`occupancy_sum` and `parked_sum` by hand: 16 slots, chunks of 4 steps. Request 0
+  (G = 2, 2 tokens) finishes in chunk 1 and its two samples stay parked (not released);
+  request 1 (G = 1, 7 tokens) decodes in chunks 1 and 2. Chunk 1: 3 decoding, 0 parked
+  (the two park when the chunk ends); chunk 2: 1 decoding, 2 parked."""
+  engine = _engine()
+  requests = [
+      Request(0, PROMPTS[0], KEY, np.arange(2, dtype=np.uint32), max_new=2),
+      Request(1, PROMPTS[2], KEY, np.arange(2, 3, dtype=np.uint32), max_new=NEW),
+  ]
+  out = _run(engine, state, requests, SamplingConfig(max_new_tokens=NEW), release=False)
+  assert sorted(out) == [(0, 0), (0, 1), (1, 0)]
+  stats = engine.stats
+  assert stats["chunks"] == 2
+  assert stats["occupancy_sum"] == pytest.approx(3 / 16 + 1 / 16)
+  assert stats["parked_sum"] == pytest.approx(0 / 16 + 2 / 16)
