@@ -9,7 +9,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from experiments import cli
 from mtrl_jax import metrics as metrics_lib
+from mtrl_jax.train import budget, experiment
 
 SUCCESS_KEY = "eval/greedy/success"
 
@@ -142,6 +144,28 @@ def expand_sweep(config_spec: str, sweep_arg: str, parent: str) -> list:
       target[leaf] = value
     out.append((os.path.join(parent, run_name(overrides)), dict(overrides), config))
   return out
+
+
+def arm_refusal(runs, memory: bool) -> Optional[str]:
+  """Validates every arm's config as `experiments/train.py` does at start, so a sweep
+  refuses a config that cannot run before its first arm computes; returns one line
+  naming the first arm that does not validate (its run directory) and why, else None.
+
+  Args:
+    runs: (workdir, overrides, ConfigDict) per arm, as `expand_sweep` returns them.
+    memory: also check that each arm's tree fits this machine's memory
+      (`budget.check_memory`: it touches the devices, so only when the arms run in
+      this process; with --parallel each train.py checks its own at start).
+  """
+  for workdir, _, config in runs:
+    try:
+      if experiment.distributed_config(config).mode == "off":
+        exp = experiment.validate(config)  # several processes: each arm's own validate
+        if memory:
+          budget.check_memory(exp)
+    except (experiment.ConfigError, ValueError, TypeError) as e:
+      return f"sweep arm {os.path.basename(workdir)} ({workdir}): {cli.one_line(e)}"
+  return None
 
 
 def train_command(config_spec: str, workdir: str, overrides: dict) -> str:

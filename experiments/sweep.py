@@ -38,7 +38,6 @@ from absl import app, flags, logging
 from ml_collections import config_dict
 
 from experiments import cli, report
-from mtrl_jax.train import budget, experiment
 
 _CONFIG = flags.DEFINE_string("config", None, "config file (path[:arg])")
 _SWEEP = flags.DEFINE_string("sweep", "", "argument of get_sweep(arg)")
@@ -162,31 +161,6 @@ def expand(config_spec: str, sweep_arg: str, axes: list[str], parent: str) -> li
   return runs
 
 
-def validate_arms(runs, memory: bool) -> None:
-  """Validates every arm's config as `experiments/train.py` does at start, before the
-  first arm runs: a config that cannot run is refused in one line naming the arm (its
-  run directory) and the field, instead of after the arms before it have trained.
-
-  Args:
-    runs: (workdir, overrides, ConfigDict) per arm, as `expand` returns them.
-    memory: also check that each arm's tree fits this machine's memory
-      (`budget.check_memory`: it touches the devices, so only when the arms run in
-      this process; with --parallel each train.py checks its own at start).
-  Raises:
-    app.UsageError: the first arm that does not validate.
-  """
-  for workdir, _, config in runs:
-    try:
-      if experiment.distributed_config(config).mode == "off":
-        exp = experiment.validate(config)  # several processes: each arm's own validate
-        if memory:
-          budget.check_memory(exp)
-    except (experiment.ConfigError, ValueError, TypeError) as e:
-      raise app.UsageError(
-          f"sweep arm {os.path.basename(workdir)} ({workdir}): {cli.one_line(e)}"
-      ) from None
-
-
 def run_parallel(commands, k: int) -> None:
   """Runs (workdir, command) pairs, k at a time; reports each exit status."""
   pending, active, failed = list(commands), {}, []
@@ -242,7 +216,9 @@ def main(argv):
       print(f"skipped (finished; --rerun runs it again): {w}", flush=True)
     runs = [r for r in runs if r[0] not in done]
   if not _PRINT.value:
-    validate_arms(runs, memory=_PARALLEL.value <= 0)  # before the first arm computes
+    refusal = report.arm_refusal(runs, memory=_PARALLEL.value <= 0)  # before any arm runs
+    if refusal:
+      raise app.UsageError(refusal)
   if _PARALLEL.value > 0 and not _PRINT.value:
     commands = [
         (w, report.train_command(_CONFIG.value, w, o) + " --progress=false") for w, o, _ in runs
