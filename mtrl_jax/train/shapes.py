@@ -225,11 +225,3 @@ def _critic_units(shapes: ShapePlan, critic) -> list:
     units.append(functools.partial(step.lower, spec))
     units.append(lambda b=spec: [lower_values(step, b, step.rules)])
   return units
-
-
-def precompile_critic(shapes: ShapePlan, critic, threads: int = 1) -> int:
-  """Compiles a separate independent critic's programs (`_critic_units`); returns how
-  many (0 for a centralized critic)."""
-  units = _critic_units(shapes, critic)
-  _compile_all(units, threads)
-  return len(units)

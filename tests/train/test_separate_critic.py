@@ -251,7 +251,7 @@ def test_centralized_critic_run_learns_and_resumes_exactly(tmp_path):
 
 def test_precompiled_critic_programs_are_the_ones_a_rollout_uses():
   """docs/design.md invariant 5: an independent separate critic's value pass and update
-  compile before step 1 (`shapes.precompile_critic`, two programs at a time) for the
+  compile before step 1 (`shapes.precompile` with the critic, two programs at a time) for the
   buckets its batches take, and a head's value pass too (`compile.lower_values`):
   running them compiles nothing."""
   tree = random_tree(7, turns=2, gens=2, agents=2, mode="align")
@@ -267,7 +267,7 @@ def test_precompiled_critic_programs_are_the_ones_a_rollout_uses():
       seed=0,
   )
   critic = SeparateCritic(exp, _model(), None, bcfg)
-  assert shapes.precompile_critic(plan, critic, threads=2) == 4
+  assert shapes.precompile(plan, [], [], train_threads=2, critic=critic)["train_programs"] == 4
   compiled = critic.step.num_compiles
   state = critic.init_state()
   values, rows = critic.values(state.params, tree)
