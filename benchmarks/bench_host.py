@@ -289,7 +289,6 @@ def _build(config):
     shapes.precompile(
         parts.shapes,
         *parts.compile_targets(run_state.state.params),
-        train_threads=shapes.compile_threads(),
         critic=parts.critic,
     )
     print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)

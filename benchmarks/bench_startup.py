@@ -19,8 +19,7 @@ sweep arm on the same machine finds it. Runs:
                process that builds the run's parts and compiles every program
                `rl.train` precompiles (no SFT warm-up, no RL step), the
                engine's `--threads` programs at a time and the train step's
-               `--train_threads` (`shapes.compile_threads` picks a run's: 1 on
-               the CPU backend).
+               `--train_threads` (a run's: 1).
 
 Targets on 2 quiet cores (docs/performance.md, "Start-up time"): coop cold at
 most 60 s to the first RL step, warm at most 15 s; the demo's precompilation at

@@ -235,7 +235,6 @@ def _precompile(parts: components_lib.Components, run_state: RunState, mix, cons
   info = shapes_lib.precompile(
       parts.shapes,
       *parts.compile_targets(run_state.state.params),
-      train_threads=shapes_lib.compile_threads(),
       critic=parts.critic,
       progress=console.compiled,
   )

@@ -31,7 +31,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import os
 import time
 from typing import Sequence
 
@@ -147,8 +146,9 @@ def precompile(
   per group of a team).
   The engine compiles `threads` programs at a time (XLA compiles off the Python
   lock). Train-step programs are lowered one after another on this thread and
-  compiled `train_threads` at a time on others (`compile_threads`), so lowering
-  the next overlaps compiling the last.
+  compiled `train_threads` at a time on others, so lowering the next overlaps
+  compiling the last (runs use one: more did not finish sooner on 2 CPU cores or on
+  a 16-core GPU host, docs/performance.md "Start-up time").
   With a critic the value passes compile too: a head's on the policy's step, a
   separate independent critic's value pass and update (`critic`, a
   `train.separate_critic.SeparateCritic`) on the same buckets; a centralized
@@ -188,17 +188,6 @@ def precompile(
       "train_programs": len(units),
       "train_seconds": round(t2 - t1, 1),
   }
-
-
-def compile_threads() -> int:
-  """Train-step programs to compile at a time on this machine: one on the CPU backend
-  (XLA's CPU compiler keeps more than one core busy on a program alone, and two at a
-  time did not finish sooner on 2 cores: docs/performance.md, "Start-up time"); with an
-  accelerator, where compiling is mostly single-threaded host work (8 s a program on
-  a 16-core GPU host), one per two host cores, at most 8."""
-  if jax.default_backend() == "cpu":
-    return 1
-  return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def _compile_all(units: Sequence, threads: int, done=lambda n: None) -> None:
