@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from mtrl_jax.storage import collect_quietly, quiet_orbax, release_stalled_saves
 
@@ -98,6 +99,24 @@ def abstract_like(state) -> Any:
   return jax.tree.map(one, state)
 
 
+def _one_writer_per_array() -> None:
+  """Turns off Orbax's replica-parallel saving in a one-process run.
+
+  Replica-parallel saving splits each replicated array into one slice per
+  replica, so that each host writes a share; in one process the same host
+  writes every slice anyway, and each slice is an eager device program (48
+  arrays replicated over 8 CPU devices: 384 slices, and a save took 0.87 s
+  with them and 0.16 s without, on 2 cores). Orbax's default is already off
+  on GPUs; runs of several processes keep it. The handler is Orbax's default one otherwise (its array
+  metadata store records the RNG key's implementation).
+  """
+  if jax.process_count() == 1:
+    handler = ocp.type_handlers.ArrayHandler(
+        array_metadata_store=array_metadata_store.Store(), use_replica_parallel=False
+    )
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
 def _manager(directory: str, keep: Optional[int], async_save: bool) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=True, enable_async_checkpointing=async_save
@@ -130,6 +149,7 @@ class Checkpointer:
     if keep < 1:
       raise ValueError(f"Checkpointer keep={keep}; allowed: an integer >= 1")
     quiet_orbax()
+    _one_writer_per_array()
     self.workdir = os.path.abspath(workdir)
     self._warn = warn
     self._move_aside = not read_only and jax.process_count() == 1
