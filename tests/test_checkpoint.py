@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrl_jax import losses, sharding, testing
+from mtrl_jax import losses, metrics, sharding, testing
 from mtrl_jax.checkpoint import Checkpointer, CheckpointError
 from mtrl_jax.train import OptimConfig, TrainState, TrainStep
 
@@ -82,6 +82,23 @@ def test_restore_on_mesh_has_the_training_shardings(tmp_path):
   _assert_equal(moved, state)
   for x, want in zip(jax.tree.leaves(moved), jax.tree.leaves(ts.state_shardings)):
     assert x.sharding.is_equivalent_to(want, x.ndim)
+
+
+def test_a_state_replicated_over_eight_devices_saves_without_compiling_and_reads_back(tmp_path):
+  # One process writes every replica's share itself: no per-replica slice programs.
+  model, ts = _trainer((8, 1, 1))
+  state = jax.block_until_ready(_state(model, ts))
+  assert any(
+      len(x.sharding.device_set) == 8 and x.sharding.is_fully_replicated
+      for x in jax.tree.leaves(state)
+  )
+  with Checkpointer(str(tmp_path)) as ckpt:
+    census = metrics.CompileCensus()
+    ckpt.save(1, state, META)
+    ckpt.wait()
+    assert census.counts()["compiles/backend_total"] == 0
+    restored, _ = ckpt.restore(ts.abstract_state())
+  _assert_equal(restored, state)
 
 
 def test_keeps_latest_n_and_resume_finds_the_latest(tmp_path):
