@@ -17,8 +17,9 @@ Workloads (random weights; token-level environments from `mtrl_jax.testing`):
   latency  16 roots, T = 3, G = 4, 16 new tokens; every environment step sleeps a
            lognormal time (median 50 ms, p99 2 s, as a remote tool or sandbox
            does), drawn from a hash of the step so both arms wait the same times
-           (`tiny` preset, a pool of 512 environment threads). Arms: barrier and
-           continuous. Figure: rollout seconds per step, and its floor: the larger
+           (`tiny` preset, a pool of 512 environment threads). Arms: barrier,
+           continuous, and continuous with `EngineConfig.overlap` (samples come back
+           a chunk later). Figure: rollout seconds per step, and its floor: the larger
            of the decode-only time (the same rollout with no sleeps) and the
            slowest trajectory's own chain of sleeps.
   skew     64 requests of G = 1, half with a budget of 8 tokens and half of 128
@@ -27,7 +28,9 @@ Workloads (random weights; token-level environments from `mtrl_jax.testing`):
            longest ends: one decode call per level, `chunk = 128`, 64 slots), the
            same with 16 slots (the engine's memory: 16 requests at a time, each
            wave decoded until its longest ends) and the engine (chunk 8: a finished
-           slot takes a queued request at the next chunk). Figures: sampled tokens
+           slot takes a queued request at the next chunk), read chunk by chunk and
+           with `EngineConfig.overlap` (each chunk read while the next decodes; a
+           finished slot is seen, and taken, a chunk later). Figures: sampled tokens
            / decoded slot-steps, and decode steps (summed over calls: the steps a
            device runs one after another, what sets the time where a step costs
            the same at any row count, as on a GPU at this size).
@@ -236,8 +239,13 @@ def bench_latency(preset, dtype, warmup, steps, roots):
   slots = roots * 16 * 4
   capacity = prompt + 3 * new + 2 * 8 + 16
   arms = {
-      name: _policy(cfg, state, EngineConfig(slots=slots, capacity=capacity), new)
-      for name in ("barrier", "continuous", "decode only")
+      name: _policy(
+          cfg,
+          state,
+          EngineConfig(slots=slots, capacity=capacity, overlap=name == "continuous, overlap"),
+          new,
+      )
+      for name in ("barrier", "continuous", "continuous, overlap", "decode only")
   }
   names = {id(p): n for n, p in arms.items()}
   pool = concurrent.futures.ThreadPoolExecutor(512)
@@ -300,7 +308,12 @@ def bench_skew(preset, dtype, warmup, steps):
       f"level-sync, {slots} slots": DecodeEngine(
           cfg, EngineConfig(slots=slots, capacity=capacity, chunk=long)
       ),
-      "engine": DecodeEngine(cfg, EngineConfig(slots=slots, capacity=capacity, chunk=8)),
+      "engine": DecodeEngine(
+          cfg, EngineConfig(slots=slots, capacity=capacity, chunk=8, overlap=False)
+      ),
+      "engine, overlap": DecodeEngine(
+          cfg, EngineConfig(slots=slots, capacity=capacity, chunk=8, overlap=True)
+      ),
   }
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=long)
   rng = np.random.default_rng(0)

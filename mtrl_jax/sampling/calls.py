@@ -50,7 +50,7 @@ def admit_arrays(
     scratch: int,
     pad: int,
 ) -> tuple:
-  """(src, dst, tokens, start, count) of one admit call of `plans`.
+  """(src, dst, tokens, start, count, last) of one admit call of `plans`.
 
   Args:
     plans: `admission.Admission`s, at most `rows` per (shard, agent); each names
@@ -63,8 +63,8 @@ def admit_arrays(
     scratch: the scratch slot's index.
     pad: the pad id.
   Returns:
-    src [D, A, E], dst [D, A, E, F], tokens [D, A, E, X], start [D, A, E] and
-    count [D, A, E] (int32).
+    src [D, A, E], dst [D, A, E, F], tokens [D, A, E, X], start [D, A, E],
+    count [D, A, E] and last [D, A, E], the prompt's last token (int32).
   """
   d, a, e, f = shards, agents, rows, fanout
   src = np.full((d, a, e), scratch, np.int32)
@@ -72,6 +72,7 @@ def admit_arrays(
   tokens = np.full((d, a, e, new_tokens), pad, np.int32)
   start = np.zeros((d, a, e), np.int32)
   count = np.zeros((d, a, e), np.int32)
+  last = np.full((d, a, e), pad, np.int32)
   used = collections.Counter()
   for p in plans:
     sa = (p.shard, p.agent)
@@ -83,28 +84,29 @@ def admit_arrays(
     tokens[sa + (i,)][: len(ext)] = ext
     start[sa + (i,)] = p.start
     count[sa + (i,)] = len(ext)
-  return src, dst, tokens, start, count
+    last[sa + (i,)] = p.req.prompt[-1]
+  return src, dst, tokens, start, count, last
 
 
 def decode_arrays(
-    rows: list, shards: int, agents: int, per_call: int, scratch: int, pad: int
+    rows: list, shards: int, agents: int, per_call: int, scratch: int
 ) -> tuple[tuple, list]:
   """The inputs of one decode call over `rows` (`slots.Row`s, at most `per_call` per
   (shard, agent)) and where each row sits.
 
+  The rows' input tokens, columns and draws so far live on the device
+  (`programs.SlotRows`); the host sends what it fixed at admission.
+
   Returns:
-    ((slot, token, pos, key, keyrow, t, max_new, live), placed): arrays [D, A, R]
-    (key [D, A, R, 2] uint32 raw key data, keyrow uint32 the sample's row in
-    its request, live False on padding rows) and `placed`, (index, row) per
-    row, the index into the call's outputs.
+    ((slot, key, keyrow, max_new, live), placed): arrays [D, A, R] (key
+    [D, A, R, 2] uint32 raw key data, keyrow uint32 the sample's row in its
+    request, live False on padding rows) and `placed`, (index, row) per row,
+    the index into the call's outputs.
   """
   d, a, r = shards, agents, per_call
   slot = np.full((d, a, r), scratch, np.int32)
-  token = np.full((d, a, r), pad, np.int32)
-  pos = np.zeros((d, a, r), np.int32)
   key = np.zeros((d, a, r, 2), np.uint32)
   keyrow = np.zeros((d, a, r), np.uint32)
-  t = np.zeros((d, a, r), np.int32)
   max_new = np.ones((d, a, r), np.int32)
   live = np.zeros((d, a, r), bool)
   placed = []
@@ -114,8 +116,7 @@ def decode_arrays(
     i = used[sa]
     used[sa] += 1
     idx = sa + (i,)
-    slot[idx], token[idx], pos[idx], t[idx] = row.slot, row.token, row.pos, row.t
-    key[idx], keyrow[idx] = row.req.key, row.req.rows[row.g]
+    slot[idx], key[idx], keyrow[idx] = row.slot, row.req.key, row.req.rows[row.g]
     max_new[idx], live[idx] = row.max_new, True
     placed.append((idx, row))
-  return (slot, token, pos, key, keyrow, t, max_new, live), placed
+  return (slot, key, keyrow, max_new, live), placed

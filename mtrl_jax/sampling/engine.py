@@ -4,7 +4,11 @@ Callers `submit` requests (a prompt, G samples, per-sample keys, optionally
 the `Handle` of a finished sample whose cache holds a prefix of the prompt)
 and call `step` repeatedly; each step admits queued requests into free slots
 (one prefill of the prompt's uncached tail, forked into G slots) and runs one
-decode chunk of `EngineConfig.chunk` steps over every decoding slot. A
+decode chunk of `EngineConfig.chunk` steps over every decoding slot. Each
+slot's input token, column and draws stay on the device (`programs.SlotRows`),
+so with `EngineConfig.overlap` a step dispatches its chunk before it reads the
+previous step's: the device decodes while the host books tokens and admits,
+and a sample comes back one step after the chunk it finished in. A
 finished sample keeps its slot (parked) and comes back with a `Handle`; a
 request that names it continues from that cache: a child node of a tree, or
 a tool continuation, prefills only the environment's new tokens. The caller
@@ -54,7 +58,7 @@ from mtrl_jax.sampling.admission import Admission, SlotTable
 from mtrl_jax.sampling.calls import admit_arrays, decode_arrays, split_calls
 from mtrl_jax.sampling.config import SamplingConfig
 from mtrl_jax.sampling.layout import DeviceLayout
-from mtrl_jax.sampling.programs import Programs
+from mtrl_jax.sampling.programs import Programs, SlotRows
 from mtrl_jax.sampling.slots import EngineConfig, EngineStats, Handle, Request, Row, Sample
 
 __all__ = ["DecodeEngine"]
@@ -115,6 +119,8 @@ class DecodeEngine:
     agent_map = cfg.agent_map or ("map" if jax.default_backend() == "cpu" else "vmap")
     self.programs = Programs(layout.graphdef, layout.mesh, layout.kv_axis, agent_map)
     self._pool: Optional[KVCache] = None
+    self._slot_rows: Optional[SlotRows] = None  # beside the pool, allocated and dropped with it
+    self._inflight: list = []  # decode calls dispatched, not read yet: (placed rows, outputs)
     self._params = None
     self._run: Optional[RunSettings] = None
     self._stats = EngineStats()
@@ -179,21 +185,25 @@ class DecodeEngine:
             rep(np.int32(pad_id)),
         ),
     )
-    if self._pool is None:
-      self._pool = self.layout.new_pool(self.cfg.slots, self.cfg.capacity)
+    self._allocate()
     self._slots = SlotTable(self.local_shards, self.num_agents, self.cfg.slots, self.cfg.reuse)
     self._rows: dict = {}  # (shard, agent, slot) -> Row
     self._queue: list[Request] = []
     self._stats = EngineStats()
 
+  def _allocate(self) -> None:
+    if self._pool is None:  # allocating them compiles programs of their own
+      self._pool = self.layout.new_pool(self.cfg.slots, self.cfg.capacity)
+      self._slot_rows = self.layout.new_slot_rows(self.cfg.slots)
+
   def free(self) -> None:
-    """Drops the KV pool (device memory) until the next run."""
-    self._pool = None
+    """Drops the KV pool and the slot state (device memory) until the next run."""
+    self._pool = self._slot_rows = None
 
   @property
   def busy(self) -> bool:
-    """This process has queued or decoding requests."""
-    return bool(self._queue or self._rows)
+    """This process has queued or decoding requests, or decode calls it has not read."""
+    return bool(self._queue or self._rows or self._inflight)
 
   # ------------------------------------------------------------ requests
   def submit(self, req: Request) -> None:
@@ -241,13 +251,14 @@ class DecodeEngine:
 
   # ------------------------------------------------------------ one step
   def step(self, expect_more: bool = False) -> tuple[list[Sample], bool]:
-    """Admits what fits, then runs one decode chunk.
+    """Admits what fits, dispatches one decode chunk, then reads this chunk (or, with
+    `EngineConfig.overlap`, the previous step's).
 
     Args:
       expect_more: this process will submit more requests later (it waits on
         environments); with several processes it keeps the others stepping.
     Returns:
-      (samples finished in this step, whether any process has work left or
+      (samples finished in the chunk read, whether any process has work left or
       expects more: the caller steps again while it is True).
     """
     self._slots.begin_step()  # released since the last step: nothing reads them any more
@@ -274,7 +285,7 @@ class DecodeEngine:
     mine = {
         "admit": {x: len(c) for x, c in calls.items()},
         "decode": {w: len(c) for w, c in decode.items()},
-        "more": bool(expect_more or self._queue or self._rows),
+        "more": bool(expect_more or self.busy),
     }
     everyone = [mine] if self.layout.process_local else distributed.allgather(mine)
     t0 = time.perf_counter()
@@ -283,19 +294,25 @@ class DecodeEngine:
         own = calls.get(x, [])
         self._admit(own[k] if k < len(own) else [], x)
     self._slots.flush()  # sources this step's admits have read
-    done: list[Sample] = []
     decoding, parked = len(self._rows), self._slots.parked()  # beside this chunk
+    dispatched = []
     for w in sorted({w for m in everyone for w in m["decode"]}):
       own = decode.get(w, [])
       for k in range(max(m["decode"].get(w, 0) for m in everyone)):
-        done += self._decode(own[k] if k < len(own) else [], w)
+        dispatched.append(self._decode(own[k] if k < len(own) else [], w))
+    # With overlap, the previous chunk is read while this one runs.
+    reading = self._inflight if self.cfg.overlap else dispatched
+    self._inflight = dispatched if self.cfg.overlap else []
+    done: list[Sample] = []
+    for call in reading:
+      done += self._read(*call)
     if decode:
       all_slots = self.local_shards * self.num_agents * self.cfg.slots
       self._stats.chunks += 1
       self._stats.occupancy_sum += decoding / all_slots
       self._stats.parked_sum += parked / all_slots
     self._stats.device_seconds += time.perf_counter() - t0
-    go_on = any(m["more"] for m in everyone) or bool(self._queue or self._rows)
+    go_on = any(m["more"] for m in everyone) or self.busy
     return done, go_on
 
   def _window(self, row: Row) -> int:
@@ -315,19 +332,26 @@ class DecodeEngine:
         self.cfg.slots,
         self._run.pad,
     )
-    self._pool = self.programs.admit(
-        self._params, self._pool, *self.layout.put_rows(arrays), stacked=self._run.stacked
+    self._pool, self._slot_rows = self.programs.admit(
+        self._params,
+        self._pool,
+        self._slot_rows,
+        *self.layout.put_rows(arrays),
+        stacked=self._run.stacked,
     )
     self._stats.admit_calls += 1
 
-  def _decode(self, rows: list, window: int) -> list[Sample]:
-    """One decode call over `rows` (at most `cfg.rows` per (shard, agent)), padded."""
-    d, a, r = self.local_shards, self.num_agents, self.cfg.rows
+  def _decode(self, rows: list, window: int) -> tuple:
+    """Dispatches one decode call over `rows` (at most `cfg.rows` per (shard, agent)),
+    padded; returns (placed rows, outputs) for `_read`, their copies to the host begun."""
     s = self._run
-    arrays, placed = decode_arrays(rows, d, a, r, self.cfg.slots, s.pad)
+    arrays, placed = decode_arrays(
+        rows, self.local_shards, self.num_agents, self.cfg.rows, self.cfg.slots
+    )
     out = self.programs.decode(
         self._params,
         self._pool,
+        self._slot_rows,
         *self.layout.put_rows(arrays),
         *s.scalars,
         stacked=s.stacked,
@@ -335,28 +359,34 @@ class DecodeEngine:
         steps=self.cfg.chunk,
         **s.static,
     )
-    self._pool = out[0]
-    for x in out[1:6]:  # the five fetches start together: one wait for the device, not five
+    self._pool, self._slot_rows = out[:2]
+    for x in out[2:]:  # the fetches start together: one wait for the device, not six
       x.copy_to_host_async()
-    tokens, logps, counts, stopped = (distributed.local_rows(x) for x in out[1:5])
+    return placed, out[2:]
+
+  def _read(self, placed: list, out: tuple) -> list[Sample]:
+    """Books a dispatched decode call's tokens; returns the samples that finished in it."""
+    tokens, logps, counts, stopped, finished = (distributed.local_rows(x) for x in out[:5])
     ran = int(out[5])
     st = self._stats
     st.decode_calls += 1
-    st.slot_steps += d * a * r * ran
+    st.slot_steps += self.local_shards * self.num_agents * self.cfg.rows * ran
     st.decode_steps += ran
-    finished = []
+    samples = []
     for idx, row in placed:
+      if row.finished:  # it finished in the call before: this one named it, took no step
+        continue
       n = int(counts[idx])
       if n:
         row.ids.extend(tokens[idx][:n].tolist())
         row.logps.extend(logps[idx][:n].tolist())
-        row.token, row.pos, row.t = int(tokens[idx][n - 1]), row.pos + n, row.t + n
         st.decode_tokens += n
-      if stopped[idx] or row.t >= row.max_new:
-        finished.append(self._finish(row, bool(stopped[idx])))
-    return finished
+      if finished[idx]:
+        samples.append(self._finish(row, bool(stopped[idx])))
+    return samples
 
   def _finish(self, row: Row, stopped: bool) -> Sample:
+    row.finished = True
     del self._rows[(row.shard, row.agent, row.slot)]
     ids = np.asarray(row.ids, np.int32)
     cached = np.concatenate([row.ctx, row.req.prompt[-1:], ids[:-1]]).astype(np.int32)
@@ -400,6 +430,7 @@ class DecodeEngine:
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding), params
     )
     pool = self.layout.abstract_pool(self.cfg.slots, self.cfg.capacity)
+    slot_rows = self.layout.abstract_slot_rows(self.cfg.slots)
     d, a = self.num_shards, self.num_agents
 
     def spec(shape, dtype=np.int32):
@@ -416,14 +447,17 @@ class DecodeEngine:
     def compile_one(program):
       if program[0] == "admit":
         _, e, x = program
+        rows = spec((d, a, e))
         self.programs.admit.lower(
             params,
             pool,
-            spec((d, a, e)),
+            slot_rows,
+            rows,
             spec((d, a, e, fanout)),
             spec((d, a, e, x)),
-            spec((d, a, e)),
-            spec((d, a, e)),
+            rows,
+            rows,
+            rows,
             stacked=stacked,
         ).compile()
         return
@@ -432,12 +466,10 @@ class DecodeEngine:
       self.programs.decode.lower(
           params,
           pool,
-          rows,
-          rows,
+          slot_rows,
           rows,
           spec((d, a, r, 2), np.uint32),
           spec((d, a, r), np.uint32),
-          rows,
           rows,
           spec((d, a, r), bool),
           *scalars,
@@ -454,6 +486,5 @@ class DecodeEngine:
     with concurrent.futures.ThreadPoolExecutor(threads) as ex:
       for done, _ in enumerate(ex.map(compile_one, programs), 1):  # in order, as they finish
         progress(done, len(programs))
-    if self._pool is None:  # allocating it compiles a program of its own
-      self._pool = self.layout.new_pool(self.cfg.slots, self.cfg.capacity)
+    self._allocate()
     return len(programs)

@@ -22,6 +22,7 @@ from mtrl_jax.models.cache import KVCache
 from mtrl_jax.models.transformer import Transformer
 from mtrl_jax import sharding  # pylint: disable=g-bad-import-order
 from mtrl_jax import distributed
+from mtrl_jax.sampling.programs import SlotRows
 
 
 class DeviceLayout:
@@ -94,6 +95,22 @@ class DeviceLayout:
         self.pool_shape(slots, capacity), self.model_cfg.jnp_dtype, sharding=self.pool_sharding()
     )
     return KVCache(k=(s,) * self.model_cfg.num_layers, v=(s,) * self.model_cfg.num_layers)
+
+  def slot_rows_shape(self, slots: int) -> tuple:
+    """[D, A, S + 1]: the slot state beside the pool (`programs.SlotRows`)."""
+    return (self.num_shards, self.num_agents, slots + 1)
+
+  def new_slot_rows(self, slots: int) -> SlotRows:
+    """Every slot finished (nothing decodes until an admit starts a sample)."""
+    shape, sh = self.slot_rows_shape(slots), self.rows_sharding(3)
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=sh)
+    done = jax.jit(lambda: jnp.ones(shape, bool), out_shardings=sh)
+    return SlotRows(token=zeros(), pos=zeros(), t=zeros(), done=done())
+
+  def abstract_slot_rows(self, slots: int) -> SlotRows:
+    shape, sh = self.slot_rows_shape(slots), self.rows_sharding(3)
+    i32 = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
+    return SlotRows(i32, i32, i32, jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=sh))
 
   # ------------------------------------------------------------ placement
   def put_params(self, params, stacked: bool):

@@ -10,21 +10,31 @@ head's columns in place). A slot's cache is contiguous from column 0: the token
 at column c has RoPE position c. Column C - 1 is never valid content: writes
 that must land nowhere (padding tokens, rows that already finished) go there.
 
+Beside the pool, `SlotRows` holds each slot's decoding state on the device
+([D, A, S1] arrays: next input token, its column, tokens drawn, finished), so
+one decode call follows another without the host reading the first's
+results: the engine dispatches a chunk before it reads the previous one.
+
 Both programs gather the rows they work on ([D, A, R] slot indices; padding
 rows name the scratch slot S1 - 1), run the model on them, and scatter the
-rows back, so the pool (donated) is updated in place:
+rows back, so the pool and the slot state (both donated) are updated in place:
 
   admit   rows `src` read, E new tokens each written at columns
           [start, start + n) (prefill of a prompt's tail on top of a cached
           prefix; n may be 0), then the row is written to up to F `dst`
-          slots (a fork: G siblings share one prefill; src may be one of them).
+          slots (a fork: G siblings share one prefill; src may be one of them),
+          whose state starts a sample: the prompt's last token as input at
+          column start + n, nothing drawn, not finished.
           No LM head: the last prompt token is fed by the first decode step.
-  decode  up to `steps` decode steps for every row: feed the row's input token
-          at column `pos`, sample the next token from the logits with the
-          uniform of (key, row, t) (`sample_uniform`), stop on a stop id or
-          the row's token budget. Runs over the first `window` columns only
-          (a bucket of each row's prompt plus budget), so attention costs what the
-          contexts are long, not what the pool can hold.
+  decode  up to `steps` decode steps for every row whose slot has not
+          finished: feed the row's input token at its column, sample the next
+          token from the logits with the uniform of (key, row, t)
+          (`sample_uniform`), finish on a stop id or the row's token budget.
+          Runs over the first `window` columns only (a bucket of each row's
+          prompt plus budget), so attention costs what the contexts are long,
+          not what the pool can hold. A row that finished in an earlier call
+          (the host names it before it has read that call) takes no step and
+          writes only column `window` - 1, past its sample.
 
 Separate policies: with agent_map 'map' each agent's rows run through its own
 parameters one agent after another inside the program; 'vmap' batches the
@@ -52,6 +62,21 @@ def sample_uniform(key_2, row, t):
   `key_2` is raw key data (uint32 [2]); a request's samples differ by `row`.
   """
   return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key_2, row), t))
+
+
+@flax.struct.dataclass
+class SlotRows:
+  """Each slot's decoding state on the device, [D, A, S1] per field (the scratch slot's
+  is garbage): what the next decode step of the slot's sample feeds and where."""
+
+  # int32: the next input token (the prompt's last, then the last sampled).
+  token: jax.Array
+  # int32: the column (and RoPE position) it is written at.
+  pos: jax.Array
+  # int32: tokens the sample has drawn (the `t` of its next uniform).
+  t: jax.Array
+  # bool: the sample drew a stop id or its whole budget.
+  done: jax.Array
 
 
 @flax.struct.dataclass
@@ -93,10 +118,10 @@ class Programs:
   def __init__(self, graphdef, mesh, kv_axis, agent_map: str):
     self.graphdef, self.mesh, self.kv_axis, self.agent_map = graphdef, mesh, kv_axis, agent_map
     self.num_traces = 0
-    self.admit = jax.jit(self._admit, static_argnames=("stacked",), donate_argnums=(1,))
+    self.admit = jax.jit(self._admit, static_argnames=("stacked",), donate_argnums=(1, 2))
     self.decode = jax.jit(
         self._decode,
-        donate_argnums=(1,),
+        donate_argnums=(1, 2),
         static_argnames=("stacked", "window", "steps", "greedy", "top_k", "use_top_p"),
     )
 
@@ -117,6 +142,28 @@ class Programs:
       return p_AxSxKxCxE[agents, r_AxR, :, :window]
 
     return jax.vmap(one_shard)(pool_layer, rows_DxAxR)
+
+  @staticmethod
+  def _get_rows(x_DxAxS, rows_DxAxR):
+    """[D, A, R]: each row's entry of a per-slot array."""
+
+    def one_shard(x_AxS, r_AxR):
+      return x_AxS[jnp.arange(r_AxR.shape[0])[:, None], r_AxR]
+
+    return jax.vmap(one_shard)(x_DxAxS, rows_DxAxR)
+
+  @staticmethod
+  def _set_rows(x_DxAxS, rows_DxAxR, vals_DxAxR):
+    """A per-slot array with each row's entry set (padding rows all set the scratch slot's)."""
+
+    def one_shard(x_AxS, r_AxR, v_AxR):
+      return x_AxS.at[jnp.arange(r_AxR.shape[0])[:, None], r_AxR].set(v_AxR)
+
+    return jax.vmap(one_shard)(x_DxAxS, rows_DxAxR, vals_DxAxR)
+
+  def _put_state(self, state: SlotRows, rows_DxAxR, rows: SlotRows) -> SlotRows:
+    """`state` with the rows' slots set to `rows` ([D, A, R] per field)."""
+    return jax.tree.map(lambda x, v: self._shard(self._set_rows(x, rows_DxAxR, v)), state, rows)
 
   @staticmethod
   def _scatter(pool_layer, rows_DxAxR, window, vals):
@@ -183,16 +230,19 @@ class Programs:
       self,
       params,
       pool: KVCache,
+      state: SlotRows,
       src_DxAxE,
       dst_DxAxExF,
       tokens_DxAxExX,
       start_DxAxE,
       count_DxAxE,
+      last_DxAxE,
       *,
       stacked: bool,
   ):
     """Prefills `tokens` (the first `count` of each row) on top of `src`'s columns
-    [0, start) and writes the rows to their `dst` slots."""
+    [0, start) and writes the rows to their `dst` slots, whose state starts a sample
+    that feeds `last` (the prompt's last token) at column start + count."""
     self.num_traces += 1
     width = pool.k[0].shape[4]
     x = tokens_DxAxExX.shape[-1]
@@ -210,21 +260,23 @@ class Programs:
       return cache_a
 
     cache = self._per_agent(one, params, stacked, cache, tokens, start, count)
+    zero = jnp.zeros_like(start_DxAxE)
     for f in range(dst_DxAxExF.shape[-1]):  # one scatter per fork target, no repeated copy
-      pool = self._put_back(pool, dst_DxAxExF[..., f], width, cache)
-    return pool
+      dst = dst_DxAxExF[..., f]
+      pool = self._put_back(pool, dst, width, cache)
+      fresh = SlotRows(last_DxAxE, start_DxAxE + count_DxAxE, zero, zero.astype(bool))
+      state = self._put_state(state, dst, fresh)
+    return pool, state
 
   # ------------------------------------------------------------ decode
   def _decode(
       self,
       params,
       pool: KVCache,
+      state: SlotRows,
       rows_DxAxR,
-      token_DxAxR,
-      pos_DxAxR,
       key_DxAxRx2,
       keyrow_DxAxR,
-      t_DxAxR,
       max_new_DxAxR,
       live_DxAxR,
       stop_ids,
@@ -239,22 +291,18 @@ class Programs:
       top_k: int,
       use_top_p: bool,
   ):
-    """Up to `steps` decode steps of every live row; returns (pool, tokens [D, A, R, steps],
-    logprobs, sampled counts [D, A, R], stopped [D, A, R], steps run)."""
+    """Up to `steps` decode steps of every live row whose sample has not finished; returns
+    (pool, state, tokens [D, A, R, steps], logprobs, sampled counts [D, A, R], stopped
+    [D, A, R], finished [D, A, R], steps run)."""
     self.num_traces += 1
     d = rows_DxAxR.shape[0]
     cache = self._rows_cache(pool, rows_DxAxR, window)
+    token, pos, t, done = (
+        self._get_rows(x, rows_DxAxR) for x in (state.token, state.pos, state.t, state.done)
+    )
     flat = [
         self._flat(v)
-        for v in (
-            token_DxAxR,
-            pos_DxAxR,
-            key_DxAxRx2,
-            keyrow_DxAxR,
-            t_DxAxR,
-            max_new_DxAxR,
-            live_DxAxR,
-        )
+        for v in (token, pos, key_DxAxRx2, keyrow_DxAxR, t, max_new_DxAxR, live_DxAxR & ~done)
     ]
     choose = functools.partial(
         choose_tokens,
@@ -315,11 +363,15 @@ class Programs:
           logq_NxS=jnp.zeros((n, steps), jnp.float32),
       )
       c = jax.lax.while_loop(cond, body, init)
-      return c.cache, c.tokens_NxS, c.logq_NxS, c.count_N, c.stopped_N, c.step
+      ends = (c.token_N, c.pos_N, c.t_N, c.done_N)
+      return c.cache, c.tokens_NxS, c.logq_NxS, c.count_N, c.stopped_N, ends, c.step
 
-    cache, out_tok, out_lp, count, stopped, ran = self._per_agent(
+    cache, out_tok, out_lp, count, stopped, ends, ran = self._per_agent(
         one, params, stacked, cache, *flat
     )
     pool = self._put_back(pool, rows_DxAxR, window, cache)
+    # Padding rows (not live) count as finished; their state lands in the scratch slot.
+    token, pos, t, finished = (self._shard(self._unflat(x, d)) for x in ends)
+    state = self._put_state(state, rows_DxAxR, SlotRows(token, pos, t, finished))
     outs = tuple(self._shard(self._unflat(x, d)) for x in (out_tok, out_lp, count, stopped))
-    return (pool,) + outs + (jnp.max(ran),)
+    return (pool, state) + outs + (finished, jnp.max(ran))

@@ -57,6 +57,10 @@ class EngineConfig:
       buckets cut attention columns but can split a chunk into more calls.
     extend_buckets: admitted new-token counts; None: 16, 64, 256, ... up to
       `capacity`. A request's bucket is a function of its own tokens.
+    overlap: each `step` reads the previous step's decode chunk after
+      dispatching its own, so the device decodes while the host books tokens
+      and admits; a sample comes back one chunk later (and its slot frees a
+      chunk later). The samples are the same either way.
   """
 
   slots: int
@@ -68,6 +72,7 @@ class EngineConfig:
   agent_map: Optional[str] = None
   window_buckets: Optional[tuple] = None
   extend_buckets: Optional[tuple] = None
+  overlap: bool = False
 
   def __post_init__(self):
     for name, low in (
@@ -80,6 +85,8 @@ class EngineConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise ValueError(f"EngineConfig.{name}={v!r}; allowed: an int >= {low}")
+    if not isinstance(self.overlap, bool):
+      raise ValueError(f"EngineConfig.overlap={self.overlap!r}; allowed: True or False")
     if self.agent_map not in (None, "map", "vmap"):
       raise ValueError(f"EngineConfig.agent_map={self.agent_map!r}; allowed: None, 'map', 'vmap'")
     for name in ("window_buckets", "extend_buckets"):
@@ -165,28 +172,17 @@ class Sample:
 
 
 class Row:
-  """A decoding slot."""
+  """A decoding slot: sample `g` of `req` in slot `slot` of (shard, agent), what it has
+  drawn so far as the host has read it, and whether the host has seen it finish (a
+  decode call already in flight may still name it: it takes no step there)."""
 
-  __slots__ = (
-      "req",
-      "g",
-      "shard",
-      "agent",
-      "slot",
-      "ctx",
-      "token",
-      "pos",
-      "t",
-      "max_new",
-      "ids",
-      "logps",
-  )
+  __slots__ = ("req", "g", "shard", "agent", "slot", "ctx", "max_new", "ids", "logps", "finished")
 
   def __init__(self, req, g, shard, agent, slot, ctx, max_new):
     self.req, self.g, self.shard, self.agent, self.slot = req, g, shard, agent, slot
     self.ctx, self.max_new = ctx, max_new
-    self.token, self.pos, self.t = int(req.prompt[-1]), len(ctx), 0
     self.ids, self.logps = [], []
+    self.finished = False
 
 
 class SlotState(enum.Enum):

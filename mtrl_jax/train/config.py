@@ -379,6 +379,9 @@ class EngineGroup:
     admit_rows: requests prefilled by one admit call (fixed likewise).
     reuse: continue each request from its parent's cache (False: prefill
       every prompt whole, the level-synchronous baseline).
+    overlap: read each decode chunk's tokens while the next chunk decodes
+      (the same samples, each back a chunk later; docs/performance.md,
+      "Reading a chunk while the next decodes").
   """
 
   slots: int = 0
@@ -387,9 +390,12 @@ class EngineGroup:
   decode_rows: int = 0
   admit_rows: int = 8
   reuse: bool = True
+  overlap: bool = False
 
   def __post_init__(self):
     _int_at_least("engine", self, ("slots", "capacity", "decode_rows"), 0)
     _int_at_least("engine", self, ("chunk", "admit_rows"), 1)
     if not isinstance(self.reuse, bool):
       raise ValueError(f"config engine.reuse={self.reuse!r}; allowed: True or False")
+    if not isinstance(self.overlap, bool):
+      raise ValueError(f"config engine.overlap={self.overlap!r}; allowed: True or False")

@@ -89,6 +89,7 @@ def plan_shapes(exp, row_multiple: int, local_shards: int) -> ShapePlan:
       decode_rows=exp.engine.decode_rows,
       admit_rows=exp.engine.admit_rows,
       reuse=exp.engine.reuse,
+      overlap=exp.engine.overlap,
   )
   greedy = dataclasses.replace(exp.sampling, greedy=True)
   samplings = [exp.sampling]

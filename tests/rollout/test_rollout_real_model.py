@@ -61,8 +61,10 @@ def fixtures():
     return json.load(f)
 
 
-def _new_engine(cfg, agents, slots):
-  return DecodeEngine(cfg, EngineConfig(slots=slots, capacity=128, chunk=4), num_agents=agents)
+def _new_engine(cfg, agents, slots, overlap=False):
+  return DecodeEngine(
+      cfg, EngineConfig(slots=slots, capacity=128, chunk=4, overlap=overlap), num_agents=agents
+  )
 
 
 # The module's one engine of a configuration: each rollout starts a fresh run on it
@@ -70,11 +72,11 @@ def _new_engine(cfg, agents, slots):
 _engine = functools.cache(_new_engine)
 
 
-def _policy(cfg, states, sampling=SAMPLING, stop=STOP, pad=0, slots=32, fresh=False):
+def _policy(cfg, states, sampling=SAMPLING, stop=STOP, pad=0, slots=32, fresh=False, overlap=False):
   """Runs take fanout 2 (every tree's G, or more): admit programs of one shape.
   `fresh`: on an engine of its own (its compile count is this rollout's)."""
   agents = states.num_agents if isinstance(states, StackedStates) else 1
-  engine = (_new_engine if fresh else _engine)(cfg, agents, slots)
+  engine = (_new_engine if fresh else _engine)(cfg, agents, slots, overlap)
   return EnginePolicy(engine, states, sampling, stop_ids=stop, pad_id=pad, fanout=2)
 
 
@@ -294,9 +296,10 @@ def test_continuous_and_barrier_schedules_give_identical_trees(case):
   s0, s1 = (_states(model_cfg, s) for s in (0, 1))
   params = StackedStates(stack_trees([s0, s1]), 2) if separate else s0
   barrier, _ = _env_tree(cfg.replace(schedule="barrier"), params, model_cfg, env_cls, renderer, 0)
-  for jitter in (1, 2):
+  # The second continuous run reads each decode chunk while the next decodes.
+  for jitter, overlap in ((1, False), (2, True)):
     want = _tree_json(barrier)
-    tree, policy = _env_tree(cfg, params, model_cfg, env_cls, renderer, jitter)
+    tree, policy = _env_tree(cfg, params, model_cfg, env_cls, renderer, jitter, overlap=overlap)
     got = _tree_json(tree)
     # Bit for bit, logprobs included: every engine call has fixed rows and each
     # row a window set by its own prompt and budget, so a sample's arithmetic does not depend

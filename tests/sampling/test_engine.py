@@ -80,7 +80,7 @@ def _engine(**kw):
   """The module's one engine of this configuration: `start` begins every run afresh
   (slots, queue, stats; the pool keeps stale entries no run may read), and the
   engine's compiled programs carry over from test to test."""
-  kw = {**dict(slots=16, capacity=64, chunk=4, mesh=None, agents=1), **kw}
+  kw = {**dict(slots=16, capacity=64, chunk=4, mesh=None, agents=1, overlap=False), **kw}
   key = tuple(sorted(kw.items()))
   if key not in _ENGINES:
     _ENGINES[key] = _new_engine(**kw)
@@ -189,9 +189,12 @@ def test_a_samples_bits_do_not_depend_on_a_long_batch_mate(plain_state):
     np.testing.assert_array_equal(shared[key].logprobs, s.logprobs)
 
 
-def test_extending_a_cached_sample_equals_a_fresh_prefill(plain_state, full_forward):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_extending_a_cached_sample_equals_a_fresh_prefill(plain_state, full_forward, overlap):
+  """With overlap, the decode call dispatched before a finish is read still names the
+  finished sample's slot: it takes no step there and leaves the cache the child reads."""
   cfg = SamplingConfig(max_new_tokens=NEW)
-  engine = _engine()
+  engine = _engine(overlap=overlap)
   first = _run(engine, plain_state, _requests(PROMPTS, 2), cfg, release=False)
   # Children: the parent prompt, its sample, then 3 "environment" tokens.
   kids = [
@@ -246,11 +249,12 @@ def test_a_rewritten_history_extends_from_the_longest_common_prefix(plain_state)
   np.testing.assert_allclose(got[0].logprobs, want.logprobs, rtol=0, atol=TOL)
 
 
-def test_a_tiny_kv_budget_evicts_and_samples_the_same(plain_state):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_tiny_kv_budget_evicts_and_samples_the_same(plain_state, overlap):
   cfg = SamplingConfig(max_new_tokens=4)  # the children too decode in 16 columns
   results = []
   for slots in (16, 2):
-    engine = _engine(slots=slots)
+    engine = _engine(slots=slots, overlap=overlap and slots == 2)
     first = _run(engine, plain_state, _requests(SHORT, 2), cfg, fanout=min(slots, 4), release=False)
     for (p, k), s in first.items():
       engine.submit(
@@ -313,21 +317,25 @@ def test_stop_ids_end_samples_and_are_included(state):
   assert out[(0, 0)].finish_reason == out[(2, 0)].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("chunk", [1, 16])  # chunk 3 against 4: the test of forks above
-def test_decode_chunk_changes_nothing(plain_state, chunk):
+def test_decode_chunk_and_overlap_change_nothing(plain_state, chunk, overlap):
+  """Against chunks of 4 read as they finish: other chunks, and reading each chunk while
+  the next decodes (`EngineConfig.overlap`), give the same samples."""
   cfg = SamplingConfig(max_new_tokens=NEW, temperature=0.8)
-  ref = _run(_engine(chunk=4), plain_state, _requests(PROMPTS, 2), cfg, stop=[9])
-  engine = _engine(chunk=chunk)
+  ref = _run(_engine(chunk=4, overlap=False), plain_state, _requests(PROMPTS, 2), cfg, stop=[9])
+  engine = _engine(chunk=chunk, overlap=overlap)
   out = _run(engine, plain_state, _requests(PROMPTS, 2), cfg, stop=[9])
   for tag, s in ref.items():
     np.testing.assert_array_equal(out[tag].ids, s.ids)
     np.testing.assert_allclose(out[tag].logprobs, s.logprobs, rtol=0, atol=TOL)
     assert out[tag].finish_reason == s.finish_reason
   # Every row decodes in one window, so the steps run one after another are the
-  # longest sample's, whatever the chunk: NEW steps, in ceil(NEW / chunk) calls.
+  # longest sample's, whatever the chunk: NEW steps, in ceil(NEW / chunk) calls; with
+  # overlap one more, which takes no step (dispatched before the last finish was read).
   longest = max(len(s.ids) for s in out.values())
   assert engine.stats["decode_steps"] == longest
-  assert engine.stats["decode_calls"] == -(-longest // chunk)
+  assert engine.stats["decode_calls"] == -(-longest // chunk) + overlap
 
 
 def test_new_weights_and_sizes_in_the_same_buckets_do_not_recompile(state):
@@ -443,6 +451,8 @@ def test_bad_runs_and_configs_raise_naming_the_field(state):
     EngineConfig(slots=0, capacity=64)
   with pytest.raises(ValueError, match="EngineConfig.window_buckets"):
     EngineConfig(slots=8, capacity=64, window_buckets=(32,))
+  with pytest.raises(ValueError, match=r"EngineConfig.overlap='yes'; allowed: True or False"):
+    EngineConfig(slots=8, capacity=64, overlap="yes")
   engine = _engine(slots=2)
   with pytest.raises(ValueError, match="fanout=4"):
     engine.start(state, SamplingConfig(), [], PAD, fanout=4)
@@ -452,12 +462,15 @@ def test_bad_runs_and_configs_raise_naming_the_field(state):
     engine.start(state, SamplingConfig(max_new_tokens=70), [], PAD, fanout=1)
 
 
-def test_slot_shares_count_decoding_and_parked_slots_per_chunk(state):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_slot_shares_count_decoding_and_parked_slots_per_chunk(state, overlap):
   """`occupancy_sum` and `parked_sum` by hand: 16 slots, chunks of 4 steps. Request 0
   (G = 2, 2 tokens) finishes in chunk 1 and its two samples stay parked (not released);
   request 1 (G = 1, 7 tokens) decodes in chunks 1 and 2. Chunk 1: 3 decoding, 0 parked
-  (the two park when the chunk ends); chunk 2: 1 decoding, 2 parked."""
-  engine = _engine()
+  (the two park when the chunk is read); chunk 2: 1 decoding, 2 parked. With overlap a
+  chunk is read after the next is dispatched: chunk 2 still names the two (3 decoding,
+  0 parked), and a third chunk names request 1 (1 decoding, 2 parked)."""
+  engine = _engine(overlap=overlap)
   requests = [
       Request(0, PROMPTS[0], KEY, np.arange(2, dtype=np.uint32), max_new=2),
       Request(1, PROMPTS[2], KEY, np.arange(2, 3, dtype=np.uint32), max_new=NEW),
@@ -465,6 +478,7 @@ def test_slot_shares_count_decoding_and_parked_slots_per_chunk(state):
   out = _run(engine, state, requests, SamplingConfig(max_new_tokens=NEW), release=False)
   assert sorted(out) == [(0, 0), (0, 1), (1, 0)]
   stats = engine.stats
-  assert stats["chunks"] == 2
-  assert stats["occupancy_sum"] == pytest.approx(3 / 16 + 1 / 16)
-  assert stats["parked_sum"] == pytest.approx(0 / 16 + 2 / 16)
+  decoding, parked = ([3, 3, 1], [0, 0, 2]) if overlap else ([3, 1], [0, 2])
+  assert stats["chunks"] == len(decoding)
+  assert stats["occupancy_sum"] == pytest.approx(sum(decoding) / 16)
+  assert stats["parked_sum"] == pytest.approx(sum(parked) / 16)
