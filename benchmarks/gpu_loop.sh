@@ -15,7 +15,9 @@
 #   host        (130 s) benchmarks/bench_host.py on the demo config after 105 SFT steps:
 #               the host time of 2 RL steps by category (demo_cold's cache, if it ran).
 #   skew_bf16   (100 s) benchmarks/bench_engine.py's skewed-lengths workload at qwen2-0.5b
-#               in bfloat16: level-sync at 64 and 16 slots against the engine's 16.
+#               in bfloat16: level-sync at 64 and 16 slots against the engine's 16, read
+#               chunk by chunk and with engine.overlap (each chunk read while the next
+#               decodes).
 #   compile     (450 s) benchmarks/bench_startup.py --runs=demo: the demo's programs
 #               precompiled cold and warm with the train step's 1 and 8 at a time.
 set -u
