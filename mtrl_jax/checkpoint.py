@@ -107,8 +107,9 @@ def _one_writer_per_array() -> None:
   writes every slice anyway, and each slice is an eager device program (48
   arrays replicated over 8 CPU devices: 384 slices, and a save took 0.87 s
   with them and 0.16 s without, on 2 cores). Orbax's default is already off
-  on GPUs; runs of several processes keep it. The handler is Orbax's default one otherwise (its array
-  metadata store records the RNG key's implementation).
+  on GPUs; runs of several processes keep it. The handler is otherwise
+  Orbax's default one (its array metadata store records the RNG key's
+  implementation).
   """
   if jax.process_count() == 1:
     handler = ocp.type_handlers.ArrayHandler(
