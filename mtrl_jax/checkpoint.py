@@ -29,6 +29,7 @@ finished, so a run that cannot save exits in seconds.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -99,6 +100,7 @@ def abstract_like(state) -> Any:
   return jax.tree.map(one, state)
 
 
+@functools.cache
 def _one_writer_per_array() -> None:
   """Turns off Orbax's replica-parallel saving in a one-process run.
 
@@ -109,7 +111,7 @@ def _one_writer_per_array() -> None:
   with them and 0.16 s without, on 2 cores). Orbax's default is already off
   on GPUs; runs of several processes keep it. The handler is otherwise
   Orbax's default one (its array metadata store records the RNG key's
-  implementation).
+  implementation). Once per process: the registry is Orbax's global one.
   """
   if jax.process_count() == 1:
     handler = ocp.type_handlers.ArrayHandler(

@@ -374,8 +374,8 @@ class DecodeEngine:
     st.decode_steps += ran
     samples = []
     for idx, row in placed:
-      if row.finished:  # it finished in the call before: this one named it, took no step
-        continue
+      if self._rows.get((row.shard, row.agent, row.slot)) is not row:
+        continue  # it finished in the call before (read since): this one took no step there
       n = int(counts[idx])
       if n:
         row.ids.extend(tokens[idx][:n].tolist())
@@ -386,7 +386,6 @@ class DecodeEngine:
     return samples
 
   def _finish(self, row: Row, stopped: bool) -> Sample:
-    row.finished = True
     del self._rows[(row.shard, row.agent, row.slot)]
     ids = np.asarray(row.ids, np.int32)
     cached = np.concatenate([row.ctx, row.req.prompt[-1:], ids[:-1]]).astype(np.int32)

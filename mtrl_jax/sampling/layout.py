@@ -103,9 +103,11 @@ class DeviceLayout:
   def new_slot_rows(self, slots: int) -> SlotRows:
     """Every slot finished (nothing decodes until an admit starts a sample)."""
     shape, sh = self.slot_rows_shape(slots), self.rows_sharding(3)
-    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=sh)
-    done = jax.jit(lambda: jnp.ones(shape, bool), out_shardings=sh)
-    return SlotRows(token=zeros(), pos=zeros(), t=zeros(), done=done())
+    zeros = lambda: jnp.zeros(shape, jnp.int32)
+    make = jax.jit(
+        lambda: SlotRows(zeros(), zeros(), zeros(), jnp.ones(shape, bool)), out_shardings=sh
+    )
+    return make()
 
   def abstract_slot_rows(self, slots: int) -> SlotRows:
     shape, sh = self.slot_rows_shape(slots), self.rows_sharding(3)

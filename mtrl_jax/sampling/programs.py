@@ -261,10 +261,10 @@ class Programs:
 
     cache = self._per_agent(one, params, stacked, cache, tokens, start, count)
     zero = jnp.zeros_like(start_DxAxE)
+    fresh = SlotRows(last_DxAxE, start_DxAxE + count_DxAxE, zero, zero.astype(bool))
     for f in range(dst_DxAxExF.shape[-1]):  # one scatter per fork target, no repeated copy
       dst = dst_DxAxExF[..., f]
       pool = self._put_back(pool, dst, width, cache)
-      fresh = SlotRows(last_DxAxE, start_DxAxE + count_DxAxE, zero, zero.astype(bool))
       state = self._put_state(state, dst, fresh)
     return pool, state
 
@@ -297,12 +297,18 @@ class Programs:
     self.num_traces += 1
     d = rows_DxAxR.shape[0]
     cache = self._rows_cache(pool, rows_DxAxR, window)
-    token, pos, t, done = (
-        self._get_rows(x, rows_DxAxR) for x in (state.token, state.pos, state.t, state.done)
-    )
+    now = jax.tree.map(lambda x: self._get_rows(x, rows_DxAxR), state)
     flat = [
         self._flat(v)
-        for v in (token, pos, key_DxAxRx2, keyrow_DxAxR, t, max_new_DxAxR, live_DxAxR & ~done)
+        for v in (
+            now.token,
+            now.pos,
+            key_DxAxRx2,
+            keyrow_DxAxR,
+            now.t,
+            max_new_DxAxR,
+            live_DxAxR & ~now.done,
+        )
     ]
     choose = functools.partial(
         choose_tokens,

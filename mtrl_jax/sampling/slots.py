@@ -172,17 +172,15 @@ class Sample:
 
 
 class Row:
-  """A decoding slot: sample `g` of `req` in slot `slot` of (shard, agent), what it has
-  drawn so far as the host has read it, and whether the host has seen it finish (a
-  decode call already in flight may still name it: it takes no step there)."""
+  """A decoding slot: sample `g` of `req` in slot `slot` of (shard, agent), and what it
+  has drawn so far as the host has read it."""
 
-  __slots__ = ("req", "g", "shard", "agent", "slot", "ctx", "max_new", "ids", "logps", "finished")
+  __slots__ = ("req", "g", "shard", "agent", "slot", "ctx", "max_new", "ids", "logps")
 
   def __init__(self, req, g, shard, agent, slot, ctx, max_new):
     self.req, self.g, self.shard, self.agent, self.slot = req, g, shard, agent, slot
     self.ctx, self.max_new = ctx, max_new
     self.ids, self.logps = [], []
-    self.finished = False
 
 
 class SlotState(enum.Enum):
