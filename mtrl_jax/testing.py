@@ -20,6 +20,9 @@ imports it). `tests/conftest.py` hands the builders to tests as fixtures.
   built_once(tmp_path_factory, name, build)
                       a directory built once per `pytest` run, whichever
                       pytest-xdist worker asks first (the others wait and reuse it)
+  cpu_env(devices, **extra)
+                      this process's environment for a subprocess that sees
+                      `devices` CPU devices (the test XLA flags and compilation cache kept)
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ __all__ = [
     "tiny_model",
     "hf_checkpoint",
     "built_once",
+    "cpu_env",
 ]
 
 
@@ -516,3 +520,17 @@ def built_once(tmp_path_factory, name: str, build: Callable[[str], None]) -> str
   if failure:
     raise RuntimeError(f"building {name} failed: {failure}")
   return out
+
+
+def cpu_env(devices: int, **extra: str) -> dict:
+  """This process's environment with `devices` CPU devices instead of its own count, plus
+  `extra`: the other XLA flags (tests/conftest.py's compile-time flags) and the
+  compilation cache variables go to the subprocess unchanged."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+  flags = [
+      f
+      for f in env.get("XLA_FLAGS", "").split()
+      if not f.startswith("--xla_force_host_platform_device_count")
+  ]
+  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+  return env

@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from mtrl_jax import checkpoint
+from mtrl_jax import checkpoint, testing
 from mtrl_jax.checkpoint import Checkpointer, CheckpointError
 from mtrl_jax.storage import quiet_orbax
 
@@ -394,8 +394,7 @@ def test_a_full_disk_ends_the_run_in_one_line_with_the_last_checkpoint_intact(tm
   try:
     workdir = disk / "run"
     # One CPU device (the tests' 8 would write each array in 8 shards: other sizes).
-    one_device = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    one_device["PYTHONPATH"] = ROOT
+    one_device = testing.cpu_env(1, PYTHONPATH=ROOT)
     t0 = time.time()
     out = subprocess.run(
         [

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from configs import calculator as calc_config
-from mtrl_jax import distributed
+from mtrl_jax import distributed, testing
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.train import experiment
 
@@ -86,15 +86,6 @@ def _params(workdir):
   return step, {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
 
 
-def _env(devices=None):
-  """This process's environment with `devices` CPU devices (None: launch_local sets them)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
-  if devices:
-    env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
-  return env
-
-
 def _launch(workdir, grace_s=50):
   cmd = [
       sys.executable,
@@ -110,7 +101,12 @@ def _launch(workdir, grace_s=50):
       f"--workdir={workdir}",
   ]
   return subprocess.Popen(
-      cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+      cmd,
+      cwd=ROOT,
+      env=testing.cpu_env(DEVICES),  # launch_local sets each process's count anyway
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
   )
 
 
@@ -187,7 +183,7 @@ def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   done = subprocess.run(
       [sys.executable, "-m", "experiments.train", *FLAGS, f"--workdir={single}"],
       cwd=ROOT,
-      env=_env(2 * DEVICES),
+      env=testing.cpu_env(2 * DEVICES),
       capture_output=True,
       text=True,
       timeout=600,

@@ -24,6 +24,7 @@ from ml_collections import config_flags
 
 from configs import coop, guess
 from mtrl_jax import metrics as metrics_lib
+from mtrl_jax import testing
 from mtrl_jax.tasks import guess as guess_task
 from mtrl_jax.train import budget, experiment, recipes, rl
 
@@ -90,17 +91,7 @@ def run_all(root: str, commands: list[str]):
 
 def test_every_doc_command_trains(tmp_path):
   commands = doc_commands(doc_text())
-  xla = [
-      f
-      for f in os.environ.get("XLA_FLAGS", "").split()
-      if not f.startswith("--xla_force_host_platform_device_count")
-  ]
-  env = dict(
-      os.environ,
-      PYTHONPATH=ROOT,
-      JAX_PLATFORMS="cpu",
-      XLA_FLAGS=" ".join(xla + ["--xla_force_host_platform_device_count=1"]),
-  )
+  env = testing.cpu_env(1, PYTHONPATH=ROOT)
   out = subprocess.run(
       [
           sys.executable,

@@ -51,16 +51,9 @@ def smoke_runs(tmp_path_factory):
 
   def train(root):
     jobs = [(module, arg, f"{root}/run_{i}") for i, (module, arg) in enumerate(SMOKE_RUNS)]
-    env = dict(os.environ)
-    flags = [
-        f
-        for f in env.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
     done = subprocess.run(
         [sys.executable, "-c", _RUN_CONFIGS, json.dumps(jobs)],
-        env=env,
+        env=testing.cpu_env(1),
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         capture_output=True,
         text=True,

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from mtrl_jax import testing
 from mtrl_jax.train import experiment, saved
-from tests.train.test_separate_policies import one_device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,7 +37,7 @@ def test_eval_names_its_checkpoint_and_takes_more_tasks_than_slots(smoke_run, tm
   best = smoke_run.summary()["best"]
   # The run's compile_cache ('auto': $MTRL_JAX_COMPILE_CACHE) holds what eval compiled
   # (one CPU device: every program compiles afresh here, and none is split 8 ways).
-  env = one_device_env(MTRL_JAX_COMPILE_CACHE=str(tmp_path / "cache"))
+  env = testing.cpu_env(1, MTRL_JAX_COMPILE_CACHE=str(tmp_path / "cache"))
   del env["JAX_COMPILATION_CACHE_DIR"]
   cache = env["MTRL_JAX_COMPILE_CACHE"]
   out = _entry("eval.py", f"--workdir={smoke_run.workdir}", "--num_tasks=20", env=env)

@@ -22,6 +22,7 @@ import pytest
 
 from configs import calculator as calc_config
 from configs import coop as coop_config
+from mtrl_jax import testing
 from mtrl_jax.envs import Environment, EnvironmentFactory, SharedResource
 from mtrl_jax.envs.faults import Fault, FaultKind
 from mtrl_jax.rollout.records import ActionRecord, StepRecord
@@ -29,7 +30,6 @@ from mtrl_jax.train import experiment
 from mtrl_jax.train.config import RLConfig
 from mtrl_jax.train import watch as watch_lib
 from mtrl_jax.train.watch import LearningWatch
-from tests.train.test_separate_policies import one_device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -494,7 +494,7 @@ def test_a_run_whose_every_sample_is_masked_halts_with_status_3_and_keeps_its_fi
       "--config.eval.num_tasks=2",
       "--config.eval.every=10",
   ]
-  env = one_device_env(PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))  # one CPU device
+  env = testing.cpu_env(1, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))  # one CPU device
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 3, out.stderr[-3000:]
   lines = [l for l in out.stderr.splitlines() if l.startswith(("warning: ", "halted at "))]

@@ -40,26 +40,13 @@ for job in json.loads(sys.argv[1]):
 """
 
 
-def one_device_env(**extra) -> dict:
-  """This process's environment (the suite's compilation cache included) with one CPU
-  device instead of the suite's 8, plus `extra`."""
-  env = dict(os.environ, **extra)
-  flags = [
-      f
-      for f in env.get("XLA_FLAGS", "").split()
-      if not f.startswith("--xla_force_host_platform_device_count")
-  ]
-  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
-  return env
-
-
 def run_on_one_device(jobs: list) -> None:
   """Trains `jobs` in turn in one process on one CPU device (see `_RUN_JOBS`): each a dict
   with "config": [module, function, args], "workdir" and optionally "rows_to"."""
   done = subprocess.run(
       [sys.executable, "-c", _RUN_JOBS, json.dumps(jobs)],
       cwd=ROOT,
-      env=one_device_env(),
+      env=testing.cpu_env(1),
       capture_output=True,
       text=True,
       timeout=1800,
