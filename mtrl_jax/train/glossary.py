@@ -226,8 +226,9 @@ SECTIONS = (
     )),
     ("Schedule", "depend on the machine and the schedule, not only the seed "
      "(`metrics.RUN_BOUND_PREFIXES`)", (
-        ("engine/slot_occupancy", "decoding slots / all slots, mean over decode chunks",
-         "fraction"),
+        ("engine/slot_occupancy", "decoding slots / all slots, mean over decode chunks "
+         "(with `engine.overlap` a finished row counts until its chunk is read, one chunk "
+         "later)", "fraction"),
         ("engine/slot_parked", "parked slots (caches kept for a continuation) / all slots, "
          "mean over decode chunks", "fraction"),
         ("engine/decode_chunks", "decode chunks run (one device call each, every slot "
