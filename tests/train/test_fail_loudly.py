@@ -494,7 +494,7 @@ def test_a_run_whose_every_sample_is_masked_halts_with_status_3_and_keeps_its_fi
       "--config.eval.num_tasks=2",
       "--config.eval.every=10",
   ]
-  env = testing.cpu_env(1, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))  # one CPU device
+  env = testing.cpu_env(1, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 3, out.stderr[-3000:]
   lines = [l for l in out.stderr.splitlines() if l.startswith(("warning: ", "halted at "))]

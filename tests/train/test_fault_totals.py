@@ -53,7 +53,7 @@ def test_a_factory_that_raises_for_some_tasks_masks_their_roots_and_the_run_fini
       "--config.eval.every=10",
       "--config.rl.steps=2",
   ]  # seed 0's step 1 draws a broken task; step 2 goes on
-  env = testing.cpu_env(1, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))  # one CPU device
+  env = testing.cpu_env(1, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   shown = [line for line in out.stderr.splitlines() if line.startswith("fault contract")]
