@@ -87,7 +87,7 @@ RULES = (
     ("mtrl_jax/rollout/engine.py", None, "engine scheduling"),
     ("mtrl_jax/rollout/inflight.py", None, "engine scheduling"),
     ("mtrl_jax/rollout/policy.py", None, "engine scheduling"),
-    ("mtrl_jax/train/rollouts.py", None, "engine scheduling"),
+    ("mtrl_jax/run/rollouts.py", None, "engine scheduling"),
     ("mtrl_jax/rollout/tree_packing.py", None, "packing"),
     ("mtrl_jax/rollout/batching.py", None, "packing"),
     ("mtrl_jax/rollout/train_batch.py", None, "packing"),
@@ -267,10 +267,10 @@ class ThreadProfiles:
 
 
 def _build(config):
-  from mtrl_jax.train import components, experiment, shapes
-  from mtrl_jax.train import sft as sft_lib
-  from mtrl_jax.train.rollouts import RolloutProducer
-  from mtrl_jax.train.run_state import RunState
+  from mtrl_jax.run import components, experiment, shapes
+  from mtrl_jax.run import warmup
+  from mtrl_jax.run.rollouts import RolloutProducer
+  from mtrl_jax.run.run_state import RunState
 
   exp = experiment.start(config)
   parts = components.build(exp)
@@ -279,7 +279,7 @@ def _build(config):
   run_state = RunState.of(exp, policies, stream, None, critic_model=parts.critic)
   if exp.sft.steps:  # a briefly trained policy
     t0 = time.perf_counter()
-    state, _ = sft_lib.warm_up(parts)
+    state, _ = warmup.warm_up(parts)
     print(f"SFT warm-up: {exp.sft.steps} steps in {time.perf_counter() - t0:.1f} s", flush=True)
   else:
     state = policies.init_state()  # the initial (random) policy

@@ -27,7 +27,7 @@ Targets (the LoRA work item): 4 LoRA agents at most 1/10 of 4 full policies;
   train step   `TrainStep` on --rows random rows x 96 tokens (GRPO token-mean,
                kl_coef --kl_coef: full keeps a reference copy, LoRA's reference is
                the base with the adapters off); median of --repeats after warm-up;
-  RL step      the real loop (`train.rl.run`, configs/calculator.py smoke run with
+  RL step      the real loop (`run.rl.run`, configs/calculator.py smoke run with
                the bench preset, no SFT, --rl_steps steps): median time/rollout and
                time/train of the steps after the first (which compiles); the byte
                tokenizer fits the vocabulary to its own ~300 tokens;
@@ -178,7 +178,7 @@ def time_rl_steps(rank: int, steps: int, kl_coef: float) -> dict:
   """Median time/rollout and time/train of a short calculator run on the bench preset
   (steps after the first)."""
   from configs import calculator
-  from mtrl_jax.train import rl
+  from mtrl_jax.run import rl
 
   c = calculator.get_config("smoke=True")
   c.model.preset, c.sft.steps, c.loss.kl_coef = "bench", 0, kl_coef

@@ -53,7 +53,7 @@ _CACHE = flags.DEFINE_string("cache", "", "internal: the worker's compile_cache"
 def _demo_worker(cache: str, threads: int, train_threads: int) -> dict:
   """Builds the demo's parts and precompiles them as `rl.train` does (this process)."""
   from configs import calculator
-  from mtrl_jax.train import components, experiment, shapes
+  from mtrl_jax.run import components, experiment, shapes
 
   c = calculator.get_config()
   c.compile_cache = cache

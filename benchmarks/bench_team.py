@@ -30,7 +30,7 @@ from absl import app, flags
 
 from configs import coop
 from mtrl_jax import metrics
-from mtrl_jax.train import rl
+from mtrl_jax.run import rl
 
 _STEPS = flags.DEFINE_integer("steps", 6, "RL steps per arm (the first is not counted)")
 _ROOTS = flags.DEFINE_integer("roots", 16, "roots (tasks) per RL step")

@@ -1,6 +1,6 @@
 """Base config of an ENVGRPO / ENVGSPO run; task configs start from it.
 
-`mtrl_jax/train/defaults.py` builds it from the config dataclasses, which document every
+`mtrl_jax/run/defaults.py` builds it from the config dataclasses, which document every
 field; task configs (e.g. `configs/calculator.py`) override what they need. Usage:
 
   python -m experiments.train --config=configs/base.py --workdir=/tmp/run \
@@ -11,7 +11,7 @@ experiment.build` rejects unsafe combinations before any compute.
 """
 
 from mtrl_jax import compile_cache
-from mtrl_jax.train.defaults import base_config
+from mtrl_jax.run.defaults import base_config
 
 
 def get_config(arg=None):

@@ -36,7 +36,7 @@ def get_config(arg=None):
   c.sft.steps = 100
   c.sft.conversations = "mtrl_jax.tasks.guess:golden_conversation"
   if a.sft_file:  # your own conversations, one JSON object a line (docs/recipes.md)
-    c.sft.conversations = "mtrl_jax.train.sft:file_conversation"
+    c.sft.conversations = "mtrl_jax.run.warmup:file_conversation"
     c.sft.conversation_kwargs = dict(path=a.sft_file)
   if a.smoke:  # seconds, for tests: the whole pipeline on a tiny model
     apply_smoke(c, rl_steps=1, sft_steps=1 if a.sft_file else 0, roots_per_step=1, eval_tasks=1)

@@ -163,7 +163,7 @@ def call_main(main: Callable, argv: list[str]):
   intact) is one line too, `error: <message>`, with exit status 1. Ctrl-C (SIGINT) ends
   with one line saying that the same command resumes from the last checkpoint (a
   checkpoint is written whole or not at all), exit status `EXIT_INTERRUPTED` (130)."""
-  exp = sys.modules.get("mtrl_jax.train.experiment")  # loaded if main can raise ConfigError
+  exp = sys.modules.get("mtrl_jax.run.experiment")  # loaded if main can raise ConfigError
   refusals = (app.UsageError,) + ((exp.ConfigError,) if exp is not None else ())
   ckpt = sys.modules.get("mtrl_jax.checkpoint")
   storage = (ckpt.CheckpointError,) if ckpt is not None else ()

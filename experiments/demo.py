@@ -16,7 +16,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import cli, report
-from mtrl_jax.train import recipes
+from mtrl_jax.run import recipes
 
 DEFAULT_CONFIG = "configs/calculator.py"
 # No default here: config_flags would load it and apply --config.<key> overrides at import,

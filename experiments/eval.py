@@ -26,7 +26,7 @@ import sys
 from absl import app, flags, logging
 
 from experiments import cli, outputs
-from mtrl_jax.train import experiment, saved
+from mtrl_jax.run import experiment, saved
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training run's directory")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "best", "'best' | 'latest' | a step number")

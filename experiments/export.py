@@ -31,7 +31,8 @@ from typing import Optional
 from absl import app, flags, logging
 
 from experiments import cli
-from mtrl_jax.train import experiment, export_lora, saved
+from mtrl_jax.train import export_lora
+from mtrl_jax.run import experiment, saved
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training run's directory")
 _OUT = flags.DEFINE_string("out", None, "output directory (created)")

@@ -11,14 +11,14 @@ import numpy as np
 
 from experiments import cli
 from mtrl_jax import metrics as metrics_lib
-from mtrl_jax.train import budget, experiment
+from mtrl_jax.run import budget, experiment
 
 SUCCESS_KEY = "eval/greedy/success"
 
 
 def run_seeds(config, parent: str, seeds: Sequence[int]) -> list[str]:
   """Runs `config` once per seed under `parent/seed_<k>` (resuming finished ones)."""
-  from mtrl_jax.train import rl
+  from mtrl_jax.run import rl
 
   workdirs = []
   for seed in seeds:

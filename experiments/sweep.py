@@ -207,7 +207,7 @@ def main(argv):
           f"the run names {names}"
       )
   if not _PRINT.value:
-    from mtrl_jax.train import recipes
+    from mtrl_jax.run import recipes
 
     recipes.check_workdir(_WORKDIR.value, "--workdir")
   if not (_RERUN.value or _PRINT.value):
@@ -229,7 +229,7 @@ def main(argv):
     if _PRINT.value:
       print(report.train_command(_CONFIG.value, workdir, overrides))
       continue
-    from mtrl_jax.train import rl
+    from mtrl_jax.run import rl
 
     print(f"== {workdir}", flush=True)
     rl.run(config, workdir)

@@ -13,7 +13,7 @@ naming the field, its value and what is allowed (exit status 2, no traceback;
 
 The run says what it is doing in one line per phase on stderr (the SFT warm-up,
 programs compiling, each held-out evaluation with the best so far, the end:
-`mtrl_jax/train/console.py`); --progress=false turns off the progress bar only.
+`mtrl_jax/run/console.py`); --progress=false turns off the progress bar only.
 """
 
 import json
@@ -24,7 +24,7 @@ from ml_collections import config_flags
 
 from experiments import cli
 from mtrl_jax import distributed
-from mtrl_jax.train import experiment, recipes, rl
+from mtrl_jax.run import experiment, recipes, rl
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (created; resumed if present)")

@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
   # The recipes import the whole stack; `import mtrl_jax` stays light.
   if name in ("ENVGRPO", "ENVGSPO"):
-    from mtrl_jax.train import recipes
+    from mtrl_jax.run import recipes
 
     return getattr(recipes, name)
   raise AttributeError(f"module 'mtrl_jax' has no attribute {name!r}")

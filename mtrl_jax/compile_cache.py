@@ -3,7 +3,7 @@
 Every run (and every sweep arm) on a machine shares one cache directory, so a
 program compiled once is loaded from disk by later runs instead of compiled
 again (docs/performance.md, "Start-up time"). `setup` points JAX at it; the
-entry points call it once per run (`train.experiment.start`), before the first
+entry points call it once per run (`run.experiment.start`), before the first
 compile. The config's top-level `compile_cache` says where:
 
   'auto'   (the default) `$MTRL_JAX_COMPILE_CACHE` if set (empty: off), else

@@ -29,7 +29,7 @@ TB_DIR = "tb"
 # the seed: two runs of one seed, or a run and its resumed twin, differ in
 # these keys only.
 RUN_BOUND_PREFIXES = ("compiles/", "time/", "engine/")
-# What `plot_metrics` draws by default: keys the RL loop writes (`train.rl`);
+# What `plot_metrics` draws by default: keys the RL loop writes (`run.rl`);
 # glob patterns match per-evaluation, per-turn and per-kind keys.
 DEFAULT_PLOT_KEYS = (
     "eval/*/success",

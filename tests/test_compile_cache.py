@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from mtrl_jax import compile_cache
-from mtrl_jax.train import defaults, experiment
+from mtrl_jax.run import defaults, experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -26,7 +26,7 @@ import pytest
 from configs import calculator as calc_config
 from mtrl_jax import distributed, testing
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import experiment
+from mtrl_jax.run import experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2

@@ -1,5 +1,5 @@
 """docs/recipes.md: every command it gives trains, and its tree-cost table is what
-`train/budget.py` counts.
+`run/budget.py` counts.
 
 The commands run one after another in one subprocess on one CPU device
 (`run_all`), each parsed by absl as `python -m experiments.train` parses it (a
@@ -26,7 +26,7 @@ from configs import coop, guess
 from mtrl_jax import metrics as metrics_lib
 from mtrl_jax import testing
 from mtrl_jax.tasks import guess as guess_task
-from mtrl_jax.train import budget, experiment, recipes, rl
+from mtrl_jax.run import budget, experiment, recipes, rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "recipes.md")

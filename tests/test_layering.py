@@ -15,7 +15,8 @@ Layers, bottom to top (a package may import its own layer and the ones below):
   graders
   tasks
   rollout
-  train
+  train (the jitted step, its objectives and optimizer)
+  run (config, validation, composition, the RL loop, the warm-up, saved runs)
   testing (fakes for tests and benchmarks; may import anything)
 
 A module lives under one name only: no module aliases another (no
@@ -26,9 +27,9 @@ it, so a name moved to another module cannot stay behind as a re-export.
 
 Every module stays at most `MAX_LINES` long (docs/design.md, Conventions).
 
-Validation sits below composition: `train.experiment` and `train.checks` never
-import the composition root `train.components` (the builders both use live in
-`train.builders`).
+Validation sits below composition: `run.experiment` and `run.checks` never
+import the composition root `run.components` (the builders both use live in
+`run.builders`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ LAYERS = (
     ("tasks",),
     ("rollout",),
     ("train",),
+    ("run",),
     ("testing",),
 )
 LAYER = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}
@@ -217,8 +219,8 @@ def test_no_upward_imports_and_no_package_cycles():
 
 # Module -> modules it must not import (directly): validation below composition.
 FORBIDDEN_IMPORTS = {
-    "mtrl_jax.train.experiment": ("mtrl_jax.train.components",),
-    "mtrl_jax.train.checks": ("mtrl_jax.train.components",),
+    "mtrl_jax.run.experiment": ("mtrl_jax.run.components",),
+    "mtrl_jax.run.checks": ("mtrl_jax.run.components",),
 }
 
 
@@ -231,7 +233,7 @@ def test_validation_does_not_import_the_composition_root():
       if t in graph[module]
   ]
   assert not problems, "validation imports composition:\n" + "\n".join(problems)
-  assert "mtrl_jax.train.checks" in graph["mtrl_jax.train.experiment"]  # the graph sees them
+  assert "mtrl_jax.run.checks" in graph["mtrl_jax.run.experiment"]  # the graph sees them
 
 
 def test_graph_sees_function_level_and_importlib_imports(tmp_path):

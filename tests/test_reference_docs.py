@@ -1,6 +1,6 @@
 """The references generated from the code: docs/config.md and docs/metrics.md are what
 `experiments.reference` gives, every config field has its docstring entry, and every
-key a run logs has a glossary entry (`mtrl_jax.train.glossary`)."""
+key a run logs has a glossary entry (`mtrl_jax.run.glossary`)."""
 
 import dataclasses
 import types
@@ -16,8 +16,8 @@ from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.batching import BatchConfig, make_agent_batches
 from mtrl_jax.rollout.stats import rollout_metrics
 from mtrl_jax.testing import FakePolicy, ScriptedTransition
-from mtrl_jax.train import glossary
-from mtrl_jax.train.config import EvalConfig
+from mtrl_jax.run import glossary
+from mtrl_jax.run.config import EvalConfig
 from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.policies import agent_labels
 from tests.train.conftest import smoke_run  # noqa: F401  (the shared calculator smoke run)
@@ -97,7 +97,7 @@ def test_every_key_of_the_smoke_run_has_a_glossary_entry(smoke_run):  # noqa: F8
   unknown = glossary.unknown_keys(keys)
   assert not unknown, (
       f"logged keys without a glossary entry: {unknown}; add them to "
-      f"mtrl_jax/train/glossary.py SECTIONS, then {REGENERATE}"
+      f"mtrl_jax/run/glossary.py SECTIONS, then {REGENERATE}"
   )
 
 
@@ -153,7 +153,7 @@ def test_keys_of_agents_critics_corrections_faults_and_evaluations_have_entries(
   unknown = glossary.unknown_keys(keys)
   assert not unknown, (
       f"keys without a glossary entry: {unknown}; add them to "
-      f"mtrl_jax/train/glossary.py SECTIONS, then {REGENERATE}"
+      f"mtrl_jax/run/glossary.py SECTIONS, then {REGENERATE}"
   )
   np.testing.assert_equal(
       sorted(k.value for k in FaultKind),

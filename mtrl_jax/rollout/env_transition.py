@@ -125,7 +125,7 @@ class EnvTransition:
 
   Args:
     renderer: the `ChatRenderer` of the policy's chat format, or one per agent
-      (agents with tokenizers of their own, `train.groups`); an agent's stop
+      (agents with tokenizers of their own, `run.groups`); an agent's stop
       ids must be the ones its sampler stops at.
     num_agents: N; every environment must have `num_agents == N`.
     limits: turn cap / token budget / timeout / fault policy of each step.

@@ -145,7 +145,7 @@ class EnginePolicy:
     )
 
   def compile_targets(self, states) -> list[tuple]:
-    """What `train.shapes.precompile` compiles for `states` (as `set_states` takes them):
+    """What `run.shapes.precompile` compiles for `states` (as `set_states` takes them):
     [(the engine, the parameters it samples with, number of stop ids)]."""
     return [(self.engine, _engine_params(states), len(self.stop_ids))]
 
@@ -203,7 +203,7 @@ class TeamPolicy:
   """`RolloutPolicy` of a team whose agent groups sample on engines of their own.
 
   Each group of agents that share an architecture and tokenizer
-  (`train.groups`) has an `EnginePolicy` over its own `DecodeEngine`, with its
+  (`run.groups`) has an `EnginePolicy` over its own `DecodeEngine`, with its
   chat format's stop ids and its tokenizer's padding. A request of agent a goes
   to a's group as that group's agent `members[g].index(a)`; keys are named by
   the team's agent (`separate`), so an agent draws the same tokens as it would

@@ -23,7 +23,7 @@ at the end of the run.
 Refusals and faults under `processes`:
   * a state or completion that cannot be pickled masks the step with a
     contract fault naming `env.workers` (shown once). The run's start-up check
-    (`train.checks`) pickles the first task's root state and refuses the run in
+    (`run.checks`) pickles the first task's root state and refuses the run in
     one line first; text generators that sample on the engine (`LocalLLM`,
     `BatchingGenerator`: LLM judges, LLM user simulators) refuse to be pickled,
     so an environment holding one is refused there;

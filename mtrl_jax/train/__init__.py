@@ -1,4 +1,4 @@
-"""Training: the sharded train step, optimizer, SFT warm-up (RL loop and eval live beside them)."""
+"""Training: the sharded train step, its objectives and optimizer, the SFT step (a run that uses them: `mtrl_jax.run`)."""
 
 from mtrl_jax.train.optim import OptimConfig, make_optimizer, make_schedule
 from mtrl_jax.train.sft import SFTBatcher, SFTObjective, make_sft_step, pack_sft_rows

@@ -3,9 +3,9 @@
 `lower_step` lowers the update (and, with several updates per batch, the
 old-logprob forward) for a batch's shapes without running them; compiling what it
 returns fills jax.jit's cache, so an RL run compiles every shape bucket before its
-first step (`train.shapes.precompile`) and its compile census stays flat. Lowering
+first step (`run.shapes.precompile`) and its compile census stays flat. Lowering
 (tracing) is Python and holds the interpreter lock; compiling is XLA's and does
-not, so `train.shapes.precompile` lowers one program after another and compiles
+not, so `run.shapes.precompile` lowers one program after another and compiles
 several at once where that helps.
 """
 

@@ -6,7 +6,7 @@ vocabulary) or, by default, the policy's starting model. It reads the
 policies' token ids, trains by its own `TrainStep` on `ValueObjective` (the
 clipped value loss alone, no LM head) with AdamW at `critic.learning_rate` on
 the policy's schedule, and its train state is checkpointed beside the
-policy's (`train.run_state`: the tree's "critic").
+policy's (`run.run_state`: the tree's "critic").
 
 Inputs, by `critic.kind`:
   * 'independent': each agent's own history. The tree is packed as for a

@@ -1,7 +1,7 @@
 """A team of agents of several architectures: one update program and engine per group.
 
 Agents that share an architecture and a tokenizer form a group
-(`train.groups`); each group is a `StackedPolicies` of its own (its agents
+(`run.groups`); each group is a `StackedPolicies` of its own (its agents
 stacked, one `StackedTrainStep` or `PartlyFrozenTrainStep` program, one
 `DecodeEngine` parameter set with its own stop ids and padding).
 `TeamPolicies` answers the questions `train.policies.Policies` answers by
@@ -25,7 +25,7 @@ team; `batch/*` counts the team's rows and tokens (`batch/rows` and
 The SFT warm-up trains one start per group (`warm_starts`: its first agent's
 model, on the rows its tokenizer renders). A team cannot carry a value critic
 or start from saved adapters (validation refuses each in one line,
-`train.experiment.check_agents`).
+`run.experiment.check_agents`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from experiments import report
-from mtrl_jax.train import experiment
+from mtrl_jax.run import experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SWEPT = ("configs/calculator.py", "configs/coop.py", "configs/refine.py")

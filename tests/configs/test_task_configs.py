@@ -34,7 +34,7 @@ SMOKE_RUNS = [
 _RUN_CONFIGS = """
 import importlib, json, sys
 from mtrl_jax import metrics
-from mtrl_jax.train import rl
+from mtrl_jax.run import rl
 metrics.plot_metrics = lambda *args, **kwargs: None
 for module, arg, workdir in json.loads(sys.argv[1]):
   config = importlib.import_module(module).get_config(arg)

@@ -234,7 +234,7 @@ def test_tool_output_cap_defaults_from_the_token_budget_and_is_validated():
 
 
 def test_tool_output_cap_config_field():
-  from mtrl_jax.train.inputs import EnvConfig
+  from mtrl_jax.run.inputs import EnvConfig
 
   assert EnvConfig(max_tool_output_chars=8000).limits.tool_output_chars == 8000
   assert EnvConfig(max_tokens=64).limits.tool_output_chars == 16 * 64

@@ -268,7 +268,7 @@ def test_tool_timeout_in_the_tree_engine(renderer, slow_tool, mode):
 
 def test_tool_timeout_config_switch():
   from configs import calculator as calc_config
-  from mtrl_jax.train import experiment
+  from mtrl_jax.run import experiment
 
   c = calc_config.get_config("smoke=True")
   assert experiment.build(c).env.limits.faults.tool_timeout == "mask"

@@ -183,7 +183,7 @@ def test_bad_shape_is_a_one_line_error():
 
 def test_config_tree_shape_reaches_the_experiment_and_bad_values_fail():
   from configs import calculator as calc_config
-  from mtrl_jax.train import experiment, shapes
+  from mtrl_jax.run import experiment, shapes
 
   c = calc_config.get_config("smoke=True")
   c.tree.shape = "chain"

@@ -22,7 +22,7 @@ from mtrl_jax.sampling.batching import BatchingGenerator
 from mtrl_jax.sampling.generation import LocalLLM
 from mtrl_jax.tasks import calculator, coop
 from mtrl_jax.testing import FakePolicy, byte_renderer
-from mtrl_jax.train.inputs import EnvConfig
+from mtrl_jax.run.inputs import EnvConfig
 
 RENDERER = byte_renderer()
 TOK = RENDERER.tokenizer

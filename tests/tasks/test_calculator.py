@@ -233,7 +233,7 @@ def test_demo_config_dominance_check_counts_graded_turns_not_the_turn_cap():
 
   from configs import calculator as calc_config
   from mtrl_jax.envs import RewardDominanceWarning
-  from mtrl_jax.train import components, experiment
+  from mtrl_jax.run import components, experiment
 
   c = calc_config.get_config()
   c.reward.shaping_weight = 0.5

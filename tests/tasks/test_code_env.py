@@ -403,7 +403,7 @@ def _write_chatml_tokenizer(path):
 def test_configs_build(tmp_path):
   from configs import humaneval
   from mtrl_jax.models.config import get_preset
-  from mtrl_jax.train import components, experiment
+  from mtrl_jax.run import components, experiment
 
   smoke = experiment.build(humaneval.get_config("smoke=True"))
   assert (smoke.tree.num_agents, smoke.tree.num_turns, smoke.tree.branch_on) == (2, 2, "every_turn")

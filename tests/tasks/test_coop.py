@@ -193,7 +193,7 @@ def test_task_source_and_config_build():
   from configs import coop as coop_config
   from mtrl_jax import data
   from mtrl_jax.registry import import_object
-  from mtrl_jax.train import components, experiment
+  from mtrl_jax.run import components, experiment
 
   src = data.resolve_task_source("coop", "eval")
   assert len(src) == 200 and src[3] == coop.make_task("eval", 3)

@@ -9,7 +9,7 @@ import pytest
 from mtrl_jax import data
 from mtrl_jax.envs import StepLimits, resolve_factory, rollout_scripted
 from mtrl_jax.tasks import guess
-from mtrl_jax.train import sft
+from mtrl_jax.run import warmup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,6 +45,6 @@ def test_the_sft_file_is_the_golden_conversations_of_the_first_train_tasks():
   path = os.path.join(ROOT, "docs", "guess_sft.jsonl")
   for i in range(6):
     want = guess.golden_conversation(guess.make_task("train", i % 4))
-    assert sft.file_conversation(guess.make_task("train", i), path) == want
+    assert warmup.file_conversation(guess.make_task("train", i), path) == want
   with pytest.raises(ValueError, match="guess split 'dev'"):
     guess.make_task("dev", 0)

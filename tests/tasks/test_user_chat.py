@@ -23,7 +23,7 @@ from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.seeds import call_seed
 from mtrl_jax.tasks.user_chat import UserChatFactory, user_chat_tasks
 from mtrl_jax.testing import FakePolicy, built_once, byte_renderer
-from mtrl_jax.train import rl
+from mtrl_jax.run import rl
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from configs import coop as coop_config
 from configs import humaneval as humaneval_config
 from configs import refine as refine_config
 from mtrl_jax.envs import Environment, EnvironmentFactory
-from mtrl_jax.train import builders, components, experiment
+from mtrl_jax.run import builders, components, experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALC = calc_config.get_config().sft.conversations.partition(":")[0]  # the task's module

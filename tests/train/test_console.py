@@ -1,4 +1,4 @@
-"""The run's console lines (`train.console`): their formats from hand-written values,
+"""The run's console lines (`run.console`): their formats from hand-written values,
 the compile progress through `shapes.precompile`, and the phase lines of the shared
 smoke run (`smoke_run`, its stderr)."""
 
@@ -6,8 +6,8 @@ import io
 import re
 import types
 
-from mtrl_jax.train import console as console_lib
-from mtrl_jax.train.console import Console
+from mtrl_jax.run import console as console_lib
+from mtrl_jax.run.console import Console
 
 
 def _sft(**kw):
@@ -145,7 +145,7 @@ def test_a_process_that_does_not_write_says_nothing(capsys):
 
 
 def test_precompile_reports_each_engine_and_train_step_program():
-  from mtrl_jax.train import experiment, shapes
+  from mtrl_jax.run import experiment, shapes
   from tests.train.test_rl_loop import smoke_config
 
   class Engine:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs import coop as coop_config
-from mtrl_jax.train import experiment
+from mtrl_jax.run import experiment
 from tests.train.test_separate_policies import run_on_one_device  # one CPU device
 
 

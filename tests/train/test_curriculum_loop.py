@@ -6,7 +6,7 @@ import os
 import pytest
 
 from configs import calculator as calc_config
-from mtrl_jax.train import rl
+from mtrl_jax.run import rl
 
 pytestmark = pytest.mark.usefixtures("no_curves")
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from mtrl_jax.rollout import TreeConfig
-from mtrl_jax.train import defaults, experiment
+from mtrl_jax.run import defaults, experiment
 
 # (group, field) -> the default the documentation states, and where it states it.
 DOCUMENTED = {

@@ -13,7 +13,7 @@ from flax import nnx
 
 from configs import calculator as calc_config
 from mtrl_jax import testing, text
-from mtrl_jax.train import components, experiment, saved
+from mtrl_jax.run import components, experiment, saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVAL_KEYS = ("success", "outcome", "return", "turns", "masked")

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from mtrl_jax import testing
-from mtrl_jax.train import experiment, saved
+from mtrl_jax.run import experiment, saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -11,7 +11,7 @@ from mtrl_jax.rollout import EnginePolicy, TreeConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.testing import FakePolicy
-from mtrl_jax.train import evaluate as eval_lib
+from mtrl_jax.run import evaluate as eval_lib
 
 
 # ------------------------------------------------------------------ pass@k

@@ -1,10 +1,10 @@
 """Fail loudly: start-up checks refuse before compute, and a run that learns nothing says so.
 
-Start-up (`train/checks.py`, in-process on `experiment.validate`): a prompt that
+Start-up (`run/checks.py`, in-process on `experiment.validate`): a prompt that
 does not fit `env.max_tokens`, an environment that cannot fork, micro-batches
 that do not divide a planned batch, a task source of non-mappings and a success
 threshold no outcome can pass are each refused in one line naming the field.
-The loop (`train/watch.py`): a step that trains nothing warns with its reason,
+The loop (`run/watch.py`): a step that trains nothing warns with its reason,
 idle streaks and masked windows halt, and the entry point exits with status 3
 with the reason in summary.json and every file of the run kept.
 """
@@ -26,10 +26,10 @@ from mtrl_jax import testing
 from mtrl_jax.envs import Environment, EnvironmentFactory, SharedResource
 from mtrl_jax.envs.faults import Fault, FaultKind
 from mtrl_jax.rollout.records import ActionRecord, StepRecord
-from mtrl_jax.train import experiment
-from mtrl_jax.train.config import RLConfig
-from mtrl_jax.train import watch as watch_lib
-from mtrl_jax.train.watch import LearningWatch
+from mtrl_jax.run import experiment
+from mtrl_jax.run.config import RLConfig
+from mtrl_jax.run import watch as watch_lib
+from mtrl_jax.run.watch import LearningWatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

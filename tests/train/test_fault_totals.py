@@ -72,7 +72,7 @@ def test_a_factory_that_raises_for_some_tasks_masks_their_roots_and_the_run_fini
 
 def test_held_out_tasks_that_are_not_mappings_are_passed_on_to_be_masked():
   from mtrl_jax.data import ListSource
-  from mtrl_jax.train.evaluate import indexed
+  from mtrl_jax.run.evaluate import indexed
 
   source = ListSource([{"q": 1}, "not a task", {"q": 3}])
   assert indexed(source, 3) == [{"q": 1, "task_index": 0}, "not a task", {"q": 3, "task_index": 2}]

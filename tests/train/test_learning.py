@@ -15,7 +15,7 @@ import os
 import pytest
 
 from configs import charclass
-from mtrl_jax.train import rl
+from mtrl_jax.run import rl
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_curves")]  # 50 RL steps
 

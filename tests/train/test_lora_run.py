@@ -15,7 +15,7 @@ from configs import calculator as calc_config
 from configs import coop as coop_config
 from mtrl_jax import sharding
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import components, experiment, saved
+from mtrl_jax.run import components, experiment, saved
 
 from tests.train.test_separate_policies import run_on_one_device
 

@@ -11,7 +11,8 @@ from flax import nnx
 from mtrl_jax import losses, models, testing
 from mtrl_jax.models import lora
 from mtrl_jax.models.config import LoraConfig
-from mtrl_jax.train import OptimConfig, StepConfig, TrainStep, defaults, experiment
+from mtrl_jax.train import OptimConfig, StepConfig, TrainStep
+from mtrl_jax.run import defaults, experiment
 from mtrl_jax.train.sft import SFTObjective
 from mtrl_jax.rollout.train_batch import stack
 from mtrl_jax.train.stacked import StackedTrainStep, agent_slice

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import calculator as calc_config
-from mtrl_jax.train import rl, saved
+from mtrl_jax.run import rl, saved
 
 pytestmark = pytest.mark.usefixtures("no_curves")
 

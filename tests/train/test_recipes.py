@@ -8,7 +8,7 @@ import pytest
 import mtrl_jax
 from configs import calculator as calc_config
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import experiment
+from mtrl_jax.run import experiment
 
 
 def _metrics(workdir):

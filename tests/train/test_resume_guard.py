@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mtrl_jax import checkpoint, metrics
-from mtrl_jax.train import experiment, rl, saved
+from mtrl_jax.run import experiment, rl, saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

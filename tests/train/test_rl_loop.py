@@ -16,7 +16,7 @@ from configs import calculator as calc_config
 from experiments import report
 from mtrl_jax import checkpoint
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import experiment, rl
+from mtrl_jax.run import experiment, rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.usefixtures("no_curves")
@@ -145,7 +145,7 @@ def test_killed_run_resumes_exactly(smoke_run, tmp_path):
 def test_shape_plan_sizes_the_engine_from_the_config():
   from mtrl_jax.rollout import plan_tree
   from mtrl_jax.rollout.train_batch import logit_buckets
-  from mtrl_jax.train import shapes
+  from mtrl_jax.run import shapes
 
   c = smoke_config()
   c.sft.until_success = 0.5
@@ -179,7 +179,7 @@ def test_precompile_gives_stacked_train_steps_an_agent_axis():
   is given, every train spec gets a leading agent axis; a plain step: plain specs
   (recording fakes, no compile)."""
   from mtrl_jax.rollout.train_batch import as_arrays
-  from mtrl_jax.train import shapes
+  from mtrl_jax.run import shapes
 
   class Engine:
 

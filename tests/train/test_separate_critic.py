@@ -22,12 +22,13 @@ from mtrl_jax.rollout.completion import Completion
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.rollout.batching import BatchConfig, critic_values
 from mtrl_jax.rollout.critic import CriticConfig, critic_advantages
-from mtrl_jax.train import OptimConfig, StepConfig, TrainStep, experiment, make_optimizer
-from mtrl_jax.train import critic_config, shapes
+from mtrl_jax.train import OptimConfig, StepConfig, TrainStep, make_optimizer
+from mtrl_jax.run import experiment
+from mtrl_jax.run import critic_config, shapes
 from mtrl_jax.train.compile import lower_values
 from mtrl_jax.train.objectives import PolicyObjective, ValueObjective
 from mtrl_jax.train.separate_critic import SeparateCritic
-from mtrl_jax.train.shapes import ShapePlan
+from mtrl_jax.run.shapes import ShapePlan
 
 from tests.rollout.test_tree_packing import random_tree
 from tests.train.test_separate_policies import run_on_one_device  # one CPU device

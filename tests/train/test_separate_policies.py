@@ -18,7 +18,7 @@ import pytest
 from configs import coop as coop_config
 from mtrl_jax import testing
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import experiment, saved
+from mtrl_jax.run import experiment, saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _RUN_JOBS = """
 import importlib, json, os, shutil, sys
 from mtrl_jax import metrics
-from mtrl_jax.train import rl
+from mtrl_jax.run import rl
 metrics.plot_metrics = lambda *args, **kwargs: None
 for job in json.loads(sys.argv[1]):
   module, function, args = job["config"]

@@ -1,4 +1,4 @@
-"""SFT steps mixed into RL (`sft.mix_every`, `train.sft.SFTMix`)."""
+"""SFT steps mixed into RL (`sft.mix_every`, `run.warmup.SFTMix`)."""
 
 import json
 import os
@@ -9,7 +9,8 @@ import pytest
 
 from configs import calculator as calc_config
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import components, experiment, optim, rl, sft
+from mtrl_jax.train import optim, sft
+from mtrl_jax.run import components, experiment, rl, warmup
 
 pytestmark = pytest.mark.usefixtures("no_curves")
 
@@ -48,13 +49,13 @@ def test_mix_step_is_a_plain_sft_step_and_leaves_the_rl_optimizer_alone():
   TrainStep from the same parameters and batch; the RL moments and schedule count
   do not move."""
   parts = components.build(experiment.build(mix_config()))
-  mix = sft.SFTMix(parts)
+  mix = warmup.SFTMix(parts)
   state = parts.policies.init_state()
   mix.init(state.params)
   start_params = _leaves(state.params)
   rl_opt = _leaves(state.opt_state)
 
-  batch = next(sft.golden_batcher(parts, seed=parts.exp.seed + 1))  # the mix's first batch
+  batch = next(warmup.golden_batcher(parts, seed=parts.exp.seed + 1))  # the mix's first batch
   plain = sft.make_sft_step(
       parts.model, optim.OptimConfig(learning_rate=1e-3), mesh=parts.mesh, step_cfg=parts.exp.step
   )
@@ -137,6 +138,6 @@ def test_the_warmup_conversations_take_their_keyword_arguments():
   c.tree.num_turns = 3
   c.env.kwargs.feedback = "plain"
   exp = experiment.build(c)
-  convo = sft.conversation_maker(exp.sft)(refine.make_task("train", 0))
+  convo = warmup.conversation_maker(exp.sft)(refine.make_task("train", 0))
   assert [role for role, _ in convo] == ["user", "assistant"] * 3
   assert {text for role, text in convo[2::2]} <= {"ok", "no"}

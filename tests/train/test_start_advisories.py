@@ -3,7 +3,7 @@
 import pytest
 
 from configs import calculator
-from mtrl_jax.train import checks, experiment
+from mtrl_jax.run import checks, experiment
 
 
 def _config(**fields):

@@ -1,4 +1,4 @@
-"""A team of agents of different architectures (`train.groups`, `train.team`).
+"""A team of agents of different architectures (`run.groups`, `train.team`).
 
 - Grouping: agents of one architecture and tokenizer share a group; a team
   is any run whose agents are not all the top-level model.
@@ -27,8 +27,9 @@ from mtrl_jax.models import loading
 from mtrl_jax.rollout import expand_tree
 from mtrl_jax.rollout.dump import node_records
 from mtrl_jax.rollout.policy import TeamPolicy
-from mtrl_jax.train import components, experiment, groups, saved, sft
-from mtrl_jax.train.evaluate import indexed
+from mtrl_jax.run import warmup
+from mtrl_jax.run import components, experiment, groups, saved
+from mtrl_jax.run.evaluate import indexed
 from mtrl_jax.train.team import TeamPolicies, TeamState
 from tests.train.test_separate_policies import _rows, run_on_one_device
 
@@ -89,7 +90,7 @@ def _one_step(parts, key):
   warm-up, if any): (tree records, train metrics, every agent's parameters after the
   update, (the batch, its metrics))."""
   exp, policies = parts.exp, parts.policies
-  state = sft.warm_up(parts)[0] if exp.sft.steps else policies.init_state()
+  state = warmup.warm_up(parts)[0] if exp.sft.steps else policies.init_state()
   ref = policies.train_step.copy_params(state.params)
   parts.rollout_policy.set_states(policies.sampler_states(state.params))
   roots = parts.transition.root_states(parts.factory, indexed(parts.train_tasks, 2))
@@ -143,7 +144,7 @@ def test_a_team_of_one_group_warms_up_one_start_for_its_agents():
   parts = components.build(experiment.validate(c))
   assert [g.agents for g in parts.exp.agents.team] == [(0, 1)]
   start = jax.device_get(nnx.to_pure_dict(nnx.state(parts.policies.models[0], nnx.Param)))
-  state, history = sft.warm_up(parts)
+  state, history = warmup.warm_up(parts)
   assert isinstance(state, TeamState) and [r["sft_step"] for r in history] == [1]
   first, second = [nnx.to_pure_dict(p) for p in parts.policies.per_policy(state.params)]
   assert jax.tree.structure(first) == jax.tree.structure(start)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from mtrl_jax import losses, models, sharding, testing
-from mtrl_jax.train import (NonFiniteError, OptimConfig, StepConfig, TrainStep, make_optimizer)
+from mtrl_jax.train import NonFiniteError, OptimConfig, StepConfig, TrainStep, make_optimizer
 
 CFG = models.get_preset("tiny")
 LOSS = losses.LossConfig(algorithm="grpo", kl_coef=0.05, aggregation="seq-mean-token-mean")

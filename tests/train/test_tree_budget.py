@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from configs import calculator
-from mtrl_jax.train import budget, experiment
+from mtrl_jax.run import budget, experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,7 +1,7 @@
 """The metrics glossary: every key an RL run logs, what it means and its unit.
 
 A run writes one row per step to `workdir/metrics.jsonl` and TensorBoard
-(`metrics.MetricsWriter`); the RL loop (`train.rl`) assembles the row from the
+(`metrics.MetricsWriter`); the RL loop (`run.rl`) assembles the row from the
 tree (`rollout.tree`, `rollout.stats`, `rollout.credit`), the batch
 (`rollout.batching`), the train step (`losses.finalize_metrics`, `train.update`,
 `train.objectives`), the compile census, timers, the renderer's counters and

@@ -3,10 +3,10 @@ agents, checkpoint.
 
 Each dataclass mirrors one group of the ConfigDict field for field and under the
 same names, so `config.sft.check_every` is `exp.sft.check_every`, and its
-defaults are the base config's (`train/defaults.py` builds the groups from
+defaults are the base config's (`run/defaults.py` builds the groups from
 them). A bad value fails at construction with one line naming the field
 (`config rl.steps=-1; allowed: an integer >= 0`). The model, tokenizer, env and
-tasks groups are in `train/inputs.py`; the tree, sampling, reward, loss,
+tasks groups are in `run/inputs.py`; the tree, sampling, reward, loss,
 optimizer, step, mesh, curriculum and distributed groups have their own
 dataclasses beside the code that uses them.
 """
@@ -18,7 +18,7 @@ import math
 from typing import Optional
 
 from mtrl_jax.rollout.batching import PACKINGS
-from mtrl_jax.train.inputs import kwargs_pairs
+from mtrl_jax.run.inputs import kwargs_pairs
 
 
 def _int_at_least(group: str, obj, names, low: int):
@@ -143,7 +143,7 @@ class SFTConfig:
     check_every: SFT steps between those checks.
     check_tasks: train tasks of each check.
     mix_every: one NLL step on the golden conversations after every k-th RL
-      update (0: none; `train.sft.SFTMix`).
+      update (0: none; `run.warmup.SFTMix`).
     mix_learning_rate: the constant rate of those steps (their own AdamW moments).
   """
 
@@ -271,7 +271,7 @@ class AgentsConfig:
       top-level `model`). Agents of another architecture or tokenizer than the
       top-level model's make a team: agents of one architecture and tokenizer
       are stacked in one program, each such group has its own engine and
-      update program (`train.groups`, `train.team`).
+      update program (`run.groups`, `train.team`).
     trainable: per-agent bools (empty: every agent trains); a False agent is
       frozen: it acts with its own weights but never updates, and has no
       optimizer state (`train.frozen_agents`). At least one True; a shared
@@ -281,7 +281,7 @@ class AgentsConfig:
       the team reward where the environment grades only jointly). 1: the
       team reward only. Validation hands it to `TreeConfig.team_weight`.
     team: the groups of a team of several architectures or tokenizers
-      (`train.groups.AgentGroup`, set by validation, not a config field);
+      (`run.groups.AgentGroup`, set by validation, not a config field);
       empty when every agent has the top-level model's.
   """
 

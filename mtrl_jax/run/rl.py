@@ -10,16 +10,16 @@ compute) and `train(exp, config, workdir)`:
     tasks from a seeded, resumable stream -> one environment per root
     tree expansion on the rollout engine (decode slots whose KV cache persists;
       env steps on a thread pool, no level barrier); with rl.max_staleness=1 the
-      next step's rollout runs during this step's update (`train.rollouts`)
+      next step's rollout runs during this step's update (`run.rollouts`)
     returns / advantages -> fixed-shape batch (`rollout.batching`: zero-variance
       groups dropped; tree-packed, every token once, or one row per action)
     train step (GRPO / GSPO / REINFORCE, KL to the frozen reference)
-    optional SFT step on golden conversations (`sft.mix_every`, `sft.SFTMix`)
+    optional SFT step on golden conversations (`sft.mix_every`, `warmup.SFTMix`)
     metrics.jsonl + TensorBoard, rollout dumps, checkpoints,
     held-out evaluation every k steps with keep-best under workdir/best
 
 The per-step RNG key is `fold_in(PRNGKey(seed), step)` and the run's state
-(`train.run_state.RunState`: train state, reference, behaviour parameters,
+(`run.run_state.RunState`: train state, reference, behaviour parameters,
 task stream, SFT mix) is checkpointed whole, so a run killed at any point
 resumes exactly (docs/design.md invariant 6).
 
@@ -34,7 +34,7 @@ Checkpoints are saved and restored by every process.
 precompile, the step-0 evaluation), the RL loop, the end (summary.json, curves).
 One RL step is `_Loop.step`: rollout, update, its metrics row, held-out
 evaluation, the learning watch and the checkpoint; what the run records (each
-step's metrics row, the run's summary) gathers in `train.run_record.RunRecord`.
+step's metrics row, the run's summary) gathers in `run.run_record.RunRecord`.
 """
 
 from __future__ import annotations
@@ -50,17 +50,17 @@ import ml_collections
 from mtrl_jax import checkpoint, distributed, metrics as metrics_lib, storage
 from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout.gather import gather_tree
-from mtrl_jax.train import components as components_lib
-from mtrl_jax.train.console import Console, eval_score
-from mtrl_jax.train import evaluate as eval_lib
-from mtrl_jax.train import experiment as exp_lib
-from mtrl_jax.train import shapes as shapes_lib
-from mtrl_jax.train import saved
-from mtrl_jax.train import sft as sft_lib
-from mtrl_jax.train.rollouts import Rollout, RolloutProducer, render_totals, text_counts
-from mtrl_jax.train.run_state import RunState
-from mtrl_jax.train.run_record import RunRecord, across_processes
-from mtrl_jax.train.watch import LearningWatch
+from mtrl_jax.run import components as components_lib
+from mtrl_jax.run.console import Console, eval_score
+from mtrl_jax.run import evaluate as eval_lib
+from mtrl_jax.run import experiment as exp_lib
+from mtrl_jax.run import shapes as shapes_lib
+from mtrl_jax.run import saved
+from mtrl_jax.run import warmup
+from mtrl_jax.run.rollouts import Rollout, RolloutProducer, render_totals, text_counts
+from mtrl_jax.run.run_state import RunState
+from mtrl_jax.run.run_record import RunRecord, across_processes
+from mtrl_jax.run.watch import LearningWatch
 
 
 def held_out(parts: components_lib.Components, params, step: int) -> dict:
@@ -104,7 +104,7 @@ def train(
     closing.callback(parts.workers.close)  # the run's environment workers, after its rollouts
     if writes:
       print(exp_lib.describe(exp), flush=True)
-    mix = sft_lib.SFTMix(parts) if exp.sft.mix_every else None
+    mix = warmup.SFTMix(parts) if exp.sft.mix_every else None
     stream = components_lib.make_train_stream(exp, parts.train_tasks)
     run_state = RunState.of(exp, parts.policies, stream, mix, critic_model=parts.critic)
     # With several processes Orbax's background commit runs collectives of its own,
@@ -223,7 +223,7 @@ def _first_state(parts: components_lib.Components, console: Console, record: Run
     return parts.policies.init_state()
   t0 = time.time()
   console.sft_start(sft)
-  state, history = sft_lib.warm_up(parts, lambda row: console.sft_row(row, sft.steps))
+  state, history = warmup.warm_up(parts, lambda row: console.sft_row(row, sft.steps))
   console.sft_end(history, sft)
   record.warmed_up(history, time.time() - t0)
   return state
@@ -249,7 +249,7 @@ class _Loop:
   rollout -> update -> its metrics row -> evaluation and checkpoint."""
 
   parts: components_lib.Components
-  run_state: RunState  # with the task stream and the SFT mix (`sft.SFTMix`, or None)
+  run_state: RunState  # with the task stream and the SFT mix (`warmup.SFTMix`, or None)
   producer: RolloutProducer
   ckpt: checkpoint.Checkpointer
   writer: object  # `metrics.MetricsWriter` (process 0) or `metrics.NullWriter`

@@ -6,7 +6,7 @@ environments, limits and reward composition as training, on the run's
 `DecodeEngine`. A trajectory succeeds when the outcome of the step that ended
 it is above `success_threshold`: the run's `eval.success_threshold`, by default
 just below the top of the factory's `outcome_range` (a full score: for the
-calculator task every answer right, outcome +1; `train/checks.py`). The
+calculator task every answer right, outcome +1; `run/checks.py`). The
 rollout statistics themselves are `mtrl_jax.rollout.stats`.
 """
 
@@ -27,7 +27,7 @@ from mtrl_jax.sampling import SamplingConfig
 class Evaluator:
   """Single-path rollouts of tasks with one policy: the SFT stop check and held-out eval.
 
-  Built once per run (`train.components`) from the run's rollout policy,
+  Built once per run (`run.components`) from the run's rollout policy,
   transition and factory; the tree, sampling and success settings are the
   run's, with one generation per node and no early termination.
   """

@@ -16,7 +16,7 @@ progress bar when there is one), a few per phase, as each starts, goes on and en
   rl: steps 1-130, held-out evaluation every 10 steps
   done: 130 RL steps (1-130) in 8 min 12 s; best eval success 0.80 at step 120; files in ...
 
-Warnings and halts (`train.watch`) go through the same `say`. With
+Warnings and halts (`run.watch`) go through the same `say`. With
 `--progress=false` (`experiments/train.py`) the bar is off but these lines
 stay: they are few. The bar's postfix names what it shows: `root_return`
 (`rollout/return`) and `train_success` (`rollout/path_success`) of the step's
@@ -211,7 +211,7 @@ class Console:
     self.say(format_sft_end(history, sft.steps, sft.until_success, self.clock() - self._sft_t0))
 
   def compiled(self, kind: str, done: int, total: int):
-    """Compile progress (`train.shapes.precompile`'s `progress`): a line as a kind
+    """Compile progress (`run.shapes.precompile`'s `progress`): a line as a kind
     starts, as it ends, and in between at most every `every_s` seconds."""
     now = self.clock()
     if done == 0:

@@ -1,7 +1,7 @@
 """The base config of an ENVGRPO / ENVGSPO run, built from the config dataclasses.
 
 `configs/base.py` (and through it every task config) and the recipe API
-(`mtrl_jax.train.recipes`) start from `base_config()`; it lives in the package
+(`mtrl_jax.run.recipes`) start from `base_config()`; it lives in the package
 so that a notebook or an installed copy has it without the repository's
 `configs/` folder.
 
@@ -24,7 +24,7 @@ from mtrl_jax.envs.reward import RewardConfig
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.rollout import TreeConfig
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train.config import (
+from mtrl_jax.run.config import (
     AgentsConfig,
     CheckpointConfig,
     EngineGroup,
@@ -32,8 +32,8 @@ from mtrl_jax.train.config import (
     RLConfig,
     SFTConfig,
 )
-from mtrl_jax.train.critic_config import CriticGroup
-from mtrl_jax.train.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
+from mtrl_jax.run.critic_config import CriticGroup
+from mtrl_jax.run.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import StepConfig
 
@@ -57,7 +57,7 @@ GROUPS = {
     "sft": (SFTConfig, ()),
     "rl": (RLConfig, ()),
     "eval": (EvalConfig, ()),
-    "agents": (AgentsConfig, ("team",)),  # team: the agents' groups (`train.groups`)
+    "agents": (AgentsConfig, ("team",)),  # team: the agents' groups (`run.groups`)
     "critic": (CriticGroup, ()),
     "curriculum": (data.CurriculumConfig, ()),
     "checkpoint": (CheckpointConfig, ()),

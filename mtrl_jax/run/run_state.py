@@ -3,7 +3,7 @@
 A `RunState` holds the train state, the frozen reference parameters (kept when
 the loss has a KL term), the parameters the next rollout samples with
 (`rl.max_staleness=1`), the task stream and, with `sft.mix_every`, the SFT
-mix (`train.sft.SFTMix`: its own moments and batch position). A checkpoint
+mix (`run.warmup.SFTMix`: its own moments and batch position). A checkpoint
 holds exactly these, so a resumed run continues as if never stopped
 (docs/design.md invariant 6):
 
@@ -29,7 +29,7 @@ from typing import Any, Optional
 import jax
 
 from mtrl_jax.models import lora as lora_lib
-from mtrl_jax.train.experiment import ConfigError
+from mtrl_jax.run.experiment import ConfigError
 
 
 class RunState:

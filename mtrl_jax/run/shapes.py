@@ -66,7 +66,7 @@ class ShapePlan:
 
 
 def plan_shapes(exp, row_multiple: int, local_shards: int) -> ShapePlan:
-  """The buckets of an experiment (`train.experiment.Experiment`) as one process plans
+  """The buckets of an experiment (`run.experiment.Experiment`) as one process plans
   them (`per_process`); `local_shards`: the process's batch shards."""
   rl, sft, ev, tree = exp.rl, exp.sft, exp.eval, exp.tree
   n = tree.num_agents

@@ -4,12 +4,12 @@
 (`train.policies`: one shared, or one per agent stacked, with their train
 step), environment factory, task sources, the rollout engine (and the policy
 over it), transition, shape plan, batch config and the `Evaluator` shared by
-the SFT stop check and held-out evaluation. The RL loop (`train.rl`), the SFT
-warm-up (`train.sft.warm_up`) and the saved-policy tools (`train.saved`) all
+the SFT stop check and held-out evaluation. The RL loop (`run.rl`), the SFT
+warm-up (`run.warmup.warm_up`) and the saved-policy tools (`run.saved`) all
 take their parts from here, so a part is built one way only. The `make_*`
 builders are the pieces `build` uses; the tokenizer, renderer and task-source
-ones live in `train.builders`, below both this module and validation
-(`train.experiment`, `train.checks`), which builds each once to check that it
+ones live in `run.builders`, below both this module and validation
+(`run.experiment`, `run.checks`), which builds each once to check that it
 works.
 
 `build` takes the experiment as validation left it (a from-scratch model's
@@ -34,9 +34,9 @@ from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.policy import EnginePolicy, TeamPolicy
 from mtrl_jax.rollout.workers import StepWorkers
 from mtrl_jax.sampling import DecodeEngine
-from mtrl_jax.train import shapes as shapes_lib
-from mtrl_jax.train.builders import make_level_source, make_renderer, make_task_source, make_tokenizer
-from mtrl_jax.train.evaluate import Evaluator
+from mtrl_jax.run import shapes as shapes_lib
+from mtrl_jax.run.builders import make_level_source, make_renderer, make_task_source, make_tokenizer
+from mtrl_jax.run.evaluate import Evaluator
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
 from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.policies import Policies, SharedPolicy, StackedPolicies
@@ -46,7 +46,7 @@ from mtrl_jax.train.team import TeamPolicies
 from mtrl_jax.train.step import TrainStep
 
 if TYPE_CHECKING:
-  from mtrl_jax.train.experiment import Experiment
+  from mtrl_jax.run.experiment import Experiment
 
 
 @dataclasses.dataclass
@@ -134,7 +134,7 @@ def make_policies(exp: Experiment, model, mesh, team=None, team_tokenizers=()) -
   the top-level model), with the train step that updates them (frozen agents,
   `agents.trainable`: `train.frozen_agents`). With `model.lora` the step trains adapters
   over `model` (`models.lora.attach`), the policies' base. `team`: the groups of a team
-  of several architectures (`exp.agents.team`, `train.groups`), each stacked on its own
+  of several architectures (`exp.agents.team`, `run.groups`), each stacked on its own
   (`train.team`; each group's adapters over its own base), with each group's
   tokenizer in `team_tokenizers`."""
   # Several updates per batch, or rollouts a step behind: the clipped ratio uses
@@ -209,7 +209,7 @@ def _agent_model(exp: Experiment, mesh, a: int, arch, model):
 
 
 def _group_tokenizer(exp: Experiment, group, tokenizer):
-  """A team group's tokenizer: the run's, or its agents' checkpoint's (`train.groups`);
+  """A team group's tokenizer: the run's, or its agents' checkpoint's (`run.groups`);
   its vocabulary must fit the group's architecture."""
   tok = tokenizer if group.tokenizer_dir == exp.model.path else None
   if tok is None:

@@ -5,12 +5,12 @@ Conventions). `build` turns each config group into its frozen dataclass and
 fails with one line naming the field on any invalid value or unsafe
 combination, before any compute (invariant 8): it resolves the model's
 architecture, fits a from-scratch model's vocabulary to the tokenizer, groups
-the agents by architecture and tokenizer (`exp.agents.team`, `train.groups`), and
+the agents by architecture and tokenizer (`exp.agents.team`, `run.groups`), and
 builds the environment factory and both task splits once to see that they
-work (`train/checks.py`: the first prompt fits the token budget, an
+work (`run/checks.py`: the first prompt fits the token budget, an
 environment forks, micro-batches divide every batch, the success threshold).
 `start` joins the run's processes and then validates, once per run. What a
-run is built from an `Experiment` lives in `train/components.py`.
+run is built from an `Experiment` lives in `run/components.py`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
 from mtrl_jax.sampling import SamplingConfig
-from mtrl_jax.train import budget, checks, groups
-from mtrl_jax.train.config import (
+from mtrl_jax.run import budget, checks, groups
+from mtrl_jax.run.config import (
     AgentsConfig,
     CheckpointConfig,
     EngineGroup,
@@ -38,8 +38,8 @@ from mtrl_jax.train.config import (
     RLConfig,
     SFTConfig,
 )
-from mtrl_jax.train.critic_config import CriticGroup
-from mtrl_jax.train.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
+from mtrl_jax.run.critic_config import CriticGroup
+from mtrl_jax.run.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import StepConfig
 
@@ -243,7 +243,7 @@ def _one_line(err: Exception) -> str:
 
 def check_fields(c: ml_collections.ConfigDict):
   """Single-field and cross-field checks that need nothing but the config (the model
-  group checks its own fields: `train.inputs.ModelGroup`)."""
+  group checks its own fields: `run.inputs.ModelGroup`)."""
   if c.loss.is_correction not in CORRECTIONS:
     raise ValueError(
         f"config loss.is_correction={c.loss.is_correction!r}; allowed: {list(CORRECTIONS)}"
@@ -352,7 +352,7 @@ def check_agents(exp: Experiment):
 
 
 def check_team(exp: Experiment, team: tuple):
-  """What a team of several architectures (`team`: its groups, `train.groups`) cannot be
+  """What a team of several architectures (`team`: its groups, `run.groups`) cannot be
   combined with."""
   if not team:
     return

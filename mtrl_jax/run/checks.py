@@ -19,7 +19,7 @@ field, its value and what is allowed (`experiment.validate` turns it into a
                        with `env.workers='processes'` its root state pickles;
                        returns the factory;
   check_microbatches   `step.num_microbatches` divides every planned train
-                       batch (`train/shapes.plan_shapes`) and the SFT batch;
+                       batch (`run/shapes.plan_shapes`) and the SFT batch;
   check_curriculum     the task source serves every curriculum level;
   success_threshold    `eval.success_threshold`, resolved from the factory's
                        `outcome_range` when unset, refused when no outcome
@@ -43,11 +43,11 @@ from mtrl_jax.envs import ContractError, fork_error_message, resolve_factory
 from mtrl_jax.registry import import_object
 from mtrl_jax.rollout import workers as workers_lib
 from mtrl_jax.rollout.env_transition import EnvTransition
-from mtrl_jax.train import builders
-from mtrl_jax.train.config import success_threshold_for
+from mtrl_jax.run import builders
+from mtrl_jax.run.config import success_threshold_for
 
 if TYPE_CHECKING:
-  from mtrl_jax.train.experiment import Experiment
+  from mtrl_jax.run.experiment import Experiment
 
 SAMPLE_TASKS = 4  # leading tasks of each split checked to be metadata mappings
 
@@ -102,7 +102,7 @@ def check_lora(exp: Experiment) -> None:
         f"{lora.init_from!r}: the warm-up trains the base the adapters were "
         "fitted to; allowed: sft.steps=0, or model.lora.init_from=''"
     )
-  from mtrl_jax.train import export_lora  # reads the adapters' headers (jax, safetensors)
+  from mtrl_jax.train import export_lora  # reads the adapters' headers (jax, safetensors
   from mtrl_jax.train.policies import agent_labels
 
   labels = [] if exp.agents.share_policy else agent_labels(exp.tree.num_agents)
@@ -271,7 +271,7 @@ def check_microbatches(exp: Experiment):
   if m == 1:
     return
   import jax  # the mesh's row shards: the process count and devices decide the buckets
-  from mtrl_jax.train import shapes as shapes_lib
+  from mtrl_jax.run import shapes as shapes_lib
 
   n = jax.process_count()
   data, fsdp, _ = exp.mesh.shape(jax.device_count())

@@ -4,7 +4,7 @@ A tree's width multiplies: each node of depth t has `branching_at(t)` children
 (G, or G^N joint actions in cross mode), so T = 2, N = 3, G = 8 in cross mode
 grows 512 children per node and its engine, sized for the widest level, needs
 a KV cache far beyond any machine. `estimate` counts the step from the config
-alone (`rollout.plan_tree` for the tree, `train.shapes.plan_shapes` for the
+alone (`rollout.plan_tree` for the tree, `run.shapes.plan_shapes` for the
 engine slots and the packed rows):
 
   tree          nodes, joint actions and sampled completions (segments, with
@@ -32,7 +32,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-  from mtrl_jax.train.experiment import Experiment
+  from mtrl_jax.run.experiment import Experiment
 
 GIB = 1024**3
 # The packed batch's arrays per token: tokens, positions, ends, and per trained token
@@ -73,7 +73,7 @@ def estimate(exp: Experiment) -> TreeEstimate:
   import jax
   import jax.numpy as jnp
   from mtrl_jax.rollout import plan_tree
-  from mtrl_jax.train import shapes as shapes_lib
+  from mtrl_jax.run import shapes as shapes_lib
 
   n = jax.process_count()
   data, fsdp, _ = exp.mesh.shape(jax.device_count())

@@ -1,8 +1,8 @@
 """The small builders of a run's inputs from their config groups: the tokenizer, its chat
 renderer and the task sources (a split, or a curriculum level of the train split).
 
-Both sides of a run use them: validation (`train.checks`) builds each once to see that
-it works, and the composition root (`train.components.build`) builds the run's parts
+Both sides of a run use them: validation (`run.checks`) builds each once to see that
+it works, and the composition root (`run.components.build`) builds the run's parts
 with them, so an input is built one way only. They sit below both: nothing here
 imports validation or the composition root.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mtrl_jax import data
 from mtrl_jax.registry import import_object
-from mtrl_jax.train.inputs import TasksConfig, TokenizerConfig
+from mtrl_jax.run.inputs import TasksConfig, TokenizerConfig
 
 
 def make_tokenizer(cfg: TokenizerConfig, model_path: str = ""):

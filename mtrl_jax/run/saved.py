@@ -9,8 +9,8 @@ What `experiments/eval.py` and `experiments/export.py` do, as library calls:
   print(markdown_table(rows))
   export_policy(policy, out_dir)               # a Hugging Face directory
 
-The run is rebuilt exactly as `train.rl` built it (the same validation, vocabulary
-fit included, then `train.components.build`), so a checkpoint restores onto the
+The run is rebuilt exactly as `run.rl` built it (the same validation, vocabulary
+fit included, then `run.components.build`), so a checkpoint restores onto the
 same pytree (`train.policies` fixes its layout); only its parameters are kept.
 A run's config is saved as `workdir/config.json` (`save_config`) and read back
 over today's base config (`load_config`). `check_resume` refuses to resume a
@@ -32,11 +32,11 @@ import ml_collections
 from flax import nnx
 
 from mtrl_jax import checkpoint, compile_cache
-from mtrl_jax.train import components, defaults, groups
-from mtrl_jax.train import evaluate as eval_lib
-from mtrl_jax.train import experiment as exp_lib
-from mtrl_jax.train.components import Components
-from mtrl_jax.train.run_state import RunState
+from mtrl_jax.run import components, defaults, groups
+from mtrl_jax.run import evaluate as eval_lib
+from mtrl_jax.run import experiment as exp_lib
+from mtrl_jax.run.components import Components
+from mtrl_jax.run.run_state import RunState
 
 # Files of an HF tokenizer copied next to the exported weights when the run has them.
 TOKENIZER_FILES = (
@@ -170,7 +170,7 @@ def parse_checkpoint(value: Union[str, int]) -> Union[str, int]:
 
 @dataclasses.dataclass
 class SavedPolicy:
-  """A run's policy at one checkpoint: the run's parts (`train.components`) and the
+  """A run's policy at one checkpoint: the run's parts (`run.components`) and the
   checkpoint's parameters (stacked on an agent axis when each agent has its own)."""
 
   workdir: str
@@ -314,7 +314,7 @@ def load_policy(workdir: str, which: Union[str, int] = "best") -> SavedPolicy:
 def evaluate_policy(
     policy: SavedPolicy, *, num_tasks: int = 0, samples: int = 1, greedy: bool = True, seed: int = 0
 ) -> list[dict]:
-  """Held-out rollouts of the policy, as `train.rl` evaluates during training.
+  """Held-out rollouts of the policy, as `run.rl` evaluates during training.
 
   Args:
     policy: from `load_policy`.

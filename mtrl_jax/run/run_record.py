@@ -2,7 +2,7 @@
 
 `RunRecord` holds the run's summary (summary.json at the end, and the copy every
 checkpoint keeps, so a resumed run carries it on) and gathers one step's row of
-metrics.jsonl in the order the loop (`train.rl`) learns it:
+metrics.jsonl in the order the loop (`run.rl`) learns it:
 
   begin     the finalized tree and its rollout statistics, the batch, the update,
             the compile census and the rollout's staleness (and the run's fault
@@ -82,7 +82,7 @@ class RunRecord:
     self.summary["precompile"] = info
 
   def learning(self, watch) -> None:
-    """The learning watch's counters (`train.watch.LearningWatch.state`)."""
+    """The learning watch's counters (`run.watch.LearningWatch.state`)."""
     self.summary["learning"] = watch.state()
 
   def evaluated(self, step: int, m: dict) -> None:
@@ -117,7 +117,7 @@ class RunRecord:
       self, tree, rollout, train_m: dict, census: dict, success_threshold: Optional[float]
   ) -> None:
     """Starts the row of a step: `tree` (every process's finalized roots), `rollout`
-    (`train.rollouts.Rollout`: its batch metrics, staleness and text counters), the
+    (`run.rollouts.Rollout`: its batch metrics, staleness and text counters), the
     update's metrics `train_m` and the compile census's `census`."""
     self.metrics = {
         **tree.metrics(),

@@ -1,7 +1,7 @@
 """The config groups of what a run is made from: the model, its tokenizer, the
 environment and the tasks (docs/design.md section 1: what a researcher brings).
 
-Like the groups of `train/config.py`, each frozen dataclass mirrors its
+Like the groups of `run/config.py`, each frozen dataclass mirrors its
 ConfigDict group field for field, carries the base config's defaults and
 refuses a bad value in one line naming the field. A group may hold what its
 fields resolve to (`ModelGroup.arch`, `EnvConfig.limits`); those are not

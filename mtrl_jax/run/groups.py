@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Optional
 from mtrl_jax.models.config import ModelConfig, get_preset
 
 if TYPE_CHECKING:
-  from mtrl_jax.train.experiment import Experiment
+  from mtrl_jax.run.experiment import Experiment
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@
 A recipe is a config (`defaults.base_config()` unless one is given) plus
 keyword fields, validated in one line before anything is built
 (`experiment.start`, as `experiments/train.py` does), and `run` trains that
-experiment through the loop the command line uses (`train.rl.train`), so the
+experiment through the loop the command line uses (`run.rl.train`), so the
 two give the same metrics. The recipe's config is frozen once validated.
 `ENVGSPO` is the same recipe with algorithm 'gspo' and GSPO's clip range.
 
@@ -34,8 +34,8 @@ import ml_collections
 
 from mtrl_jax.data import TASK_SOURCES
 from mtrl_jax.envs.registry import ENV_FACTORIES
-from mtrl_jax.train import experiment, rl
-from mtrl_jax.train.defaults import base_config
+from mtrl_jax.run import experiment, rl
+from mtrl_jax.run.defaults import base_config
 
 # Keyword shortcuts -> config fields; any config group name also works as a dict.
 _SHORTCUTS = {"factory": "env.factory", "tasks": "tasks.source", "seed": "seed"}
