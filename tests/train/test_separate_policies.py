@@ -23,8 +23,11 @@ from mtrl_jax.run import experiment, saved
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Trains each job of argv[1] (JSON) in turn: the config `module.function(*args)` builds,
-# into `workdir`; the folder `rows_to` gets a copy of its metrics.jsonl once it ends. No
-# curves.png is drawn (matplotlib takes seconds per run; no test here reads it).
+# into `workdir`. A job with "resume_of": [run, step] first copies the workdir `run` and
+# drops its checkpoints after `step`: the run as it stood after that step (what a run
+# stopped there leaves; its metrics rows past `step` are dropped on resume), so the job
+# continues it. No curves.png is drawn (matplotlib takes seconds per run; no test here
+# reads it).
 _RUN_JOBS = """
 import importlib, json, os, shutil, sys
 from mtrl_jax import metrics
@@ -33,16 +36,20 @@ metrics.plot_metrics = lambda *args, **kwargs: None
 for job in json.loads(sys.argv[1]):
   module, function, args = job["config"]
   config = getattr(importlib.import_module(module), function)(*args)
+  if job.get("resume_of"):
+    run, step = job["resume_of"]
+    shutil.copytree(run, job["workdir"])
+    ckpt = os.path.join(job["workdir"], "ckpt")
+    for name in os.listdir(ckpt):
+      if name.isdigit() and int(name) > step:
+        shutil.rmtree(os.path.join(ckpt, name))
   rl.run(config, job["workdir"], progress=False)
-  if job.get("rows_to"):
-    os.makedirs(job["rows_to"])
-    shutil.copy(os.path.join(job["workdir"], "metrics.jsonl"), job["rows_to"])
 """
 
 
 def run_on_one_device(jobs: list) -> None:
   """Trains `jobs` in turn in one process on one CPU device (see `_RUN_JOBS`): each a dict
-  with "config": [module, function, args], "workdir" and optionally "rows_to"."""
+  with "config": [module, function, args], "workdir" and optionally "resume_of"."""
   done = subprocess.run(
       [sys.executable, "-c", _RUN_JOBS, json.dumps(jobs)],
       cwd=ROOT,
@@ -67,6 +74,7 @@ def _config(steps, trainable=None):
   c.rl.updates_per_step = 2  # each agent's clipped ratio reads its own old logprobs
   c.rl.dump_every = 0
   c.eval.every = 1  # a run stopped after step 1 evaluates there too (its last step)
+  c.checkpoint.every = 1  # the step-1 checkpoint the resumed run starts from
   if trainable is not None:
     c.agents.trainable = tuple(trainable)
   return c
@@ -85,22 +93,18 @@ def runs(tmp_path_factory):
   """The runs the tests below read (their rows are compared, never written):
 
   full       the uninterrupted 2-step run (SFT warm-up, then RL steps 1-2)
-  stopped    the rows of the same config stopped after step 1
-  resumed    that run continued to step 2
+  resumed    that run as it stood after step 1 (its step-1 checkpoint and rows, what a
+             run stopped there leaves), continued to step 2
   all_true   the 1-step run with agents.trainable=(True, True)
   """
   me = "tests.train.test_separate_policies"
 
   def train(base):
+    full = {"config": [me, "_config", [2]], "workdir": f"{base}/full"}
     run_on_one_device(
         [
-            {"config": [me, "_config", [2]], "workdir": f"{base}/full"},
-            {
-                "config": [me, "_config", [1]],
-                "workdir": f"{base}/resumed",
-                "rows_to": f"{base}/stopped",
-            },
-            {"config": [me, "_config", [2]], "workdir": f"{base}/resumed"},
+            full,
+            dict(full, workdir=f"{base}/resumed", resume_of=[f"{base}/full", 1]),
             {"config": [me, "_config", [1, [True, True]]], "workdir": f"{base}/all_true"},
         ]
     )
@@ -110,7 +114,6 @@ def runs(tmp_path_factory):
   full, resumed, all_true = (os.path.join(base, name) for name in ("full", "resumed", "all_true"))
   return {
       "full": full,
-      "stopped": _rows(os.path.join(base, "stopped")),
       "resumed": _rows(resumed),
       "all_true": _rows(all_true),
   }
@@ -130,13 +133,13 @@ def test_separate_policies_log_per_agent_and_resume_exactly(runs):
   for a in (0, 1):  # the second update's ratio sees the first: pi_old is the trainer's
     assert abs(rows[1][f"agent_{a}/train/ratio_mean"] - 1.0) > 1e-6, a
   # Stopped after step 1, continued to step 2: the same rows as the uninterrupted run.
-  assert [r["step"] for r in runs["stopped"]] == [0, 1]
+  assert [r["step"] for r in rows] == [0, 1, 2]
   assert runs["resumed"] == rows
 
 
 @pytest.mark.slow
 def test_all_agents_trainable_is_the_run_without_the_field(runs):
-  assert runs["all_true"] == runs["stopped"]
+  assert runs["all_true"] == _rows(runs["full"])[:2]
   assert "agent_0/train/loss" in runs["all_true"][1]
 
 

@@ -48,6 +48,7 @@ def _team_config(steps: int = 2, path: str = ""):
   c.rl.updates_per_step = 2  # each agent's clipped ratio reads its own old logprobs
   c.rl.dump_every = 0
   c.eval.every = 1
+  c.checkpoint.every = 1  # the step-1 checkpoint a resumed run starts from
   if path:
     c.agents.paths = ("", path)
   return c
@@ -162,8 +163,7 @@ def team_runs(tmp_path_factory):
   """A team of the smoke preset (d32) and a d128 checkpoint of vocabulary 384:
 
   full      the uninterrupted 2-step run
-  stopped   the rows of the same config stopped after step 1
-  resumed   that run continued to step 2
+  resumed   that run as it stood after step 1, continued to step 2
   """
   me = "tests.train.test_team"
 
@@ -174,25 +174,14 @@ def team_runs(tmp_path_factory):
     # a smaller one gives the teammate a policy that samples and learns.
     teammate_model.embed[...] = teammate_model.embed[...] * 0.05
     loading.save_pretrained(teammate_model, teammate)
-    full, resumed = os.path.join(base, "full"), os.path.join(base, "resumed")
-    run_on_one_device(
-        [
-            {"config": [me, "_team_config", [2, teammate]], "workdir": full},
-            {
-                "config": [me, "_team_config", [1, teammate]],
-                "workdir": resumed,
-                "rows_to": os.path.join(base, "stopped"),
-            },
-            {"config": [me, "_team_config", [2, teammate]], "workdir": resumed},
-        ]
-    )
+    full = {"config": [me, "_team_config", [2, teammate]], "workdir": f"{base}/full"}
+    run_on_one_device([full, dict(full, workdir=f"{base}/resumed", resume_of=[f"{base}/full", 1])])
 
   # Built once per `pytest` run: the first xdist worker to ask builds it, the others reuse it.
   base = testing.built_once(tmp_path_factory, "team_runs", train)
   return {
       "teammate": os.path.join(base, "teammate"),
       "full": os.path.join(base, "full"),
-      "stopped": _rows(os.path.join(base, "stopped")),
       "resumed": _rows(os.path.join(base, "resumed")),
   }
 
@@ -204,7 +193,7 @@ def test_a_team_of_two_architectures_trains_and_resumes_exactly(team_runs):
     for k in ("train/loss", "train/kl", "batch/actions"):
       assert f"agent_{a}/{k}" in rows[1], (a, k)
   assert rows[1]["agent_1/train/learning_rate"] == pytest.approx(3e-3, rel=1e-6)
-  assert [r["step"] for r in team_runs["stopped"]] == [0, 1]
+  assert [r["step"] for r in rows] == [0, 1, 2]
   assert team_runs["resumed"] == rows
 
 
