@@ -20,6 +20,9 @@ imports it). `tests/conftest.py` hands the builders to tests as fixtures.
   built_once(tmp_path_factory, name, build)
                       a directory built once per `pytest` run, whichever
                       pytest-xdist worker asks first (the others wait and reuse it)
+  stopped_copy(run, workdir, step)
+                      a copy of the run directory `run` as it stood after `step`: what
+                      a run stopped there leaves, for resume-equals-uninterrupted tests
   cpu_env(devices, **extra)
                       this process's environment for a subprocess that sees
                       `devices` CPU devices (the test XLA flags and compilation cache kept)
@@ -39,7 +42,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from mtrl_jax import models
+from mtrl_jax import checkpoint, models
 from mtrl_jax.envs import Environment, Grade, InfrastructureError, Thread, Turn
 from mtrl_jax.rollout.records import ActionOutcome, StepRecord
 from mtrl_jax.sampling.slots import Sample
@@ -520,6 +523,19 @@ def built_once(tmp_path_factory, name: str, build: Callable[[str], None]) -> str
   if failure:
     raise RuntimeError(f"building {name} failed: {failure}")
   return out
+
+
+def stopped_copy(run: str, workdir: str, step: int) -> str:
+  """Copies the run directory `run` to `workdir` without its checkpoints after `step`
+  (`workdir/ckpt/<n>`, n > step): the run as it stood after `step`, what a run stopped
+  there leaves (its metrics rows past `step` are dropped when it resumes; the best
+  checkpoint, which no row reads, is kept). Returns `workdir`."""
+  shutil.copytree(run, workdir)
+  ckpt = os.path.join(workdir, checkpoint.CKPT_DIR)
+  for name in os.listdir(ckpt):
+    if name.isdigit() and int(name) > step:
+      shutil.rmtree(os.path.join(ckpt, name))
+  return workdir
 
 
 def cpu_env(devices: int, **extra: str) -> dict:

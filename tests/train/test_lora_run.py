@@ -33,7 +33,7 @@ def _calc(steps):
   c.rl.steps = steps
   c.rl.dump_every = 0
   c.eval.every = 1  # a run stopped at step 1 evaluates there: so does the uninterrupted one
-  c.checkpoint.every = 2  # the stopped run saves its last step
+  c.checkpoint.every = 1  # the step-1 checkpoint the resumed run continues
   return c
 
 
@@ -48,23 +48,17 @@ def _separate_config(steps):
   c.loss.kl_coef = 0.01
   c.rl.steps, c.rl.dump_every = steps, 0
   c.eval.every = 1  # the run stopped at step 1 evaluates there: so does this one
-  c.checkpoint.every = 2  # the stopped run saves its last step
+  c.checkpoint.every = 1  # the step-1 checkpoint the resumed run continues
   return c
 
 
 def _full_and_resumed(tmp_path, config):
-  """Trains `config(2)` into tmp_path/full, and `config(1)` then `config(2)` into
-  tmp_path/resumed, in one process on one CPU device (test_separate_policies); returns
-  the two workdirs."""
+  """Trains `config(2)` into tmp_path/full, then continues a copy of it as it stood after
+  step 1 into tmp_path/resumed, in one process on one CPU device (test_separate_policies);
+  returns the two workdirs."""
   full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
-  me = "tests.train.test_lora_run"
-  run_on_one_device(
-      [
-          {"config": [me, config, [2]], "workdir": full},
-          {"config": [me, config, [1]], "workdir": resumed},
-          {"config": [me, config, [2]], "workdir": resumed},
-      ]
-  )
+  job = {"config": ["tests.train.test_lora_run", config, [2]], "workdir": full}
+  run_on_one_device([job, dict(job, workdir=resumed, resume_of=[full, 1])])
   return full, resumed
 
 

@@ -23,14 +23,12 @@ from mtrl_jax.run import experiment, saved
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Trains each job of argv[1] (JSON) in turn: the config `module.function(*args)` builds,
-# into `workdir`. A job with "resume_of": [run, step] first copies the workdir `run` and
-# drops its checkpoints after `step`: the run as it stood after that step (what a run
-# stopped there leaves; its metrics rows past `step` are dropped on resume), so the job
-# continues it. No curves.png is drawn (matplotlib takes seconds per run; no test here
-# reads it).
+# into `workdir`. A job with "resume_of": [run, step] continues the workdir `run` as it
+# stood after `step` (`testing.stopped_copy`). No curves.png is drawn (matplotlib takes
+# seconds per run; no test here reads it).
 _RUN_JOBS = """
-import importlib, json, os, shutil, sys
-from mtrl_jax import metrics
+import importlib, json, sys
+from mtrl_jax import metrics, testing
 from mtrl_jax.run import rl
 metrics.plot_metrics = lambda *args, **kwargs: None
 for job in json.loads(sys.argv[1]):
@@ -38,11 +36,7 @@ for job in json.loads(sys.argv[1]):
   config = getattr(importlib.import_module(module), function)(*args)
   if job.get("resume_of"):
     run, step = job["resume_of"]
-    shutil.copytree(run, job["workdir"])
-    ckpt = os.path.join(job["workdir"], "ckpt")
-    for name in os.listdir(ckpt):
-      if name.isdigit() and int(name) > step:
-        shutil.rmtree(os.path.join(ckpt, name))
+    testing.stopped_copy(run, job["workdir"], step)
   rl.run(config, job["workdir"], progress=False)
 """
 

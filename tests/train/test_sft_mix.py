@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from configs import calculator as calc_config
+from mtrl_jax import testing
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.train import optim, sft
 from mtrl_jax.run import components, experiment, rl, warmup
@@ -93,21 +94,16 @@ def _rows(workdir):
 
 @pytest.mark.slow
 def test_mixed_run_logs_the_sft_term_and_resumes_exactly(tmp_path):
-  """2 steps in one go == 1 step, then resumed to 2: the mix's moments and stream
-  position are in the checkpoint."""
-
-  def config(steps):
-    c = mix_config(steps=steps)
-    c.rl.dump_every = 0
-    c.eval.every = 1  # the run stopped at step 1 evaluates there: so does this one
-    c.checkpoint.every = 2  # the stopped run saves its last step
-    return c
-
+  """2 steps in one go == the run as it stood after step 1, resumed to 2: the mix's
+  moments and stream position are in the checkpoint."""
+  c = mix_config(steps=2)
+  c.rl.dump_every = 0
+  c.eval.every = 1  # evaluated at step 1, as a run stopped there is
+  c.checkpoint.every = 1  # the step-1 checkpoint the resumed run continues
   full = str(tmp_path / "full")
-  rl.run(config(2), full, progress=False)
-  split = str(tmp_path / "split")
-  rl.run(config(1), split, progress=False)
-  rl.run(config(2), split, progress=False)
+  rl.run(c, full, progress=False)
+  split = testing.stopped_copy(full, str(tmp_path / "split"), 1)
+  rl.run(c, split, progress=False)
   rows = _rows(full)
   assert [r["step"] for r in rows] == [0, 1, 2]
   assert all(r["sft_mix/tokens"] > 0 and np.isfinite(r["sft_mix/nll"]) for r in rows[1:])
