@@ -265,7 +265,7 @@ def test_reason_is_one_short_line():
 
 
 _BLOCKED_SCRIPT = """
-import os, sys
+import os, sys, time
 from mtrl_jax.checkpoint import Checkpointer, CheckpointError
 from mtrl_jax.storage import quiet_orbax
 from tests.test_checkpoint_faults import _state
@@ -273,10 +273,17 @@ ckpt = Checkpointer(sys.argv[1], keep=3)
 try:
   ckpt.save(0, _state(0.0), {"step": 0})  # in the background while the best one fails
   ckpt.maybe_save_best(0, 0.5, _state(0.0))
-  ckpt.save(1, _state(1.0), {"step": 1})
+  # check() reports the failure once Orbax's thread has failed: a few ms here, longer on
+  # a loaded machine (a save that came sooner would not see it yet).
+  deadline = time.time() + 20
+  while time.time() < deadline:
+    ckpt.check()
+    time.sleep(0.01)
 except CheckpointError as e:  # leaves without close(), as a run's exception does
   print(e)
   sys.exit(1)
+print("check() never reported the failed save")
+os._exit(2)  # its stalled threads would hold the exit for minutes
 """
 
 

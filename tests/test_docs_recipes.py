@@ -89,6 +89,7 @@ def run_all(root: str, commands: list[str]):
     print(json.dumps({"command": command, "halted": bool(summary.get("halted"))}), flush=True)
 
 
+@pytest.mark.slow  # one training run per command the docs show
 def test_every_doc_command_trains(tmp_path):
   commands = doc_commands(doc_text())
   env = testing.cpu_env(1, PYTHONPATH=ROOT)
