@@ -1,4 +1,7 @@
-"""Training: the sharded train step, its objectives and optimizer, the SFT step (a run that uses them: `mtrl_jax.run`)."""
+"""Training: the sharded train step, its objectives and optimizer, the SFT step.
+
+A run that uses them (config, composition, the loop) is `mtrl_jax.run`, one layer up.
+"""
 
 from mtrl_jax.train.optim import OptimConfig, make_optimizer, make_schedule
 from mtrl_jax.train.sft import SFTBatcher, SFTObjective, make_sft_step, pack_sft_rows

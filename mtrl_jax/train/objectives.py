@@ -5,8 +5,8 @@ needs them) into an exact (num, den) pair plus summable metrics, so
 micro-batches can sum numerators, denominators and gradients and divide once
 (`mtrl_jax.train.update`, inside `mtrl_jax.train.step.TrainStep`).
 `PolicyObjective` wraps `mtrl_jax.losses.policy_loss_terms` over a
-`rollout.train_batch.TrainBatch`'s [B, K] arrays; the SFT cross-entropy (`mtrl_jax.train.sft`) is another
-objective on the same step.
+`rollout.train_batch.TrainBatch`'s [B, K] arrays; the SFT cross-entropy
+(`mtrl_jax.train.sft`) is another objective on the same step.
 """
 
 from __future__ import annotations
