@@ -49,6 +49,7 @@ def _iac_config():
   return c
 
 
+@pytest.mark.slow  # a training run in a subprocess
 def test_iac_chain_run_trains_the_value_heads(tmp_path):
   workdir = str(tmp_path / "run")
   run_on_one_device(

@@ -103,6 +103,7 @@ def _one_step(parts, key):
   return node_records(tree), policies.train_metrics(dm), params, (batch, batch_metrics)
 
 
+@pytest.mark.slow  # two builds, warm-ups and updates, compared
 def test_a_team_of_one_architecture_in_one_group_per_agent_equals_the_stacked_agents():
   """Warm-up (each group warms its own start: here the same model on the same rows),
   rollout and update."""
@@ -262,6 +263,7 @@ def test_each_agent_renders_with_its_own_tokenizer(tmp_path, monkeypatch):
     assert np.isfinite(metrics[f"agent_{a}/train/loss"]), a
 
 
+@pytest.mark.slow  # a rollout, an update and two exports
 def test_a_lora_team_with_a_frozen_agent_updates_only_the_trained_adapters(tmp_path):
   """Adapters over each group's own base; agent 1 (another architecture) frozen: its
   merged weights stay bit-identical, and each agent exports its adapters (PEFT) and
