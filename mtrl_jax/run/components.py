@@ -223,6 +223,44 @@ def _group_tokenizer(exp: Experiment, group, tokenizer):
   return tok
 
 
+def _engine_groups(exp: Experiment, team, tokenizer, renderer):
+  """(members, archs, tokenizers, renderers): one entry per decode engine, the agents it
+  samples for and their architecture, tokenizer and renderer (one engine for every agent
+  without a team; one per group with one)."""
+  if team is None:
+    return [tuple(range(exp.tree.num_agents))], [exp.model.arch], [tokenizer], [renderer]
+  tokenizers = [_group_tokenizer(exp, g, tokenizer) for g in team]
+  renderers = [renderer if t is tokenizer else make_renderer(exp.tokenizer, t) for t in tokenizers]
+  return [g.agents for g in team], [g.arch for g in team], tokenizers, renderers
+
+
+def _rollout_policy(exp: Experiment, engines, members, tokenizers, renderers, fanout: int):
+  """The policy the tree samples from: one engine's, or a team's over one per group."""
+  engine_policies = [
+      EnginePolicy(e, None, exp.sampling, stop_ids=r.fmt.stop_ids, pad_id=t.pad_id, fanout=fanout)
+      for e, r, t in zip(engines, renderers, tokenizers)
+  ]
+  if not exp.agents.team:
+    return engine_policies[0]
+  return TeamPolicy(engine_policies, members)
+
+
+def _batch_config(exp: Experiment, shapes, rows: int, pad_id: int) -> BatchConfig:
+  """The tree -> batch settings of the run: its length and row buckets (`shapes`), rows a
+  multiple of this process's batch shards (`rows`)."""
+  return BatchConfig(
+      packing=exp.rl.packing,
+      length_buckets=exp.rl.length_buckets,
+      row_buckets=shapes.train_rows,
+      row_multiple=rows,
+      pad_id=pad_id,
+      # With a critic every valid sample trains: its value target teaches the critic.
+      zero_variance_filter=exp.rl.zero_variance_filter and not exp.critic.enabled,
+      keep_kl=exp.loss.kl_coef > 0,
+      values=exp.critic.target if exp.critic.head else None,
+  )
+
+
 def build(exp: Experiment) -> Components:
   """Builds every part of the run described by a validated `exp`."""
   mesh = sharding.make_mesh(exp.mesh.shape(jax.device_count()))  # every process's devices
@@ -238,42 +276,18 @@ def build(exp: Experiment) -> Components:
   model = make_model(exp, mesh)
   factory = make_factory(exp)
   team = list(exp.agents.team) or None
-  if team is None:
-    members = [tuple(range(exp.tree.num_agents))]
-    archs, tokenizers, renderers = [exp.model.arch], [tokenizer], [renderer]
-  else:
-    members, archs = [g.agents for g in team], [g.arch for g in team]
-    tokenizers = [_group_tokenizer(exp, g, tokenizer) for g in team]
-    renderers = [
-        renderer if t is tokenizer else make_renderer(exp.tokenizer, t) for t in tokenizers
-    ]
+  members, archs, tokenizers, renderers = _engine_groups(exp, team, tokenizer, renderer)
   policies = make_policies(exp, model, mesh, team, tokenizers)
   shapes = shapes_lib.plan_shapes(
       shapes_lib.per_process(exp, distributed.process_count()), rows, rows
   )
-  batch_cfg = BatchConfig(
-      packing=exp.rl.packing,
-      length_buckets=exp.rl.length_buckets,
-      row_buckets=shapes.train_rows,
-      row_multiple=rows,
-      pad_id=tokenizer.pad_id,
-      # With a critic every valid sample trains: its value target teaches the critic.
-      zero_variance_filter=exp.rl.zero_variance_filter and not exp.critic.enabled,
-      keep_kl=exp.loss.kl_coef > 0,
-      values=exp.critic.target if exp.critic.head else None,
-  )
+  batch_cfg = _batch_config(exp, shapes, rows, tokenizer.pad_id)
   stacked = team is not None or not exp.agents.share_policy
   engines = tuple(
       DecodeEngine(arch, shapes.engine, mesh=mesh, num_agents=len(m) if stacked else 1)
       for arch, m in zip(archs, members)
   )
-  engine_policies = [
-      EnginePolicy(
-          e, None, exp.sampling, stop_ids=r.fmt.stop_ids, pad_id=t.pad_id, fanout=shapes.fanout
-      )
-      for e, r, t in zip(engines, renderers, tokenizers)
-  ]
-  rollout_policy = engine_policies[0] if team is None else TeamPolicy(engine_policies, members)
+  rollout_policy = _rollout_policy(exp, engines, members, tokenizers, renderers, shapes.fanout)
   agent_renderers = [None] * exp.tree.num_agents
   for m, r in zip(members, renderers):
     for a in m:

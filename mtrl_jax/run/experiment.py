@@ -82,11 +82,9 @@ def _fields(cd, cls, **extra):
   return cls(**kw)
 
 
-def build(config: ml_collections.ConfigDict) -> Experiment:
-  """Validates `config` and returns the frozen experiment description."""
-  c = config
-  model = _fields(c.model, ModelGroup)
-  check_fields(c)
+def _architecture(model: ModelGroup) -> ModelConfig:
+  """The model's architecture: its checkpoint's config.json (`model.path`) or its preset
+  (cut to `model.num_layers`), with the model group's run settings."""
   if model.path:
     arch = ModelConfig.from_hf_json(model.path)
   else:
@@ -100,7 +98,29 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   }
   if model.dtype:
     overrides.update(dtype=model.dtype, param_dtype=model.dtype)
-  model = dataclasses.replace(model, arch=arch.replace(**overrides))
+  return arch.replace(**overrides)
+
+
+def _optim(c: ml_collections.ConfigDict, rl: RLConfig) -> OptimConfig:
+  """The optimizer group `c`; the schedule spans the run's updates (rl.steps x
+  rl.updates_per_step, at least one past the warm-up)."""
+  total = max(rl.steps * rl.updates_per_step, 1)
+  return OptimConfig(
+      learning_rate=c.learning_rate,
+      warmup_steps=c.warmup_steps,
+      total_steps=max(total, c.warmup_steps + 1),
+      schedule=c.schedule,
+      weight_decay=c.weight_decay,
+      grad_clip_norm=c.grad_clip_norm,
+  )
+
+
+def build(config: ml_collections.ConfigDict) -> Experiment:
+  """Validates `config` and returns the frozen experiment description."""
+  c = config
+  model = _fields(c.model, ModelGroup)
+  check_fields(c)
+  model = dataclasses.replace(model, arch=_architecture(model))
   tokenizer = _fields(c.tokenizer, TokenizerConfig)
   if tokenizer.kind == "hf" and not model.path:
     raise ValueError("config tokenizer.kind='hf' needs model.path (its tokenizer.json)")
@@ -111,15 +131,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   sft = _fields(c.sft, SFTConfig)
   buckets = rl.length_buckets
   loss = _fields(c.loss, LossConfig, max_len=int(c.loss.max_len) or rl.max_length)
-  total = max(rl.steps * rl.updates_per_step, 1)
-  optim = OptimConfig(
-      learning_rate=c.optim.learning_rate,
-      warmup_steps=c.optim.warmup_steps,
-      total_steps=max(total, c.optim.warmup_steps + 1),
-      schedule=c.optim.schedule,
-      weight_decay=c.optim.weight_decay,
-      grad_clip_norm=c.optim.grad_clip_norm,
-  )
+  optim = _optim(c.optim, rl)
   env = _fields(c.env, EnvConfig)
   limits = env.limits
   if limits.max_tokens and limits.max_tokens + sampling.max_new_tokens > max(buckets):
