@@ -126,27 +126,9 @@ def one_update(
       ref_logp = jax.lax.stop_gradient(ref_logp)
     return jax.value_and_grad(num_fn, has_aux=True)(params, mb, ref_logp)
 
-  m = cfg.num_microbatches
-  if m == 1:
-    (num, (den, sums)), grads = grad_fn(state.params, batch)
-  else:
-    b = batch.tokens_BxL.shape[0]
-    axes = sharding.batch_sharding(mesh, 2, b // m).spec[0]
-    mbs = split_microbatches(batch, m, mesh, axes)
-
-    def body(carry, mb):
-      g_acc, num_acc, den_acc = carry
-      (num, (den, sums)), g = grad_fn(state.params, mb)
-      return (jax.tree.map(jnp.add, g_acc, g), num_acc + num, den_acc + den), sums
-
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, num, den), sums_M = jax.lax.scan(body, init, mbs)
-    sums = functools.reduce(
-        obj.merge, [jax.tree.map(lambda x, i=i: x[i], sums_M) for i in range(m)]
-    )
-
+  grads, num, den, sums = _accumulate(
+      grad_fn, state.params, batch, cfg.num_microbatches, mesh, param_shardings, obj.merge
+  )
   if critic:  # each micro-batch's num is already divided (above)
     loss = num
   else:
@@ -157,6 +139,47 @@ def one_update(
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   apply = finite & (den > 0)  # an empty batch (no trained token) changes nothing
 
+  new_state, lr = _apply(state, grads, apply, finite, optim_cfg, schedule_args, update_scale)
+  metrics = dict(obj.finalize(sums))
+  metrics.update(
+      loss=loss,
+      grad_norm=grad_norm,
+      learning_rate=lr,
+      skipped=(~finite).astype(jnp.float32),
+      empty_batch=(den <= 0).astype(jnp.float32),
+      num_skipped=new_state.num_skipped,
+      step=state.step,
+  )
+  metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+  return new_state, metrics
+
+
+def _accumulate(grad_fn, params, batch, m: int, mesh, param_shardings, merge):
+  """(grads, num, den, sums) of `grad_fn` over `batch` in `m` micro-batches: their
+  gradients, numerators and denominators added, their metric sums merged (`merge`)."""
+  if m == 1:
+    (num, (den, sums)), grads = grad_fn(params, batch)
+    return grads, num, den, sums
+  b = batch.tokens_BxL.shape[0]
+  axes = sharding.batch_sharding(mesh, 2, b // m).spec[0]
+  mbs = split_microbatches(batch, m, mesh, axes)
+
+  def body(carry, mb):
+    g_acc, num_acc, den_acc = carry
+    (num, (den, sums)), g = grad_fn(params, mb)
+    return (jax.tree.map(jnp.add, g_acc, g), num_acc + num, den_acc + den), sums
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
+  init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+  (grads, num, den), sums_M = jax.lax.scan(body, init, mbs)
+  sums = functools.reduce(merge, [jax.tree.map(lambda x, i=i: x[i], sums_M) for i in range(m)])
+  return grads, num, den, sums
+
+
+def _apply(state, grads, apply, finite, optim_cfg, schedule_args, update_scale):
+  """(new_state, learning rate): the optimizer's step on `grads` where `apply` (the
+  state unchanged elsewhere), its skip counter raised where the update is not `finite`."""
   tx = optim.make_optimizer(optim_cfg, schedule_args)
   updates, new_opt = tx.update(grads, state.opt_state, state.params)
   lr = optim.learning_rate(state.opt_state, optim_cfg, schedule_args)
@@ -171,16 +194,4 @@ def one_update(
       opt_state=pick(new_opt, state.opt_state),
       num_skipped=state.num_skipped + (~finite).astype(jnp.int32),
   )
-
-  metrics = dict(obj.finalize(sums))
-  metrics.update(
-      loss=loss,
-      grad_norm=grad_norm,
-      learning_rate=lr,
-      skipped=(~finite).astype(jnp.float32),
-      empty_batch=(den <= 0).astype(jnp.float32),
-      num_skipped=new_state.num_skipped,
-      step=state.step,
-  )
-  metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-  return new_state, metrics
+  return new_state, lr
