@@ -32,7 +32,7 @@ def _calc(steps):
   c.reward.step_penalty = -0.05
   c.rl.steps = steps
   c.rl.dump_every = 0
-  c.eval.every = 1  # a run stopped at step 1 evaluates there: so does the uninterrupted one
+  c.eval.every = 1  # evaluated at step 1, as a run stopped there is
   c.checkpoint.every = 1  # the step-1 checkpoint the resumed run continues
   return c
 
@@ -47,7 +47,7 @@ def _separate_config(steps):
   c.reward.step_penalty = -0.05
   c.loss.kl_coef = 0.01
   c.rl.steps, c.rl.dump_every = steps, 0
-  c.eval.every = 1  # the run stopped at step 1 evaluates there: so does this one
+  c.eval.every = 1  # evaluated at step 1, as a run stopped there is
   c.checkpoint.every = 1  # the step-1 checkpoint the resumed run continues
   return c
 
