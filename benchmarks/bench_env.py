@@ -35,9 +35,9 @@ from absl import app, flags
 
 from configs import calculator as calculator_config
 from mtrl_jax.envs import rollout_scripted
-from mtrl_jax.tasks import calculator
 from mtrl_jax.run import builders, components
 from mtrl_jax.run import experiment as exp_lib
+from mtrl_jax.tasks import calculator
 
 _TASKS = flags.DEFINE_integer("tasks", 300, "golden episodes per timed pass")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed passes (the median is reported)")

@@ -31,8 +31,8 @@ from typing import Optional
 from absl import app, flags, logging
 
 from experiments import cli
-from mtrl_jax.train import export_lora
 from mtrl_jax.run import experiment, saved
+from mtrl_jax.train import export_lora
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training run's directory")
 _OUT = flags.DEFINE_string("out", None, "output directory (created)")

@@ -20,8 +20,8 @@ import mtrl_jax
 from experiments import cli
 from mtrl_jax.data import TASK_SOURCES
 from mtrl_jax.envs.registry import ENV_FACTORIES
-from mtrl_jax.tasks.weather import WeatherFactory, make_task, weather_tasks
 from mtrl_jax.run import experiment, recipes
+from mtrl_jax.tasks.weather import WeatherFactory, make_task, weather_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALC = os.path.join(ROOT, "configs", "calculator.py")

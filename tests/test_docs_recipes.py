@@ -25,8 +25,8 @@ from ml_collections import config_flags
 from configs import coop, guess
 from mtrl_jax import metrics as metrics_lib
 from mtrl_jax import testing
-from mtrl_jax.tasks import guess as guess_task
 from mtrl_jax.run import budget, experiment, recipes, rl
+from mtrl_jax.tasks import guess as guess_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "recipes.md")

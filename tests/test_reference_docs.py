@@ -15,9 +15,9 @@ from mtrl_jax.envs.faults import FaultKind
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.batching import BatchConfig, make_agent_batches
 from mtrl_jax.rollout.stats import rollout_metrics
-from mtrl_jax.testing import FakePolicy, ScriptedTransition
 from mtrl_jax.run import glossary
 from mtrl_jax.run.config import EvalConfig
+from mtrl_jax.testing import FakePolicy, ScriptedTransition
 from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.policies import agent_labels
 from tests.train.conftest import smoke_run  # noqa: F401  (the shared calculator smoke run)

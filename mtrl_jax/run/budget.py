@@ -72,6 +72,7 @@ def estimate(exp: Experiment) -> TreeEstimate:
   """
   import jax
   import jax.numpy as jnp
+
   from mtrl_jax.rollout import plan_tree
   from mtrl_jax.run import shapes as shapes_lib
 

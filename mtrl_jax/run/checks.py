@@ -271,6 +271,7 @@ def check_microbatches(exp: Experiment):
   if m == 1:
     return
   import jax  # the mesh's row shards: the process count and devices decide the buckets
+
   from mtrl_jax.run import shapes as shapes_lib
 
   n = jax.process_count()

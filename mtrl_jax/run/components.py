@@ -26,24 +26,25 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 
-from mtrl_jax import data, distributed, metrics as metrics_lib, sharding
+from mtrl_jax import data, distributed, sharding
+from mtrl_jax import metrics as metrics_lib
 from mtrl_jax.envs import resolve_factory
 from mtrl_jax.envs.reward import check_reward_dominance
 from mtrl_jax.rollout.batching import BatchConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.policy import EnginePolicy, TeamPolicy
 from mtrl_jax.rollout.workers import StepWorkers
-from mtrl_jax.sampling import DecodeEngine
 from mtrl_jax.run import shapes as shapes_lib
 from mtrl_jax.run.builders import make_level_source, make_renderer, make_task_source, make_tokenizer
 from mtrl_jax.run.evaluate import Evaluator
+from mtrl_jax.sampling import DecodeEngine
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
 from mtrl_jax.train.objectives import PolicyObjective
 from mtrl_jax.train.policies import Policies, SharedPolicy, StackedPolicies
 from mtrl_jax.train.separate_critic import SeparateCritic, make_critic_model
 from mtrl_jax.train.stacked import StackedTrainStep
-from mtrl_jax.train.team import TeamPolicies
 from mtrl_jax.train.step import TrainStep
+from mtrl_jax.train.team import TeamPolicies
 
 if TYPE_CHECKING:
   from mtrl_jax.run.experiment import Experiment

@@ -23,7 +23,6 @@ from mtrl_jax import data, distributed, sharding
 from mtrl_jax.envs.reward import RewardConfig
 from mtrl_jax.losses import LossConfig
 from mtrl_jax.rollout import TreeConfig
-from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.run.config import (
     AgentsConfig,
     CheckpointConfig,
@@ -34,6 +33,7 @@ from mtrl_jax.run.config import (
 )
 from mtrl_jax.run.critic_config import CriticGroup
 from mtrl_jax.run.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
+from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import StepConfig
 

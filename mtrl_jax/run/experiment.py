@@ -22,13 +22,12 @@ import sys
 
 import ml_collections
 
-from mtrl_jax import compile_cache, data, distributed, sharding
 import mtrl_jax.tasks  # noqa: F401  (registers the built-in tasks: config names resolve)
+from mtrl_jax import compile_cache, data, distributed, sharding
 from mtrl_jax.envs.reward import RewardConfig
 from mtrl_jax.losses import CORRECTIONS, LossConfig
 from mtrl_jax.models.config import ModelConfig, get_preset
 from mtrl_jax.rollout import TreeConfig, plan_tree
-from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.run import budget, checks, groups
 from mtrl_jax.run.config import (
     AgentsConfig,
@@ -40,6 +39,7 @@ from mtrl_jax.run.config import (
 )
 from mtrl_jax.run.critic_config import CriticGroup
 from mtrl_jax.run.inputs import EnvConfig, ModelGroup, TasksConfig, TokenizerConfig
+from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.train.optim import OptimConfig
 from mtrl_jax.train.step import StepConfig
 

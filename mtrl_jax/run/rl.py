@@ -47,19 +47,19 @@ import time
 import jax
 import ml_collections
 
-from mtrl_jax import checkpoint, distributed, metrics as metrics_lib, storage
+from mtrl_jax import checkpoint, distributed, storage
+from mtrl_jax import metrics as metrics_lib
 from mtrl_jax.rollout import dump as dump_lib
 from mtrl_jax.rollout.gather import gather_tree
 from mtrl_jax.run import components as components_lib
-from mtrl_jax.run.console import Console, eval_score
 from mtrl_jax.run import evaluate as eval_lib
 from mtrl_jax.run import experiment as exp_lib
+from mtrl_jax.run import saved, warmup
 from mtrl_jax.run import shapes as shapes_lib
-from mtrl_jax.run import saved
-from mtrl_jax.run import warmup
+from mtrl_jax.run.console import Console, eval_score
 from mtrl_jax.run.rollouts import Rollout, RolloutProducer, render_totals, text_counts
-from mtrl_jax.run.run_state import RunState
 from mtrl_jax.run.run_record import RunRecord, across_processes
+from mtrl_jax.run.run_state import RunState
 from mtrl_jax.run.watch import LearningWatch
 
 

@@ -39,8 +39,8 @@ import jax
 from mtrl_jax.buckets import round_up
 from mtrl_jax.rollout import plan_tree
 from mtrl_jax.rollout.train_batch import TrainBatch, batch_spec, logit_buckets
-from mtrl_jax.train.compile import lower_values
 from mtrl_jax.sampling import EngineConfig
+from mtrl_jax.train.compile import lower_values
 
 
 @dataclasses.dataclass(frozen=True)

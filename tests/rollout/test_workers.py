@@ -18,11 +18,11 @@ from mtrl_jax.rollout import TreeConfig, expand_tree, node_records
 from mtrl_jax.rollout.env_transition import EnvTransition
 from mtrl_jax.rollout.stats import fault_counts
 from mtrl_jax.rollout.workers import StepWorkers, check_workers
+from mtrl_jax.run.inputs import EnvConfig
 from mtrl_jax.sampling.batching import BatchingGenerator
 from mtrl_jax.sampling.generation import LocalLLM
 from mtrl_jax.tasks import calculator, coop
 from mtrl_jax.testing import FakePolicy, byte_renderer
-from mtrl_jax.run.inputs import EnvConfig
 
 RENDERER = byte_renderer()
 TOK = RENDERER.tokenizer

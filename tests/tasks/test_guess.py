@@ -8,8 +8,8 @@ import pytest
 
 from mtrl_jax import data
 from mtrl_jax.envs import StepLimits, resolve_factory, rollout_scripted
-from mtrl_jax.tasks import guess
 from mtrl_jax.run import warmup
+from mtrl_jax.tasks import guess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

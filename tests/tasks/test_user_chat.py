@@ -20,10 +20,10 @@ from mtrl_jax import metrics as metrics_lib
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.rollout import TreeConfig, expand_tree
 from mtrl_jax.rollout.env_transition import EnvTransition
+from mtrl_jax.run import rl
 from mtrl_jax.seeds import call_seed
 from mtrl_jax.tasks.user_chat import UserChatFactory, user_chat_tasks
 from mtrl_jax.testing import FakePolicy, built_once, byte_renderer
-from mtrl_jax.run import rl
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from mtrl_jax.envs import Environment, StepLimits, Thread, Turn
 from mtrl_jax.graders import Grade
 from mtrl_jax.rollout import EnginePolicy, TreeConfig
 from mtrl_jax.rollout.env_transition import EnvTransition
+from mtrl_jax.run import evaluate as eval_lib
 from mtrl_jax.sampling import SamplingConfig
 from mtrl_jax.testing import FakePolicy
-from mtrl_jax.run import evaluate as eval_lib
 
 
 # ------------------------------------------------------------------ pass@k

@@ -16,8 +16,8 @@ from mtrl_jax import models
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
 from mtrl_jax.models import loading, lora
 from mtrl_jax.models.config import LoraConfig
-from mtrl_jax.train import StepConfig, export_lora
 from mtrl_jax.run import experiment, saved
+from mtrl_jax.train import StepConfig, export_lora
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
 from mtrl_jax.train.policies import StackedPolicies
 from mtrl_jax.train.stacked import agent_slice

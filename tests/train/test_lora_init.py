@@ -20,8 +20,8 @@ from configs import coop as coop_config
 from mtrl_jax import models, sharding
 from mtrl_jax.models import loading, lora
 from mtrl_jax.models.config import LoraConfig
-from mtrl_jax.train import export_lora
 from mtrl_jax.run import components, experiment, rl, saved
+from mtrl_jax.train import export_lora
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.usefixtures("no_curves")

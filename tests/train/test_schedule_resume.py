@@ -21,8 +21,15 @@ from flax import nnx
 
 from configs import calculator as calc_config
 from mtrl_jax import losses, models
-from mtrl_jax.train import OptimConfig, SFTObjective, StepConfig, make_sft_step, optim, pack_sft_rows
 from mtrl_jax.run import experiment, rl
+from mtrl_jax.train import (
+    OptimConfig,
+    SFTObjective,
+    StepConfig,
+    make_sft_step,
+    optim,
+    pack_sft_rows,
+)
 from mtrl_jax.train.frozen_agents import PartlyFrozenTrainStep
 from mtrl_jax.train.stacked import StackedTrainStep
 

@@ -10,8 +10,8 @@ import pytest
 from configs import calculator as calc_config
 from mtrl_jax import testing
 from mtrl_jax.metrics import RUN_BOUND_PREFIXES
-from mtrl_jax.train import optim, sft
 from mtrl_jax.run import components, experiment, rl, warmup
+from mtrl_jax.train import optim, sft
 
 pytestmark = pytest.mark.usefixtures("no_curves")
 

@@ -27,8 +27,7 @@ from mtrl_jax.models import loading
 from mtrl_jax.rollout import expand_tree
 from mtrl_jax.rollout.dump import node_records
 from mtrl_jax.rollout.policy import TeamPolicy
-from mtrl_jax.run import warmup
-from mtrl_jax.run import components, experiment, groups, saved
+from mtrl_jax.run import components, experiment, groups, saved, warmup
 from mtrl_jax.run.evaluate import indexed
 from mtrl_jax.train.team import TeamPolicies, TeamState
 from tests.train.test_separate_policies import _rows, run_on_one_device

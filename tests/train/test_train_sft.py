@@ -10,7 +10,14 @@ from flax import nnx
 
 from mtrl_jax import models
 from mtrl_jax.rollout.train_batch import from_rows
-from mtrl_jax.train import OptimConfig, SFTBatcher, SFTObjective, StepConfig, make_sft_step, pack_sft_rows
+from mtrl_jax.train import (
+    OptimConfig,
+    SFTBatcher,
+    SFTObjective,
+    StepConfig,
+    make_sft_step,
+    pack_sft_rows,
+)
 
 CFG = models.get_preset("tiny")
 FAST = (("xla_backend_optimization_level", 0),)  # LLVM -O0: same program, faster compile
