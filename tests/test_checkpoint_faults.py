@@ -282,7 +282,7 @@ try:
 except CheckpointError as e:  # leaves without close(), as a run's exception does
   print(e)
   sys.exit(1)
-print("check() never reported the failed save")
+print("check() never reported the failed save", flush=True)  # os._exit skips the flush
 os._exit(2)  # its stalled threads would hold the exit for minutes
 """
 
