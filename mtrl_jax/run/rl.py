@@ -115,9 +115,11 @@ def train(
     closing.callback(_close_on_the_way_out, ckpt)  # every way out; then a no-op
     record = RunRecord(workdir)
 
-    # ---- start: resume the latest checkpoint, or initialise (with SFT warm-up)
+    # ---- start: resume the latest checkpoint, or initialise (with SFT warm-up, the
+    # train-step programs compiling meanwhile on a thread of their own)
     resumed, start = _resume(ckpt, run_state, record, workdir)
     console = Console(writes, record.summary.get("eval_history"))
+    train_compile = _start_train_compile(parts, console, closing)  # None: compiles lazily
     if resumed:
       console.say(f"resumed from {workdir}/ckpt at step {start}")
     else:
@@ -128,7 +130,7 @@ def train(
         else metrics_lib.NullWriter()
     )
     if exp.rl.precompile:
-      record.precompiled(_precompile(parts, run_state, mix, console))
+      record.precompiled(_precompile(parts, run_state, mix, console, train_compile))
     producer = RolloutProducer(parts, stream, critic_state=lambda: run_state.critic)
     closing.callback(producer.close)  # an in-flight rollout ends before the checkpointer
     watch = LearningWatch(exp.rl, record.summary.get("learning"))  # a resume's counters go on
@@ -229,18 +231,27 @@ def _first_state(parts: components_lib.Components, console: Console, record: Run
   return state
 
 
-def _precompile(parts: components_lib.Components, run_state: RunState, mix, console) -> dict:
-  """Compiles every program of the run's shape plan before the first step (and the SFT
-  mix step's); returns what `shapes.precompile` reports."""
-  info = shapes_lib.precompile(
-      parts.shapes,
-      *parts.compile_targets(run_state.state.params),
-      critic=parts.critic,
-      progress=console.compiled,
+def _start_train_compile(parts, console: Console, closing: contextlib.ExitStack):
+  """With `rl.precompile`, the train-step programs compiling from now on, on a thread of
+  their own (`shapes.TrainCompile`), cancelled if the run leaves early."""
+  if not parts.exp.rl.precompile:
+    return None
+  compiling = shapes_lib.TrainCompile(
+      parts.shapes, parts.policies.trained_steps(), critic=parts.critic, progress=console.compiled
   )
+  closing.callback(compiling.cancel)
+  return compiling
+
+
+def _precompile(parts, run_state: RunState, mix, console, train_compile) -> dict:
+  """Compiles the engine's programs and the SFT mix step's, and waits for the
+  train-step programs (`train_compile`, a `shapes.TrainCompile` started before the
+  warm-up); returns the counts and seconds of both."""
+  engines, _ = parts.compile_targets(run_state.state.params)
+  info = shapes_lib.precompile_engines(parts.shapes, engines, progress=console.compiled)
   if mix is not None:
     mix.precompile(parts.exp.sft.batch_size)
-  return info
+  return {**info, **train_compile.wait()}
 
 
 @dataclasses.dataclass

@@ -22,8 +22,11 @@ A jitted function compiles once per shape bucket (docs/design.md invariant 5), s
                     (`train_batch.logit_buckets`): the LM head runs there;
                     'rows': the row length (one slot per position).
 
-`precompile` then compiles every engine and train-step program before the
-first RL step, so the compile census stays flat for the rest of the run.
+Every engine and train-step program then compiles before the first RL step, so
+the compile census stays flat for the rest of the run: `precompile` on one
+thread, or, in `run.rl.train`, the train-step programs on a thread of their own
+(`TrainCompile`) beside the checkpoint restore and the SFT warm-up, the engine's
+after the warm-up (`precompile_engines`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 import time
 from typing import Sequence
 
@@ -139,24 +143,24 @@ def precompile(
     critic=None,
     progress=None,
 ) -> dict:
-  """Compiles every engine and train-step program of `shapes`; returns counts and seconds.
+  """Compiles every engine and train-step program of `shapes` on this thread (the
+  engine's first, as `precompile_engines`, then `TrainCompile`'s); returns their
+  counts and seconds. `rl.train` instead starts the `TrainCompile` before the SFT
+  warm-up and compiles the engine's programs after it."""
+  info = precompile_engines(shapes, engines, threads, progress)
+  return {**info, **TrainCompile(shapes, train_steps, train_threads, critic, progress).wait()}
+
+
+def precompile_engines(
+    shapes: ShapePlan, engines: Sequence[tuple], threads: int = 2, progress=None
+):
+  """Compiles every engine program of `shapes`, `threads` at a time (XLA compiles off
+  the Python lock); returns {'engine_programs', 'engine_seconds'}.
 
   `engines`: (engine, the parameters it samples with, number of stop ids) per
-  engine (`Components.compile_targets`: one, or one per group of a team);
-  `train_steps`: the update programs (a `TrainStep` or `StackedTrainStep`, one
-  per group of a team).
-  The engine compiles `threads` programs at a time (XLA compiles off the Python
-  lock). Train-step programs are lowered one after another on this thread and
-  compiled `train_threads` at a time on others, so lowering the next overlaps
-  compiling the last (runs use one: more did not finish sooner on 2 CPU cores or on
-  a 16-core GPU host, docs/performance.md "Start-up time").
-  With a critic the value passes compile too: a head's on the policy's step, a
-  separate independent critic's value pass and update (`critic`, a
-  `train.separate_critic.SeparateCritic`) on the same buckets; a centralized
-  critic's joint rows have lengths of their own and compile on first use.
-
-  `progress(kind, done, total)`, if given, is called with kind 'engine' and then
-  'train-step', with done 0 before a kind's first program and after each one."""
+  engine (`Components.compile_targets`: one, or one per group of a team).
+  `progress(kind, done, total)`, if given, is called with kind 'engine', with done 0
+  before the first program and after each one."""
   t0 = time.perf_counter()
   engine_programs = 0
   for engine, params, num_stop_ids in engines:
@@ -167,8 +171,81 @@ def precompile(
     engine_programs += engine.precompile(
         params, shapes.samplings, num_stop_ids, shapes.fanout, threads=threads, **kw
     )
-  t1 = time.perf_counter()
-  units = []  # per program reported: a function giving its lowered computations
+  return {"engine_programs": engine_programs, "engine_seconds": round(time.perf_counter() - t0, 1)}
+
+
+class TrainCompile:
+  """The train-step programs of `shapes` compiling on a thread of their own, from
+  construction until `wait`.
+
+  They need the shapes and the steps' abstract states, not parameters, so a fresh run
+  compiles them beside its checkpoint restore and SFT warm-up (`run.rl.train`): on an
+  accelerator the warm-up runs on the device while the host compiles.
+
+  `train_steps`: the update programs (a `TrainStep` or `StackedTrainStep`, one per
+  group of a team). Programs are lowered one after another on the thread (tracing
+  is Python) and compiled `train_threads` at a time on others, so lowering the next
+  overlaps compiling the last (runs use one: more did not finish sooner on 2 CPU
+  cores or on a 16-core GPU host, docs/performance.md "Start-up time"). With a
+  critic the value passes compile too: a head's on the policy's step, a separate
+  independent critic's value pass and update (`critic`, a
+  `train.separate_critic.SeparateCritic`) on the same buckets; a centralized
+  critic's joint rows have lengths of their own and compile on first use.
+  `progress('train-step', done, total)`, if given, is called from the thread with
+  done 0 before the first program and after each one.
+  """
+
+  def __init__(
+      self,
+      shapes: ShapePlan,
+      train_steps: Sequence,
+      train_threads: int = 1,
+      critic=None,
+      progress=None,
+  ):
+    self._units = _train_units(shapes, train_steps, critic)
+    self._threads = train_threads
+    self._report = (
+        (lambda n: progress("train-step", n, len(self._units))) if progress else (lambda n: None)
+    )
+    self._cancelled = threading.Event()
+    self._error = None
+    self._seconds = None
+    self._thread = threading.Thread(target=self._run, name="train-step-compile")
+    self._thread.start()
+
+  def _run(self) -> None:
+    t0 = time.perf_counter()
+    try:
+      _compile_all(self._units, self._threads, self._report, self._cancelled)
+    except BaseException as e:  # noqa: BLE001  (raised again by `wait`, on the run's thread)
+      self._error = e
+    self._seconds = round(time.perf_counter() - t0, 1)
+
+  def wait(self) -> dict:
+    """Blocks until every program compiled (raising what the thread raised); returns
+    {'train_programs', 'train_seconds' (the thread's), 'train_waited_seconds' (this
+    call's)}."""
+    t0 = time.perf_counter()
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+    return {
+        "train_programs": len(self._units),
+        "train_seconds": self._seconds,
+        "train_waited_seconds": round(time.perf_counter() - t0, 1),
+    }
+
+  def cancel(self) -> None:
+    """Stops after the programs compiling now (a run leaving early: its process exits
+    without waiting for the rest); a no-op once done."""
+    self._cancelled.set()
+    self._thread.join()
+
+
+def _train_units(shapes: ShapePlan, train_steps: Sequence, critic) -> list:
+  """`TrainCompile`'s units: per program, a function giving its lowered computations."""
+  units = []
   for train_step in train_steps:
     agents = getattr(train_step, "num_agents", None)  # a StackedTrainStep: [A, ...] batches
     for spec in shapes.train_specs():
@@ -180,27 +257,26 @@ def precompile(
         units.append(lambda s=train_step, b=spec, r=rules: [lower_values(s, b, r)])
   if critic is not None:
     units += _critic_units(shapes, critic)
-  report = (lambda n: progress("train-step", n, len(units))) if progress else (lambda n: None)
-  _compile_all(units, train_threads, report)
-  t2 = time.perf_counter()
-  return {
-      "engine_programs": engine_programs,
-      "engine_seconds": round(t1 - t0, 1),
-      "train_programs": len(units),
-      "train_seconds": round(t2 - t1, 1),
-  }
+  return units
 
 
-def _compile_all(units: Sequence, threads: int, done=lambda n: None) -> None:
+def _compile_all(units: Sequence, threads: int, done, cancelled: threading.Event) -> None:
   """Lowers each unit on this thread (tracing is Python) and compiles what it gives
-  `threads` units at a time (XLA compiles off the interpreter lock); `done(n)` sees 0,
-  then the units compiled, in order."""
+    `threads` units at a time (XLA compiles off the interpreter lock); `done(n)` sees 0,
+    then the units compiled, in order. Once `cancelled` is set no unit starts lowering or
+  compiling."""
   done(0)
   with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
-    compiling = [ex.submit(lambda ls=unit(): [l.compile() for l in ls]) for unit in units]
+    compiling = []
+    for unit in units:
+      if cancelled.is_set():
+        break
+      lowered = unit()
+      compile = lambda ls=lowered: None if cancelled.is_set() else [l.compile() for l in ls]
+      compiling.append(ex.submit(compile))
     for n, future in enumerate(compiling, 1):
-      future.result()
-      done(n)
+      if future.result() is not None:  # None: cancelled
+        done(n)
 
 
 def _critic_units(shapes: ShapePlan, critic) -> list:
