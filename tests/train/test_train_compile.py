@@ -34,6 +34,7 @@ class _Step:
 
 
 class _Lowered:
+
   def __init__(self, step, shape):
     self.step, self.shape = step, shape
 
