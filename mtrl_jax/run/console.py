@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -183,16 +184,20 @@ class Console:
       self._keep_best(row["step"], row)
     self._compile: dict[str, tuple[float, float]] = {}  # kind -> (start, last line)
     self._sft_t0, self._sft_tenth = 0.0, 0
+    self._lock = threading.Lock()
 
   def say(self, line: str):
-    """One line on the console (above the progress bar), process 0 only."""
+    """One line on the console (above the progress bar), process 0 only; whole, when
+    several threads say lines (the train-step programs compile on one of their own)."""
     if not self.enabled:
       return
     out = self.stream or sys.stderr
-    if self.bar is not None:
-      self.bar.write(line, file=out)
-    else:
-      print(line, file=out, flush=True)
+    with self._lock:
+      if self.bar is not None:
+        self.bar.write(line, file=out)
+      else:
+        out.write(line + "\n")
+        out.flush()
 
   # ---- phases
   def sft_start(self, sft):

@@ -4,6 +4,8 @@ smoke run (`smoke_run`, its stderr)."""
 
 import io
 import re
+import threading
+import time
 import types
 
 from mtrl_jax.run import console as console_lib
@@ -142,6 +144,32 @@ def test_a_process_that_does_not_write_says_nothing(capsys):
   c.evaluated(0, {"eval/greedy/success": 1.0})
   c.open_bar(3, 0, progress=True)
   assert c.bar is None and capsys.readouterr() == ("", "")
+
+
+class _PieceByPiece(io.StringIO):
+  """A stream that hands the interpreter to other threads inside each write."""
+
+  def write(self, text):
+    for ch in text:
+      super().write(ch)
+      time.sleep(0)
+    return len(text)
+
+
+def test_lines_said_from_two_threads_stay_whole():
+  """The train-step programs report from a thread of their own while the warm-up's
+  lines print (`shapes.TrainCompile`): each line comes out whole."""
+  out = _PieceByPiece()
+  c = Console(True, stream=out)
+  said = lambda who: [c.say(f"{who} line {i}") for i in range(40)]
+  threads = [threading.Thread(target=said, args=(w,)) for w in ("compile", "sft")]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  lines = out.getvalue().splitlines()
+  expected = {f"{w} line {i}" for w in ("compile", "sft") for i in range(40)}
+  assert len(lines) == 80 and set(lines) == expected
 
 
 def test_precompile_reports_each_engine_and_train_step_program():
