@@ -93,6 +93,7 @@ def adapted_run(tmp_path_factory, no_curves):
   return base_dir, workdir
 
 
+@pytest.mark.slow  # the adapted run's RL step compiles its programs (~11 s on 2 cores)
 def test_init_from_a_runs_exported_adapters_gives_that_runs_logits(tmp_path, adapted_run):
   base_dir, workdir = adapted_run
   trained = saved.load_policy(workdir, "latest")
@@ -113,6 +114,7 @@ def test_init_from_a_runs_exported_adapters_gives_that_runs_logits(tmp_path, ada
   assert not np.array_equal(_logits(fresh, fresh.init_state().params, tokens), got)
 
 
+@pytest.mark.slow  # needs the adapted run (above)
 def test_a_checkpoint_over_another_base_is_refused_in_one_line(adapted_run):
   base_dir, workdir = adapted_run
   ckpt = os.path.join(workdir, "ckpt")
@@ -130,6 +132,7 @@ def test_a_checkpoint_over_another_base_is_refused_in_one_line(adapted_run):
   assert _snapshot(ckpt) == before  # nothing lost
 
 
+@pytest.mark.slow  # two coop smoke runs, a step each (~10 s on 2 cores)
 def test_per_agent_adapters_start_each_agent_from_its_own_directory(tmp_path):
   def config(init_from=""):
     c = coop_config.get_config("smoke=True")

@@ -132,6 +132,7 @@ def _sft_batch():
   return pack_sft_rows(_sft_rows(), (16,))
 
 
+@pytest.mark.slow  # SFT updates against optax's, step by step (~15 s on 2 cores)
 def test_an_unchanged_run_updates_as_optax_adamw_on_warmup_cosine_decay(tiny_model):
   """Three SFT updates (rates 0, peak, peak / 2) equal a plain loop of optax's AdamW on
   `optax.warmup_cosine_decay_schedule`, with the NLL computed from the model directly."""

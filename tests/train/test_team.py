@@ -221,6 +221,7 @@ def test_a_team_exports_each_agent_with_its_own_architecture(team_runs, tmp_path
   assert max(moved) > 0
 
 
+@pytest.mark.slow  # a team run of two tokenizers (~14 s on 2 cores)
 def test_each_agent_renders_with_its_own_tokenizer(tmp_path, monkeypatch):
   """Agent 1's checkpoint brings a tokenizer of its own (other merges, other special
   ids): its prompts are its tokenizer's ids, agent 0's the run's, and both train.
