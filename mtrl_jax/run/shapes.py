@@ -143,7 +143,7 @@ def precompile(
     critic=None,
     progress=None,
 ) -> dict:
-  """Compiles every engine and train-step program of `shapes` on this thread (the
+  """Compiles every engine and train-step program of `shapes` before it returns (the
   engine's first, as `precompile_engines`, then `TrainCompile`'s); returns their
   counts and seconds. `rl.train` instead starts the `TrainCompile` before the SFT
   warm-up and compiles the engine's programs after it."""
@@ -262,9 +262,9 @@ def _train_units(shapes: ShapePlan, train_steps: Sequence, critic) -> list:
 
 def _compile_all(units: Sequence, threads: int, done, cancelled: threading.Event) -> None:
   """Lowers each unit on this thread (tracing is Python) and compiles what it gives
-    `threads` units at a time (XLA compiles off the interpreter lock); `done(n)` sees 0,
-    then the units compiled, in order. Once `cancelled` is set no unit starts lowering or
-  compiling."""
+  `threads` units at a time (XLA compiles off the interpreter lock); `done(n)` sees 0,
+  then the units compiled, in order. Once `cancelled` is set no unit starts lowering
+  or compiling."""
   done(0)
   with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
     compiling = []
