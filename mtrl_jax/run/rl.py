@@ -231,7 +231,9 @@ def _first_state(parts: components_lib.Components, console: Console, record: Run
   return state
 
 
-def _start_train_compile(parts, console: Console, closing: contextlib.ExitStack):
+def _start_train_compile(
+    parts: components_lib.Components, console: Console, closing: contextlib.ExitStack
+):
   """With `rl.precompile`, the train-step programs compiling from now on, on a thread of
   their own (`shapes.TrainCompile`), cancelled if the run leaves early."""
   if not parts.exp.rl.precompile:
@@ -243,7 +245,9 @@ def _start_train_compile(parts, console: Console, closing: contextlib.ExitStack)
   return compiling
 
 
-def _precompile(parts, run_state: RunState, mix, console, train_compile) -> dict:
+def _precompile(
+    parts: components_lib.Components, run_state: RunState, mix, console, train_compile
+) -> dict:
   """Compiles the engine's programs and the SFT mix step's, and waits for the
   train-step programs (`train_compile`, a `shapes.TrainCompile` started before the
   warm-up); returns the counts and seconds of both."""
