@@ -245,8 +245,15 @@ def plot_metrics(
     ax.set_visible(False)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-  fig.savefig(out_png, dpi=80)
-  plt.close(fig)
+  try:  # written beside it, then renamed: a failed write leaves the old PNG, if any
+    fig.savefig(out_png + ".tmp", dpi=80, format="png")
+    os.replace(out_png + ".tmp", out_png)
+  except OSError:
+    with contextlib.suppress(OSError):
+      os.remove(out_png + ".tmp")
+    raise
+  finally:
+    plt.close(fig)
   return out_png
 
 

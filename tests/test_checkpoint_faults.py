@@ -2,8 +2,10 @@
 intact; an unreadable checkpoint is skipped (named in one warning line) for the previous one."""
 
 import asyncio
+import contextlib
 import errno
 import glob
+import json
 import logging
 import os
 import re
@@ -19,6 +21,7 @@ import pytest
 
 from mtrl_jax import checkpoint, testing
 from mtrl_jax.checkpoint import Checkpointer, CheckpointError
+from mtrl_jax.run.run_record import RunRecord
 from mtrl_jax.storage import quiet_orbax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -387,18 +390,26 @@ def test_asyncio_reports_of_failed_orbax_tasks_stay_off_the_console(caplog):
   assert "own" in str(caplog.records[-1].exc_info[1])
 
 
+@contextlib.contextmanager
+def _tmpfs(path, size: str):
+  """A tmpfs of `size` mounted at `path` (made here) for the block; skips the test where
+  mounting needs a permission this process lacks."""
+  path.mkdir()
+  mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+  if subprocess.run(mount, capture_output=True).returncode:
+    pytest.skip("cannot mount a tmpfs here")
+  try:
+    yield path
+  finally:
+    subprocess.run(["umount", str(path)], capture_output=True)
+
+
 @pytest.mark.slow
 def test_a_full_disk_ends_the_run_in_one_line_with_the_last_checkpoint_intact(tmp_path):
   """The workdir on a 1000 KB tmpfs: checkpoints and the best (about 270 KB each) fill it,
-  and a later one fails inside tensorstore (RESOURCE_EXHAUSTED, errno 28). Needs permission
-  to mount a tmpfs."""
-  disk = tmp_path / "disk"
-  disk.mkdir()
-  if subprocess.run(
-      ["mount", "-t", "tmpfs", "-o", "size=1000k", "tmpfs", str(disk)], capture_output=True
-  ).returncode:
-    pytest.skip("cannot mount a tmpfs here")
-  try:
+  and a later one fails inside tensorstore (RESOURCE_EXHAUSTED, errno 28). Four steps, a
+  checkpoint each: more than the disk holds, whatever the rollout dumps beside them take."""
+  with _tmpfs(tmp_path / "disk", "1000k") as disk:
     workdir = disk / "run"
     # One CPU device (the tests' 8 would write each array in 8 shards: other sizes).
     one_device = testing.cpu_env(1, PYTHONPATH=ROOT)
@@ -411,7 +422,7 @@ def test_a_full_disk_ends_the_run_in_one_line_with_the_last_checkpoint_intact(tm
             "--config=configs/calculator.py:smoke=True",
             f"--workdir={workdir}",
             "--config.checkpoint.every=1",
-            "--config.rl.steps=2",
+            "--config.rl.steps=4",
             "--config.sft.steps=0",
             "--progress=false",
         ],
@@ -435,9 +446,33 @@ def test_a_full_disk_ends_the_run_in_one_line_with_the_last_checkpoint_intact(tm
     assert "Traceback" not in out.stderr and "never" not in out.stderr, out.stderr[-3000:]
     assert checkpoint.step_dirs(str(workdir / m[1]))[-1] == int(m[4])
     with Checkpointer(str(workdir), read_only=True) as ckpt:  # the intact one reads back
-      assert ckpt.all_steps() and ckpt.all_steps()[-1] < 2
-  finally:
-    subprocess.run(["umount", str(disk)], capture_output=True)
+      assert ckpt.all_steps() and ckpt.all_steps()[-1] < 4
+
+
+def test_a_full_disk_at_the_end_warns_once_per_file_and_keeps_the_old_summary(tmp_path, capfd):
+  """summary.json and curves.png on a full disk: one warning line each, the summary
+  already there unchanged and no partial file left."""
+  with _tmpfs(tmp_path / "disk", "64k") as disk:
+    with open(disk / "metrics.jsonl", "w") as f:
+      f.writelines(json.dumps({"step": s, "train/loss": 0.1 * s}) + "\n" for s in range(3))
+    (disk / "summary.json").write_text('{"old": 1}')
+    with pytest.raises(OSError) as full:  # fills the disk
+      with open(disk / "filler", "wb") as f:
+        while True:
+          f.write(b"\0" * 4096)
+          f.flush()
+    assert full.value.errno == errno.ENOSPC
+    record = RunRecord(str(disk))
+    record.summary["eval_history"] = [{"step": 2, "success": 0.5}]
+    capfd.readouterr()
+    record.write(str(disk))
+    err = capfd.readouterr().err
+    assert err.splitlines() == [
+        f"warning: {disk}/summary.json was not written: No space left on device (errno 28)",
+        f"warning: {disk}/curves.png was not written: No space left on device (errno 28)",
+    ], err
+    assert (disk / "summary.json").read_text() == '{"old": 1}'
+    assert sorted(os.listdir(disk)) == ["filler", "metrics.jsonl", "summary.json"]
 
 
 def test_warnings_about_orbax_writes_left_unawaited_are_dropped_and_only_those():

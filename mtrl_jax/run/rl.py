@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 
 import jax
@@ -156,7 +155,7 @@ def train(
       ckpt.wait()  # the last save's summary stays as it was
       console.say(record.trained_nothing(watch.final()))
 
-    # ---- end: flush, summary, curves
+    # ---- end: flush, summary.json and curves.png
     producer.close()
     console.close_bar()
     writer.close()
@@ -164,7 +163,6 @@ def train(
     record.finish(ckpt.best(), parts.census.counts())
     if writes:
       record.write(workdir)
-      metrics_lib.plot_metrics(workdir, out_png=os.path.join(workdir, "curves.png"))
     ckpt.close()
     halted = "halted" in record.summary
     console.end(

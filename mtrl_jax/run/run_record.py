@@ -20,11 +20,13 @@ a run that trained nothing, and at the end the best checkpoint and compile count
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any, Optional
 
-from mtrl_jax import distributed
+from mtrl_jax import checkpoint, distributed
+from mtrl_jax import metrics as metrics_lib
 from mtrl_jax.rollout.stats import add_fault_totals, rollout_metrics
 
 
@@ -107,9 +109,24 @@ class RunRecord:
     self.summary.update(best=best, compiles=compiles)
 
   def write(self, workdir: str) -> None:
-    """summary.json in `workdir`."""
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(self.summary, f, indent=1, default=float)
+    """summary.json and curves.png in `workdir`. summary.json is replaced whole (written
+    beside it, then renamed); a file that cannot be written (a full disk) is one warning
+    line and the other is still tried: the checkpoints, already complete, keep the
+    summary's copy."""
+    path = os.path.join(workdir, "summary.json")
+    try:
+      with open(path + ".tmp", "w") as f:
+        json.dump(self.summary, f, indent=1, default=float)
+      os.replace(path + ".tmp", path)
+    except OSError as e:
+      _not_written(path, e)
+      with contextlib.suppress(OSError):
+        os.remove(path + ".tmp")
+    png = os.path.join(workdir, "curves.png")
+    try:
+      metrics_lib.plot_metrics(workdir, out_png=png)
+    except OSError as e:
+      _not_written(png, e)
 
   # ---- one step's metrics row
 
@@ -149,3 +166,7 @@ class RunRecord:
     engine = {k: v for k, v in engine.items() if k.startswith("engine/")}
     self.metrics.update(across_processes(self._text, times, engine))
     return self.metrics
+
+
+def _not_written(path: str, e: OSError) -> None:
+  checkpoint.print_warning(f"{path} was not written: {checkpoint.reason(e)}")
