@@ -2,6 +2,10 @@
 # (`make test-fast` without the slow training loops). --dist=worksteal: an idle worker takes
 # queued tests from the other, so the long tests do not leave one worker alone at the end;
 # --durations prints the slowest tests, the ones to look at when the suite grows past 10 minutes.
+# `make test` runs pytest twice: the tests marked several_devices (pytest.ini) on
+# tests/conftest.py's 8 fake CPU devices, then the rest on one: XLA:CPU splits each program
+# of a training run 8 ways on the 8, and the whole suite there takes 1.2x as long. The fast
+# set, mostly unit tests, gains less than a second pytest run costs: one run on the 8.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -33,12 +37,16 @@ install-test: $(VENV)/.installed-test
 demo: $(VENV)/.installed
 	$(BIN)/python -m experiments.demo
 
+PYTEST := $(BIN)/python -m pytest -n auto --dist=worksteal -q
+ONE_DEVICE := XLA_FLAGS=--xla_force_host_platform_device_count=1
+
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n auto --dist=worksteal -q --durations=25 tests
+	$(PYTEST) -m several_devices tests
+	$(ONE_DEVICE) $(PYTEST) --durations=25 -m "not several_devices" tests
 
 # Everything but the tests marked slow (pytest.ini).
 test-fast: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n auto --dist=worksteal -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # pyink (2-space indentation, 100 columns) and ruff (ruff.toml) over the repository's Python.
 LINTED := mtrl_jax experiments configs benchmarks tests setup.py

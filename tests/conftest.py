@@ -1,5 +1,9 @@
 """Test set-up: 8 fake CPU devices, set before jax is imported anywhere; shared fixtures.
 
+A count already in XLA_FLAGS wins: `make test` runs the tests marked several_devices
+(pytest.ini) on the 8 and the rest on one (`--xla_force_host_platform_device_count=1`),
+where the tests marked several_devices are skipped, saying why.
+
 Compilation is ~40% of this suite's time (1232 s of test time from an empty cache,
 720 s with every program cached; AMD EPYC family 25 model 17, 2026-12-06), so the
 suite compiles cheaply: LLVM at optimisation level 0 (the XLA program is the same;
@@ -46,9 +50,24 @@ os.environ["MTRL_JAX_COMPILE_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
-import pytest  # noqa: E402  (after the XLA flags above)
+import jax  # noqa: E402  (after the XLA flags above)
+import pytest  # noqa: E402
 
 from mtrl_jax import testing  # noqa: E402
+
+SEVERAL_DEVICES = 8  # what tests marked several_devices need (pytest.ini)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Skips the tests marked several_devices in a run of fewer devices, saying why."""
+  if jax.device_count() >= SEVERAL_DEVICES:
+    return
+  skip = pytest.mark.skip(
+      reason=f"needs {SEVERAL_DEVICES} devices; this run has {jax.device_count()} (XLA_FLAGS)"
+  )
+  for item in items:
+    if "several_devices" in item.keywords:
+      item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

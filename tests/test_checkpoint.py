@@ -62,6 +62,7 @@ def test_round_trip_is_exact(tmp_path):
   assert os.path.isdir(tmp_path / "ckpt" / "7")
 
 
+@pytest.mark.several_devices
 def test_restore_on_mesh_has_the_training_shardings(tmp_path):
   single_model, single = _trainer()
   model, ts = _trainer((2, 2, 2))
@@ -84,6 +85,7 @@ def test_restore_on_mesh_has_the_training_shardings(tmp_path):
     assert x.sharding.is_equivalent_to(want, x.ndim)
 
 
+@pytest.mark.several_devices
 def test_a_state_replicated_over_eight_devices_saves_without_compiling_and_reads_back(tmp_path):
   # One process writes every replica's share itself: no per-replica slice programs.
   model, ts = _trainer((8, 1, 1))

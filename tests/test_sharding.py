@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 from mtrl_jax import models
 from mtrl_jax import sharding
 
+pytestmark = pytest.mark.several_devices
+
 # Same float32 math, partitioned differently (sharded contractions sum in
 # another order): ~1e-6 at logits of magnitude ~5.
 TOL = 1e-5

@@ -263,6 +263,7 @@ def test_bfloat16_checkpoint(tmp_path):
   np.testing.assert_allclose(_logits(up, tokens), _hf_logits(ref, tokens), atol=TOL, rtol=0)
 
 
+@pytest.mark.several_devices
 def test_load_onto_mesh(tmp_path):
   hf = _hf_model(
       "qwen3",

@@ -393,6 +393,7 @@ def test_attention_sees_only_its_own_path():
   assert all(mask[0, q, q] for q in range(tokens.shape[1]))
 
 
+@pytest.mark.several_devices
 def test_equal_on_eight_devices_with_a_2x2x2_mesh():
   tree = _tree(2)  # two agents, aligned, two turns
   rows = _rows(tree, length_buckets=(32,), row_multiple=4)

@@ -354,6 +354,7 @@ def test_new_weights_and_sizes_in_the_same_buckets_do_not_recompile(state):
   assert any(not np.array_equal(a[t].ids, b[t].ids) for t in a)  # the new weights were used
 
 
+@pytest.mark.several_devices
 @pytest.mark.parametrize("explicit", [False, True])
 def test_slots_sharded_over_devices_sample_what_one_device_does(explicit, state):
   # Over data x fsdp (4 batch shards) with the KV heads split over tensor.
@@ -372,7 +373,9 @@ def test_slots_sharded_over_devices_sample_what_one_device_does(explicit, state)
     assert out[tag].finish_reason == s.finish_reason
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+@pytest.mark.parametrize(
+    "mesh_shape", [None, pytest.param((2, 2, 2), marks=pytest.mark.several_devices)]
+)
 def test_precompiled_programs_run_without_compiling(mesh_shape, state):
   # A fresh engine of the sharded test's configuration (or of its one-device
   # reference's): its programs may come from the persistent compilation cache.
@@ -396,7 +399,10 @@ def test_precompiled_programs_run_without_compiling(mesh_shape, state):
   assert census.counts()["compiles/backend_total"] == 0
 
 
-@pytest.mark.parametrize("agent_map, mesh_shape", [("map", None), ("vmap", (2, 2, 2))])
+@pytest.mark.parametrize(
+    "agent_map, mesh_shape",
+    [("map", None), pytest.param("vmap", (2, 2, 2), marks=pytest.mark.several_devices)],
+)
 def test_stacked_agents_each_sample_what_they_sample_alone(agent_map, mesh_shape):
   states = [_split(s)[1] for s in (0, 1)]
   mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape)

@@ -144,6 +144,7 @@ def test_worker_processes_refuse_an_environment_that_cannot_be_pickled(factory):
   assert want in msg, msg
 
 
+@pytest.mark.several_devices
 def test_microbatches_that_do_not_divide_a_planned_batch_are_refused():
   msg = _refusal(_config(**{"step.num_microbatches": 3}))
   assert msg.startswith("config step.num_microbatches=3 does not divide"), msg

@@ -268,6 +268,7 @@ def _smoke(steps):
   return c
 
 
+@pytest.mark.several_devices
 @pytest.mark.slow
 def test_precompiled_run_compiles_nothing_after_warmup_and_resumes_at_its_rate_from_the_cache(
     tmp_path, capsys

@@ -125,6 +125,7 @@ def test_single_device_step_matches_independent_reference():
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.several_devices
 # Pure data parallelism (every run's default mesh), and all three axes at once.
 @pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2)])
 def test_sharded_step_matches_single_device(shape):
@@ -136,6 +137,7 @@ def test_sharded_step_matches_single_device(shape):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.several_devices
 # (2, 2, 2) with 2 micro-batches: each micro-batch is split over the 4 batch shards.
 @pytest.mark.parametrize("shape,num_microbatches", [((2, 2, 2), 2)])
 def test_microbatch_accumulation_equals_full_batch(shape, num_microbatches):
@@ -269,7 +271,9 @@ def test_bad_inputs_raise_clear_errors():
     ts(state, state.params, bad)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1), pytest.param((2, 2, 2), marks=pytest.mark.several_devices)]
+)
 def test_precompiled_shapes_run_without_compiling(shape):
   from mtrl_jax.metrics import CompileCensus
   from mtrl_jax.rollout.train_batch import batch_spec
