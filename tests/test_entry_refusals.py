@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = ("--config=configs/calculator.py:smoke=True", "--config.model.preset=tiny")
 
@@ -48,6 +50,7 @@ def test_a_sweep_refuses_a_bad_arm_before_the_first_arm_trains(tmp_path):
   assert os.listdir(tmp_path) == []  # the G=2 arm did not train
 
 
+@pytest.mark.slow
 def test_output_files_in_a_missing_folder_and_a_bad_level_are_refused_at_start(tmp_path):
   missing = tmp_path / "no_such" / "rows.json"
   out = _entry("eval", f"--workdir={tmp_path / 'run'}", f"--json={missing}")
@@ -84,6 +87,7 @@ def _tree(path) -> dict:
   return out
 
 
+@pytest.mark.slow
 def test_export_refuses_an_out_that_is_holds_or_is_inside_a_run_even_with_force(tmp_path):
   source = _fake_run(tmp_path / "source")
   other = _fake_run(tmp_path / "runs" / "other")

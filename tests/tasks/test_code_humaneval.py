@@ -229,6 +229,7 @@ def test_one_program_per_process_agrees_too(compared):
       assert ours == (official == "passed"), (problem["task_id"], name, official)
 
 
+@pytest.mark.slow
 def test_reward_pipeline_on_canonical_solutions():
   def score(p):
     return rewards.execution_reward_aux(

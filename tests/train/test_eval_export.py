@@ -89,6 +89,7 @@ def test_eval_reproduces_the_runs_final_evaluation(run_dir, tmp_path):
   assert len(table) == 4 and table[2].startswith("| latest (step 3) | greedy | 4 | 1 |")
 
 
+@pytest.mark.slow
 def test_eval_and_export_refuse_bad_checkpoints_in_one_line(run_dir, tmp_path):
   (tmp_path / "fresh").mkdir()  # a run that wrote its config and died before a checkpoint
   (tmp_path / "fresh" / "config.json").write_text(

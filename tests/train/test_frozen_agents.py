@@ -94,6 +94,7 @@ def test_all_true_is_allowed_with_a_shared_policy():
   experiment.validate(c)
 
 
+@pytest.mark.slow
 # ---------------------------------------------------------------- the stacked step
 def test_frozen_agent_never_moves_and_the_trained_one_updates_as_in_the_full_stack():
   # The frozen agent gets real rows too: the step must not read them.

@@ -59,6 +59,7 @@ def _tokens():
   return np.random.RandomState(0).randint(0, models.get_preset("tiny").vocab_size, (2, 9))
 
 
+@pytest.mark.slow
 def test_merged_export_loads_in_transformers_with_the_unmerged_logits(tmp_path, lora_policy):
   policies, adapters, _ = lora_policy
   tokens = _tokens()

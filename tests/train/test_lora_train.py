@@ -59,6 +59,7 @@ def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 def test_a_lora_step_moves_only_the_adapters_as_a_plain_jax_adamw_reference():
   model = _adapted()
   step = TrainStep(model, SFTObjective(), OPT, step_cfg=FAST)

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from mtrl_jax import losses, testing
@@ -64,6 +65,7 @@ def _direct_loss(params, batch, old, cfg):
   return float(loss), m
 
 
+@pytest.mark.slow
 def test_updates_use_the_trainers_old_logprobs_and_correct_the_sampler_gap():
   cfg = losses.LossConfig("grpo", 0.2, 0.28, is_correction="tis", is_cap=2.0)
   model = testing.tiny_model()

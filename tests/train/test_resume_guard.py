@@ -170,6 +170,7 @@ cli.run(train.main, argv=sys.argv)
 """
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_ends_the_run_in_one_line(smoke_run, tmp_path):
   workdir = _copy(smoke_run, tmp_path)
   t0 = time.time()
@@ -198,6 +199,7 @@ def test_a_failed_checkpoint_write_ends_the_run_in_one_line(smoke_run, tmp_path)
   assert policy.step == 3
 
 
+@pytest.mark.slow
 def test_no_readable_checkpoint_is_refused_naming_the_directory(smoke_run, tmp_path, capsys):
   workdir = _copy(smoke_run, tmp_path)
   for path in glob.glob(f"{workdir}/ckpt/*/meta/metadata"):

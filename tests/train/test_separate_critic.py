@@ -123,6 +123,7 @@ def _plain_value(model, tokens):
   return float(jnp.dot(hidden[0, -1], model.value_head[...]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["v", "q"])
 def test_joint_values_equal_plain_forwards_of_each_joint_history(target):
   tree = random_tree(5, turns=2, gens=2, agents=2, mode="align")
@@ -139,6 +140,7 @@ def test_joint_values_equal_plain_forwards_of_each_joint_history(target):
     np.testing.assert_allclose(got[row.node][:, g], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_value_only_update_equals_an_independent_reference():
   model = _model(1)
   tree = random_tree(6, turns=2, gens=2, agents=2, mode="align", roots=1)

@@ -64,6 +64,7 @@ def _run_stacked(batches, steps=2):
   return state, st.fetch_metrics(m), st
 
 
+@pytest.mark.slow
 def test_stacked_update_equals_independent_single_agent_updates():
   # Agent 1 has fewer rows: its batch is padded to agent 0's, which must not matter.
   batches = [_batch(0, 8), _batch(1, 6)]
@@ -123,6 +124,7 @@ def test_stacked_step_refuses_bad_inputs():
     st(state, st.copy_params(state.params), one_agent)
 
 
+@pytest.mark.slow
 def test_several_updates_per_batch_use_each_agents_own_old_logprobs():
   # rl.updates_per_step > 1 with separate policies: each agent's clipped ratio
   # reads its own trainer logprobs before the first update, as alone.

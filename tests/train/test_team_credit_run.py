@@ -4,6 +4,8 @@ the marginal joint mode trains, logs per-agent rewards and influence, and dumps 
 import json
 import os
 
+import pytest
+
 from configs import coop as coop_config
 from tests.train.test_separate_policies import run_on_one_device  # one CPU device
 
@@ -17,6 +19,7 @@ def _config():
   return c
 
 
+@pytest.mark.slow
 def test_coop_smoke_run_with_local_rewards_and_marginal_credit(tmp_path):
   c = _config()
   workdir = str(tmp_path / "run")

@@ -311,6 +311,7 @@ def test_bfloat16_params_keep_dtype_and_float32_moments_without_recompiling():
   assert moments and all(x.dtype == jnp.float32 for x in moments)
 
 
+@pytest.mark.slow
 def test_policy_objective_at_the_sampler_temperature_is_on_policy():
   # Sampled at temperature 1.7, the sampler reports log q = log softmax(z / 1.7).
   # An objective at the same temperature recomputes exactly those logprobs:
