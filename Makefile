@@ -4,8 +4,9 @@
 # --durations prints the slowest tests, the ones to look at when the suite grows past 10 minutes.
 # `make test` runs pytest twice: the tests marked several_devices (pytest.ini) on
 # tests/conftest.py's 8 fake CPU devices, then the rest on one: XLA:CPU splits each program
-# of a training run 8 ways on the 8, and the whole suite there takes 1.2x as long. The fast
-# set, mostly unit tests, gains less than a second pytest run costs: one run on the 8.
+# of a training run 8 ways on the 8, where the longest in-process runs take 1.25x as long
+# (docs/performance.md, "The test suite"). The fast set, mostly unit tests, gains less
+# than a second pytest run costs: one run on the 8.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
