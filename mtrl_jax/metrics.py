@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from mtrl_jax import event_file
+from mtrl_jax import event_file, storage
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -245,13 +245,8 @@ def plot_metrics(
     ax.set_visible(False)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-  try:  # written beside it, then renamed: a failed write leaves the old PNG, if any
-    fig.savefig(out_png + ".tmp", dpi=80, format="png")
-    os.replace(out_png + ".tmp", out_png)
-  except OSError:
-    with contextlib.suppress(OSError):
-      os.remove(out_png + ".tmp")
-    raise
+  try:  # a failed write leaves the old PNG, if any
+    storage.replace_whole(out_png, lambda tmp: fig.savefig(tmp, dpi=80, format="png"))
   finally:
     plt.close(fig)
   return out_png

@@ -9,6 +9,8 @@ and short, and one process at a time in a workdir.
     signal the failed step never sends, and Python's exit waits for them; the
     Checkpointer calls it when it records the failure, so the process exits
     at once.
+  * `replace_whole`: a run file written beside itself, then renamed, so a
+    failed write (a full disk) leaves the old file and no partial one.
   * `WorkdirLock`: an exclusive `fcntl.flock` on `workdir/.lock`, held for a
     run's lifetime by the process that writes its files; a second run of the
     same workdir is refused in one line naming the holder's pid. The OS
@@ -28,7 +30,7 @@ import threading
 import traceback
 import types
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 LOCK_FILE = ".lock"
 
@@ -141,6 +143,19 @@ def release_stalled_saves(timeout: float = 10.0) -> int:
     threading.Thread.join(t, timeout)  # not Orbax's join, which raises the cancellation
     _close_coroutines(getattr(t, "_target", None))
   return len(stalled)
+
+
+def replace_whole(path: str, write: Callable[[str], None]) -> None:
+  """`write(tmp)` writes the file at `tmp` beside `path`, then it replaces `path`
+  whole; an OSError removes `tmp` and is raised, `path` left as it was."""
+  tmp = f"{path}.tmp{os.getpid()}"
+  try:
+    write(tmp)
+    os.replace(tmp, path)
+  except OSError:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 class WorkdirBusy(RuntimeError):

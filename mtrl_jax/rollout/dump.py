@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from mtrl_jax import storage
 from mtrl_jax.rollout.tree import Tree
 
 
@@ -134,16 +135,16 @@ def write_rollout_dump(tree: Tree, path: str, decode=None) -> Optional[str]:
       agent (agents with tokenizers of their own); None writes ids.
   """
   records = node_records(tree, decode)
-  tmp = f"{path}.tmp{os.getpid()}"
-  try:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+  def write(tmp: str) -> None:
     with open(tmp, "w") as f:
       for rec in records:
         f.write(json.dumps(rec, allow_nan=False, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+
+  try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    storage.replace_whole(path, write)
   except OSError as e:
-    if os.path.exists(tmp):
-      os.remove(tmp)
     print(
         f"warning: rollout dump {path} was not written: {e.strerror or e} "
         f"(errno {e.errno}); the run goes on",

@@ -20,12 +20,11 @@ a run that trained nothing, and at the end the best checkpoint and compile count
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from typing import Any, Optional
 
-from mtrl_jax import checkpoint, distributed
+from mtrl_jax import checkpoint, distributed, storage
 from mtrl_jax import metrics as metrics_lib
 from mtrl_jax.rollout.stats import add_fault_totals, rollout_metrics
 
@@ -114,14 +113,15 @@ class RunRecord:
     line and the other is still tried: the checkpoints, already complete, keep the
     summary's copy."""
     path = os.path.join(workdir, "summary.json")
-    try:
-      with open(path + ".tmp", "w") as f:
+
+    def dump(tmp: str) -> None:
+      with open(tmp, "w") as f:
         json.dump(self.summary, f, indent=1, default=float)
-      os.replace(path + ".tmp", path)
+
+    try:
+      storage.replace_whole(path, dump)
     except OSError as e:
       _not_written(path, e)
-      with contextlib.suppress(OSError):
-        os.remove(path + ".tmp")
     png = os.path.join(workdir, "curves.png")
     try:
       metrics_lib.plot_metrics(workdir, out_png=png)
