@@ -58,6 +58,20 @@ from mtrl_jax import testing  # noqa: E402
 SEVERAL_DEVICES = 8  # what tests marked several_devices need (pytest.ini)
 
 
+def pytest_ignore_collect(collection_path, config):
+  """A run of the several_devices tests alone (`-m several_devices`, the first run of `make
+  test`) does not import the test modules that never name the mark: each xdist worker
+  would import and collect all of them (docs/performance.md, "The test suite")."""
+  if (
+      config.getoption("markexpr") == "several_devices"
+      and collection_path.name.startswith("test_")
+      and collection_path.suffix == ".py"
+      and "several_devices" not in collection_path.read_text()
+  ):
+    return True
+  return None
+
+
 def pytest_collection_modifyitems(config, items):
   """Skips the tests marked several_devices in a run of fewer devices, saying why."""
   if jax.device_count() >= SEVERAL_DEVICES:
