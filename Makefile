@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 # Pinned: every install takes the exact versions of constraints.txt (setup.py keeps ranges).
 # pip byte-compiles what it installs one file at a time; here it installs without, and
 # compileall writes the same .pyc files on every core (`-j 0`) after each step, skipping
-# those already written: a fresh set-up takes ~30 s less on 2 cores (docs/performance.md,
+# those already written: a fresh set-up takes ~25 s less on 2 cores (docs/performance.md,
 # "The test suite"). Like pip's own pass it passes over files this Python cannot compile
 # (a few of torch's are written for Python 3.12), quietly.
 PIN := --no-compile -c constraints.txt
