@@ -124,9 +124,12 @@ class MetricsWriter:
       )
     if bad:
       _warn(f"{self.path}: dropped {bad} unreadable line(s)")
-    with open(self.path + ".tmp", "w") as f:
-      f.writelines(kept)
-    os.replace(self.path + ".tmp", self.path)
+
+    def write_kept(tmp):
+      with open(tmp, "w") as f:
+        f.writelines(kept)
+
+    storage.replace_whole(self.path, write_kept)
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
     """Writes one step's scalars (device scalars, numpy or Python numbers).

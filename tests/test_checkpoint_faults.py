@@ -21,6 +21,8 @@ import pytest
 
 from mtrl_jax import checkpoint, testing
 from mtrl_jax.checkpoint import Checkpointer, CheckpointError
+from mtrl_jax.metrics import MetricsWriter
+from mtrl_jax.run import defaults, saved
 from mtrl_jax.run.run_record import RunRecord
 from mtrl_jax.storage import quiet_orbax
 
@@ -449,6 +451,16 @@ def test_a_full_disk_ends_the_run_in_one_line_with_the_last_checkpoint_intact(tm
       assert ckpt.all_steps() and ckpt.all_steps()[-1] < 4
 
 
+def _fill(disk):
+  """Writes `disk/filler` until the disk is full."""
+  with pytest.raises(OSError) as full:
+    with open(disk / "filler", "wb") as f:
+      while True:
+        f.write(b"\0" * 4096)
+        f.flush()
+  assert full.value.errno == errno.ENOSPC
+
+
 def test_a_full_disk_at_the_end_warns_once_per_file_and_keeps_the_old_summary(tmp_path, capfd):
   """summary.json and curves.png on a full disk: one warning line each, the summary
   already there unchanged and no partial file left."""
@@ -456,12 +468,7 @@ def test_a_full_disk_at_the_end_warns_once_per_file_and_keeps_the_old_summary(tm
     with open(disk / "metrics.jsonl", "w") as f:
       f.writelines(json.dumps({"step": s, "train/loss": 0.1 * s}) + "\n" for s in range(3))
     (disk / "summary.json").write_text('{"old": 1}')
-    with pytest.raises(OSError) as full:  # fills the disk
-      with open(disk / "filler", "wb") as f:
-        while True:
-          f.write(b"\0" * 4096)
-          f.flush()
-    assert full.value.errno == errno.ENOSPC
+    _fill(disk)
     record = RunRecord(str(disk))
     record.summary["eval_history"] = [{"step": 2, "success": 0.5}]
     capfd.readouterr()
@@ -473,6 +480,26 @@ def test_a_full_disk_at_the_end_warns_once_per_file_and_keeps_the_old_summary(tm
     ], err
     assert (disk / "summary.json").read_text() == '{"old": 1}'
     assert sorted(os.listdir(disk)) == ["filler", "metrics.jsonl", "summary.json"]
+
+
+def test_a_config_or_metrics_rewrite_on_a_full_disk_keeps_the_old_file_and_no_temporary(
+    tmp_path,
+):
+  """config.json and a resumed run's metrics.jsonl are replaced whole: on a full disk the
+  write raises ENOSPC, the old file stays as it was and no temporary file is left."""
+  with _tmpfs(tmp_path / "disk", "64k") as disk:
+    rows = "".join(json.dumps({"step": s, "train/loss": 0.1 * s}) + "\n" for s in range(3))
+    (disk / "metrics.jsonl").write_text(rows)
+    (disk / "config.json").write_text('{"old": 1}')
+    _fill(disk)
+    with pytest.raises(OSError) as config_error:
+      saved.save_config(defaults.base_config(), str(disk))
+    with pytest.raises(OSError) as metrics_error:
+      MetricsWriter(str(disk), resume_step=1, tensorboard=False)  # keeps steps 0-1
+    assert config_error.value.errno == metrics_error.value.errno == errno.ENOSPC
+    assert (disk / "config.json").read_text() == '{"old": 1}'
+    assert (disk / "metrics.jsonl").read_text() == rows
+    assert sorted(os.listdir(disk)) == ["config.json", "filler", "metrics.jsonl"]
 
 
 def test_warnings_about_orbax_writes_left_unawaited_are_dropped_and_only_those():

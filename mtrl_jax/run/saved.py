@@ -31,7 +31,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from mtrl_jax import checkpoint, compile_cache
+from mtrl_jax import checkpoint, compile_cache, storage
 from mtrl_jax.run import components, defaults, groups
 from mtrl_jax.run import evaluate as eval_lib
 from mtrl_jax.run import experiment as exp_lib
@@ -78,9 +78,12 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
   written); returns its path."""
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "config.json")
-  with open(path + ".tmp", "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-  os.replace(path + ".tmp", path)
+
+  def write_json(tmp):
+    with open(tmp, "w") as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+
+  storage.replace_whole(path, write_json)
   return path
 
 
