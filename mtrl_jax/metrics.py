@@ -124,12 +124,7 @@ class MetricsWriter:
       )
     if bad:
       _warn(f"{self.path}: dropped {bad} unreadable line(s)")
-
-    def write_kept(tmp):
-      with open(tmp, "w") as f:
-        f.writelines(kept)
-
-    storage.replace_whole(self.path, write_kept)
+    storage.replace_text(self.path, "".join(kept))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
     """Writes one step's scalars (device scalars, numpy or Python numbers).

@@ -9,8 +9,9 @@ and short, and one process at a time in a workdir.
     signal the failed step never sends, and Python's exit waits for them; the
     Checkpointer calls it when it records the failure, so the process exits
     at once.
-  * `replace_whole`: a run file written beside itself, then renamed, so a
-    failed write (a full disk) leaves the old file and no partial one.
+  * `replace_whole` (`replace_text` for text): a run file written beside itself,
+    then renamed, so a failed write (a full disk) leaves the old file and no
+    partial one.
   * `WorkdirLock`: an exclusive `fcntl.flock` on `workdir/.lock`, held for a
     run's lifetime by the process that writes its files; a second run of the
     same workdir is refused in one line naming the holder's pid. The OS
@@ -156,6 +157,16 @@ def replace_whole(path: str, write: Callable[[str], None]) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def replace_text(path: str, text: str) -> None:
+  """`replace_whole` for a text file whose contents are `text`."""
+
+  def write(tmp: str) -> None:
+    with open(tmp, "w") as f:
+      f.write(text)
+
+  replace_whole(path, write)
 
 
 class WorkdirBusy(RuntimeError):

@@ -135,15 +135,10 @@ def write_rollout_dump(tree: Tree, path: str, decode=None) -> Optional[str]:
       agent (agents with tokenizers of their own); None writes ids.
   """
   records = node_records(tree, decode)
-
-  def write(tmp: str) -> None:
-    with open(tmp, "w") as f:
-      for rec in records:
-        f.write(json.dumps(rec, allow_nan=False, ensure_ascii=False) + "\n")
-
+  text = "".join(json.dumps(rec, allow_nan=False, ensure_ascii=False) + "\n" for rec in records)
   try:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    storage.replace_whole(path, write)
+    storage.replace_text(path, text)
   except OSError as e:
     print(
         f"warning: rollout dump {path} was not written: {e.strerror or e} "

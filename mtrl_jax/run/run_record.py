@@ -113,13 +113,8 @@ class RunRecord:
     line and the other is still tried: the checkpoints, already complete, keep the
     summary's copy."""
     path = os.path.join(workdir, "summary.json")
-
-    def dump(tmp: str) -> None:
-      with open(tmp, "w") as f:
-        json.dump(self.summary, f, indent=1, default=float)
-
     try:
-      storage.replace_whole(path, dump)
+      storage.replace_text(path, json.dumps(self.summary, indent=1, default=float))
     except OSError as e:
       _not_written(path, e)
     png = os.path.join(workdir, "curves.png")

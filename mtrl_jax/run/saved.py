@@ -78,12 +78,7 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
   written); returns its path."""
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "config.json")
-
-  def write_json(tmp):
-    with open(tmp, "w") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-
-  storage.replace_whole(path, write_json)
+  storage.replace_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
   return path
 
 
