@@ -14,6 +14,9 @@ imports it). `tests/conftest.py` hands the builders to tests as fixtures.
   byte_tokenizer(), byte_renderer(), tiny_model()
                       the byte tokenizer with the compact chat format, and the
                       seed-0 `tiny` model, built once per process
+  logits(model, tokens)
+                      a model's logits as one compiled program (what reference checks
+                      against transformers and exports compare)
   hf_checkpoint(dir, ...)
                       a local HF checkpoint: a preset's random weights and a
                       byte-level BPE tokenizer trained on a few sentences
@@ -40,7 +43,9 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mtrl_jax import checkpoint, models
 from mtrl_jax.envs import Environment, Grade, InfrastructureError, Thread, Turn
@@ -64,6 +69,7 @@ __all__ = [
     "byte_tokenizer",
     "byte_renderer",
     "tiny_model",
+    "logits",
     "hf_checkpoint",
     "built_once",
     "cpu_env",
@@ -86,6 +92,18 @@ def byte_renderer(extra_specials: Sequence[str] = ()) -> ChatRenderer:
 def tiny_model():
   """The seed-0 model of the `tiny` preset, built once per process (do not mutate it)."""
   return models.create_model(models.get_preset("tiny"), seed=0)
+
+
+@nnx.jit
+def _call(model, tokens_BxL):
+  return model(tokens_BxL)
+
+
+def logits(model, tokens_BxL) -> np.ndarray:
+  """`model(tokens_BxL)` (int32 token ids) as one program, compiled once per architecture
+  and shape. Called outside `jit`, the forward runs op by op and each of its ops compiles
+  for every new shape: ~1 s of compiling per call on 2 cores."""
+  return np.asarray(_call(model, jnp.asarray(tokens_BxL, jnp.int32)))
 
 
 # ---------------------------------------------------------------- token-level (benchmarks)

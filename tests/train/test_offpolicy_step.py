@@ -33,8 +33,7 @@ def _batch():
   tokens = rng.randint(0, model.cfg.vocab_size, (B, L)).astype(np.int32)
   mask = np.zeros((B, L), bool)
   mask[:, 5:] = True
-  graphdef, params = nnx.split(model, nnx.Param)
-  logp = np.asarray(losses.token_logprobs(nnx.merge(graphdef, params)(tokens), tokens))
+  logp = np.asarray(_logprobs(model, tokens))
   # A sampler that disagrees with the trainer: ratios far outside [1/2, 2] on some tokens.
   sampler = (logp + rng.normal(0, 0.8, (B, L))).astype(np.float32)
   return {
@@ -46,14 +45,19 @@ def _batch():
   }, logp
 
 
-def _direct_loss(params, batch, old, cfg):
+@nnx.jit  # the references below run as one program each (op by op, every op compiles)
+def _logprobs(model, tokens_BxL):
+  return losses.token_logprobs(model(tokens_BxL), tokens_BxL)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _policy_loss(params, arrays, old, cfg):
   graphdef = nnx.split(testing.tiny_model(), nnx.Param)[0]
   logp = losses.token_logprobs(
-      nnx.merge(graphdef, params)(batch["tokens_BxL"]), batch["tokens_BxL"]
+      nnx.merge(graphdef, params)(arrays["tokens_BxL"]), arrays["tokens_BxL"]
   )
-  arrays = {k: jnp.asarray(v) for k, v in batch.items()}
   mask = arrays["loss_mask_BxL"] & (arrays["row_weight_B"] > 0)[:, None]
-  loss, m = losses.policy_loss(
+  return losses.policy_loss(
       logp,
       old,
       None,
@@ -62,6 +66,10 @@ def _direct_loss(params, batch, old, cfg):
       cfg,
       sampler_logp=arrays["old_logp_BxL"],
   )
+
+
+def _direct_loss(params, batch, old, cfg):
+  loss, m = _policy_loss(params, {k: jnp.asarray(v) for k, v in batch.items()}, old, cfg)
   return float(loss), m
 
 
