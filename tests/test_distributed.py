@@ -5,7 +5,8 @@ One shared sequence of runs (they dominate the time, about 2 minutes on 2 cores)
      SIGKILLed after step 1: the survivor stops on its own (the coordinator's
      heartbeat) in < 60 s;
   2. both processes restarted: the run resumes from the last checkpoint;
-  3. the same run in one process on 4 devices.
+  3. the same run in one process on 4 devices, started when process 1 is killed: it
+     trains while the survivor waits out the heartbeat, which would leave a core idle.
 The resumed 2-process run's metrics equal the 1-process run's (floats within
 1e-5; the keys that depend on how rows are packed per process are listed in
 LAYOUT_KEYS) and so do the final parameters; process 0 alone wrote files.
@@ -138,7 +139,31 @@ def test_shares_are_contiguous_blocks_in_process_order():
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
+def _one_process(workdir):
+  """The same run in one process on the same 4 devices, started in the background."""
+  return subprocess.Popen(
+      [sys.executable, "-m", "experiments.train", *FLAGS, f"--workdir={workdir}"],
+      cwd=ROOT,
+      env=testing.cpu_env(2 * DEVICES),
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
+
+
+@pytest.fixture
+def background():
+  """The subprocesses a test starts and leaves running; any still running when it ends
+  is killed."""
+  procs = []
+  yield procs
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+
+
+def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path, background):
   single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
   # 2 processes x 2 devices; process 1 is killed once step 1 is logged and a
   # checkpoint is committed (Orbax saves in the background: a row can land first).
@@ -158,6 +183,7 @@ def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
       pid1 = int(re.search(r"\[launch\] process 1 pid (\d+)", "".join(lines)).group(1))
       os.kill(pid1, signal.SIGKILL)
       killed_at = time.time()
+      background.append(_one_process(single))
     time.sleep(0.05)
   if proc.poll() is None:
     proc.kill()
@@ -179,16 +205,10 @@ def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path):
   assert proc.returncode == 0, out[-3000:]
   assert "resumed from" in out, out[-3000:]
 
-  # The same run in one process on the same 4 devices.
-  done = subprocess.run(
-      [sys.executable, "-m", "experiments.train", *FLAGS, f"--workdir={single}"],
-      cwd=ROOT,
-      env=testing.cpu_env(2 * DEVICES),
-      capture_output=True,
-      text=True,
-      timeout=600,
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
+  # The one-process run, started at the kill.
+  [one_process] = background
+  _, err = one_process.communicate(timeout=600)
+  assert one_process.returncode == 0, err[-3000:]
 
   one, two = _rows(single), _rows(multi)
   assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(STEPS + 1))
