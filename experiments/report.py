@@ -11,7 +11,7 @@ import numpy as np
 
 from experiments import cli
 from mtrl_jax import metrics as metrics_lib
-from mtrl_jax.run import budget, experiment
+from mtrl_jax.run import budget
 
 SUCCESS_KEY = "eval/greedy/success"
 
@@ -157,6 +157,10 @@ def arm_refusal(runs, memory: bool) -> Optional[str]:
       (`budget.check_memory`: it touches the devices, so only when the arms run in
       this process; with --parallel each train.py checks its own at start).
   """
+  # Here, not at the top: it imports jax and every task (~1 s), which the tables and
+  # plots of finished runs (`experiments/ablate.py`) never need.
+  from mtrl_jax.run import experiment
+
   for workdir, _, config in runs:
     try:
       if experiment.distributed_config(config).mode == "off":

@@ -150,6 +150,17 @@ def test_ablate_takes_several_globs_and_names_them_in_its_table(tmp_path):
   )
 
 
+def test_ablate_reads_finished_runs_without_importing_jax():
+  """A table of finished runs starts in a fraction of a second: no jax, no tasks."""
+  import subprocess
+  import sys
+
+  code = "import sys, experiments.ablate; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
+  res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+  assert res.returncode == 0, res.stderr
+  assert res.stdout.strip() == "[]"
+
+
 def test_sweep_skips_finished_runs(tmp_path):
   import subprocess
   import sys
