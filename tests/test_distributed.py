@@ -138,7 +138,6 @@ def test_shares_are_contiguous_blocks_in_process_order():
   assert distributed.allgather({"a": 1}) == [{"a": 1}]  # one process: the identity
 
 
-@pytest.mark.slow
 def _one_process(workdir):
   """The same run in one process on the same 4 devices, started in the background."""
   return subprocess.Popen(
@@ -163,6 +162,7 @@ def background():
       p.wait()
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_and_resume_after_a_kill(tmp_path, background):
   single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
   # 2 processes x 2 devices; process 1 is killed once step 1 is logged and a
