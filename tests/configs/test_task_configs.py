@@ -5,6 +5,13 @@ suite's 8 fake devices would pad every engine call 8-fold (HumanEval's prompts f
 1024-token admit calls), and the runs share the tiny model's programs. Each runs one RL
 step: the step-0 evaluation and checkpoint, a rollout, its batch and metrics, the dump,
 the last step's evaluation and checkpoint; a second step would repeat them.
+
+The untrained tiny policy scores alike on every sample of a task, so with the configs'
+own advantages a step trains nothing. The HumanEval and refine runs take raw advantages
+(the returns) with a step penalty instead, so their step updates both agents' policies
+through their own batch shapes; no other test trains these two configs. Coop's shared
+policy takes the one-policy train step that the calculator smoke run trains
+(tests/train/test_fail_loudly.py).
 """
 
 import json
@@ -28,19 +35,25 @@ SMOKE_RUNS = [
     ("configs.coop", "smoke=True,share_policy=True"),
     ("configs.refine", "smoke=True"),
 ]
+# The runs whose one step must train (the module docstring).
+TRAINED = ("configs.humaneval", "configs.refine")
 
-# Runs each (config module, argument, workdir) of argv[1] (JSON) for one RL step. No
-# curves.png (matplotlib takes over a second of CPU per run; nothing here reads it).
+# Runs each (config module, argument, workdir, trained) of argv[1] (JSON) for one RL
+# step. No curves.png (matplotlib takes over a second of CPU per run; nothing here
+# reads it).
 _RUN_CONFIGS = """
 import importlib, json, sys
 from mtrl_jax import metrics
 from mtrl_jax.run import rl
 metrics.plot_metrics = lambda *args, **kwargs: None
-for module, arg, workdir in json.loads(sys.argv[1]):
+for module, arg, workdir, trained in json.loads(sys.argv[1]):
   config = importlib.import_module(module).get_config(arg)
   config.rl.steps = 1
   # One row per engine call: fixed-shape calls would otherwise pad each to 8 rows.
   config.engine.admit_rows = config.engine.decode_rows = 1
+  if trained:  # the returns as advantages, non-zero where every sample fails
+    config.tree.advantage_mode = "raw"
+    config.reward.step_penalty = -0.05
   rl.run(config, workdir, progress=False)
 """
 
@@ -50,7 +63,10 @@ def smoke_runs(tmp_path_factory):
   """{(module, arg): workdir} of the smoke runs, run by one process on one CPU device."""
 
   def train(root):
-    jobs = [(module, arg, f"{root}/run_{i}") for i, (module, arg) in enumerate(SMOKE_RUNS)]
+    jobs = [
+        (module, arg, f"{root}/run_{i}", module in TRAINED)
+        for i, (module, arg) in enumerate(SMOKE_RUNS)
+    ]
     done = subprocess.run(
         [sys.executable, "-c", _RUN_CONFIGS, json.dumps(jobs)],
         env=testing.cpu_env(1),
@@ -88,6 +104,12 @@ def test_smoke_config_runs_an_rl_step(smoke_runs, module, arg):
   share_policy = config["agents"]["share_policy"]
   assert share_policy == ("share_policy=True" in arg)
   assert all((f"agent_{a}/batch/actions" in rows[1]) != share_policy for a in (0, 1))
+  if module in TRAINED:  # the step updated each agent's policy on its own actions
+    for a in (0, 1):
+      assert rows[1][f"agent_{a}/batch/actions"] > 0, rows[1]
+      assert rows[1][f"agent_{a}/train/grad_norm"] > 0, rows[1]
+      assert rows[1][f"agent_{a}/train/skipped"] == 0, rows[1]
+    assert "trained_nothing" not in summary, summary
   if module == "configs.coop":  # its grade scores each agent's own answer too
     assert {"eval/greedy/agent_0/local", "eval/greedy/agent_1/local"} <= set(rows[0])
 
