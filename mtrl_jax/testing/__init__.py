@@ -18,6 +18,9 @@ on; `tests/conftest.py` hands the builders to tests as fixtures.
   logits(model, tokens)
                       a model's logits as one compiled program (what reference checks
                       against transformers and exports compare)
+  rows_batch(rows), dense_rows(batch, x), rows_of(tree, buckets)
+                      a train batch of plain row arrays, per-token values back at their
+                      row positions, and a finalized tree as the rows layout
   hf_checkpoint(dir, ...)
                       a local HF checkpoint: a preset's random weights and a
                       byte-level BPE tokenizer trained on a few sentences
