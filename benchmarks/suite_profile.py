@@ -60,7 +60,7 @@ def summarize(records: list[dict], pytest_pid: int, top: int) -> str:
       "| of it cache loads (count, s) |",
       "|---|---|---|---|---|---|",
   ]
-  per_program = collections.defaultdict(lambda: collections.Counter())
+  per_program = collections.defaultdict(collections.Counter)
   for where, group in (("workers", workers), ("subprocesses", others)):
     totals, counts = collections.Counter(), collections.Counter()
     for r in group:
