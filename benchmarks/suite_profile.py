@@ -60,7 +60,7 @@ def summarize(records: list[dict], pytest_pid: int, top: int) -> str:
       "| of it cache loads (count, s) |",
       "|---|---|---|---|---|---|",
   ]
-  per_program = collections.defaultdict(collections.Counter)
+  per_function = collections.defaultdict(collections.Counter)
   for where, group in (("workers", workers), ("subprocesses", others)):
     totals, counts = collections.Counter(), collections.Counter()
     for r in group:
@@ -70,17 +70,17 @@ def summarize(records: list[dict], pytest_pid: int, top: int) -> str:
           name = name[4:-1]
         totals[kind] += seconds
         counts[kind] += count
-        per_program[name][kind] += seconds
+        per_function[name][kind] += seconds
         if kind == "backend":
-          per_program[name]["programs"] += count
+          per_function[name]["programs"] += count
     lines.append(
         f"| {where} | {counts['backend']} | {totals['trace']:.1f} | {totals['lower']:.1f} "
         f"| {totals['backend']:.1f} | {counts['cache_load']}, {totals['cache_load']:.1f} |"
     )
-  lines += ["", "| program | compiled or loaded | trace s | lower s | backend s |"]
+  lines += ["", "| jit'd function | programs compiled or loaded | trace s | lower s | backend s |"]
   lines.append("|---|---|---|---|---|")
   cost = lambda item: -sum(item[1][k] for k in KINDS)
-  ranked = [item for item in sorted(per_program.items(), key=cost) if cost(item) < 0]
+  ranked = [item for item in sorted(per_function.items(), key=cost) if cost(item) < 0]
   for name, c in ranked[:top]:
     lines.append(
         f"| `{name}` | {c['programs']} | {c['trace']:.1f} | {c['lower']:.1f} "
