@@ -38,9 +38,7 @@ def test_the_hook_records_each_program_a_process_traces_and_compiles(tmp_path):
 
 
 def _record(pid, ppid, cpu, children_cpu=0.0, test="", jax=None):
-  return dict(
-      pid=pid, ppid=ppid, test=test, wall=1.0, cpu=cpu, children_cpu=children_cpu, jax=jax or {}
-  )
+  return dict(pid=pid, ppid=ppid, test=test, cpu=cpu, children_cpu=children_cpu, jax=jax or {})
 
 
 def test_the_tables_split_workers_from_subprocesses_and_rank_programs_by_compile_seconds():

@@ -8,7 +8,7 @@ file. Then, once the process imports jax, a `jax.monitoring` listener sums the
 seconds jax spends tracing, lowering and compiling (a compile-cache load
 included) per function name, and at exit the process appends one JSON line to
 that file: its pid and parent pid, the test that was running when it started
-(`$PYTEST_CURRENT_TEST`), its wall and CPU seconds, and those sums.
+(`$PYTEST_CURRENT_TEST`), its own and its children's CPU seconds, and those sums.
 """
 
 import atexit
@@ -18,7 +18,6 @@ import json
 import os
 import resource
 import sys
-import time
 
 _OUT = os.environ.get("MTRL_JAX_SUITE_PROFILE")
 # jax.monitoring's duration events of one compilation, each carrying `fun_name`.
@@ -66,7 +65,7 @@ class _AfterJax(importlib.abc.MetaPathFinder):
 
 
 def _install(out: str) -> None:
-  start, sums = time.time(), {}
+  sums = {}
   test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
   sys.meta_path.insert(0, _AfterJax(sums))
 
@@ -77,7 +76,6 @@ def _install(out: str) -> None:
         "pid": os.getpid(),
         "ppid": os.getppid(),
         "test": test,
-        "wall": time.time() - start,
         "cpu": own.ru_utime + own.ru_stime,
         "children_cpu": children.ru_utime + children.ru_stime,
         "jax": sums,
